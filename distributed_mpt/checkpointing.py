@@ -1,0 +1,92 @@
+"""Checkpoints that make every run resumable, on one worker or many.
+
+Every worker saves (MultiWorkerMirroredStrategy needs all of them to take
+part), but only the chief writes into `<model_dir>/checkpoints`; the others
+write into a temporary directory that they delete. All workers restore from
+the chief's directory, so a restarted group starts from one state.
+
+TensorFlow writes a checkpoint's files first and updates the `checkpoint`
+index file last, atomically; a checkpoint cut short by a crash is never the
+"latest". Beside the checkpoints, `model.json` records which model they hold,
+so that a run of another model refuses the directory instead of failing deep
+in TensorFlow or, worse, overwriting it.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import tensorflow as tf
+
+from distributed_mpt import outputs
+from distributed_mpt.errors import CheckpointMismatchError
+
+MAX_TO_KEEP = 3
+
+
+def model_identity(model) -> dict:
+    """What must match for a checkpoint to be restorable into `model`."""
+    return {"model": model.name,
+            "variables": [[v.path, list(v.shape)] for v in model.weights]}
+
+
+class Checkpoints:
+    """Saves and restores the training state of one worker."""
+
+    def __init__(self, model_dir: str, is_chief: bool, identity: dict, **trackables):
+        self._shared_dir = os.path.join(model_dir, "checkpoints")
+        self._identity = identity
+        self._is_chief = is_chief
+        own_dir = self._shared_dir if is_chief else tempfile.mkdtemp(prefix="dmpt-worker-ckpt-")
+        self._own_dir = own_dir
+        self._checkpoint = tf.train.Checkpoint(**trackables)
+        self._manager = tf.train.CheckpointManager(self._checkpoint, own_dir, max_to_keep=MAX_TO_KEEP)
+
+    @property
+    def latest(self) -> Optional[str]:
+        """Path prefix of the chief's latest checkpoint, if any."""
+        return tf.train.latest_checkpoint(self._shared_dir)
+
+    def check_identity(self) -> None:
+        """Raises CheckpointMismatchError if the checkpoints hold another model.
+
+        Call before anything is written into the model directory.
+        """
+        path = os.path.join(self._shared_dir, "model.json")
+        if not os.path.exists(path):
+            if self.latest:
+                raise CheckpointMismatchError(
+                    f"{self._shared_dir} holds checkpoints without model.json; "
+                    f"use an empty --model_dir")
+            return
+        with open(path) as f:
+            stored = json.load(f)
+        if stored != self._identity:
+            ours = self._identity["model"]
+            raise CheckpointMismatchError(
+                f"{self._shared_dir} holds checkpoints of model '{stored.get('model')}' with "
+                f"{len(stored.get('variables', []))} variables, not of this run's '{ours}' with "
+                f"{len(self._identity['variables'])}: use another --model_dir, or the flags of "
+                f"the run that wrote it")
+
+    def restore_latest(self) -> bool:
+        """Restores the latest checkpoint into the tracked objects; False if none."""
+        latest = self.latest
+        if latest is None:
+            return False
+        self._checkpoint.restore(latest).assert_existing_objects_matched()
+        return True
+
+    def save(self, step: int) -> None:
+        """Saves the state at `step` (every worker must call this together)."""
+        if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
+            os.makedirs(self._shared_dir, exist_ok=True)
+            outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
+        self._manager.save(checkpoint_number=step)
+
+    def close(self) -> None:
+        """Removes a non-chief worker's temporary directory."""
+        if not self._is_chief:
+            shutil.rmtree(self._own_dir, ignore_errors=True)

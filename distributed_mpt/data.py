@@ -1,0 +1,248 @@
+"""CIFAR-10 (or CIFAR-shaped synthetic data) as uint8 arrays, and the tf.data
+pipelines that feed them to every replica.
+
+The whole split stays in host memory as uint8 (150 MB for CIFAR-10's train
+split). Each epoch is a seeded permutation of indices; batches of indices are
+gathered, augmented as whole batches, and travel to the device as uint8, where
+the model casts and normalizes them. Which images form global batch k of epoch
+e, and how each is augmented, depends only on (seed, e, k): never on how many
+workers or replicas share the work. That is what makes N replicas at batch b
+train exactly like one replica at batch N*b, and a resumed run continue with
+the very batches it would have seen.
+"""
+
+import dataclasses
+import os
+import socket
+import threading
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from distributed_mpt.errors import DataUnavailableError
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (32, 32, 3)
+# Per-channel statistics of the CIFAR-10 train split, on the 0..255 scale.
+CIFAR10_MEAN = (125.31, 122.95, 113.87)
+CIFAR10_STD = (62.99, 62.09, 66.70)
+
+CIFAR10_ARCHIVE = "cifar-10-binary.tar.gz"  # what tensorflow-datasets downloads
+_CIFAR10_HOST = ("www.cs.toronto.edu", 443)
+# tensorflow-datasets retries an unreachable host for minutes; a plain TCP
+# connect answers the question "is there network?" in seconds.
+_NETWORK_PROBE_SECONDS = 15
+# Padded-crop augmentation: pad 4 pixels on each side, crop back to 32x32.
+CROP_PADDING = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSplit:
+    """A split held in memory: uint8 images [N, 32, 32, 3] and int32 labels [N]."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def load_dataset(name: str, data_dir: Optional[str], download: bool,
+                 synthetic_examples: int, seed: int) -> Tuple[ImageSplit, ImageSplit]:
+    """Returns the (train, test) splits of `cifar10` or `synthetic`."""
+    if name == "synthetic":
+        return make_synthetic(synthetic_examples, max(synthetic_examples // 5, 1), seed)
+    return load_cifar10(data_dir, download)
+
+
+def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, ImageSplit]:
+    """Loads CIFAR-10 from tensorflow-datasets, preparing it first if needed.
+
+    Fails within seconds, naming the remedies, when the data is not in
+    `data_dir` and cannot be downloaded.
+    """
+    import tensorflow_datasets as tfds  # heavy; only runs that need it pay
+
+    builder = tfds.builder("cifar10", data_dir=data_dir)
+    if not builder.is_prepared():
+        manual_dir = os.path.join(builder.data_dir_root, "downloads", "manual")
+        have_archive = os.path.exists(os.path.join(manual_dir, CIFAR10_ARCHIVE))
+        if not have_archive:
+            reason = None
+            if not download:
+                reason = "downloading is off (--nodownload)"
+            elif not _reachable(*_CIFAR10_HOST, timeout=_NETWORK_PROBE_SECONDS):
+                reason = f"{_CIFAR10_HOST[0]} cannot be reached (no network?)"
+            if reason:
+                raise DataUnavailableError(
+                    f"CIFAR-10 is not prepared in {builder.data_dir_root} and {reason}. "
+                    f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
+                    f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
+                    f"into {manual_dir}, or train on --dataset=synthetic.")
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+
+    def split(name: str) -> ImageSplit:
+        images, labels = tfds.as_numpy(
+            builder.as_dataset(split=name, batch_size=-1, as_supervised=True))
+        return ImageSplit(images.astype(np.uint8), labels.astype(np.int32))
+
+    return split("train"), split("test")
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    """True if a TCP connection to host:port opens within `timeout` seconds.
+
+    Runs in a daemon thread because name resolution ignores socket timeouts.
+    """
+    result = []
+
+    def connect():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def make_synthetic(num_train: int, num_test: int, seed: int) -> Tuple[ImageSplit, ImageSplit]:
+    """CIFAR-shaped data whose labels can be learned from the images.
+
+    Each class has a fixed random prototype image; an example is the average
+    of its class prototype and uniform noise, so the label is a function of
+    the image (its nearest prototype) and a model can tell it, while a model
+    that learned nothing stays at 10% accuracy.
+    """
+    rng = np.random.default_rng(seed)
+    prototypes = rng.integers(0, 256, size=(NUM_CLASSES,) + IMAGE_SHAPE, dtype=np.uint8)
+
+    def split(size: int) -> ImageSplit:
+        labels = rng.integers(0, NUM_CLASSES, size=size).astype(np.int32)
+        noise = rng.integers(0, 256, size=(size,) + IMAGE_SHAPE, dtype=np.uint8)
+        images = (prototypes[labels] >> 1) + (noise >> 1)  # stays within uint8
+        return ImageSplit(images, labels)
+
+    return split(num_train), split(num_test)
+
+
+def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
+    """Full global batches per epoch (training drops the ragged remainder)."""
+    return num_examples // global_batch_size
+
+
+def augment_batch(images: tf.Tensor, offsets: tf.Tensor, flips: tf.Tensor) -> tf.Tensor:
+    """Padded random crop and horizontal flip of a whole uint8 batch.
+
+    images: uint8 [B, H, W, C]; offsets: int32 [B, 2] in [0, 2*CROP_PADDING];
+    flips: bool [B]. Works on uint8 throughout, so nothing is copied as float.
+    """
+    height, width = images.shape[1], images.shape[2]
+    padded = tf.pad(images, [[0, 0], [CROP_PADDING] * 2, [CROP_PADDING] * 2, [0, 0]],
+                    mode="REFLECT")
+    rows = offsets[:, :1] + tf.range(height)[None, :]          # [B, H]
+    cols = offsets[:, 1:] + tf.range(width)[None, :]           # [B, W]
+    cropped = tf.gather(padded, rows, axis=1, batch_dims=1)    # [B, H, W+2P, C]
+    cropped = tf.gather(cropped, cols, axis=2, batch_dims=1)   # [B, H, W, C]
+    return tf.where(flips[:, None, None, None], tf.reverse(cropped, axis=[2]), cropped)
+
+
+def _pipeline_share(values: tf.Tensor, steps: int, context: tf.distribute.InputContext,
+                    replica_batch_size: int) -> tf.Tensor:
+    """This input pipeline's part of each global batch, as per-replica batches.
+
+    `values` holds `steps` global batches back to back. Pipeline p takes the
+    p-th contiguous slice of each, cut into per-replica batches in the order
+    the strategy hands them to its local replicas.
+    """
+    trailing = values.shape[1:]
+    per_step = tf.reshape(values, [steps, context.num_input_pipelines, -1, *trailing])
+    mine = per_step[:, context.input_pipeline_id]
+    return tf.reshape(mine, [-1, replica_batch_size, *trailing])
+
+
+def _options() -> tf.data.Options:
+    options = tf.data.Options()
+    options.deterministic = True
+    # Sharding is done explicitly above; file-based auto-sharding would be
+    # wrong (CIFAR-10 is a single file) and data-based would waste work.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return options
+
+
+def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,
+                   num_steps: int) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+    """A `dataset_fn` for `distribute_datasets_from_function` yielding
+    `(uint8 images, int32 labels)` per-replica batches for steps
+    `start_step .. start_step + num_steps - 1`, each epoch shuffled by `seed`."""
+    num_examples = len(split)
+    epoch_steps = steps_per_epoch(num_examples, global_batch_size)
+    if epoch_steps == 0:
+        raise ValueError(f"global batch {global_batch_size} exceeds the {num_examples} training examples")
+    first_epoch, skip_steps = divmod(start_step, epoch_steps)
+    last_epoch = (start_step + num_steps + epoch_steps - 1) // epoch_steps
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        replica_batch = context.get_per_replica_batch_size(global_batch_size)
+        local_replicas = global_batch_size // context.num_input_pipelines // replica_batch
+        images, labels = tf.constant(split.images), tf.constant(split.labels)
+        used = epoch_steps * global_batch_size
+
+        def epoch(e):
+            e = tf.cast(e, tf.int32)
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(num_examples), seed=tf.stack([seed, e]))[:used]
+            # Augmentation is keyed by position in the epoch, like the order,
+            # so it does not depend on how the batch is split.
+            offsets = tf.random.stateless_uniform([used, 2], seed=tf.stack([seed + 1, e]),
+                                                  maxval=2 * CROP_PADDING + 1, dtype=tf.int32)
+            flips = tf.random.stateless_uniform([used], seed=tf.stack([seed + 2, e])) < 0.5
+            share = lambda x: _pipeline_share(x, epoch_steps, context, replica_batch)
+            return tf.data.Dataset.from_tensor_slices((share(order), share(offsets), share(flips)))
+
+        def gather_and_augment(indices, offsets, flips):
+            return (augment_batch(tf.gather(images, indices), offsets, flips),
+                    tf.gather(labels, indices))
+
+        return (tf.data.Dataset.range(first_epoch, last_epoch)
+                .flat_map(epoch)
+                .skip(skip_steps * local_replicas)
+                .take(num_steps * local_replicas)
+                .map(gather_and_augment, num_parallel_calls=tf.data.AUTOTUNE)
+                .prefetch(tf.data.AUTOTUNE)
+                .with_options(_options()))
+
+    return dataset_fn
+
+
+def eval_steps(num_examples: int, global_batch_size: int) -> int:
+    """Global batches needed to cover every example (the last one padded)."""
+    return -(-num_examples // global_batch_size)
+
+
+def eval_input_fn(split: ImageSplit, global_batch_size: int
+                  ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+    """A `dataset_fn` yielding `(images, labels, weights)` per-replica batches
+    that cover every example exactly once across all pipelines; padding
+    examples carry weight 0, so no image is dropped or counted twice."""
+    num_examples = len(split)
+    steps = eval_steps(num_examples, global_batch_size)
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        replica_batch = context.get_per_replica_batch_size(global_batch_size)
+        images, labels = tf.constant(split.images), tf.constant(split.labels)
+        positions = tf.range(steps * global_batch_size)
+        share = lambda x: _pipeline_share(x, steps, context, replica_batch)
+        indices = share(tf.minimum(positions, num_examples - 1))
+        weights = share(tf.cast(positions < num_examples, tf.float32))
+        return (tf.data.Dataset.from_tensor_slices((indices, weights))
+                .map(lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w))
+                .prefetch(tf.data.AUTOTUNE)
+                .with_options(_options()))
+
+    return dataset_fn

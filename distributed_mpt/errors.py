@@ -1,0 +1,46 @@
+"""Errors a user can fix, and the exit codes the launchers and Kubernetes act on.
+
+Exit codes follow the convention of Kubeflow's `restartPolicy: ExitCode`:
+1-127 are permanent (restarting cannot help), 128-255 are retryable.
+"""
+
+# Bad flags, bad cluster spec, missing data, mismatched checkpoint: a restart
+# would fail the same way, so the code must be permanent.
+EXIT_USAGE = 2
+# The loss diverged; the last good checkpoint is kept. Permanent: retrying at
+# the same learning rate diverges again.
+EXIT_DIVERGED = 3
+# Stopped by SIGTERM/SIGINT after saving a checkpoint (128 + SIGTERM). A
+# restart resumes from that checkpoint, so the code must be retryable.
+EXIT_PREEMPTED = 143
+# Peers of a multi-worker job did not come up in time (128 + SIGALRM).
+# Retryable: they may still be scheduled.
+EXIT_PEER_TIMEOUT = 142
+
+
+class UserError(Exception):
+    """An error caused by input the user controls; printed as one line."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(UserError):
+    """A flag is missing, malformed or contradicts another flag."""
+
+
+class ClusterError(UserError):
+    """The cluster description (TF_CONFIG, indexed Job, SLURM) is unusable."""
+
+
+class DataUnavailableError(UserError):
+    """The dataset is not in --data_dir and cannot be downloaded."""
+
+
+class CheckpointMismatchError(UserError):
+    """--model_dir holds checkpoints of a different model."""
+
+
+class DivergedError(UserError):
+    """The loss became NaN or infinite and did not recover."""
+
+    exit_code = EXIT_DIVERGED

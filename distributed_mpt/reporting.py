@@ -1,0 +1,58 @@
+"""Progress as a person, a dashboard and a script see it: one line per
+interval on stdout, TensorBoard scalars, and `metrics.jsonl`. Only the chief
+reports; the other workers stay quiet."""
+
+import json
+import os
+import sys
+
+import tensorflow as tf
+
+from distributed_mpt import outputs
+
+
+class Reporter:
+    """Writes one record per logged step to every sink (chief only)."""
+
+    def __init__(self, model_dir: str, enabled: bool, total_steps: int, resumed_from_step: int):
+        self._enabled = enabled
+        self._total_steps = total_steps
+        self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
+        if not enabled:
+            self._writer = tf.summary.create_noop_writer()
+            return
+        # Records past the resumed step describe steps that will be redone:
+        # keep the log consistent with the checkpoint.
+        kept = [r for r in outputs.read_jsonl(self._metrics_path)
+                if r.get("step", 0) <= resumed_from_step]
+        outputs.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
+
+    def say(self, message: str) -> None:
+        """Prints a line on the chief."""
+        if self._enabled:
+            print(message, flush=True)
+
+    def log(self, step: int, record: dict) -> None:
+        """Reports the metrics of the interval ending at `step`."""
+        if not self._enabled:
+            return
+        record = {"step": step, **record}
+        with open(self._metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with self._writer.as_default(step=step):
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    tf.summary.scalar(name, value)
+        self._writer.flush()
+        width = len(str(self._total_steps))
+        parts = [f"step {step:>{width}}/{self._total_steps}"]
+        for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
+                          ("learning_rate", ".4g"), ("loss_scale", ".0f"),
+                          ("examples_per_second", ".0f")):
+            if name in record:
+                parts.append(f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}")
+        print("  ".join(parts), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,160 @@
+"""Train a CIFAR-10 classifier with mixed precision on one device, all GPUs of
+a node, or many workers.
+
+One GPU:             distributed-mpt-train --strategy=one_device --model_dir=runs/r9 \\
+                         --flagfile=distributed_mpt/recipes/resnet9.flags
+All GPUs of a node:  distributed-mpt-train --strategy=mirrored --model_dir=runs/r9 \\
+                         --flagfile=distributed_mpt/recipes/resnet9.flags
+Several workers:     distributed-mpt-launch --num_workers=2 -- --model_dir=runs/r9 ...
+                     (or TF_CONFIG, a Kubernetes indexed Job, SLURM: see README)
+No download, no GPU: distributed-mpt-train --dataset=synthetic --model=mlp \\
+                         --train_steps=100 --model_dir=/tmp/smoke
+"""
+
+import os
+import sys
+
+# TensorFlow's C++ start-up chatter buries the progress lines; errors still
+# show. Must be set before TensorFlow is imported.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags  # noqa: E402
+
+from distributed_mpt import config as config_lib  # noqa: E402
+from distributed_mpt.errors import ConfigError, UserError  # noqa: E402
+
+_DEFAULTS = config_lib.TrainConfig.__dataclass_fields__
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+    d = lambda name: _DEFAULTS[name].default  # noqa: E731 - the config's default
+    flags.DEFINE_enum("dataset", d("dataset"), config_lib.DATASETS,
+                      "cifar10 from tensorflow-datasets, or synthetic CIFAR-shaped data "
+                      "with learnable labels (no download).", flag_values=fv)
+    flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory "
+                        "(default ~/tensorflow_datasets).", flag_values=fv)
+    flags.DEFINE_bool("download", d("download"), "Download and prepare CIFAR-10 if it is not "
+                      "in --data_dir. Turn off on workers that must read prepared data.",
+                      flag_values=fv)
+    flags.DEFINE_integer("synthetic_examples", d("synthetic_examples"),
+                         "Training examples of --dataset=synthetic (test: a fifth as many).",
+                         flag_values=fv)
+    flags.DEFINE_enum("model", d("model"), config_lib.MODELS,
+                      "mlp: the original notebook's network. resnet9: the residual CNN of "
+                      "Page's DAWNBench entries (94% in 24 epochs).", flag_values=fv)
+    flags.DEFINE_integer("model_width", d("model_width"),
+                         "Channels of resnet9's first stage (64 in the reference).", flag_values=fv)
+    flags.DEFINE_enum("precision", d("precision"), config_lib.PRECISIONS,
+                      "auto: mixed_float16 on GPUs of compute capability 7.0+, else float32 "
+                      "(on CPUs float16 is emulated and slow, and bfloat16 pays only with AMX). "
+                      "mixed_float16 scales the loss dynamically; mixed_bfloat16 needs no "
+                      "scaling (GPUs 8.0+, TPUs, CPUs with AMX).", flag_values=fv)
+    flags.DEFINE_enum("strategy", d("strategy"), config_lib.STRATEGIES,
+                      "auto picks multi_worker for a cluster, mirrored for several GPUs or "
+                      "--cpu_replicas, one_device for one GPU, else default.", flag_values=fv)
+    flags.DEFINE_integer("cpu_replicas", d("cpu_replicas"),
+                         "Split the CPU into N logical devices so that mirrored runs N replicas "
+                         "without GPUs (for tests and experiments); 0: off.", flag_values=fv)
+    flags.DEFINE_enum("communication", d("communication"), config_lib.COMMUNICATIONS,
+                      "Collective implementation for multi_worker: nccl on GPUs (needs a large "
+                      "/dev/shm in containers), ring (gRPC) on CPUs.", flag_values=fv)
+    flags.DEFINE_integer("per_replica_batch_size", d("per_replica_batch_size"),
+                         "Examples per replica per step; the global batch is this times the "
+                         "number of replicas of all workers.", flag_values=fv)
+    flags.DEFINE_integer("epochs", d("epochs"), "Epochs to train.", flag_values=fv)
+    flags.DEFINE_integer("train_steps", d("train_steps"),
+                         "Optimizer steps to train; overrides --epochs when > 0.", flag_values=fv)
+    flags.DEFINE_float("learning_rate", d("learning_rate"),
+                       "Peak learning rate at the reference batch of 128; scaled linearly "
+                       "with the global batch.", flag_values=fv)
+    flags.DEFINE_float("warmup_epochs", d("warmup_epochs"),
+                       "Linear warmup from 0, in epochs; then cosine decay to 0.", flag_values=fv)
+    flags.DEFINE_float("momentum", d("momentum"), "SGD Nesterov momentum.", flag_values=fv)
+    flags.DEFINE_float("weight_decay", d("weight_decay"), "L2 coefficient on kernels.",
+                       flag_values=fv)
+    flags.DEFINE_float("label_smoothing", d("label_smoothing"), "Label smoothing of the "
+                       "training loss.", flag_values=fv)
+    flags.DEFINE_string("model_dir", None, "Where checkpoints, TensorBoard logs, metrics.jsonl, "
+                        "summary.json and the export go. A run resumes from the checkpoints "
+                        "it finds here.", flag_values=fv)
+    flags.DEFINE_integer("seed", d("seed"), "Seed of initialization, shuffling and augmentation.",
+                         flag_values=fv)
+    flags.DEFINE_integer("steps_per_loop", d("steps_per_loop"),
+                         "Optimizer steps per tf.function call (less Python overhead).",
+                         flag_values=fv)
+    flags.DEFINE_integer("log_every_steps", d("log_every_steps"), "Steps between progress lines.",
+                         flag_values=fv)
+    flags.DEFINE_integer("checkpoint_every_steps", d("checkpoint_every_steps"),
+                         "Steps between checkpoints (one is also written at the end and on "
+                         "SIGTERM/Ctrl-C).", flag_values=fv)
+    flags.DEFINE_bool("xla", d("xla"), "Compile the forward and backward pass with XLA.",
+                      flag_values=fv)
+    flags.DEFINE_integer("peer_timeout_seconds", d("peer_timeout_seconds"),
+                         "multi_worker: give up if the peers are not all up after this long.",
+                         flag_values=fv)
+    flags.DEFINE_bool("evaluate", d("evaluate"), "Evaluate on the whole test split at the end.",
+                      flag_values=fv)
+    flags.DEFINE_bool("export", d("export"), "Export a SavedModel and a .keras file at the end.",
+                      flag_values=fv)
+
+
+def _flag_values() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    _define_flags(fv)
+    return fv
+
+
+def parse_config(argv) -> config_lib.TrainConfig:
+    """Parses command-line flags (without the program name) into a validated
+    config. Raises ConfigError, with one line saying what is wrong."""
+    fv = _flag_values()
+    try:
+        rest = fv(["distributed-mpt-train", *argv])
+    except flags.Error as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if len(rest) > 1:
+        raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
+    values = {name: fv[name].value for name in _DEFAULTS if name in fv}
+    return config_lib.TrainConfig(**values)
+
+
+def main(argv=None) -> int:
+    """Runs training from command-line flags; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help", "--helpfull"} & set(argv):
+        print(__doc__ + "\nFlags:\n" + _flag_values().get_help())
+        return 0
+    from distributed_mpt.cluster import resolve_cluster
+    try:
+        config = parse_config(argv)
+        cluster = resolve_cluster(os.environ)
+        # Imported only now, so that bad input is answered without
+        # TensorFlow's start-up.
+        from distributed_mpt import distribution, outputs, trainer
+        strategy_name = distribution.resolve_strategy_name(
+            config.strategy, cluster, config.cpu_replicas)
+        if cluster is None or cluster.is_chief:
+            outputs.check_writable(config.model_dir)
+        strategy = distribution.create_strategy(
+            strategy_name, config.cpu_replicas, config.communication, cluster,
+            config.peer_timeout_seconds)
+        trainer.train_and_evaluate(config, strategy, strategy_name, cluster)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except trainer.Preempted as e:
+        print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted (twice): no checkpoint written for the current steps", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

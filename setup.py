@@ -1,0 +1,42 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="distributed_mpt",
+    version="0.1.0",
+    description="Mixed-precision CIFAR-10 training on one GPU, all GPUs of a node, or many nodes, "
+                "with tf.distribute",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["distributed_mpt", "distributed_mpt.*"]),
+    package_data={"distributed_mpt": ["recipes/*.flags"]},
+    install_requires=[
+        "tensorflow>=2.16",  # Keras 3
+        "tensorflow-datasets>=4.9",
+        # tensorflow-datasets imports it to prepare CIFAR-10 but does not declare it.
+        "importlib_resources",
+        "absl-py",
+        "numpy",
+        # tf.summary needs it to write TensorBoard scalars; TensorFlow 2.21
+        # no longer installs it.
+        "tensorboard",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            # The k8s/ checks: parse manifests, validate built-in kinds against
+            # the Kubernetes schemas, and the TFJob against its CRD schema.
+            "pyyaml",
+            "kubernetes-validate",
+            "jsonschema",
+        ],
+    },
+    entry_points={
+        "console_scripts": [
+            "distributed-mpt-train=distributed_mpt.train:run",
+            "distributed-mpt-launch=distributed_mpt.launch:run",
+            "distributed-mpt-benchmark=distributed_mpt.benchmark:run",
+            "distributed-mpt-prepare-data=distributed_mpt.prepare_data:run",
+        ],
+    },
+)
