@@ -13,6 +13,7 @@ in TensorFlow or, worse, overwriting it.
 """
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -28,8 +29,12 @@ MAX_TO_KEEP = 3
 
 def model_identity(model) -> dict:
     """What must match for a checkpoint to be restorable into `model`."""
-    return {"model": model.name,
-            "variables": [[v.path, list(v.shape)] for v in model.weights]}
+    # Shapes in order, not names: Keras numbers layer names per process.
+    return {"model": model.name, "variable_shapes": [list(v.shape) for v in model.weights]}
+
+
+def _parameters(identity: dict) -> int:
+    return sum(math.prod(shape) for shape in identity.get("variable_shapes", []))
 
 
 class Checkpoints:
@@ -66,10 +71,10 @@ class Checkpoints:
         if stored != self._identity:
             ours = self._identity["model"]
             raise CheckpointMismatchError(
-                f"{self._shared_dir} holds checkpoints of model '{stored.get('model')}' with "
-                f"{len(stored.get('variables', []))} variables, not of this run's '{ours}' with "
-                f"{len(self._identity['variables'])}: use another --model_dir, or the flags of "
-                f"the run that wrote it")
+                f"{self._shared_dir} holds checkpoints of a different model "
+                f"('{stored.get('model')}', {_parameters(stored)} parameters) than this run's "
+                f"('{ours}', {_parameters(self._identity)}): use another --model_dir, or the "
+                f"model flags of the run that wrote it")
 
     def restore_latest(self) -> bool:
         """Restores the latest checkpoint into the tracked objects; False if none."""

@@ -129,11 +129,16 @@ def _from_indexed_job(environ: Mapping[str, str]) -> Cluster:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> Cluster:
-    from tensorflow.distribute.cluster_resolver import SlurmClusterResolver  # needs TF
+    import tensorflow as tf  # only SLURM users pay for the import here
 
     port = _int_env({"DMPT_PORT": environ.get("DMPT_PORT", str(DEFAULT_PORT))}, "DMPT_PORT")
     try:
-        resolver = SlurmClusterResolver(port_base=port, gpus_per_node=None, gpus_per_task=None)
+        # The resolver lists one task per GPU slot it is told of, and runs
+        # nvidia-smi when not told. Giving every task one nominal slot lists
+        # all tasks; GPU visibility stays with SLURM (auto_set_gpu=False).
+        num_tasks = _int_env(environ, "SLURM_NTASKS")
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=port, gpus_per_node=num_tasks, gpus_per_task=1, auto_set_gpu=False)
         spec = resolver.cluster_spec().as_dict()
         task_type, task_index = resolver.get_task_info()
     except Exception as e:  # the resolver raises bare RuntimeError/KeyError on odd environments

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Train on one GPU of a workstation (OneDeviceStrategy).
+#
+# Needs:
+#   hardware  one NVIDIA GPU with a CUDA driver TensorFlow 2.21 supports
+#   software  the distributed_mpt package installed, so that
+#             `distributed-mpt-train` is on PATH (pip install -e .)
+#   storage   local disk for MODEL_DIR and DATA_DIR; CIFAR-10 is downloaded
+#             into DATA_DIR on first use, or prepared beforehand with
+#             `distributed-mpt-prepare-data --data_dir=$DATA_DIR`
+#
+# Example:
+#   GPU=1 RECIPE=mlp launch/single_gpu.sh --epochs=5
+#
+# Environment (all optional):
+#   GPU        GPU index to use                       (default 0)
+#   RECIPE     recipe name shipped in the package (resnet9, mlp) or the path
+#              of a flagfile                          (default resnet9)
+#   MODEL_DIR  checkpoints, logs, summary.json        (default runs/cifar10-<recipe>)
+#   DATA_DIR   tensorflow-datasets directory          (default $HOME/tensorflow_datasets)
+#   PYTHON     interpreter that has distributed_mpt installed, used only to
+#              find the shipped recipes               (default python3)
+# Arguments are passed through to the trainer after the recipe, so they
+# override it (absl reads flags left to right).
+set -euo pipefail
+
+die() { echo "single_gpu.sh: $*" >&2; exit 2; }
+
+# A name looks the flagfile up inside the installed package, so the recipe
+# always matches the code that reads it.
+resolve_recipe() {
+  local recipe=$1 path
+  if [[ -f $recipe ]]; then
+    printf '%s\n' "$recipe"
+  elif [[ $recipe == */* || $recipe == *.flags ]]; then
+    die "RECIPE=$recipe: no such file"
+  else
+    path=$("${PYTHON:-python3}" -c 'import importlib.resources as r, sys
+print(r.files("distributed_mpt") / "recipes" / (sys.argv[1] + ".flags"))' "$recipe" 2>/dev/null) ||
+      die "cannot import distributed_mpt with ${PYTHON:-python3}: install the package, set PYTHON=/path/to/its/python, or set RECIPE=/path/to/recipe.flags"
+    [[ -f $path ]] || die "no recipe '$recipe' in the package (looked for $path); shipped recipes: resnet9, mlp"
+    printf '%s\n' "$path"
+  fi
+}
+
+recipe_path=$(resolve_recipe "${RECIPE:-resnet9}")
+MODEL_DIR=${MODEL_DIR:-runs/cifar10-$(basename "$recipe_path" .flags)}
+DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
+
+command -v distributed-mpt-train >/dev/null ||
+  die "distributed-mpt-train is not on PATH: install the package (pip install -e .) or activate its virtualenv"
+
+CUDA_VISIBLE_DEVICES=${GPU:-0} exec distributed-mpt-train \
+  --strategy=one_device \
+  --flagfile="$recipe_path" \
+  --data_dir="$DATA_DIR" \
+  --model_dir="$MODEL_DIR" \
+  "$@"

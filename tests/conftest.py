@@ -1,0 +1,61 @@
+"""Shared helpers: run the real entry points as separate processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small, fast run: the notebook's MLP on learnable synthetic data.
+SMOKE_FLAGS = [
+    "--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp",
+    "--per_replica_batch_size=32", "--learning_rate=0.1", "--warmup_epochs=0",
+    "--weight_decay=0", "--steps_per_loop=5", "--log_every_steps=10", "--noexport",
+]
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def run_module(module: str, args, timeout: float = 300, env=None, wrapper=None):
+    """Runs `python -m module args` (or a wrapper script) and returns the result."""
+    command = [sys.executable]
+    command += [str(wrapper), *args] if wrapper else ["-m", module, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=env or subprocess_env(), cwd=REPO)
+
+
+def train(args, **kwargs):
+    """Runs the real training entry point."""
+    return run_module("distributed_mpt.train", [str(a) for a in args], **kwargs)
+
+
+def read_summary(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "summary.json").read_text())
+
+
+def checkpoint_weights(model_dir) -> dict:
+    """Every saved value of the latest checkpoint in model_dir (weights,
+    optimizer slots, batch-norm statistics, step counters), by name."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(Path(model_dir) / "checkpoints"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if name not in ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE")}
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return tmp_path / "run"

@@ -1,0 +1,42 @@
+"""Both models take uint8 images and give float32 probabilities under every policy."""
+
+import keras
+import numpy as np
+import pytest
+
+from distributed_mpt.checkpointing import model_identity
+from distributed_mpt.models import build_model
+
+
+@pytest.fixture(autouse=True)
+def restore_policy():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("name", ["mlp", "resnet9"])
+def test_model_outputs_float32_probabilities(name, policy):
+    keras.mixed_precision.set_global_policy(policy)
+    model = build_model(name, width=8, weight_decay=5e-4)
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    probabilities = model(images, training=False)
+    assert probabilities.dtype == "float32" and tuple(probabilities.shape) == (3, 10)
+    np.testing.assert_allclose(np.sum(probabilities, axis=-1), 1.0, rtol=1e-3)
+    assert model.losses, "weight decay adds L2 losses"
+    if policy != "float32":
+        hidden = [l for l in model.layers if isinstance(l, keras.layers.Dense)][0]
+        assert hidden.compute_dtype != "float32" and hidden.kernel.dtype == "float32"
+
+
+def test_mlp_is_the_notebooks_network():
+    model = build_model("mlp")
+    dense = [l.units for l in model.layers if isinstance(l, keras.layers.Dense)]
+    assert dense == [3000, 1000, 10]
+    assert model.count_params() == (3072 * 3000 + 3000) + (3000 * 1000 + 1000) + (1000 * 10 + 10)
+
+
+def test_identity_tells_models_apart():
+    assert model_identity(build_model("mlp")) != model_identity(build_model("resnet9", width=8))
+    assert model_identity(build_model("resnet9", width=8)) != model_identity(build_model("resnet9", width=16))
+    assert model_identity(build_model("resnet9", width=8)) == model_identity(build_model("resnet9", width=8))

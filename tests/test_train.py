@@ -1,0 +1,208 @@
+"""End-to-end runs of the real training entry point in separate processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, checkpoint_weights, read_summary,
+                      subprocess_env, train)
+
+SUMMARY_KEYS = {"strategy", "num_workers", "num_replicas", "per_replica_batch_size",
+                "global_batch_size", "precision", "model", "steps", "epochs", "learning_rate",
+                "train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "eval_examples",
+                "examples_per_second", "resumed_from_step"}
+
+
+def test_synthetic_run_writes_every_output(model_dir):
+    result = train([*SMOKE_FLAGS, "--export", "--train_steps=20", f"--model_dir={model_dir}"])
+    assert_ok(result)
+    summary = read_summary(model_dir)
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["steps"] == 20 and summary["resumed_from_step"] == 0
+    assert summary["global_batch_size"] == 32 and summary["num_replicas"] == 1
+    assert summary["learning_rate"] == pytest.approx(0.1 * 32 / 128)
+    assert summary["eval_examples"] == 1024 // 5
+    assert summary["eval_accuracy"] > 0.5, "synthetic labels are learnable"
+    assert "global batch 32" in result.stdout and "learning rate 0.025" in result.stdout
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20]
+    assert {"loss", "accuracy", "learning_rate", "loss_scale", "examples_per_second"} <= set(records[0])
+    assert list((model_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (model_dir / "export" / "saved_model" / "saved_model.pb").exists()
+    leftovers = [p.name for p in model_dir.rglob(".*") if p.name.startswith((".tmp-", ".export-"))]
+    assert not leftovers
+
+    import keras
+    model = keras.models.load_model(model_dir / "export" / "model.keras")
+    images = np.zeros((2, 32, 32, 3), np.uint8)
+    np.testing.assert_allclose(np.asarray(model(images)).sum(-1), 1.0, rtol=1e-4)
+
+
+def test_cifar10_from_tensorflow_datasets(model_dir):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "mock_cifar10_train.py"), "300",
+         "--model=resnet9", "--model_width=4", "--per_replica_batch_size=32", "--train_steps=6",
+         "--steps_per_loop=3", "--log_every_steps=3", "--noexport", f"--model_dir={model_dir}",
+         "--data_dir=/nonexistent"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+    assert_ok(result)
+    summary = read_summary(model_dir)
+    assert summary["dataset"] == "cifar10" and summary["model"] == "resnet9"
+    assert summary["eval_examples"] == 300, "the whole test split, none dropped by batching"
+    assert summary["steps"] == 6 and np.isfinite(summary["train_loss"])
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_each_precision_trains(model_dir, precision):
+    result = train([*SMOKE_FLAGS, "--train_steps=30", f"--precision={precision}",
+                    f"--model_dir={model_dir}"])
+    assert_ok(result)
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] / 2
+    summary = read_summary(model_dir)
+    assert summary["precision"] == precision
+    assert summary["eval_accuracy"] > 0.5  # chance is 0.1
+    if precision == "mixed_float16":
+        assert records[-1]["loss_scale"] > 1, "dynamic loss scaling is on"
+    else:
+        assert records[-1]["loss_scale"] == 1
+
+
+def test_two_mirrored_replicas_match_one_replica_at_the_same_global_batch(tmp_path):
+    common = [*SMOKE_FLAGS, "--train_steps=8", "--precision=float32", "--noevaluate"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", "--per_replica_batch_size=32",
+                     f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
+    assert read_summary(two)["num_replicas"] == 2
+    assert read_summary(two)["global_batch_size"] == 32
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    assert single.keys() == mirrored.keys()
+    assert single["step/.ATTRIBUTES/VARIABLE_VALUE"] == mirrored["step/.ATTRIBUTES/VARIABLE_VALUE"] == 8
+    kernels = [n for n in single if single[n].ndim == 2]
+    assert len(kernels) >= 6, "weights and momentum slots of three Dense layers"
+    for name in single:
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-6, err_msg=name)
+
+
+def _train_until(args, line_fragment, timeout=120):
+    """Starts training, waits for a progress line, returns the process."""
+    process = subprocess.Popen([sys.executable, "-m", "distributed_mpt.train", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env(), cwd=REPO)
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        if line_fragment in line:
+            return process
+        assert time.monotonic() < deadline, f"no '{line_fragment}' line in time"
+    process.wait()
+    raise AssertionError(f"training ended before '{line_fragment}': {process.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig):
+    flags = [*SMOKE_FLAGS, "--train_steps=120", "--steps_per_loop=2", "--log_every_steps=4",
+             "--checkpoint_every_steps=1000", "--noevaluate"]
+    interrupted = tmp_path / "interrupted"
+    process = _train_until([*flags, f"--model_dir={interrupted}"], "step  12/")
+    process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-2000:]
+    assert "Traceback" not in stderr
+    saved = int(Path(interrupted, "checkpoints", "checkpoint").read_text().split('"')[1].split("-")[-1])
+    assert 12 <= saved < 120, "saved where it stopped, not at a checkpoint interval"
+    assert not (interrupted / "summary.json").exists(), "an interrupted run has no summary yet"
+
+    resumed = train([*flags, f"--model_dir={interrupted}"])
+    assert_ok(resumed)
+    assert f"resuming from step {saved}" in resumed.stdout
+    summary = read_summary(interrupted)
+    assert (summary["resumed_from_step"], summary["steps"]) == (saved, 120)
+    steps_logged = [json.loads(l)["step"] for l in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(4, 121, 4)), "each interval logged once across both runs"
+    # Exactly the run that was never interrupted: no step lost or done twice.
+    straight = tmp_path / "straight"
+    assert_ok(train([*flags, f"--model_dir={straight}"]))
+    a, b = checkpoint_weights(interrupted), checkpoint_weights(straight)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_refuses_a_checkpoint_of_another_model_and_leaves_it_untouched(model_dir):
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", "--noevaluate", f"--model_dir={model_dir}"]))
+    before = {p: p.read_bytes() for p in model_dir.rglob("*") if p.is_file()}
+    result = train([*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--train_steps=5",
+                    f"--model_dir={model_dir}"])
+    assert result.returncode == 2
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "different model" in errors[0] and "Traceback" not in result.stderr
+    after = {p: p.read_bytes() for p in model_dir.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", "--noevaluate", f"--model_dir={model_dir}"]))
+    good = checkpoint_weights(model_dir)
+    result = train([*SMOKE_FLAGS, "--train_steps=40", "--learning_rate=1e12", "--precision=float32",
+                    "--checkpoint_every_steps=5", f"--model_dir={model_dir}"])
+    assert result.returncode == 3, result.stderr[-2000:]
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "NaN or infinite" in errors[0]
+    kept = checkpoint_weights(model_dir)
+    for name in good:
+        np.testing.assert_array_equal(kept[name], good[name])
+    assert not (model_dir / "summary.json").read_text().count('"steps": 40')
+
+
+def _assert_one_line_error(result, fragment):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--per_replica_batch_size=0"], "per_replica_batch_size"),
+    (["--per_replica_batch_size=-4"], "per_replica_batch_size"),
+    (["--model=vgg16"], "model"),
+    (["--precision=half"], "precision"),
+    (["--strategy=tpu"], "strategy"),
+    (["--strategy=one_device", "--cpu_replicas=2"], "cpu_replicas"),
+    (["--strategy=multi_worker"], "needs a cluster"),
+])
+def test_bad_flags_exit_with_one_line_and_write_nothing(tmp_path, flags, fragment):
+    model_dir = tmp_path / "run"
+    result = train([*SMOKE_FLAGS, *flags, f"--model_dir={model_dir}"], timeout=120)
+    _assert_one_line_error(result, fragment)
+    assert not model_dir.exists()
+
+
+def test_malformed_tf_config_exits_with_one_line(tmp_path):
+    result = train([*SMOKE_FLAGS, f"--model_dir={tmp_path / 'run'}"],
+                   env=subprocess_env(TF_CONFIG='{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}'))
+    _assert_one_line_error(result, "ps")
+
+
+def test_unwritable_model_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = train([*SMOKE_FLAGS, f"--model_dir={blocker / 'run'}"])
+    _assert_one_line_error(result, "not writable")
+
+
+def test_missing_cifar10_without_network_fails_fast_with_remedies(tmp_path):
+    started = time.monotonic()
+    result = train(["--dataset=cifar10", "--nodownload", f"--data_dir={tmp_path / 'tfds'}",
+                    f"--model_dir={tmp_path / 'run'}"], timeout=90)
+    assert time.monotonic() - started < 60
+    _assert_one_line_error(result, "--dataset=synthetic")
+    assert "distributed-mpt-prepare-data" in result.stderr and "downloads/manual" in result.stderr
