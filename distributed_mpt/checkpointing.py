@@ -12,6 +12,7 @@ so that a run of another model refuses the directory instead of failing deep
 in TensorFlow or, worse, overwriting it.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -40,11 +41,20 @@ def _parameters(identity: dict) -> int:
 class Checkpoints:
     """Saves and restores the training state of one worker."""
 
-    def __init__(self, model_dir: str, is_chief: bool, identity: dict, **trackables):
+    def __init__(self, model_dir: str, worker: Optional[str], identity: dict, **trackables):
+        """worker: None for the chief, else a name unique in the cluster
+        (e.g. 'worker-1'), which names its scratch directory."""
         self._shared_dir = os.path.join(model_dir, "checkpoints")
         self._identity = identity
-        self._is_chief = is_chief
-        own_dir = self._shared_dir if is_chief else tempfile.mkdtemp(prefix="dmpt-worker-ckpt-")
+        self._is_chief = worker is None
+        if self._is_chief:
+            own_dir = self._shared_dir
+        else:
+            # A fixed name per run and worker: a worker that was killed could
+            # not clean up, so its successor does.
+            run_id = hashlib.sha1(os.path.abspath(model_dir).encode()).hexdigest()[:10]
+            own_dir = os.path.join(tempfile.gettempdir(), f"dmpt-{run_id}-{worker}")
+            shutil.rmtree(own_dir, ignore_errors=True)
         self._own_dir = own_dir
         self._checkpoint = tf.train.Checkpoint(**trackables)
         self._manager = tf.train.CheckpointManager(self._checkpoint, own_dir, max_to_keep=MAX_TO_KEEP)

@@ -6,15 +6,14 @@ the runtime starts.
 """
 
 import os
-import socket
+import subprocess
 import sys
-import threading
 from typing import Optional
 
 import tensorflow as tf
 
 from distributed_mpt.cluster import Cluster
-from distributed_mpt.errors import EXIT_PEER_TIMEOUT, ConfigError
+from distributed_mpt.errors import ConfigError
 
 _COMMUNICATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -52,10 +51,10 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(cpu_replicas)])
-    gpus = tf.config.list_logical_devices("GPU")
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
+        gpus = tf.config.list_physical_devices("GPU")
         return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
     if name == "mirrored":
         if cpu_replicas:
@@ -72,42 +71,44 @@ def _multi_worker(cluster: Cluster, communication: str, peer_timeout_seconds: in
         task_id=cluster.task_index, rpc_layer="grpc")
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=_COMMUNICATION[communication])
-    # Without a deadline a worker whose peers never start waits forever (the
-    # coordination service's own timeout is an hour); this says who is missing.
-    watchdog = _PeerWatchdog(cluster, peer_timeout_seconds)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(resolver, communication_options=options)
-    # The first collective completes only once every peer has joined.
-    strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
-    watchdog.cancel()
+    # Without a deadline a worker whose peers never start waits for an hour
+    # (the coordination service's timeout), silently. The watchdog is a
+    # separate process because this one blocks inside TensorFlow's C++ code,
+    # where no Python thread or signal handler gets to run.
+    others = [a for a in cluster.addresses if a != cluster.own_address]
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()),
+                                 str(peer_timeout_seconds), *others])
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(resolver, communication_options=options)
+        # The first collective completes only once every peer has joined.
+        tf.function(lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None))()
+    finally:
+        watchdog.kill()
+        watchdog.wait()
     return strategy
 
 
-class _PeerWatchdog:
-    """Ends the process with a clear message if peers are not up in time."""
-
-    def __init__(self, cluster: Cluster, timeout_seconds: int):
-        self._cluster = cluster
-        self._timeout = timeout_seconds
-        self._timer = threading.Timer(timeout_seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    def _expire(self) -> None:
-        others = [a for a in self._cluster.addresses if a != self._cluster.own_address]
-        missing = [a for a in others if not _accepts_connections(a)] or others
-        print(f"error: peers not up after {self._timeout}s (--peer_timeout_seconds): waited for "
-              f"{', '.join(missing)}; check that every worker was started with the same cluster",
-              file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_TIMEOUT)  # the main thread is blocked inside TensorFlow
-
-
-def _accepts_connections(address: str) -> bool:
+# Run by a child process: after the timeout, name the peers that do not
+# accept connections and end the parent with SIGALRM, whose default action
+# terminates it (exit status 142 = 128 + SIGALRM, retryable).
+_WATCHDOG = r"""
+import os, signal, socket, sys, time
+parent, timeout, peers = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+deadline = time.monotonic() + timeout
+while time.monotonic() < deadline:
+    if os.getppid() != parent:
+        sys.exit(0)
+    time.sleep(0.25)
+def up(address):
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=2).close()
         return True
     except OSError:
         return False
+missing = [p for p in peers if not up(p)] or peers
+print(f"error: peers not up after {timeout:g}s (--peer_timeout_seconds): waited for "
+      f"{', '.join(missing)}; check that every worker was started with the same cluster",
+      file=sys.stderr, flush=True)
+os.kill(parent, signal.SIGALRM)
+"""

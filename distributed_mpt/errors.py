@@ -13,8 +13,9 @@ EXIT_DIVERGED = 3
 # Stopped by SIGTERM/SIGINT after saving a checkpoint (128 + SIGTERM). A
 # restart resumes from that checkpoint, so the code must be retryable.
 EXIT_PREEMPTED = 143
-# Peers of a multi-worker job did not come up in time (128 + SIGALRM).
-# Retryable: they may still be scheduled.
+# Peers of a multi-worker job did not come up in time: the worker is ended
+# by SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
+# still be scheduled.
 EXIT_PEER_TIMEOUT = 142
 
 

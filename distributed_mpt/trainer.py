@@ -102,7 +102,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         train_sums = _sum_accumulator(4)  # loss sum, correct, examples, non-finite steps
         eval_sums = _sum_accumulator(3)   # loss sum, correct, examples
 
-    checkpoints = Checkpoints(config.model_dir, is_chief, model_identity(model),
+    worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
+    checkpoints = Checkpoints(config.model_dir, worker, model_identity(model),
                               model=model, optimizer=optimizer, step=step,
                               global_batch_size=trained_global_batch)
     checkpoints.check_identity()

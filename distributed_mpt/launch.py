@@ -1,0 +1,183 @@
+"""Start N local worker processes for multi-worker training, and restart the
+group when one dies.
+
+    distributed-mpt-launch --num_workers=2 --max_restarts=3 -- \\
+        --dataset=synthetic --model=mlp --train_steps=200 --model_dir=runs/mw
+
+Each worker is `python -m distributed_mpt.train <train flags>` with its own
+TF_CONFIG on 127.0.0.1 and a free port; its output is prefixed with
+`[worker i]`. Ctrl-C and SIGTERM are forwarded to every worker (which save a
+checkpoint and stop). MultiWorkerMirroredStrategy cannot go on without a
+peer, so when a worker dies the others are stopped and the whole group is
+started again, up to --max_restarts times; training resumes from the latest
+checkpoint. The launcher exits with the chief's (worker 0's) status.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+from absl import flags
+
+from distributed_mpt.errors import EXIT_DIVERGED, EXIT_USAGE
+
+# Exit codes a restart cannot fix (see errors.py): bad input, divergence.
+_PERMANENT = (EXIT_USAGE, EXIT_DIVERGED)
+
+
+def _define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("num_workers", 2, "Worker processes to start.", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("max_restarts", 3, "Times the whole group is restarted after a worker "
+                         "dies.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_float("grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
+                       "exit before it is killed.", lower_bound=0, flag_values=fv)
+
+
+def free_ports(count: int) -> List[int]:
+    """`count` distinct TCP ports that are free on 127.0.0.1 right now."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def worker_tf_configs(ports: List[int]) -> List[str]:
+    """The TF_CONFIG of each local worker; worker 0 is the chief."""
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+            for i in range(len(ports))]
+
+
+class _Group:
+    """One generation of worker processes."""
+
+    def __init__(self, num_workers: int, train_flags: List[str]):
+        self.processes = []
+        self._pumps = []
+        for index, tf_config in enumerate(worker_tf_configs(free_ports(num_workers))):
+            env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
+            process = subprocess.Popen(
+                [sys.executable, "-m", "distributed_mpt.train", *train_flags], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
+            self.processes.append(process)
+            for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
+                pump = threading.Thread(target=_prefix_lines, args=(source, sink, index), daemon=True)
+                pump.start()
+                self._pumps.append(pump)
+            print(f"[launch] started worker {index} (pid {process.pid})", flush=True)
+
+    def first_failure(self) -> Optional[int]:
+        """Index of a worker that exited non-zero, if any."""
+        for index, process in enumerate(self.processes):
+            if process.poll() not in (None, 0):
+                return index
+        return None
+
+    def done(self) -> bool:
+        return all(p.poll() is not None for p in self.processes)
+
+    def signal(self, signum: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    def stop(self, grace_seconds: float) -> None:
+        """SIGTERM, then SIGKILL whoever is still running after the grace period
+        (a worker blocked in a collective with a dead peer never returns)."""
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while not self.done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+    def wait(self) -> None:
+        for process in self.processes:
+            process.wait()
+        for pump in self._pumps:
+            pump.join(timeout=5)
+
+
+def _prefix_lines(source, sink, index: int) -> None:
+    for line in source:
+        sink.write(f"[worker {index}] {line}")
+        sink.flush()
+
+
+def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
+    """Runs the group to completion, restarting it on failures; returns the
+    chief's exit code."""
+    forwarded = []
+    group = None
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        if group is not None:
+            group.signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    restarts = 0
+    while True:
+        group = _Group(num_workers, train_flags)
+        while not group.done() and group.first_failure() is None:
+            time.sleep(0.2)
+        failed = group.first_failure()
+        if failed is None or forwarded:
+            group.wait()  # workers that were signalled save a checkpoint and exit
+            return group.processes[0].returncode
+        code = group.processes[failed].returncode
+        print(f"[launch] worker {failed} exited with {code}; stopping the group", flush=True)
+        group.stop(grace_seconds)
+        if code in _PERMANENT:
+            print(f"[launch] exit code {code} is permanent (bad input or divergence): not restarting",
+                  flush=True)
+            return group.processes[0].returncode or code
+        if restarts >= max_restarts:
+            print(f"[launch] giving up after {restarts} restart(s)", flush=True)
+            return group.processes[0].returncode or code
+        restarts += 1
+        print(f"[launch] restart {restarts}/{max_restarts}: resuming from the latest checkpoint",
+              flush=True)
+
+
+def main(argv=None) -> int:
+    """Parses launcher flags (train flags follow `--`) and launches."""
+    argv = sys.argv[1:] if argv is None else argv
+    own, train_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    fv = flags.FlagValues()
+    _define_flags(fv)
+    try:
+        rest = fv(["distributed-mpt-launch", *own])
+        if len(rest) > 1:
+            raise flags.Error(f"unexpected argument(s) {' '.join(rest[1:])}; put training flags after --")
+    except flags.Error as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    if not train_flags:
+        print("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,128 @@
+"""Multi-worker training with real worker processes talking gRPC on 127.0.0.1,
+started by the real launcher."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, checkpoint_weights, read_summary,
+                      subprocess_env, run_module, train)
+
+MW_FLAGS = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+            "--peer_timeout_seconds=60"]
+
+
+def launch(args, tmp_path, timeout=300):
+    """Runs the launcher; worker temp files go to tmp_path/tmp so that the test can see them."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return run_module("distributed_mpt.launch", [str(a) for a in args], timeout=timeout,
+                      env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+
+
+def test_two_workers_train_like_one_worker_with_twice_the_batch(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    result = launch(["--num_workers=2", "--max_restarts=0", "--", *MW_FLAGS, "--train_steps=8",
+                     "--precision=float32", f"--model_dir={two}"], tmp_path)
+    assert_ok(result)
+    assert re.search(r"\[worker 0\] step +8/8", result.stdout)
+    assert "[worker 1] step" not in result.stdout, "only the chief reports progress"
+    summary = read_summary(two)
+    assert (summary["strategy"], summary["num_workers"], summary["num_replicas"]) == ("multi_worker", 2, 2)
+    assert summary["global_batch_size"] == 32
+    assert summary["eval_examples"] == 1024 // 5, "the test split evaluated once across workers"
+    assert summary["eval_accuracy"] > 0.5
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "the non-chief worker removed its scratch files"
+
+    assert_ok(train([*MW_FLAGS, "--train_steps=8", "--precision=float32", "--strategy=default",
+                     "--per_replica_batch_size=32", f"--model_dir={one}"]))
+    assert read_summary(one)["eval_accuracy"] == pytest.approx(summary["eval_accuracy"], abs=0.01)
+    a, b = checkpoint_weights(two), checkpoint_weights(one)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-6, err_msg=name)
+
+    # The same checkpoint resumed by one worker: a new global batch, and it says so.
+    resumed = train([*MW_FLAGS, "--train_steps=12", "--precision=float32", "--strategy=default",
+                     "--noexport", f"--model_dir={two}"])
+    assert_ok(resumed)
+    assert "trained at global batch 32; continuing at global batch 16" in resumed.stdout
+    assert read_summary(two)["resumed_from_step"] == 8
+
+
+def _start_launcher(args, tmp_path):
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "distributed_mpt.launch", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(TMPDIR=str(tmp_path / "tmp")), cwd=REPO)
+
+
+def _read_until(process, pattern, seen, timeout=180):
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+        assert time.monotonic() < deadline, f"no line matching {pattern!r} in time"
+    raise AssertionError(f"launcher ended before {pattern!r}:\n{''.join(seen)[-4000:]}")
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGTERM"])
+def test_group_survives_a_lost_worker_and_finishes_every_step(tmp_path, fault):
+    model_dir = tmp_path / "run"
+    process = _start_launcher(
+        ["--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS,
+         "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
+         "--checkpoint_every_steps=10" if fault == "SIGKILL" else "--checkpoint_every_steps=1000",
+         "--noevaluate", f"--model_dir={model_dir}"], tmp_path)
+    seen = []
+    pid = int(_read_until(process, r"started worker 1 \(pid (\d+)\)", seen).group(1))
+    _read_until(process, r"\[worker 0\] step +12/", seen)
+    os.kill(pid, getattr(signal, fault))
+    output, _ = process.communicate(timeout=300)
+    output = "".join(seen) + output
+    assert process.returncode == 0, output[-4000:]
+    assert "restart 1/2" in output
+    summary = read_summary(model_dir)
+    assert summary["steps"] == 48, "exactly the requested number of optimizer steps"
+    if fault == "SIGKILL":
+        assert summary["resumed_from_step"] in (10, 20, 30, 40)
+        assert "exited with -9" in output
+    else:
+        # Both workers stopped at the step they agreed on and saved it.
+        stopped = re.search(r"stopped by a signal at step (\d+)", output)
+        assert stopped, output[-4000:]
+        assert summary["resumed_from_step"] == int(stopped.group(1)) >= 12
+        assert "exited with 143" in output
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "no scratch checkpoints left behind"
+
+
+def test_worker_gives_up_on_peers_that_never_come_up(tmp_path):
+    tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:47611", "127.0.0.1:47612"]},
+                            "task": {"type": "worker", "index": 0}})
+    started = time.monotonic()
+    result = run_module("distributed_mpt.train",
+                        [*SMOKE_FLAGS, "--peer_timeout_seconds=5", f"--model_dir={tmp_path / 'run'}"],
+                        timeout=120, env=subprocess_env(TF_CONFIG=tf_config))
+    assert time.monotonic() - started < 90
+    assert result.returncode == -signal.SIGALRM, result.stderr[-3000:]  # 142 in a shell
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "127.0.0.1:47612" in errors[0] and "peer_timeout_seconds" in errors[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--num_workers=0", "--", "--model_dir=x"], "num_workers"),
+    (["--num_workers=2"], "no training flags"),
+    (["--max_restarts=-1", "--", "--model_dir=x"], "max_restarts"),
+])
+def test_launcher_bad_input(args, fragment):
+    result = run_module("distributed_mpt.launch", args, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error:") and fragment in result.stderr
