@@ -206,3 +206,18 @@ def test_missing_cifar10_without_network_fails_fast_with_remedies(tmp_path):
     assert time.monotonic() - started < 60
     _assert_one_line_error(result, "--dataset=synthetic")
     assert "distributed-mpt-prepare-data" in result.stderr and "downloads/manual" in result.stderr
+
+
+def test_steps_per_loop_and_xla_give_the_same_weights(tmp_path):
+    common = [*SMOKE_FLAGS, "--train_steps=6", "--precision=float32", "--noevaluate"]
+    runs = {"plain": ["--steps_per_loop=1"], "looped": ["--steps_per_loop=6"],
+            "xla": ["--steps_per_loop=3", "--xla"]}
+    weights = {}
+    for name, flags in runs.items():
+        assert_ok(train([*common, *flags, f"--model_dir={tmp_path / name}"]))
+        weights[name] = checkpoint_weights(tmp_path / name)
+    for name in ("looped", "xla"):
+        assert weights[name].keys() == weights["plain"].keys()
+        for variable in weights["plain"]:
+            np.testing.assert_allclose(weights[name][variable], weights["plain"][variable],
+                                       rtol=1e-4, atol=2e-6, err_msg=f"{name}: {variable}")
