@@ -44,6 +44,7 @@ class TrainConfig:
     log_every_steps: int = 100
     checkpoint_every_steps: int = 1000
     xla: bool = False
+    data_on_device: bool = False
     peer_timeout_seconds: int = 300
     evaluate: bool = True
     export: bool = True

@@ -182,11 +182,22 @@ def _options() -> tf.data.Options:
     return options
 
 
+def gather_and_augment(images, labels, indices, offsets, flips):
+    """The augmented training batch at `indices` of `images` and `labels`."""
+    return augment_batch(tf.gather(images, indices), offsets, flips), tf.gather(labels, indices)
+
+
 def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,
-                   num_steps: int) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+                   num_steps: int, images_on_device: bool = False
+                   ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """A `dataset_fn` for `distribute_datasets_from_function` yielding
     `(uint8 images, int32 labels)` per-replica batches for steps
-    `start_step .. start_step + num_steps - 1`, each epoch shuffled by `seed`."""
+    `start_step .. start_step + num_steps - 1`, each epoch shuffled by `seed`.
+
+    With `images_on_device`, it yields `(indices, offsets, flips)` instead:
+    the caller keeps the split on the device and applies `gather_and_augment`
+    there, so only a few bytes per image cross from the host each step.
+    """
     num_examples = len(split)
     epoch_steps = steps_per_epoch(num_examples, global_batch_size)
     if epoch_steps == 0:
@@ -197,7 +208,6 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         replica_batch = context.get_per_replica_batch_size(global_batch_size)
         local_replicas = global_batch_size // context.num_input_pipelines // replica_batch
-        images, labels = tf.constant(split.images), tf.constant(split.labels)
         used = epoch_steps * global_batch_size
 
         def epoch(e):
@@ -212,17 +222,15 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
             share = lambda x: _pipeline_share(x, epoch_steps, context, replica_batch)
             return tf.data.Dataset.from_tensor_slices((share(order), share(offsets), share(flips)))
 
-        def gather_and_augment(indices, offsets, flips):
-            return (augment_batch(tf.gather(images, indices), offsets, flips),
-                    tf.gather(labels, indices))
-
-        return (tf.data.Dataset.range(first_epoch, last_epoch)
-                .flat_map(epoch)
-                .skip(skip_steps * local_replicas)
-                .take(num_steps * local_replicas)
-                .map(gather_and_augment, num_parallel_calls=tf.data.AUTOTUNE)
-                .prefetch(tf.data.AUTOTUNE)
-                .with_options(_options()))
+        batches = (tf.data.Dataset.range(first_epoch, last_epoch)
+                   .flat_map(epoch)
+                   .skip(skip_steps * local_replicas)
+                   .take(num_steps * local_replicas))
+        if not images_on_device:
+            images, labels = tf.constant(split.images), tf.constant(split.labels)
+            batches = batches.map(lambda *batch: gather_and_augment(images, labels, *batch),
+                                  num_parallel_calls=tf.data.AUTOTUNE)
+        return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
     return dataset_fn
 

@@ -101,6 +101,11 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         trained_global_batch = tf.Variable(global_batch, dtype=tf.int64, trainable=False)
         train_sums = _sum_accumulator(4)  # loss sum, correct, examples, non-finite steps
         eval_sums = _sum_accumulator(3)   # loss sum, correct, examples
+        if config.data_on_device:
+            # A copy per device, made once; the input pipeline then carries
+            # only indices and augmentation parameters.
+            device_split = (tf.Variable(train_split.images, trainable=False),
+                            tf.Variable(train_split.labels, trainable=False))
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
     checkpoints = Checkpoints(config.model_dir, worker, model_identity(model),
@@ -149,7 +154,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         # update stay outside XLA, where every strategy supports them.
         compute_gradients = tf.function(compute_gradients, jit_compile=True)
 
-    def train_step(images, labels):
+    def train_step(*batch):
+        images, labels = data.gather_and_augment(*device_split, *batch) \
+            if config.data_on_device else batch
         gradients, loss, loss_sum, correct = compute_gradients(images, labels)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         finite = tf.math.is_finite(loss)
@@ -232,7 +239,8 @@ def _train(config, strategy, train_loop, step, optimizer, train_split, global_ba
     if start_step >= total_steps:
         return {}, None
     iterator = iter(strategy.distribute_datasets_from_function(data.train_input_fn(
-        train_split, global_batch, config.seed, start_step, total_steps - start_step)))
+        train_split, global_batch, config.seed, start_step, total_steps - start_step,
+        images_on_device=config.data_on_device)))
     loss_scaling = precision.has_loss_scaling(optimizer)
     nonfinite_run = 0
     interval = [0.0, 0.0, 0.0, 0.0]  # sums since the last log line

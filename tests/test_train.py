@@ -208,15 +208,18 @@ def test_missing_cifar10_without_network_fails_fast_with_remedies(tmp_path):
     assert "distributed-mpt-prepare-data" in result.stderr and "downloads/manual" in result.stderr
 
 
-def test_steps_per_loop_and_xla_give_the_same_weights(tmp_path):
+def test_steps_per_loop_xla_and_device_data_give_the_same_weights(tmp_path):
     common = [*SMOKE_FLAGS, "--train_steps=6", "--precision=float32", "--noevaluate"]
     runs = {"plain": ["--steps_per_loop=1"], "looped": ["--steps_per_loop=6"],
-            "xla": ["--steps_per_loop=3", "--xla"]}
+            "xla": ["--steps_per_loop=3", "--xla"],
+            "device_data": ["--steps_per_loop=2", "--data_on_device"],
+            "device_data_mirrored": ["--data_on_device", "--strategy=mirrored", "--cpu_replicas=2",
+                                     "--per_replica_batch_size=16"]}
     weights = {}
     for name, flags in runs.items():
         assert_ok(train([*common, *flags, f"--model_dir={tmp_path / name}"]))
         weights[name] = checkpoint_weights(tmp_path / name)
-    for name in ("looped", "xla"):
+    for name in runs.keys() - {"plain"}:
         assert weights[name].keys() == weights["plain"].keys()
         for variable in weights["plain"]:
             np.testing.assert_allclose(weights[name][variable], weights["plain"][variable],
