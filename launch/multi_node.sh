@@ -49,25 +49,10 @@
 # them, on their nodes. The exit status is worker 0's.
 set -euo pipefail
 
-die() { echo "multi_node.sh: $*" >&2; exit 2; }
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 log() { echo "multi_node.sh: $*" >&2; }
 
-# A name looks the flagfile up inside the installed package, so the recipe
-# always matches the code that reads it.
-resolve_recipe() {
-  local recipe=$1 path
-  if [[ -f $recipe ]]; then
-    printf '%s\n' "$recipe"
-  elif [[ $recipe == */* || $recipe == *.flags ]]; then
-    die "RECIPE=$recipe: no such file"
-  else
-    path=$("${PYTHON:-python3}" -c 'import importlib.resources as r, sys
-print(r.files("distributed_mpt") / "recipes" / (sys.argv[1] + ".flags"))' "$recipe" 2>/dev/null) ||
-      die "cannot import distributed_mpt with ${PYTHON:-python3}: install the package, set PYTHON=/path/to/its/python, or set RECIPE=/path/to/recipe.flags"
-    [[ -f $path ]] || die "no recipe '$recipe' in the package (looked for $path); shipped recipes: resnet9, mlp"
-    printf '%s\n' "$path"
-  fi
-}
 
 absolute() { if [[ $1 == /* ]]; then printf '%s\n' "$1"; else printf '%s\n' "$PWD/$1"; fi; }
 

@@ -24,24 +24,9 @@
 # override it (absl reads flags left to right).
 set -euo pipefail
 
-die() { echo "single_gpu.sh: $*" >&2; exit 2; }
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-# A name looks the flagfile up inside the installed package, so the recipe
-# always matches the code that reads it.
-resolve_recipe() {
-  local recipe=$1 path
-  if [[ -f $recipe ]]; then
-    printf '%s\n' "$recipe"
-  elif [[ $recipe == */* || $recipe == *.flags ]]; then
-    die "RECIPE=$recipe: no such file"
-  else
-    path=$("${PYTHON:-python3}" -c 'import importlib.resources as r, sys
-print(r.files("distributed_mpt") / "recipes" / (sys.argv[1] + ".flags"))' "$recipe" 2>/dev/null) ||
-      die "cannot import distributed_mpt with ${PYTHON:-python3}: install the package, set PYTHON=/path/to/its/python, or set RECIPE=/path/to/recipe.flags"
-    [[ -f $path ]] || die "no recipe '$recipe' in the package (looked for $path); shipped recipes: resnet9, mlp"
-    printf '%s\n' "$path"
-  fi
-}
 
 recipe_path=$(resolve_recipe "${RECIPE:-resnet9}")
 MODEL_DIR=${MODEL_DIR:-runs/cifar10-$(basename "$recipe_path" .flags)}
