@@ -160,6 +160,9 @@ def main(argv=None) -> int:
         else (argv, [])
     fv = flags.FlagValues()
     _define_flags(fv)
+    if {"-h", "--help"} & set(own):
+        print(__doc__ + "\nFlags:\n" + fv.get_help())
+        return 0
     try:
         rest = fv(["distributed-mpt-launch", *own])
         if len(rest) > 1:

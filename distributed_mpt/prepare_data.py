@@ -18,8 +18,12 @@ def main(argv=None) -> int:
     """Prepares CIFAR-10 in --data_dir; returns the exit code."""
     fv = flags.FlagValues()
     flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory.", flag_values=fv)
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__ + "\nFlags:\n" + fv.get_help())
+        return 0
     try:
-        fv(["distributed-mpt-prepare-data", *(sys.argv[1:] if argv is None else argv)])
+        fv(["distributed-mpt-prepare-data", *argv])
     except flags.Error as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

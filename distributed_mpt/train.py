@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted (twice): no checkpoint written for the current steps", file=sys.stderr)
+        print("interrupted: steps since the last checkpoint were not saved", file=sys.stderr)
         return 130
     return 0
 
