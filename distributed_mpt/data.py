@@ -173,6 +173,13 @@ def _pipeline_share(values: tf.Tensor, steps: int, context: tf.distribute.InputC
     return tf.reshape(mine, [-1, replica_batch_size, *trailing])
 
 
+def _host_tensors(split: ImageSplit):
+    """The split as tensors in host memory, where tf.data runs (an eager
+    constant would otherwise land on the GPU and be copied back)."""
+    with tf.device("/cpu:0"):
+        return tf.constant(split.images), tf.constant(split.labels)
+
+
 def _options() -> tf.data.Options:
     options = tf.data.Options()
     options.deterministic = True
@@ -227,7 +234,7 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
                    .skip(skip_steps * local_replicas)
                    .take(num_steps * local_replicas))
         if not images_on_device:
-            images, labels = tf.constant(split.images), tf.constant(split.labels)
+            images, labels = _host_tensors(split)
             batches = batches.map(lambda *batch: gather_and_augment(images, labels, *batch),
                                   num_parallel_calls=tf.data.AUTOTUNE)
         return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
@@ -250,7 +257,7 @@ def eval_input_fn(split: ImageSplit, global_batch_size: int
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         replica_batch = context.get_per_replica_batch_size(global_batch_size)
-        images, labels = tf.constant(split.images), tf.constant(split.labels)
+        images, labels = _host_tensors(split)
         positions = tf.range(steps * global_batch_size)
         share = lambda x: _pipeline_share(x, steps, context, replica_batch)
         indices = share(tf.minimum(positions, num_examples - 1))
