@@ -130,9 +130,12 @@ def make_synthetic(num_train: int, num_test: int, seed: int) -> Tuple[ImageSplit
 
     def split(size: int) -> ImageSplit:
         labels = rng.integers(0, NUM_CLASSES, size=size).astype(np.int32)
-        noise = rng.integers(0, 256, size=(size,) + IMAGE_SHAPE, dtype=np.uint8)
-        # 3/4 prototype + 1/4 noise, in integer arithmetic that stays in uint8.
-        images = (prototypes[labels] >> 1) + (prototypes[labels] >> 2) + (noise >> 2)
+        images = rng.integers(0, 256, size=(size,) + IMAGE_SHAPE, dtype=np.uint8) >> 2  # noise
+        # 3/4 colour + 1/4 noise in uint8, in chunks so that the peak memory
+        # stays near the size of the split itself.
+        for start in range(0, size, 4096):
+            colours = prototypes[labels[start:start + 4096]]
+            images[start:start + 4096] += (colours >> 1) + (colours >> 2)
         return ImageSplit(images, labels)
 
     return split(num_train), split(num_test)
@@ -146,17 +149,34 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
 def augment_batch(images: tf.Tensor, offsets: tf.Tensor, flips: tf.Tensor) -> tf.Tensor:
     """Padded random crop and horizontal flip of a whole uint8 batch.
 
-    images: uint8 [B, H, W, C]; offsets: int32 [B, 2] in [0, 2*CROP_PADDING];
-    flips: bool [B]. Works on uint8 throughout, so nothing is copied as float.
+    images: uint8 [B, H, W, C]; offsets: int32 [B, 2] in [0, 2*CROP_PADDING],
+    the crop's corner in the reflect-padded image; flips: bool [B].
     """
-    height, width = images.shape[1], images.shape[2]
-    padded = tf.pad(images, [[0, 0], [CROP_PADDING] * 2, [CROP_PADDING] * 2, [0, 0]],
-                    mode="REFLECT")
-    rows = offsets[:, :1] + tf.range(height)[None, :]          # [B, H]
-    cols = offsets[:, 1:] + tf.range(width)[None, :]           # [B, W]
-    cropped = tf.gather(padded, rows, axis=1, batch_dims=1)    # [B, H, W+2P, C]
-    cropped = tf.gather(cropped, cols, axis=2, batch_dims=1)   # [B, H, W, C]
-    return tf.where(flips[:, None, None, None], tf.reverse(cropped, axis=[2]), cropped)
+    return _gather_augmented(images, tf.range(tf.shape(images)[0]), offsets, flips)
+
+
+def _gather_augmented(images: tf.Tensor, indices: tf.Tensor, offsets: tf.Tensor,
+                      flips: tf.Tensor) -> tf.Tensor:
+    """`augment_batch(tf.gather(images, indices), offsets, flips)` as one gather.
+
+    Padding, cropping and flipping only decide which source pixel lands
+    where, so the source pixel's index is computed and the whole batch is
+    read with a single gather of uint8 pixels: no padded copy, no float
+    copy, no separate flip.
+    """
+    _, height, width, channels = images.shape
+    rows = _reflect(offsets[:, :1] - CROP_PADDING + tf.range(height)[None, :], height)   # [B, H]
+    columns = tf.where(flips[:, None], tf.range(width - 1, -1, -1)[None, :], tf.range(width)[None, :])
+    columns = _reflect(offsets[:, 1:] - CROP_PADDING + columns, width)                   # [B, W]
+    pixel = (indices[:, None, None] * height + rows[:, :, None]) * width + columns[:, None, :]
+    return tf.gather(tf.reshape(images, [-1, channels]), pixel)                          # [B, H, W, C]
+
+
+def _reflect(position: tf.Tensor, size: int) -> tf.Tensor:
+    """Maps positions up to CROP_PADDING outside [0, size) back inside, as
+    tf.pad's REFLECT mode does (-1 -> 1, size -> size - 2)."""
+    position = tf.abs(position)
+    return tf.where(position >= size, 2 * (size - 1) - position, position)
 
 
 def _pipeline_share(values: tf.Tensor, steps: int, context: tf.distribute.InputContext,
@@ -191,7 +211,7 @@ def _options() -> tf.data.Options:
 
 def gather_and_augment(images, labels, indices, offsets, flips):
     """The augmented training batch at `indices` of `images` and `labels`."""
-    return augment_batch(tf.gather(images, indices), offsets, flips), tf.gather(labels, indices)
+    return _gather_augmented(images, indices, offsets, flips), tf.gather(labels, indices)
 
 
 def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,

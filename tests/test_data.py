@@ -132,3 +132,20 @@ def test_unreachable_download_host_fails_fast(tmp_path, monkeypatch):
     with pytest.raises(DataUnavailableError, match="cannot be reached"):
         data.load_cifar10(str(tmp_path), download=True)
     assert time.monotonic() - started < 60
+
+
+def test_augmentation_matches_reflect_pad_crop_and_flip():
+    """The single-gather implementation against the plain definition."""
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    offsets = rng.integers(0, 2 * data.CROP_PADDING + 1, (64, 2)).astype(np.int32)
+    flips = rng.random(64) < 0.5
+    padded = np.pad(images, [(0, 0), (4, 4), (4, 4), (0, 0)], mode="reflect")
+    expected = np.stack([padded[i, y:y + 32, x:x + 32][:, ::-1 if f else 1]
+                         for i, ((y, x), f) in enumerate(zip(offsets, flips))])
+    np.testing.assert_array_equal(data.augment_batch(tf.constant(images), offsets, flips), expected)
+    indices = tf.constant([5, 0, 63])
+    augmented, labels = data.gather_and_augment(images, np.arange(64), indices,
+                                                offsets[[5, 0, 63]], flips[[5, 0, 63]])
+    np.testing.assert_array_equal(augmented, expected[[5, 0, 63]])
+    np.testing.assert_array_equal(labels, [5, 0, 63])
