@@ -96,7 +96,8 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path):
 
 
 def test_reference_pipeline_sees_the_same_examples_as_the_package():
-    from distributed_mpt import benchmark, data
+    from distributed_mpt import data
+    from distributed_mpt.benchmark import pipeline as benchmark
 
     batch, steps = 32, 20
     split, _ = data.make_synthetic(batch * steps, 1, seed=3)
