@@ -14,14 +14,15 @@ import uuid
 from distributed_mpt.errors import ConfigError
 
 
-def check_writable(directory: str) -> None:
-    """Creates `directory` if needed and proves it writable, or raises ConfigError."""
+def check_writable(directory: str, flag: str = "--model_dir") -> None:
+    """Creates `directory` if needed and proves it writable, or raises
+    ConfigError naming `flag`, the flag that chose it."""
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise ConfigError(f"--model_dir={directory} is not writable ({e.strerror}); "
+        raise ConfigError(f"{flag}={directory} is not writable ({e.strerror}); "
                           f"choose a directory you can write to") from None
 
 

@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 from absl import flags
 
 from distributed_mpt import config as config_lib
+from distributed_mpt import outputs
 from distributed_mpt.benchmark.machine_limit import bench_machine_limit
 from distributed_mpt.benchmark.measure import AUTO_STEP_FLOPS, MAX_STEPS, MIN_STEPS, machine_info
 from distributed_mpt.benchmark.memory import PROBES, bench_memory, memory_probe
@@ -143,16 +143,9 @@ def run_benchmark(config: BenchConfig) -> dict:
     return results
 
 
-def _check_writable(path: str) -> None:
+def _check_output_writable(path: str) -> None:
     """Fails now, not after ten minutes of measuring, if `path` cannot be written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--output={path}: cannot write into {directory} ({e.strerror}); "
-                          f"choose a writable path") from None
+    outputs.check_writable(os.path.dirname(os.path.abspath(path)), flag="--output")
 
 
 def main(argv=None) -> int:
@@ -169,7 +162,7 @@ def main(argv=None) -> int:
             print(json.dumps(memory_probe(config, probe)), flush=True)
             return 0
         if config.output:
-            _check_writable(config.output)
+            _check_output_writable(config.output)
         started = time.perf_counter()
         results = run_benchmark(config)
         results["seconds"] = time.perf_counter() - started
