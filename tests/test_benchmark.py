@@ -114,3 +114,14 @@ def test_reference_pipeline_sees_the_same_examples_as_the_package():
             batches += 1
         assert batches == steps, name
         assert labels == collections.Counter(split.labels.tolist()), name
+
+
+def test_mixed_precision_speedup_is_against_float32_of_the_same_model_and_batch():
+    from distributed_mpt.benchmark.training import _mixed_precision_speedups
+
+    rows = [{"model": "mlp", "batch_size": 32, "precision": p, "package_examples_per_second": r}
+            for p, r in (("float32", 100.0), ("mixed_float16", 250.0))]
+    rows.append({"model": "mlp", "batch_size": 256, "precision": "mixed_float16",
+                 "package_examples_per_second": 900.0})  # no float32 row to compare with
+    (speedup,) = _mixed_precision_speedups(rows)
+    assert (speedup["batch_size"], speedup["speedup_over_float32"]) == (32, 2.5)

@@ -47,6 +47,10 @@ def table_rows(results: dict) -> List[tuple]:
                 r["speedup_of_steps_per_loop"])
             add("training", f"{name}: xla / no xla", _rate(r["xla_examples_per_second"], "ex/s"),
                 _rate(r["package_examples_per_second"], "ex/s"), r["speedup_of_xla"])
+    for r in results.get("training", {}).get("mixed_precision_speedups", []):
+        add("training", f"{r['model']} b{r['batch_size']}: {r['precision']} / float32",
+            _rate(r["examples_per_second"], "ex/s"), _rate(r["float32_examples_per_second"], "ex/s"),
+            r["speedup_over_float32"])
     for r in results.get("machine_limit", {}).get("results", []):
         add("machine_limit", f"{r['model']} b{r['batch_size']} {r['precision']}: achieved / matmul",
             _rate(r["achieved_flops_per_second"], "FLOP/s"),

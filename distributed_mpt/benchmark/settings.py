@@ -29,7 +29,9 @@ class BenchConfig:
     models: tuple = ("mlp", "resnet9")
     model_width: int = 64
     batch_sizes: tuple = (32, 256)
-    precisions: tuple = ("float32",)
+    # float32 always; `auto` adds mixed_float16 on GPUs of compute capability
+    # 7.0+ (and is float32 again on CPUs, where it is dropped as a repeat).
+    precisions: tuple = ("float32", "auto")
     sections: tuple = SECTIONS
     train_examples: int = TRAIN_SPLIT
     pipeline_images: int = PIPELINE_IMAGES
