@@ -256,6 +256,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     resumed = checkpoints.restore_latest()
     start_step = int(trainer.step.numpy())
     reporter = Reporter(config.model_dir, is_chief, plan.total_steps, start_step)
+    if is_chief:  # written first, so that even a run that crashes says what it was
+        outputs.write_json(f"{config.model_dir}/config.json", dataclasses.asdict(config))
     reporter.say(f"{config.model} on {config.dataset}: {plan.policy}, {strategy_name} strategy, "
                  f"{plan.num_workers} worker(s), {plan.num_replicas} replica(s); global batch "
                  f"{plan.global_batch_size} = {config.per_replica_batch_size} per replica x "
@@ -298,7 +300,6 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         if config.export:
             reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir)}")
         outputs.write_json(f"{config.model_dir}/summary.json", summary)
-        outputs.write_json(f"{config.model_dir}/config.json", dataclasses.asdict(config))
     checkpoints.close()
     reporter.close()
     return summary

@@ -53,7 +53,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 log() { echo "multi_node.sh: $*" >&2; }
 
-
 absolute() { if [[ $1 == /* ]]; then printf '%s\n' "$1"; else printf '%s\n' "$PWD/$1"; fi; }
 
 # --- arguments and host list ------------------------------------------------

@@ -37,7 +37,6 @@ set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-
 recipe_path=$(resolve_recipe "${RECIPE:-resnet9}")
 MODEL_DIR=${MODEL_DIR:-runs/cifar10-$(basename "$recipe_path" .flags)}
 DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
