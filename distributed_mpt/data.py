@@ -63,6 +63,8 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
     `data_dir` and cannot be downloaded.
     """
     import tensorflow_datasets as tfds  # heavy; only runs that need it pay
+    # Not re-exported by tensorflow-datasets' public API.
+    from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
     builder = tfds.builder("cifar10", data_dir=data_dir)
     if not builder.is_prepared():
@@ -80,8 +82,14 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
                     f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
                     f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
                     f"into {manual_dir}, or train on --dataset=synthetic.")
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+        try:
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+        except NonMatchingChecksumError:
+            raise DataUnavailableError(
+                f"{os.path.join(manual_dir, CIFAR10_ARCHIVE)} is not the CIFAR-10 archive "
+                f"(its checksum does not match; the real one is 170,052,171 bytes): download it "
+                f"again from https://www.cs.toronto.edu/~kriz/cifar.html") from None
 
     def split(name: str) -> ImageSplit:
         # Batches of known size rather than batch_size=-1, which needs the

@@ -149,3 +149,13 @@ def test_augmentation_matches_reflect_pad_crop_and_flip():
                                                 offsets[[5, 0, 63]], flips[[5, 0, 63]])
     np.testing.assert_array_equal(augmented, expected[[5, 0, 63]])
     np.testing.assert_array_equal(labels, [5, 0, 63])
+
+
+def test_archive_in_the_manual_directory_is_used_and_checked(tmp_path, monkeypatch):
+    # No network needed: the archive is taken from <data_dir>/downloads/manual.
+    monkeypatch.setattr(data, "_CIFAR10_HOST", ("unreachable.invalid", 443))
+    manual = tmp_path / "downloads" / "manual"
+    manual.mkdir(parents=True)
+    (manual / data.CIFAR10_ARCHIVE).write_bytes(b"not the real archive")
+    with pytest.raises(DataUnavailableError, match="checksum does not match"):
+        data.load_cifar10(str(tmp_path), download=False)
