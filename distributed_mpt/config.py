@@ -47,6 +47,7 @@ class TrainConfig:
     data_on_device: bool = False
     peer_timeout_seconds: int = 300
     evaluate: bool = True
+    eval_every_epochs: int = 0
     export: bool = True
 
     def __post_init__(self):
@@ -82,6 +83,8 @@ def _validate(c: TrainConfig) -> None:
     _require(0 <= c.momentum < 1, f"--momentum={c.momentum} must be in [0, 1)")
     _require(c.weight_decay >= 0, f"--weight_decay={c.weight_decay} must be >= 0")
     _require(0 <= c.label_smoothing < 1, f"--label_smoothing={c.label_smoothing} must be in [0, 1)")
+    _require(c.eval_every_epochs >= 0,
+             f"--eval_every_epochs={c.eval_every_epochs} must be >= 0 (0: only at the end)")
     _require(c.cpu_replicas >= 0, f"--cpu_replicas={c.cpu_replicas} must be >= 0 (0: do not split the CPU)")
     _require(c.cpu_replicas == 0 or c.strategy in ("auto", "mirrored"),
              f"--cpu_replicas={c.cpu_replicas} needs --strategy=mirrored (or auto); "

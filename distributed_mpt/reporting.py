@@ -48,6 +48,7 @@ class Reporter:
         width = len(str(self._total_steps))
         parts = [f"step {step:>{width}}/{self._total_steps}"]
         for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
+                          ("eval_loss", ".4f"), ("eval_accuracy", ".4f"),
                           ("learning_rate", ".4g"), ("loss_scale", ".0f"),
                           ("examples_per_second", ".0f")):
             if name in record:

@@ -99,6 +99,9 @@ def _define_flags(fv: flags.FlagValues) -> None:
                          flag_values=fv)
     flags.DEFINE_bool("evaluate", d("evaluate"), "Evaluate on the whole test split at the end.",
                       flag_values=fv)
+    flags.DEFINE_integer("eval_every_epochs", d("eval_every_epochs"),
+                         "Also evaluate every N epochs during training (logged like the "
+                         "progress); 0: only at the end.", flag_values=fv)
     flags.DEFINE_bool("export", d("export"), "Export a SavedModel and a .keras file at the end.",
                       flag_values=fv)
 

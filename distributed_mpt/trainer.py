@@ -276,7 +276,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     signals = _StopSignals()
     try:
         train_metrics, throughput = _run_training(
-            trainer, config, plan, train_split, start_step, checkpoints, reporter, signals)
+            trainer, config, plan, train_split, test_split, start_step, checkpoints, reporter,
+            signals)
     finally:
         signals.restore()
 
@@ -306,12 +307,12 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
 
 
 def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_split,
-                  start_step: int, checkpoints: Checkpoints, reporter: Reporter,
+                  test_split, start_step: int, checkpoints: Checkpoints, reporter: Reporter,
                   signals: _StopSignals):
-    """Trains from `start_step` to the last step, logging, checkpointing and
-    watching for divergence and stop signals. Returns the last interval's
-    metrics and the throughput in examples per second (first call excluded:
-    it includes tracing)."""
+    """Trains from `start_step` to the last step, logging, evaluating every
+    `eval_every_epochs`, checkpointing and watching for divergence and stop
+    signals. Returns the last interval's metrics and the throughput in
+    examples per second (first call excluded: it includes tracing)."""
     if start_step >= plan.total_steps:
         return {}, None
     iterator = iter(trainer.train_dataset(train_split, start_step))
@@ -321,9 +322,12 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
     interval_start = time.perf_counter()
     timed_examples, timed_seconds, metrics = 0, 0.0, {}
     current = last_saved = start_step
+    # Evaluation at the end is train_and_evaluate's; this is for the curve.
+    eval_every_steps = config.eval_every_epochs * plan.steps_per_epoch or plan.total_steps
     while current < plan.total_steps:
         num_steps = min(plan.total_steps, _next_multiple(current, config.log_every_steps),
                         _next_multiple(current, config.checkpoint_every_steps),
+                        _next_multiple(current, eval_every_steps),
                         current + config.steps_per_loop) - current
         started = time.perf_counter()
         totals = trainer.train(iterator, num_steps, signals.requested)
@@ -351,6 +355,12 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
                        "skipped_steps": int(interval[3])}
             reporter.log(current, metrics)
             interval, interval_start = [0.0, 0.0, 0.0, 0.0], time.perf_counter()
+
+        if current % eval_every_steps == 0 and current < plan.total_steps:
+            loss, accuracy, _ = trainer.evaluate(test_split)
+            reporter.log(current, {"epoch": current / plan.steps_per_epoch,
+                                   "eval_loss": loss, "eval_accuracy": accuracy})
+            interval_start = time.perf_counter()  # evaluation is not training time
 
         stop = totals[4] > 0
         if current % config.checkpoint_every_steps == 0 or current == plan.total_steps or stop:

@@ -236,3 +236,14 @@ def test_prepare_data_without_network_fails_fast_with_remedies(tmp_path):
     if result.returncode == 0:
         pytest.skip("this machine reaches the CIFAR-10 host: it prepared the data")
     _assert_one_line_error(result, "downloads/manual")
+
+
+def test_evaluation_every_epoch_is_logged(model_dir):
+    # 1024 synthetic examples at batch 32: 32 steps per epoch.
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=70", "--eval_every_epochs=1",
+                     f"--model_dir={model_dir}"]))
+    records = [json.loads(l) for l in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evaluations] == [32, 64]
+    assert evaluations[-1]["eval_accuracy"] > 0.5
+    assert read_summary(model_dir)["eval_examples"] == 1024 // 5
