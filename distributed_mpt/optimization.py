@@ -18,8 +18,12 @@ def scaled_learning_rate(base_learning_rate: float, global_batch_size: int) -> f
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int):
-    """Linear warmup from 0 to `peak` over `warmup_steps`, then cosine decay to 0."""
-    warmup_steps = min(warmup_steps, total_steps)
+    """Linear warmup from 0 to `peak` over `warmup_steps`, then cosine decay to 0.
+
+    The warmup takes at most half of the run, so that a short run (a smoke
+    test, --train_steps) still decays instead of ending at its peak.
+    """
+    warmup_steps = min(warmup_steps, total_steps // 2)
     decay_steps = max(total_steps - warmup_steps, 1)
     if warmup_steps == 0:
         return keras.optimizers.schedules.CosineDecay(peak, decay_steps)

@@ -50,3 +50,9 @@ def test_plan_scales_batch_and_rate_with_replicas(tmp_path):
 def test_plan_refuses_a_batch_larger_than_the_data():
     with pytest.raises(ConfigError, match="exceeds"):
         plan_run(TrainConfig(model_dir="x", per_replica_batch_size=512), 4, 1, 1000)
+
+
+def test_a_run_shorter_than_its_warmup_still_decays():
+    schedule = optimization.learning_rate_schedule(peak=0.4, total_steps=10, warmup_steps=100)
+    values = [float(schedule(step)) for step in range(11)]
+    assert values.index(max(values)) == 5 and values[10] == pytest.approx(0.0, abs=1e-6)
