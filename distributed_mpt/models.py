@@ -26,6 +26,12 @@ def build_model(name: str, width: int = 64, weight_decay: float = 0.0) -> keras.
     return builders[name](width, regularizer)
 
 
+def synchronizes_replicas(name: str) -> bool:
+    """True if model `name` all-reduces inside its forward pass (synchronized
+    batch norm), which XLA-compiling a replica's step cannot hold."""
+    return name == "resnet9"
+
+
 def _inputs():
     images = keras.Input(shape=IMAGE_SHAPE, dtype="uint8", name="images")
     normalized = keras.layers.Normalization(
@@ -64,7 +70,10 @@ def _resnet9(width: int, regularizer: Optional[keras.regularizers.Regularizer]) 
     def conv_bn(x, channels):
         x = keras.layers.Conv2D(channels, 3, padding="same", use_bias=False,
                                 kernel_regularizer=regularizer)(x)
-        x = keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
+        # Synchronized: batch statistics over the global batch, so that N
+        # replicas at batch b train like one at N*b, and every replica keeps
+        # the same moving statistics (Keras 3 would otherwise let them drift).
+        x = keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, synchronized=True)(x)
         return keras.layers.Activation("relu")(x)
 
     def residual(x, channels):

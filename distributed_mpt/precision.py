@@ -35,11 +35,12 @@ def set_precision(policy_name: str) -> None:
     keras.mixed_precision.set_global_policy(policy_name)
 
 
-def loss_scale(optimizer: keras.optimizers.Optimizer):
+def loss_scale(optimizer: keras.optimizers.Optimizer) -> float:
     """The current dynamic loss scale (1 when the optimizer does not scale)."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.dynamic_scale
-    return tf.constant(1.0)
+        # A distributed variable under MirroredStrategy: read its value.
+        return float(tf.convert_to_tensor(optimizer.dynamic_scale))
+    return 1.0
 
 
 def has_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:

@@ -19,19 +19,13 @@ from distributed_mpt import data, optimization, outputs, precision
 from distributed_mpt.checkpointing import Checkpoints, model_identity
 from distributed_mpt.cluster import Cluster
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_PREEMPTED, ConfigError, DivergedError
-from distributed_mpt.models import build_model
+from distributed_mpt.errors import ConfigError, DivergedError, Preempted
+from distributed_mpt.models import build_model, synchronizes_replicas
 from distributed_mpt.reporting import Reporter
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
 # halves; this many in a row means the loss itself is not finite.
 _NONFINITE_STEPS_WITH_LOSS_SCALING = 100
-
-
-class Preempted(Exception):
-    """Training stopped on a signal after saving a checkpoint."""
-
-    exit_code = EXIT_PREEMPTED
 
 
 class _StopSignals:
@@ -84,6 +78,11 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
     the global batch does not fit the training split."""
     global_batch = config.per_replica_batch_size * num_replicas
     epoch_steps = data.steps_per_epoch(num_train_examples, global_batch)
+    if config.xla and num_replicas > 1 and synchronizes_replicas(config.model):
+        raise ConfigError(
+            f"--xla compiles each replica's forward and backward pass, which cannot hold "
+            f"{config.model}'s batch norm synchronized over {num_replicas} replicas: drop --xla, "
+            f"or use it with one replica")
     if epoch_steps == 0:
         raise ConfigError(
             f"the global batch of {global_batch} ({config.per_replica_batch_size} x {num_replicas} "
@@ -111,15 +110,16 @@ class Trainer:
             plan.learning_rate, plan.total_steps, plan.warmup_steps)
         with strategy.scope():
             self.model = build_model(config.model, config.model_width, config.weight_decay)
+            self._loss_scaling = plan.policy == "mixed_float16"
             self.optimizer = optimization.make_optimizer(
-                schedule, config.momentum, loss_scaling=plan.policy == "mixed_float16")
+                schedule, config.momentum, loss_scaling=self._loss_scaling)
             # Built here, not lazily in the first step: MirroredStrategy
             # cannot create slot variables inside the traced step.
             self.optimizer.build(self.model.trainable_variables)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.trained_global_batch = tf.Variable(plan.global_batch_size, dtype=tf.int64,
                                                     trainable=False)
-            self._train_sums = _sum_accumulator(4)  # loss sum, correct, examples, non-finite steps
+            self._train_sums = _sum_accumulator(4)  # loss sum, correct, examples, skipped steps
             self._eval_sums = _sum_accumulator(3)   # loss sum, correct, examples
             self._device_split = None
             if config.data_on_device:
@@ -189,11 +189,23 @@ class Trainer:
         else:
             images, labels = batch
         gradients, loss, loss_sum, correct = self._gradients(images, labels)
+        # Keras' LossScaleOptimizer decides to skip a step from each replica's
+        # own gradients (it assumes they were summed already), so replicas
+        # could disagree: some apply an inf, or workers fall out of step.
+        # All replicas agree here instead, and one non-finite gradient makes
+        # every replica skip.
+        context = tf.distribute.get_replica_context()
+        locally_finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients])
+        overflowed = context.all_reduce("SUM", 1.0 - tf.cast(locally_finite, tf.float32))
+        all_finite = tf.cast(overflowed == 0.0, tf.float32)
+        if self._loss_scaling:
+            gradients = [*gradients[:-1], gradients[-1] / all_finite]  # x/0: inf or nan
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         count = tf.cast(tf.shape(labels)[0], tf.float32)
-        self._train_sums.assign_add(tf.where(tf.math.is_finite(loss),
-                                             tf.stack([loss_sum, correct, count, 0.0]),
-                                             tf.constant([0.0, 0.0, 0.0, 1.0])))
+        sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros([3]))
+        # One count per global step whose gradients were not finite.
+        skipped = (1.0 - all_finite) / context.num_replicas_in_sync
+        self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
 
     def _train_loop_fn(self, iterator, num_steps, stop_requested):
         for _ in tf.range(num_steps):
@@ -250,7 +262,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     trainer = Trainer(config, plan, strategy, train_split)
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
-    checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model),
+    checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
                               **trainer.checkpointables)
     checkpoints.check_identity()  # before anything is written into model_dir
     resumed = checkpoints.restore_latest()
@@ -337,7 +349,7 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
         current += num_steps
         interval = [a + b for a, b in zip(interval, totals[:4])]
 
-        nonfinite_steps = int(totals[3])
+        nonfinite_steps = round(totals[3])
         nonfinite_run = nonfinite_run + nonfinite_steps if nonfinite_steps == num_steps else 0
         if nonfinite_steps and (not loss_scaling or nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING):
             raise DivergedError(
@@ -352,7 +364,7 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
                        "learning_rate": float(trainer.optimizer.learning_rate),
                        "loss_scale": float(precision.loss_scale(trainer.optimizer)),
                        "examples_per_second": examples / seconds if seconds else 0.0,
-                       "skipped_steps": int(interval[3])}
+                       "skipped_steps": round(interval[3])}
             reporter.log(current, metrics)
             interval, interval_start = [0.0, 0.0, 0.0, 0.0], time.perf_counter()
 

@@ -186,6 +186,13 @@ def test_bad_flags_exit_with_one_line_and_write_nothing(tmp_path, flags, fragmen
     assert not model_dir.exists()
 
 
+def test_xla_with_synchronized_batch_norm_over_replicas_is_refused(tmp_path):
+    result = train([*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--xla",
+                    "--strategy=mirrored", "--cpu_replicas=2", f"--model_dir={tmp_path / 'run'}"])
+    _assert_one_line_error(result, "--xla")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_malformed_tf_config_exits_with_one_line(tmp_path):
     result = train([*SMOKE_FLAGS, f"--model_dir={tmp_path / 'run'}"],
                    env=subprocess_env(TF_CONFIG='{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}'))
@@ -247,3 +254,20 @@ def test_evaluation_every_epoch_is_logged(model_dir):
     assert [r["step"] for r in evaluations] == [32, 64]
     assert evaluations[-1]["eval_accuracy"] > 0.5
     assert read_summary(model_dir)["eval_examples"] == 1024 // 5
+
+
+def test_mixed_float16_replicas_agree_on_loss_scaling(tmp_path):
+    """Loss-scale skips are agreed across replicas (Keras decides per replica
+    otherwise): 2 replicas track 1 replica at the same global batch."""
+    common = [*SMOKE_FLAGS, "--train_steps=8", "--precision=mixed_float16", "--noevaluate"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", "--per_replica_batch_size=32",
+                     f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    scale = "optimizer/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE"
+    assert single[scale] == mirrored[scale]
+    for name in single:
+        # float16 compute: round-off differs with the batch split.
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-2, atol=5e-3, err_msg=name)
