@@ -13,6 +13,9 @@ EXIT_DIVERGED = 3
 # Stopped by SIGTERM/SIGINT after saving a checkpoint (128 + SIGTERM). A
 # restart resumes from that checkpoint, so the code must be retryable.
 EXIT_PREEMPTED = 143
+# A peer of a multi-worker job was lost mid-training (128 + SIGPIPE: the
+# connection broke). Retryable: the group restarts from the last checkpoint.
+EXIT_PEER_LOST = 141
 # Peers of a multi-worker job did not come up in time: the worker is ended
 # by SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
 # still be scheduled.
@@ -45,3 +48,9 @@ class DivergedError(UserError):
     """The loss became NaN or infinite and did not recover."""
 
     exit_code = EXIT_DIVERGED
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving a checkpoint."""
+
+    exit_code = EXIT_PREEMPTED

@@ -25,7 +25,7 @@ from typing import List, Optional
 
 from absl import flags
 
-from distributed_mpt.errors import EXIT_DIVERGED, EXIT_USAGE
+from distributed_mpt.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE
 
 # Exit codes a restart cannot fix (see errors.py): bad input, divergence.
 _PERMANENT = (EXIT_USAGE, EXIT_DIVERGED)
@@ -69,7 +69,7 @@ class _Group:
             env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
             process = subprocess.Popen(
                 [sys.executable, "-m", "distributed_mpt.train", *train_flags], env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                 start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
             self.processes.append(process)
             for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
@@ -111,9 +111,19 @@ class _Group:
 
 
 def _prefix_lines(source, sink, index: int) -> None:
+    # Keep reading even when our own output is gone (`| head`): a worker
+    # whose pipe is not drained blocks.
     for line in source:
-        sink.write(f"[worker {index}] {line}")
-        sink.flush()
+        try:
+            sink.write(f"[worker {index}] {line}")
+            sink.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def exit_status(returncode: int) -> int:
+    """A process's return code as a shell reports it (killed by signal n: 128 + n)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
@@ -132,22 +142,30 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
     restarts = 0
     while True:
         group = _Group(num_workers, train_flags)
+        if forwarded:  # a signal came while the group was starting
+            group.signal(forwarded[-1])
         while not group.done() and group.first_failure() is None:
             time.sleep(0.2)
         failed = group.first_failure()
         if failed is None or forwarded:
-            group.wait()  # workers that were signalled save a checkpoint and exit
-            return group.processes[0].returncode
-        code = group.processes[failed].returncode
+            # Signalled workers save a checkpoint and exit 143; one that fails
+            # otherwise leaves its peers blocked in a collective.
+            while not group.done():
+                if any(p.poll() not in (None, 0, EXIT_PREEMPTED) for p in group.processes):
+                    group.stop(grace_seconds)
+                time.sleep(0.2)
+            group.wait()
+            return exit_status(group.processes[0].returncode)
+        code = exit_status(group.processes[failed].returncode)
         print(f"[launch] worker {failed} exited with {code}; stopping the group", flush=True)
         group.stop(grace_seconds)
         if code in _PERMANENT:
             print(f"[launch] exit code {code} is permanent (bad input or divergence): not restarting",
                   flush=True)
-            return group.processes[0].returncode or code
-        if restarts >= max_restarts:
+            return code
+        if restarts >= max_restarts or forwarded:
             print(f"[launch] giving up after {restarts} restart(s)", flush=True)
-            return group.processes[0].returncode or code
+            return code
         restarts += 1
         print(f"[launch] restart {restarts}/{max_restarts}: resuming from the latest checkpoint",
               flush=True)

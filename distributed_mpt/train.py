@@ -21,7 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import flags  # noqa: E402
 
 from distributed_mpt import config as config_lib  # noqa: E402
-from distributed_mpt.errors import ConfigError, UserError  # noqa: E402
+from distributed_mpt.errors import EXIT_PEER_LOST, ConfigError, Preempted, UserError  # noqa: E402
 
 _DEFAULTS = config_lib.TrainConfig.__dataclass_fields__
 
@@ -146,17 +146,36 @@ def main(argv=None) -> int:
         strategy = distribution.create_strategy(
             strategy_name, config.cpu_replicas, config.communication, cluster,
             config.peer_timeout_seconds)
-        trainer.train_and_evaluate(config, strategy, strategy_name, cluster)
+        try:
+            trainer.train_and_evaluate(config, strategy, strategy_name, cluster)
+        except _peer_errors() as e:
+            if cluster is None:
+                raise
+            # A peer died (its node was lost, it was OOM-killed): the
+            # collectives fail on every survivor. A retryable exit lets the
+            # launcher or Kubernetes restart the group from the checkpoint.
+            print(f"error: lost a peer of the multi-worker job ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200]}); exiting with {EXIT_PEER_LOST} so that "
+                  f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
+            return EXIT_PEER_LOST
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except trainer.Preempted as e:
+    except Preempted as e:
         print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted: steps since the last checkpoint were not saved", file=sys.stderr)
         return 130
     return 0
+
+
+def _peer_errors() -> tuple:
+    """The errors TensorFlow raises on survivors when a peer is lost."""
+    import tensorflow as tf
+
+    return (tf.errors.UnavailableError, tf.errors.AbortedError,
+            tf.errors.DeadlineExceededError, tf.errors.CancelledError)
 
 
 def run() -> None:

@@ -362,7 +362,8 @@ def operator_retries(restart_policy: str, exit_code: int) -> bool:
 
 
 PERMANENT = (errors.EXIT_USAGE, errors.EXIT_DIVERGED)
-RETRYABLE = (errors.EXIT_PREEMPTED, errors.EXIT_PEER_TIMEOUT, 137)  # 137: SIGKILL, OOM kill
+RETRYABLE = (errors.EXIT_PREEMPTED, errors.EXIT_PEER_TIMEOUT, errors.EXIT_PEER_LOST,
+             137)  # 137: SIGKILL, OOM kill
 
 
 @pytest.mark.parametrize("variant", ["tfjob", "tfjob-chief"])
