@@ -28,10 +28,12 @@ from distributed_mpt.errors import CheckpointMismatchError
 MAX_TO_KEEP = 3
 
 
-def model_identity(model) -> dict:
-    """What must match for a checkpoint to be restorable into `model`."""
+def model_identity(model, precision: str) -> dict:
+    """What must match for a checkpoint to be restorable into `model` trained
+    under `precision` (mixed_float16 adds loss-scaling state)."""
     # Shapes in order, not names: Keras numbers layer names per process.
-    return {"model": model.name, "variable_shapes": [list(v.shape) for v in model.weights]}
+    return {"model": model.name, "precision": precision,
+            "variable_shapes": [list(v.shape) for v in model.weights]}
 
 
 def _parameters(identity: dict) -> int:
@@ -78,6 +80,14 @@ class Checkpoints:
             return
         with open(path) as f:
             stored = json.load(f)
+        if stored.get("precision") != self._identity["precision"] and \
+                {k: v for k, v in stored.items() if k != "precision"} == \
+                {k: v for k, v in self._identity.items() if k != "precision"}:
+            raise CheckpointMismatchError(
+                f"{self._shared_dir} holds checkpoints trained with --precision="
+                f"{stored.get('precision')}, not {self._identity['precision']}: pass "
+                f"--precision={stored.get('precision')} (auto differs between GPU and CPU hosts), "
+                f"or use another --model_dir")
         if stored != self._identity:
             ours = self._identity["model"]
             raise CheckpointMismatchError(
@@ -91,7 +101,12 @@ class Checkpoints:
         latest = self.latest
         if latest is None:
             return False
-        self._checkpoint.restore(latest).assert_existing_objects_matched()
+        try:
+            self._checkpoint.restore(latest).assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as e:
+            raise CheckpointMismatchError(
+                f"cannot restore {latest} ({str(e).splitlines()[0][:200]}); use another "
+                f"--model_dir, or the flags of the run that wrote it") from None
         return True
 
     def save(self, step: int) -> None:

@@ -83,6 +83,9 @@ def _validate(c: TrainConfig) -> None:
     _require(0 <= c.momentum < 1, f"--momentum={c.momentum} must be in [0, 1)")
     _require(c.weight_decay >= 0, f"--weight_decay={c.weight_decay} must be >= 0")
     _require(0 <= c.label_smoothing < 1, f"--label_smoothing={c.label_smoothing} must be in [0, 1)")
+    # Seeds feed numpy (< 2**32) and TensorFlow's stateless ops (int32, with
+    # small offsets added).
+    _require(0 <= c.seed < 2**31 - 16, f"--seed={c.seed} must be in [0, {2**31 - 16})")
     _require(c.eval_every_epochs >= 0,
              f"--eval_every_epochs={c.eval_every_epochs} must be >= 0 (0: only at the end)")
     _require(c.cpu_replicas >= 0, f"--cpu_replicas={c.cpu_replicas} must be >= 0 (0: do not split the CPU)")

@@ -38,15 +38,27 @@ def write_text(path: str, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    # Temporary files are private (0600); the result is for everyone the
+    # umask allows, like any file the user writes.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)
     os.replace(f.name, path)
 
 
 def read_jsonl(path: str) -> list:
-    """The records of a JSON-lines file (empty if it does not exist)."""
+    """The records of a JSON-lines file (empty if it does not exist). A last
+    line cut short by a killed writer is dropped."""
     if not os.path.exists(path):
         return []
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a torn line: what was appended when the process died
+    return records
 
 
 def export_model(model, model_dir: str) -> str:

@@ -56,3 +56,9 @@ def test_bad_values_raise_one_line(tmp_path, argv, fragment):
 def test_model_dir_required():
     with pytest.raises(ConfigError, match="model_dir"):
         parse_config([])
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**31)])
+def test_seed_out_of_range(tmp_path, seed):
+    with pytest.raises(ConfigError, match="seed"):
+        parse_config([f"--model_dir={tmp_path}", f"--seed={seed}"])

@@ -36,7 +36,11 @@ def test_mlp_is_the_notebooks_network():
     assert model.count_params() == (3072 * 3000 + 3000) + (3000 * 1000 + 1000) + (1000 * 10 + 10)
 
 
-def test_identity_tells_models_apart():
-    assert model_identity(build_model("mlp")) != model_identity(build_model("resnet9", width=8))
-    assert model_identity(build_model("resnet9", width=8)) != model_identity(build_model("resnet9", width=16))
-    assert model_identity(build_model("resnet9", width=8)) == model_identity(build_model("resnet9", width=8))
+def test_identity_tells_models_and_precisions_apart():
+    def identity(name, width=8, policy="float32"):
+        return model_identity(build_model(name, width=width), policy)
+
+    assert identity("mlp") != identity("resnet9")
+    assert identity("resnet9", width=8) != identity("resnet9", width=16)
+    assert identity("resnet9") != identity("resnet9", policy="mixed_float16")
+    assert identity("resnet9") == identity("resnet9")

@@ -44,7 +44,7 @@ def test_export_replaces_the_previous_export_whole(tmp_path):
 
 def _checkpoints(model_dir, model, worker=None):
     step = tf.Variable(0, dtype=tf.int64)
-    return Checkpoints(str(model_dir), worker, model_identity(model), model=model, step=step), step
+    return Checkpoints(str(model_dir), worker, model_identity(model, "float32"), model=model, step=step), step
 
 
 def test_checkpoints_restore_and_refuse_another_model(tmp_path):
@@ -78,3 +78,26 @@ def test_auto_precision_on_this_machine():
     expected = "mixed_float16" if tf.config.list_physical_devices("GPU") else "float32"
     assert precision.resolve_precision("auto") == expected
     assert precision.resolve_precision("mixed_bfloat16") == "mixed_bfloat16"
+
+
+def test_checkpoints_of_another_precision_say_which_flag_to_pass(tmp_path):
+    model = build_model("resnet9", width=4)
+    step = tf.Variable(0, dtype=tf.int64)
+    Checkpoints(str(tmp_path), None, model_identity(model, "mixed_float16"), model=model,
+                step=step).save(1)
+    other = Checkpoints(str(tmp_path), None, model_identity(model, "float32"), model=model, step=step)
+    with pytest.raises(CheckpointMismatchError, match="--precision=mixed_float16"):
+        other.check_identity()
+
+
+def test_a_torn_last_metrics_line_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    assert outputs.read_jsonl(str(path)) == [{"step": 1}, {"step": 2}]
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    outputs.write_json(str(tmp_path / "a.json"), {})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
