@@ -189,22 +189,27 @@ class Trainer:
         else:
             images, labels = batch
         gradients, loss, loss_sum, correct = self._gradients(images, labels)
-        # Keras' LossScaleOptimizer decides to skip a step from each replica's
-        # own gradients (it assumes they were summed already), so replicas
-        # could disagree: some apply an inf, or workers fall out of step.
-        # All replicas agree here instead, and one non-finite gradient makes
-        # every replica skip.
         context = tf.distribute.get_replica_context()
-        locally_finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients])
-        overflowed = context.all_reduce("SUM", 1.0 - tf.cast(locally_finite, tf.float32))
-        all_finite = tf.cast(overflowed == 0.0, tf.float32)
         if self._loss_scaling:
+            # Keras' LossScaleOptimizer decides to skip a step from each
+            # replica's own gradients (it assumes they were summed already),
+            # so replicas could disagree: some apply an inf, or workers fall
+            # out of step. All replicas agree here instead, and one
+            # non-finite gradient makes every replica skip.
+            locally_finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients])
+            overflowed = context.all_reduce("SUM", 1.0 - tf.cast(locally_finite, tf.float32))
+            all_finite = tf.cast(overflowed == 0.0, tf.float32)
             gradients = [*gradients[:-1], gradients[-1] / all_finite]  # x/0: inf or nan
+            nonfinite = 1.0 - all_finite
+        else:
+            # No skipping without loss scaling: a non-finite loss is fatal,
+            # and its count needs no extra pass over the gradients.
+            nonfinite = 1.0 - tf.cast(tf.math.is_finite(loss), tf.float32)
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         count = tf.cast(tf.shape(labels)[0], tf.float32)
         sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros([3]))
-        # One count per global step whose gradients were not finite.
-        skipped = (1.0 - all_finite) / context.num_replicas_in_sync
+        # Summed over replicas: one per global step that was not finite.
+        skipped = nonfinite / context.num_replicas_in_sync
         self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
 
     def _train_loop_fn(self, iterator, num_steps, stop_requested):
@@ -349,9 +354,10 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
         current += num_steps
         interval = [a + b for a, b in zip(interval, totals[:4])]
 
-        nonfinite_steps = round(totals[3])
-        nonfinite_run = nonfinite_run + nonfinite_steps if nonfinite_steps == num_steps else 0
-        if nonfinite_steps and (not loss_scaling or nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING):
+        nonfinite_steps = totals[3]  # fractional when only some replicas saw it
+        nonfinite_run = nonfinite_run + num_steps if round(nonfinite_steps) == num_steps else 0
+        if (nonfinite_steps > 0 and not loss_scaling) or \
+                nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
             raise DivergedError(
                 f"the loss became NaN or infinite by step {current}; kept the last good checkpoint "
                 f"(step {last_saved}) untouched: lower --learning_rate or use --precision=float32")
