@@ -18,3 +18,14 @@ print(r.files("distributed_mpt") / "recipes" / (sys.argv[1] + ".flags"))' "$reci
     printf '%s\n' "$path"
   fi
 }
+
+# For the scripts that run the trainer on this host: sets recipe_path,
+# MODEL_DIR and DATA_DIR from RECIPE, MODEL_DIR and DATA_DIR (defaults in
+# each script's header) and checks that the trainer is installed.
+local_run_defaults() {
+  recipe_path=$(resolve_recipe "${RECIPE:-resnet9}")
+  MODEL_DIR=${MODEL_DIR:-runs/cifar10-$(basename "$recipe_path" .flags)}
+  DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
+  command -v distributed-mpt-train >/dev/null ||
+    die "distributed-mpt-train is not on PATH: install the package (pip install -e .) or activate its virtualenv"
+}

@@ -27,12 +27,7 @@ set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-recipe_path=$(resolve_recipe "${RECIPE:-resnet9}")
-MODEL_DIR=${MODEL_DIR:-runs/cifar10-$(basename "$recipe_path" .flags)}
-DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
-
-command -v distributed-mpt-train >/dev/null ||
-  die "distributed-mpt-train is not on PATH: install the package (pip install -e .) or activate its virtualenv"
+local_run_defaults
 
 CUDA_VISIBLE_DEVICES=${GPU:-0} exec distributed-mpt-train \
   --strategy=one_device \
