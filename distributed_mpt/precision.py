@@ -41,8 +41,3 @@ def loss_scale(optimizer: keras.optimizers.Optimizer) -> float:
         # A distributed variable under MirroredStrategy: read its value.
         return float(tf.convert_to_tensor(optimizer.dynamic_scale))
     return 1.0
-
-
-def has_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
-    """True if non-finite steps are skipped by dynamic loss scaling."""
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)

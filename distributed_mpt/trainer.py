@@ -71,6 +71,11 @@ class RunPlan:
     learning_rate: float  # the peak, scaled to the global batch
     warmup_steps: int
 
+    @property
+    def loss_scaling(self) -> bool:
+        """Dynamic loss scaling: float16 underflows small gradients."""
+        return self.policy == "mixed_float16"
+
 
 def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
              num_train_examples: int) -> RunPlan:
@@ -110,9 +115,8 @@ class Trainer:
             plan.learning_rate, plan.total_steps, plan.warmup_steps)
         with strategy.scope():
             self.model = build_model(config.model, config.model_width, config.weight_decay)
-            self._loss_scaling = plan.policy == "mixed_float16"
             self.optimizer = optimization.make_optimizer(
-                schedule, config.momentum, loss_scaling=self._loss_scaling)
+                schedule, config.momentum, loss_scaling=plan.loss_scaling)
             # Built here, not lazily in the first step: MirroredStrategy
             # cannot create slot variables inside the traced step.
             self.optimizer.build(self.model.trainable_variables)
@@ -181,7 +185,7 @@ class Trainer:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             scaled_loss = self.optimizer.scale_loss(loss)
         gradients = tape.gradient(scaled_loss, model.trainable_variables)
-        return gradients, loss, tf.reduce_sum(losses), _count_correct(labels, probabilities)
+        return gradients, loss, tf.reduce_sum(losses), tf.reduce_sum(_is_correct(labels, probabilities))
 
     def _train_step(self, *batch):
         if self._device_split is not None:  # batch: indices, crop offsets, flips
@@ -190,7 +194,7 @@ class Trainer:
             images, labels = batch
         gradients, loss, loss_sum, correct = self._gradients(images, labels)
         context = tf.distribute.get_replica_context()
-        if self._loss_scaling:
+        if self._plan.loss_scaling:
             # Keras' LossScaleOptimizer decides to skip a step from each
             # replica's own gradients (it assumes they were summed already),
             # so replicas could disagree: some apply an inf, or workers fall
@@ -224,10 +228,8 @@ class Trainer:
     def _eval_step(self, images, labels, weights):
         probabilities = self.model(images, training=False)
         losses = self._per_example_loss(self._eval_loss, labels, probabilities)
-        correct = tf.cast(tf.argmax(probabilities, axis=-1, output_type=tf.int32) == labels,
-                          tf.float32)
         self._eval_sums.assign_add(tf.stack([tf.reduce_sum(losses * weights),
-                                             tf.reduce_sum(correct * weights),
+                                             tf.reduce_sum(_is_correct(labels, probabilities) * weights),
                                              tf.reduce_sum(weights)]))
 
     def _eval_loop_fn(self, iterator, num_steps):
@@ -237,9 +239,10 @@ class Trainer:
         return self._strategy.reduce("SUM", totals, axis=None)
 
 
-def _count_correct(labels, probabilities):
+def _is_correct(labels, probabilities):
+    """1.0 where the most probable class is the label, per example."""
     predictions = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
-    return tf.reduce_sum(tf.cast(predictions == labels, tf.float32))
+    return tf.cast(predictions == labels, tf.float32)
 
 
 def _drain(accumulator, extra):
@@ -333,7 +336,6 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
     if start_step >= plan.total_steps:
         return {}, None
     iterator = iter(trainer.train_dataset(train_split, start_step))
-    loss_scaling = precision.has_loss_scaling(trainer.optimizer)
     nonfinite_run = 0
     interval = [0.0, 0.0, 0.0, 0.0]  # sums since the last log line
     interval_start = time.perf_counter()
@@ -356,7 +358,7 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
 
         nonfinite_steps = totals[3]  # fractional when only some replicas saw it
         nonfinite_run = nonfinite_run + num_steps if round(nonfinite_steps) == num_steps else 0
-        if (nonfinite_steps > 0 and not loss_scaling) or \
+        if (nonfinite_steps > 0 and not plan.loss_scaling) or \
                 nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
             raise DivergedError(
                 f"the loss became NaN or infinite by step {current}; kept the last good checkpoint "
@@ -368,7 +370,7 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
                        "loss": interval[0] / examples if examples else math.nan,
                        "accuracy": interval[1] / examples if examples else math.nan,
                        "learning_rate": float(trainer.optimizer.learning_rate),
-                       "loss_scale": float(precision.loss_scale(trainer.optimizer)),
+                       "loss_scale": precision.loss_scale(trainer.optimizer),
                        "examples_per_second": examples / seconds if seconds else 0.0,
                        "skipped_steps": round(interval[3])}
             reporter.log(current, metrics)
