@@ -20,6 +20,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from distributed_mpt import outputs
 from distributed_mpt.errors import DataUnavailableError
 
 NUM_CLASSES = 10
@@ -82,6 +83,8 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
                     f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
                     f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
                     f"into {manual_dir}, or train on --dataset=synthetic.")
+        # Preparing writes into data_dir: say so now, not in a traceback.
+        outputs.check_writable(builder.data_dir_root, flag="--data_dir")
         try:
             builder.download_and_prepare(
                 download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))

@@ -159,3 +159,14 @@ def test_archive_in_the_manual_directory_is_used_and_checked(tmp_path, monkeypat
     (manual / data.CIFAR10_ARCHIVE).write_bytes(b"not the real archive")
     with pytest.raises(DataUnavailableError, match="checksum does not match"):
         data.load_cifar10(str(tmp_path), download=False)
+
+
+def test_unwritable_data_dir_is_one_clear_error(tmp_path, monkeypatch):
+    from distributed_mpt.errors import ConfigError
+
+    # As if there were network: preparing would start, and must first find
+    # that it cannot write.
+    monkeypatch.setattr(data, "_reachable", lambda *args, **kwargs: True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="--data_dir=.* is not writable"):
+        data.load_cifar10(str(tmp_path / "file" / "tfds"), download=True)
