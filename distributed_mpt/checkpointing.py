@@ -2,30 +2,56 @@
 
 Every worker saves (MultiWorkerMirroredStrategy needs all of them to take
 part), but only the chief writes into `<model_dir>/checkpoints`; the others
-write into a temporary directory that they delete. All workers restore from
-the chief's directory, so a restarted group starts from one state.
+write into a private scratch directory that they delete. All workers restore
+from the chief's directory, so a restarted group starts from one state.
 
-TensorFlow writes a checkpoint's files first and updates the `checkpoint`
-index file last, atomically; a checkpoint cut short by a crash is never the
-"latest". Beside the checkpoints, `model.json` records which model they hold,
-so that a run of another model refuses the directory instead of failing deep
-in TensorFlow or, worse, overwriting it.
+A checkpoint is lost only if every copy of it is: a run restores the newest
+checkpoint that reads back whole, found by listing the files on disk rather
+than by trusting the `checkpoint` index file (a crash, a full disk or a user
+can leave that file garbage or pointing at nothing), and skips damaged newer
+ones, saying why. When checkpoints exist and none reads back, the run stops
+and changes nothing: it never starts from step 0 over them. Beside the
+checkpoints, `model.json` records which model they hold, so that a run of
+another model refuses the directory instead of failing deep in TensorFlow
+or, worse, overwriting it.
 """
 
+import dataclasses
+import errno
+import glob
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import stat
 import tempfile
-from typing import Optional
+import time
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
 from distributed_mpt import outputs
-from distributed_mpt.errors import CheckpointMismatchError
+from distributed_mpt.errors import CheckpointMismatchError, UserError
+from distributed_mpt.run_lock import remove_matching
 
 MAX_TO_KEEP = 3
+
+# The checkpoint files TensorFlow leaves when a save is cut short: shards
+# before their merge (`ckpt-N_temp/`), a file not yet renamed into place
+# (`*.tempstate<random>`), the index file before its rename.
+_SAVE_TEMPORARIES = ("ckpt-*_temp*", "ckpt-*.tempstate*", "checkpoint.tmp*", ".tmp-*")
+_CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointDamagedError(UserError):
+    """--model_dir holds checkpoints and none of them can be read back."""
+
+
+class DiskFullError(UserError):
+    """A checkpoint did not fit on its file system."""
 
 
 def model_identity(model, precision: str) -> dict:
@@ -40,6 +66,34 @@ def _parameters(identity: dict) -> int:
     return sum(math.prod(shape) for shape in identity.get("variable_shapes", []))
 
 
+def checkpoint_bytes(**trackables) -> int:
+    """Bytes of one checkpoint of `trackables`: every variable they hold,
+    optimizer slots included (the files add a few kB of index)."""
+    variables = []
+    for trackable in trackables.values():
+        variables += [trackable] if isinstance(trackable, tf.Variable) else trackable.variables
+    # Keras variables give their shape as a tuple and dtype as a name.
+    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """The checkpoint a run resumed from, and the newer ones it skipped."""
+
+    path: str  # the checkpoint's prefix, `.../ckpt-<step>`
+    step: int  # the step it was saved at
+    skipped: Tuple[Tuple[str, str], ...] = ()  # (prefix, why), newest first
+
+    def describe(self) -> str:
+        """One line for the log: which checkpoint, and why not a newer one."""
+        line = f"resuming from step {self.step} (checkpoint {self.path})"
+        if self.skipped:
+            reasons = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in self.skipped)
+            line += (f"; skipped {len(self.skipped)} newer checkpoint(s) that cannot be read "
+                     f"({reasons}), the steps since are trained again")
+        return line
+
+
 class Checkpoints:
     """Saves and restores the training state of one worker."""
 
@@ -49,22 +103,30 @@ class Checkpoints:
         self._shared_dir = os.path.join(model_dir, "checkpoints")
         self._identity = identity
         self._is_chief = worker is None
-        if self._is_chief:
-            own_dir = self._shared_dir
-        else:
-            # A fixed name per run and worker: a worker that was killed could
-            # not clean up, so its successor does.
-            run_id = hashlib.sha1(os.path.abspath(model_dir).encode()).hexdigest()[:10]
-            own_dir = os.path.join(tempfile.gettempdir(), f"dmpt-{run_id}-{worker}")
-            shutil.rmtree(own_dir, ignore_errors=True)
-        self._own_dir = own_dir
+        self._own_dir = self._shared_dir if self._is_chief else _scratch_dir(model_dir, worker)
         self._checkpoint = tf.train.Checkpoint(**trackables)
-        self._manager = tf.train.CheckpointManager(self._checkpoint, own_dir, max_to_keep=MAX_TO_KEEP)
+        self._bytes = checkpoint_bytes(**trackables)
+        self._manager = self._new_manager()
+        self._restored: Optional[Restored] = None
+        self._damaged: List[Tuple[int, str]] = []  # skipped at restore, not yet replaced
+        self._saved = False
+
+    def _new_manager(self) -> tf.train.CheckpointManager:
+        # It learns the checkpoints to rotate from the index file once, here.
+        return tf.train.CheckpointManager(self._checkpoint, self._own_dir, max_to_keep=MAX_TO_KEEP)
 
     @property
     def latest(self) -> Optional[str]:
-        """Path prefix of the chief's latest checkpoint, if any."""
-        return tf.train.latest_checkpoint(self._shared_dir)
+        """Prefix of the checkpoint this run restored or last saved, if any."""
+        if self._saved:
+            return self._manager.latest_checkpoint
+        return self._restored.path if self._restored else None
+
+    @property
+    def bytes_needed(self) -> int:
+        """Space a run needs for its checkpoints: the ones kept and one being
+        written (the oldest is deleted only after the new one is complete)."""
+        return (MAX_TO_KEEP + 1) * self._bytes
 
     def check_identity(self) -> None:
         """Raises CheckpointMismatchError if the checkpoints hold another model.
@@ -73,7 +135,7 @@ class Checkpoints:
         """
         path = os.path.join(self._shared_dir, "model.json")
         if not os.path.exists(path):
-            if self.latest:
+            if _on_disk(self._shared_dir):
                 raise CheckpointMismatchError(
                     f"{self._shared_dir} holds checkpoints without model.json; "
                     f"use an empty --model_dir")
@@ -96,27 +158,167 @@ class Checkpoints:
                 f"('{ours}', {_parameters(self._identity)}): use another --model_dir, or the "
                 f"model flags of the run that wrote it")
 
-    def restore_latest(self) -> bool:
-        """Restores the latest checkpoint into the tracked objects; False if none."""
-        latest = self.latest
-        if latest is None:
-            return False
-        try:
-            self._checkpoint.restore(latest).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError) as e:
-            raise CheckpointMismatchError(
-                f"cannot restore {latest} ({str(e).splitlines()[0][:200]}); use another "
-                f"--model_dir, or the flags of the run that wrote it") from None
-        return True
+    def restore_latest(self) -> Optional[Restored]:
+        """Restores the newest checkpoint that reads back whole; None if there
+        is none at all.
+
+        Raises CheckpointDamagedError, having changed nothing, if checkpoints
+        exist and none of them reads back, and CheckpointMismatchError if the
+        newest readable one does not fit the tracked objects.
+        """
+        found = _on_disk(self._shared_dir)
+        skipped = []
+        for step, prefix in found:
+            problem = _unreadable(prefix)
+            if problem:
+                skipped.append((prefix, problem))
+                continue
+            try:
+                self._checkpoint.restore(prefix).assert_existing_objects_matched()
+            except (AssertionError, ValueError, tf.errors.OpError) as e:
+                # It reads back whole, so it is not damaged: it holds other state.
+                raise CheckpointMismatchError(
+                    f"cannot restore {prefix} ({str(e).splitlines()[0][:200]}); use another "
+                    f"--model_dir, or the flags of the run that wrote it") from None
+            self._restored = Restored(prefix, step, tuple(skipped))
+            if self._is_chief:
+                self._damaged = [(_number(p), p) for p, _ in skipped]
+                self._rewrite_index(step, [p for n, p in found if n < step])
+            return self._restored
+        if not found:
+            return None
+        reasons = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+        raise CheckpointDamagedError(
+            f"{self._shared_dir} holds {len(found)} checkpoint(s) and none can be read ({reasons}); "
+            f"nothing was changed: put back intact copies, or move {self._shared_dir} away to "
+            f"start again from step 0")
+
+    def _rewrite_index(self, step: int, older: List[str]) -> None:
+        """Makes the index file name the restored checkpoint as the latest and
+        the older ones beside it, so that they are rotated out as usual.
+        Unchanged if it says so already (a finished run run again changes no
+        file)."""
+        names = [os.path.basename(p) for p in reversed(older)] + [f"ckpt-{step}"]
+        state = tf.train.get_checkpoint_state(self._shared_dir)
+        if state is not None and [os.path.basename(p) for p in
+                                  state.all_model_checkpoint_paths] == names and \
+                os.path.basename(state.model_checkpoint_path) == names[-1]:
+            return
+        # The v1 name is the only public writer of the index; an absolute
+        # directory keeps the names relative, as CheckpointManager writes them.
+        # CheckpointManager deletes only checkpoints newer than the "last
+        # preserved" time, so they get now and that time a second before.
+        now = time.time()
+        tf.compat.v1.train.update_checkpoint_state(
+            os.path.abspath(self._shared_dir), names[-1], all_model_checkpoint_paths=names,
+            all_model_checkpoint_timestamps=[now] * len(names), last_preserved_timestamp=now - 1)
+        self._manager = self._new_manager()
 
     def save(self, step: int) -> None:
-        """Saves the state at `step` (every worker must call this together)."""
-        if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
-            os.makedirs(self._shared_dir, exist_ok=True)
-            outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
-        self._manager.save(checkpoint_number=step)
+        """Saves the state at `step` (every worker must call this together).
+
+        Raises DiskFullError, having removed the partial checkpoint, if it
+        does not fit.
+        """
+        try:
+            if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
+                os.makedirs(self._shared_dir, exist_ok=True)
+                outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
+            self._manager.save(checkpoint_number=step)
+            self._saved = True
+        except (tf.errors.ResourceExhaustedError, OSError) as e:
+            if not _is_disk_full(e):
+                raise
+            self._remove_partial(step)
+            raise DiskFullError(
+                f"no space left in {self._own_dir} for the checkpoint of step {step}: a run "
+                f"needs {_megabytes(self.bytes_needed)} there ({MAX_TO_KEEP + 1} checkpoints of "
+                f"{_megabytes(self._bytes)}: {MAX_TO_KEEP} kept, one being written); free space "
+                f"and run the same command again to resume") from None
+        # A damaged checkpoint skipped at restore is now either overwritten
+        # (same step) or superseded by an intact newer one: drop it.
+        for number, prefix in self._damaged:
+            if number < step:
+                remove_matching(os.path.dirname(prefix), [f"{os.path.basename(prefix)}.*"])
+        self._damaged = [(n, p) for n, p in self._damaged if n > step]
+
+    def _remove_partial(self, step: int) -> None:
+        """Removes what a failed save of `step` wrote (its data files count
+        only once its index, written last, exists)."""
+        remove_matching(self._own_dir, _SAVE_TEMPORARIES)
+        prefix = os.path.join(self._own_dir, f"ckpt-{step}")
+        if not os.path.exists(prefix + ".index"):
+            remove_matching(self._own_dir, [f"ckpt-{step}.data-*"])
 
     def close(self) -> None:
-        """Removes a non-chief worker's temporary directory."""
+        """Removes a non-chief worker's scratch directory."""
         if not self._is_chief:
             shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+def _on_disk(directory: str) -> List[Tuple[int, str]]:
+    """(step, prefix) of every checkpoint with a file in `directory`, newest
+    first, whatever the index file says."""
+    steps = set()
+    for path in glob.glob(os.path.join(glob.escape(directory), "ckpt-*")):
+        match = _CHECKPOINT_FILE.match(os.path.basename(path))
+        if match:
+            steps.add(int(match.group(1)))
+    return [(step, os.path.join(directory, f"ckpt-{step}")) for step in sorted(steps, reverse=True)]
+
+
+def _number(prefix: str) -> int:
+    return int(prefix.rsplit("-", 1)[1])
+
+
+def _unreadable(prefix: str) -> Optional[str]:
+    """Why the checkpoint at `prefix` cannot be read back whole, or None.
+
+    Reads every tensor: the index must parse and each value must match the
+    checksum stored beside it, so a truncated, emptied or bit-flipped file
+    shows here rather than half-way through a restore.
+    """
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except Exception as e:  # noqa: BLE001 - a damaged file raises OpError, IndexError, ...
+        return (str(e).splitlines() or [type(e).__name__])[0][:160]
+    return None
+
+
+def _is_disk_full(error: Exception) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in _DISK_FULL
+    # TensorFlow reports a failed write as ResourceExhaustedError with the
+    # C library's message; out-of-memory is ResourceExhaustedError too.
+    return any(os.strerror(code) in str(error) for code in _DISK_FULL)
+
+
+def _megabytes(size: int) -> str:
+    return f"{math.ceil(size / 1e6)} MB"
+
+
+def _scratch_dir(model_dir: str, worker: str) -> str:
+    """A new private (0700) directory for a non-chief worker's checkpoints.
+
+    Its name is fixed per user, run and worker, so that the successor of a
+    killed worker removes what it left. The temporary directory is shared
+    with other users, who could plant a symlink or a directory of theirs
+    under that name: what is there is removed only if it is a real
+    directory of ours, the new one is made with mkdir (which never follows
+    a symlink), and if the name is taken we fall back to a random one.
+    """
+    run_id = hashlib.sha1(os.path.abspath(model_dir).encode()).hexdigest()[:10]
+    fixed = os.path.join(tempfile.gettempdir(), f"dmpt-{os.getuid()}-{run_id}-{worker}")
+    try:
+        info = os.lstat(fixed)
+    except FileNotFoundError:
+        info = None
+    if info is not None and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        shutil.rmtree(fixed)  # a killed predecessor's; rmtree does not follow symlinks
+    try:
+        os.mkdir(fixed, 0o700)
+    except FileExistsError:  # a symlink, a file, another user's directory
+        return tempfile.mkdtemp(prefix=f"dmpt-{os.getuid()}-{run_id}-{worker}-")
+    return fixed

@@ -1,0 +1,136 @@
+"""One run per --model_dir, and a run that cleans up after the one before it.
+
+The chief takes an exclusive `flock` on `<model_dir>/.lock` and holds it for
+the life of the run. The operating system drops the lock when the process
+ends, however it ends (exit, exception, SIGKILL, OOM killer), so a killed run
+never blocks its successor and there is no stale lock to clear by hand. The
+file itself stays; after the lock is taken it names the holder, so that a
+refused run can say who has the directory.
+
+What the lock guarantees, and where:
+- Two runs on one machine, and two pods whose volume is one node's disk:
+  the second is refused at once.
+- Shared file systems: NFSv4 implements `flock` with byte-range locks held
+  by the server, so runs on different hosts exclude each other. NFSv3 with
+  `local_lock=flock` or `nolock`, and several FUSE file systems (gcsfuse,
+  s3fs, some SMB mounts), lock only within one host: runs on two hosts both
+  get the lock and are NOT excluded. Use one run per directory there.
+- Kubernetes: a restarted or replaced pod is a new process; the old
+  process's lock died with it, so the successor starts. A pod on a node that
+  lost the network keeps its NFSv4 lock until the server's lease expires
+  (90 s by default); the new chief is refused until then. After that the
+  server hands the lock on even if the old process still runs: a lock is
+  not a fence, and it cannot stop a cut-off process from writing.
+"""
+
+import errno
+import fcntl
+import glob
+import json
+import os
+import shutil
+import socket
+import time
+
+from distributed_mpt.errors import UserError
+
+LOCK_NAME = ".lock"
+
+# What a killed run of this project can leave in --model_dir, and who writes
+# it. Nothing else is touched: the directory may hold the user's own files.
+DEBRIS = (
+    ".tmp-*",                         # outputs.write_text before its rename
+    ".write-test-*",                  # outputs.check_writable
+    ".export-*",                      # outputs.export_model: staging, retired export
+    "checkpoints/.tmp-*",             # model.json, written by outputs.write_json
+    "checkpoints/ckpt-*_temp*",       # TF SaveV2 writes shards here, then merges them
+    "checkpoints/ckpt-*.tempstate*",  # TF: a checkpoint file not yet renamed into place
+    "checkpoints/checkpoint.tmp*",    # TF: the index file not yet renamed into place
+)
+
+
+class ModelDirBusyError(UserError):
+    """Another run holds --model_dir, or it cannot be locked."""
+
+
+class RunLock:
+    """The exclusive right of one process to write into a model directory.
+
+    Use as a context manager, or call `release()`; a process that dies
+    releases it anyway.
+    """
+
+    def __init__(self, model_dir: str):
+        """Takes the lock at once or raises ModelDirBusyError naming the
+        holder. `model_dir` must exist."""
+        self.path = os.path.join(model_dir, LOCK_NAME)
+        # O_NOFOLLOW: the lock file is never a symlink to somewhere else.
+        # Python's descriptors are not inherited by child processes, so no
+        # child can keep the lock alive after this process is gone.
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise ModelDirBusyError(f"cannot open the lock file {self.path} ({e.strerror}); "
+                                    f"remove it if it is not a plain file") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(self._fd)
+            os.close(self._fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ModelDirBusyError(
+                    f"--model_dir={model_dir} is in use by another run ({holder}); wait for "
+                    f"it to end, stop it, or choose another --model_dir") from None
+            raise ModelDirBusyError(
+                f"cannot lock {self.path} ({e.strerror}): the file system of --model_dir "
+                f"offers no locks; choose a --model_dir on a local disk or NFSv4") from None
+        # Written only once the lock is ours, so the file always names the
+        # current holder (or, for a moment, nobody).
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (json.dumps(holder) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        """Gives the directory up (closing the file drops the lock)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def remove_debris(self) -> list:
+        """Removes what a killed run of this project left in the directory
+        (see DEBRIS); returns the paths removed. Safe only under the lock: a
+        running run's temporary files look the same."""
+        return remove_matching(os.path.dirname(self.path), DEBRIS)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.release()
+
+
+def remove_matching(directory: str, patterns) -> list:
+    """Removes the files and directories in `directory` that match the glob
+    `patterns` (symlinks are removed, never followed); returns their paths."""
+    removed = []
+    for pattern in patterns:
+        for path in sorted(glob.glob(os.path.join(glob.escape(directory), pattern))):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+            removed.append(path)
+    return removed
+
+
+def _read_holder(fd: int) -> str:
+    """'pid P on host H since T' from the lock file, as far as it says."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"pid {holder['pid']} on host {holder['host']} since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet written its name"
