@@ -30,6 +30,13 @@ CIFAR10_MEAN = (125.31, 122.95, 113.87)
 CIFAR10_STD = (62.99, 62.09, 66.70)
 
 CIFAR10_ARCHIVE = "cifar-10-binary.tar.gz"  # what tensorflow-datasets downloads
+# The extracted official binary release: five train batches and a test batch
+# of 10,000 records, each a label byte and the R, G and B planes (32x32 bytes).
+CIFAR10_BINARY_DIR = "cifar-10-batches-bin"
+_BINARY_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
+_BINARY_TEST_FILE = "test_batch.bin"
+_BINARY_RECORD_BYTES = 1 + 32 * 32 * 3
+_BINARY_FILE_BYTES = 10_000 * _BINARY_RECORD_BYTES  # 30,730,000
 _CIFAR10_HOST = ("www.cs.toronto.edu", 443)
 # tensorflow-datasets retries an unreachable host for minutes; a plain TCP
 # connect answers the question "is there network?" in seconds.
@@ -51,10 +58,65 @@ class ImageSplit:
 
 def load_dataset(name: str, data_dir: Optional[str], download: bool,
                  synthetic_examples: int, seed: int) -> Tuple[ImageSplit, ImageSplit]:
-    """Returns the (train, test) splits of `cifar10` or `synthetic`."""
+    """Returns the (train, test) splits of `cifar10` or `synthetic`.
+
+    CIFAR-10 comes from the official binary release when `data_dir` holds it
+    (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets.
+    """
     if name == "synthetic":
         return make_synthetic(synthetic_examples, max(synthetic_examples // 5, 1), seed)
+    binary_dir = find_binary_release(data_dir)
+    if binary_dir:
+        return load_cifar10_binary(binary_dir)
     return load_cifar10(data_dir, download)
+
+
+def find_binary_release(data_dir: Optional[str]) -> Optional[str]:
+    """The official binary release's directory in `data_dir` (the directory
+    itself or its `cifar-10-batches-bin/`), or None if it holds none."""
+    if not data_dir:
+        return None
+    if os.path.isdir(os.path.join(data_dir, CIFAR10_BINARY_DIR)):
+        return os.path.join(data_dir, CIFAR10_BINARY_DIR)
+    if any(os.path.exists(os.path.join(data_dir, name))
+           for name in (*_BINARY_TRAIN_FILES, _BINARY_TEST_FILE)):
+        return data_dir
+    return None
+
+
+def load_cifar10_binary(directory: str) -> Tuple[ImageSplit, ImageSplit]:
+    """Reads the extracted official binary release directly: no
+    tensorflow-datasets, nothing prepared or written. Checks every file's
+    size and labels, so that a truncated, missing or foreign file is one
+    clear error instead of a wrong dataset."""
+
+    def read(names) -> ImageSplit:
+        records = []
+        for name in names:
+            path = os.path.join(directory, name)
+            problem = None
+            try:
+                size = os.path.getsize(path)
+                if size != _BINARY_FILE_BYTES:
+                    problem = f"has {size:,} bytes, not {_BINARY_FILE_BYTES:,}"
+                else:
+                    with open(path, "rb") as f:
+                        batch = np.frombuffer(f.read(), np.uint8).reshape(-1, _BINARY_RECORD_BYTES)
+                    if batch[:, 0].max() >= NUM_CLASSES:
+                        problem = f"has labels above {NUM_CLASSES - 1}"
+            except OSError as e:
+                problem = f"cannot be read ({e.strerror})"
+            if problem:
+                raise DataUnavailableError(
+                    f"{path} {problem}: it is not a file of the CIFAR-10 binary release "
+                    f"({CIFAR10_ARCHIVE}); extract the archive into {directory} again")
+            records.append(batch)
+        records = np.concatenate(records)
+        # Planes [N, 3, 32, 32] -> NHWC, the layout of every other source.
+        images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        return ImageSplit(np.ascontiguousarray(images), records[:, 0].astype(np.int32))
+
+    return read(_BINARY_TRAIN_FILES), read([_BINARY_TEST_FILE])
 
 
 def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, ImageSplit]:

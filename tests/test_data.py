@@ -170,3 +170,39 @@ def test_unwritable_data_dir_is_one_clear_error(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="--data_dir=.* is not writable"):
         data.load_cifar10(str(tmp_path / "file" / "tfds"), download=True)
+
+
+def test_the_official_binary_release_is_read_directly(tmp_path):
+    from conftest import write_cifar10_binary
+
+    write_cifar10_binary(tmp_path)
+    # No tensorflow-datasets preparation, no download: nothing is written.
+    before = sorted(p for p in tmp_path.rglob("*"))
+    train, test = data.load_dataset("cifar10", str(tmp_path), download=False,
+                                    synthetic_examples=0, seed=0)
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+    assert train.images.shape == (50_000, 32, 32, 3) and len(test) == 10_000
+    assert train.images.dtype == np.uint8 and train.labels.dtype == np.int32
+    np.testing.assert_array_equal(train.labels[:12], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1])
+    # Planes become channels: R and B are the label, G is 100, at every pixel.
+    np.testing.assert_array_equal(train.images[7, 5, 9], [7, 100, 7])
+    # The directory itself may be given, too.
+    again, _ = data.load_dataset("cifar10", str(tmp_path / data.CIFAR10_BINARY_DIR), False, 0, 0)
+    np.testing.assert_array_equal(again.images[:100], train.images[:100])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "data_batch_3.bin").write_bytes((d / "data_batch_3.bin").read_bytes()[:-1]),
+     "data_batch_3.bin has 30,729,999 bytes, not 30,730,000"),
+    (lambda d: (d / "test_batch.bin").unlink(), "test_batch.bin cannot be read"),
+    (lambda d: (d / "data_batch_1.bin").write_bytes(bytes([12]) * 30_730_000),
+     "data_batch_1.bin has labels above 9"),
+])
+def test_a_damaged_binary_release_is_one_clear_error(tmp_path, damage, message):
+    from conftest import write_cifar10_binary
+
+    damage(write_cifar10_binary(tmp_path))
+    with pytest.raises(DataUnavailableError) as error:
+        data.load_dataset("cifar10", str(tmp_path), download=False, synthetic_examples=0, seed=0)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert "extract the archive" in str(error.value)
