@@ -1,10 +1,11 @@
-"""Both models take uint8 images and give float32 probabilities under every policy."""
+"""Every model takes uint8 images and gives float32 probabilities under every policy."""
 
 import keras
 import numpy as np
 import pytest
 
 from distributed_mpt.checkpointing import model_identity
+from distributed_mpt import data, models
 from distributed_mpt.models import build_model
 
 
@@ -15,7 +16,7 @@ def restore_policy():
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("name", ["mlp", "resnet9"])
+@pytest.mark.parametrize("name", ["mlp", "resnet9", "airbench"])
 def test_model_outputs_float32_probabilities(name, policy):
     keras.mixed_precision.set_global_policy(policy)
     model = build_model(name, width=8, weight_decay=5e-4)
@@ -44,3 +45,18 @@ def test_identity_tells_models_and_precisions_apart():
     assert identity("resnet9", width=8) != identity("resnet9", width=16)
     assert identity("resnet9") != identity("resnet9", policy="mixed_float16")
     assert identity("resnet9") == identity("resnet9")
+
+
+def test_airbench_whitening_layer_whitens_image_patches():
+    train, _ = data.make_synthetic(num_train=600, num_test=1, seed=0)
+    model = build_model("airbench", width=8)
+    models.initialize_from_data(model, train.images)
+    whiten = model.get_layer("whiten")
+    assert not whiten.trainable, "computed from the data, not learned"
+    np.testing.assert_array_equal(whiten.get_weights()[0], models.whitening_filters(train.images))
+    # The first half of the filters maps 2x2 patches of normalized images to
+    # uncorrelated unit-variance outputs; the second half is its negative.
+    normalized = (train.images - np.float32(data.CIFAR10_MEAN)) / np.float32(data.CIFAR10_STD)
+    outputs = np.asarray(keras.ops.conv(normalized, whiten.get_weights()[0][..., :12]))
+    outputs = outputs.reshape(-1, 12).astype(np.float64)
+    np.testing.assert_allclose(outputs.T @ outputs / len(outputs), np.eye(12), atol=0.02)
