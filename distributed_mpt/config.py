@@ -5,15 +5,39 @@ the config or plain arguments and never reads flags.
 """
 
 import dataclasses
+import math
 from typing import Optional
 
 from distributed_mpt.errors import ConfigError
 
 DATASETS = ("cifar10", "synthetic")
-MODELS = ("mlp", "resnet9")
+MODELS = ("mlp", "resnet9", "airbench")
 PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 COMMUNICATIONS = ("auto", "ring", "nccl")
+
+
+# What each network needs to train well, and not diverge, at any batch
+# (rates at the reference batch of 128, scaled with the global batch; see
+# optimization.py). A flag given explicitly overrides its entry here.
+MODEL_DEFAULTS = {
+    # The notebook's MLP has no normalization layer: its first layer sees
+    # 3,072 strongly correlated pixels, so a rate above ~0.1 diverges at any
+    # batch (measured on synthetic data: 0.2 at batch 256 and 0.4 at 1024
+    # did): the linear scaling stops there.
+    "mlp": dict(learning_rate=0.05, max_learning_rate=0.1, warmup_epochs=1.0, momentum=0.9,
+                weight_decay=0.0, label_smoothing=0.0),
+    # Batch norm makes the networks below scale-invariant: no ceiling needed.
+    # Page's ResNet-9 settings (label smoothing 0.2 as in his final version).
+    "resnet9": dict(learning_rate=0.1, max_learning_rate=0.0, warmup_epochs=2.0, momentum=0.9,
+                    weight_decay=5e-4, label_smoothing=0.2),
+    # airbench94's settings, converted: lr 1.5 per mean-loss step at batch 1024
+    # (its "11.5 per kilostep" with momentum 0.85) is 0.1875 at batch 128; its
+    # decay of 0.002 per step at lr 1.5 is an L2 coefficient of 6.5e-4.
+    "airbench": dict(learning_rate=0.1875, max_learning_rate=0.0, warmup_epochs=1.5,
+                     momentum=0.85, weight_decay=6.5e-4, label_smoothing=0.2),
+}
+_PER_MODEL = tuple(MODEL_DEFAULTS["mlp"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +58,13 @@ class TrainConfig:
     per_replica_batch_size: int = 128
     epochs: int = 24
     train_steps: int = 0
-    learning_rate: float = 0.1
-    warmup_epochs: float = 2.0
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    label_smoothing: float = 0.0
+    # None: the model's entry in MODEL_DEFAULTS.
+    learning_rate: Optional[float] = None
+    max_learning_rate: Optional[float] = None
+    warmup_epochs: Optional[float] = None
+    momentum: Optional[float] = None
+    weight_decay: Optional[float] = None
+    label_smoothing: Optional[float] = None
     seed: int = 0
     steps_per_loop: int = 50
     log_every_steps: int = 100
@@ -48,9 +74,15 @@ class TrainConfig:
     peer_timeout_seconds: int = 300
     evaluate: bool = True
     eval_every_epochs: int = 0
+    eval_tta: bool = False
     export: bool = True
 
     def __post_init__(self):
+        _choice("model", self.model, MODELS)
+        for name in _PER_MODEL:
+            if getattr(self, name) is None:
+                # Frozen: set once here, before anyone reads the config.
+                object.__setattr__(self, name, MODEL_DEFAULTS[self.model][name])
         _validate(self)
 
 
@@ -61,6 +93,15 @@ def _require(condition: bool, message: str) -> None:
 
 def _choice(name: str, value: str, choices) -> None:
     _require(value in choices, f"--{name}={value!r} is not one of {', '.join(choices)}")
+
+
+# Bounds that catch a typo (an extra zero, 10**9) before it becomes an
+# out-of-memory crash or a silent hang hours later.
+_MAX_STEPS = 10**9
+_MAX_EXAMPLES = 2_000_000    # synthetic images: 3 KB each in memory
+_MAX_WIDTH = 1024            # resnet9 at 1024 already has 4 billion weights
+_MAX_BATCH = 65_536
+_MAX_CPU_REPLICAS = 64       # logical devices: TensorFlow stalls creating 100,000
 
 
 def _validate(c: TrainConfig) -> None:
@@ -75,10 +116,22 @@ def _validate(c: TrainConfig) -> None:
                  "peer_timeout_seconds"):
         value = getattr(c, name)
         _require(value > 0, f"--{name}={value} must be a positive integer")
+    for name in _PER_MODEL:
+        value = getattr(c, name)
+        _require(isinstance(value, (int, float)) and math.isfinite(value),
+                 f"--{name}={value} must be a finite number")
+    for name, limit in (("train_steps", _MAX_STEPS), ("epochs", _MAX_STEPS),
+                        ("synthetic_examples", _MAX_EXAMPLES), ("model_width", _MAX_WIDTH),
+                        ("per_replica_batch_size", _MAX_BATCH),
+                        ("cpu_replicas", _MAX_CPU_REPLICAS)):
+        value = getattr(c, name)
+        _require(value <= limit, f"--{name}={value} is larger than this program accepts ({limit:,})")
     _require(c.epochs > 0 or c.train_steps > 0,
              f"--epochs={c.epochs} must be positive (or set --train_steps)")
     _require(c.train_steps >= 0, f"--train_steps={c.train_steps} must be >= 0 (0 means: use --epochs)")
     _require(c.learning_rate > 0, f"--learning_rate={c.learning_rate} must be positive")
+    _require(c.max_learning_rate >= 0,
+             f"--max_learning_rate={c.max_learning_rate} must be >= 0 (0: no ceiling)")
     _require(c.warmup_epochs >= 0, f"--warmup_epochs={c.warmup_epochs} must be >= 0")
     _require(0 <= c.momentum < 1, f"--momentum={c.momentum} must be in [0, 1)")
     _require(c.weight_decay >= 0, f"--weight_decay={c.weight_decay} must be >= 0")

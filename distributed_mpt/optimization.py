@@ -12,9 +12,18 @@ import keras
 REFERENCE_BATCH_SIZE = 128
 
 
-def scaled_learning_rate(base_learning_rate: float, global_batch_size: int) -> float:
-    """The peak learning rate for `global_batch_size` (linear scaling rule)."""
-    return base_learning_rate * global_batch_size / REFERENCE_BATCH_SIZE
+def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
+                         ceiling: float = 0.0) -> float:
+    """The peak learning rate for `global_batch_size` (linear scaling rule),
+    at most `ceiling` (0: none).
+
+    Linear scaling keeps the noise of a step constant; it cannot move the
+    curvature limit (a rate above ~2/curvature diverges at any batch), which
+    a network without normalization layers, like the MLP, reaches at large
+    batches.
+    """
+    rate = base_learning_rate * global_batch_size / REFERENCE_BATCH_SIZE
+    return min(rate, ceiling) if ceiling > 0 else rate
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int):

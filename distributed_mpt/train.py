@@ -28,6 +28,11 @@ _DEFAULTS = config_lib.TrainConfig.__dataclass_fields__
 
 def _define_flags(fv: flags.FlagValues) -> None:
     d = lambda name: _DEFAULTS[name].default  # noqa: E731 - the config's default
+
+    def per_model(name):  # the help text's part that names each model's default
+        values = ", ".join(f"{model} {defaults[name]:g}"
+                           for model, defaults in config_lib.MODEL_DEFAULTS.items())
+        return f" Default per model: {values}."
     flags.DEFINE_enum("dataset", d("dataset"), config_lib.DATASETS,
                       "cifar10 from tensorflow-datasets, or synthetic CIFAR-shaped data "
                       "with learnable labels (no download).", flag_values=fv)
@@ -41,14 +46,18 @@ def _define_flags(fv: flags.FlagValues) -> None:
                          flag_values=fv)
     flags.DEFINE_enum("model", d("model"), config_lib.MODELS,
                       "mlp: the original notebook's network. resnet9: the residual CNN of "
-                      "Page's DAWNBench entries (94% in 24 epochs).", flag_values=fv)
+                      "Page's DAWNBench entries (94% in 24 epochs on a GPU). airbench: Keller "
+                      "Jordan's airbench94 network (90% in 8 epochs on 2 CPU cores, see "
+                      "recipes/cpu_cnn.flags).", flag_values=fv)
     flags.DEFINE_integer("model_width", d("model_width"),
-                         "Channels of resnet9's first stage (64 in the reference).", flag_values=fv)
+                         "Channels of the first stage of resnet9 or airbench (64 in both "
+                         "references).", flag_values=fv)
     flags.DEFINE_enum("precision", d("precision"), config_lib.PRECISIONS,
-                      "auto: mixed_float16 on GPUs of compute capability 7.0+, else float32 "
-                      "(on CPUs float16 is emulated and slow, and bfloat16 pays only with AMX). "
-                      "mixed_float16 scales the loss dynamically; mixed_bfloat16 needs no "
-                      "scaling (GPUs 8.0+, TPUs, CPUs with AMX).", flag_values=fv)
+                      "auto: mixed_float16 on GPUs of compute capability 7.0+, mixed_bfloat16 "
+                      "on CPUs with bfloat16 instructions (AVX512_BF16 or AMX: 1.2-1.3x faster "
+                      "than float32, measured), else float32 (float16 is emulated and slow on "
+                      "CPUs). mixed_float16 scales the loss dynamically; mixed_bfloat16 needs "
+                      "no scaling.", flag_values=fv)
     flags.DEFINE_enum("strategy", d("strategy"), config_lib.STRATEGIES,
                       "auto picks multi_worker for a cluster, mirrored for several GPUs or "
                       "--cpu_replicas, one_device for one GPU, else default.", flag_values=fv)
@@ -64,16 +73,22 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("epochs", d("epochs"), "Epochs to train.", flag_values=fv)
     flags.DEFINE_integer("train_steps", d("train_steps"),
                          "Optimizer steps to train; overrides --epochs when > 0.", flag_values=fv)
-    flags.DEFINE_float("learning_rate", d("learning_rate"),
+    flags.DEFINE_float("learning_rate", None,
                        "Peak learning rate at the reference batch of 128; scaled linearly "
-                       "with the global batch.", flag_values=fv)
-    flags.DEFINE_float("warmup_epochs", d("warmup_epochs"),
-                       "Linear warmup from 0, in epochs; then cosine decay to 0.", flag_values=fv)
-    flags.DEFINE_float("momentum", d("momentum"), "SGD Nesterov momentum.", flag_values=fv)
-    flags.DEFINE_float("weight_decay", d("weight_decay"), "L2 coefficient on kernels.",
+                       "with the global batch." + per_model("learning_rate"), flag_values=fv)
+    flags.DEFINE_float("max_learning_rate", None,
+                       "Ceiling of the scaled learning rate (0: none), for networks that "
+                       "diverge above a rate whatever the batch." + per_model("max_learning_rate"),
                        flag_values=fv)
-    flags.DEFINE_float("label_smoothing", d("label_smoothing"), "Label smoothing of the "
-                       "training loss.", flag_values=fv)
+    flags.DEFINE_float("warmup_epochs", None,
+                       "Linear warmup from 0, in epochs, then cosine decay to 0; at most half "
+                       "of the run." + per_model("warmup_epochs"), flag_values=fv)
+    flags.DEFINE_float("momentum", None, "SGD Nesterov momentum." + per_model("momentum"),
+                       flag_values=fv)
+    flags.DEFINE_float("weight_decay", None, "L2 coefficient on kernels." +
+                       per_model("weight_decay"), flag_values=fv)
+    flags.DEFINE_float("label_smoothing", None, "Label smoothing of the training loss." +
+                       per_model("label_smoothing"), flag_values=fv)
     flags.DEFINE_string("model_dir", None, "Where checkpoints, TensorBoard logs, metrics.jsonl, "
                         "summary.json and the export go. A run resumes from the checkpoints "
                         "it finds here.", flag_values=fv)
@@ -99,6 +114,9 @@ def _define_flags(fv: flags.FlagValues) -> None:
                          flag_values=fv)
     flags.DEFINE_bool("evaluate", d("evaluate"), "Evaluate on the whole test split at the end.",
                       flag_values=fv)
+    flags.DEFINE_bool("eval_tta", d("eval_tta"), "Test-time augmentation: evaluate on the "
+                      "mean of the predictions for each test image and its mirror image "
+                      "(horizontal flip, as airbench does).", flag_values=fv)
     flags.DEFINE_integer("eval_every_epochs", d("eval_every_epochs"),
                          "Also evaluate every N epochs during training (logged like the "
                          "progress); 0: only at the end.", flag_values=fv)

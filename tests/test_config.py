@@ -62,3 +62,40 @@ def test_model_dir_required():
 def test_seed_out_of_range(tmp_path, seed):
     with pytest.raises(ConfigError, match="seed"):
         parse_config([f"--model_dir={tmp_path}", f"--seed={seed}"])
+
+
+def test_each_model_gets_its_own_defaults_unless_a_flag_is_given(tmp_path):
+    from distributed_mpt.config import MODEL_DEFAULTS
+
+    for model, defaults in MODEL_DEFAULTS.items():
+        config = parse_config([f"--model_dir={tmp_path}", f"--model={model}"])
+        assert {name: getattr(config, name) for name in defaults} == defaults
+    config = parse_config([f"--model_dir={tmp_path}", "--model=mlp", "--learning_rate=0.3",
+                           "--weight_decay=0.001"])
+    assert (config.learning_rate, config.weight_decay) == (0.3, 0.001)
+    assert config.warmup_epochs == MODEL_DEFAULTS["mlp"]["warmup_epochs"]
+
+
+def test_help_names_each_models_default(capsys):
+    from distributed_mpt.train import main
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # absl wraps the help
+    assert "Default per model: mlp 0.05, resnet9 0.1, airbench 0.1875" in text
+    assert "at most half" in text, "the warmup cap is stated"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--learning_rate=inf"], "--learning_rate=inf must be a finite number"),
+    (["--warmup_epochs=inf"], "--warmup_epochs=inf must be a finite number"),
+    (["--weight_decay=nan"], "--weight_decay=nan must be a finite number"),
+    (["--train_steps=1000000000000000000000000000000"], "train_steps"),
+    (["--synthetic_examples=1000000000000"], "--synthetic_examples=1000000000000 is larger"),
+    (["--model_width=1000000000"], "--model_width=1000000000 is larger"),
+    (["--cpu_replicas=100000"], "--cpu_replicas=100000 is larger"),
+])
+def test_absurd_numbers_are_one_line_before_anything_runs(tmp_path, argv, fragment):
+    with pytest.raises(ConfigError) as error:
+        parse_config([f"--model_dir={tmp_path / 'run'}", *argv])
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "run").exists()
