@@ -116,3 +116,23 @@ print(f"error: peers not up after {timeout:g}s (--peer_timeout_seconds): waited 
       file=sys.stderr, flush=True)
 os.kill(parent, signal.SIGALRM)
 """
+
+
+def describe_devices() -> str:
+    """What this worker trains on, for a run's summary: its GPUs' names, or
+    its CPU's model and core count."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return f"{_cpu_model()}, {os.cpu_count()} cores"
+    names = [tf.config.experimental.get_device_details(g).get("device_name", "GPU") for g in gpus]
+    return ", ".join(f"{names.count(name)} x {name}" for name in sorted(set(names)))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or "CPU"

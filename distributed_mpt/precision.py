@@ -13,21 +13,41 @@ import tensorflow as tf
 _MIN_FLOAT16_CAPABILITY = (7, 0)
 
 
+# CPU instructions that compute in bfloat16 natively (Linux /proc/cpuinfo
+# names). With them, oneDNN runs mixed_bfloat16 1.2-1.3x faster than float32
+# at the same accuracy (measured on an AMD EPYC with AVX512_BF16: README,
+# "Results"); without them bfloat16 is emulated and slower.
+_BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
 def resolve_precision(requested: str) -> str:
     """Turns `auto` into a concrete policy for the local devices.
 
     GPUs of compute capability 7.0+: mixed_float16 (as the original notebook).
-    Older GPUs and CPUs: float32, because there float16 is emulated and much
-    slower, and bfloat16 only pays on CPUs with AMX.
+    Older GPUs: float32. CPUs with bfloat16 instructions: mixed_bfloat16.
+    Other CPUs: float32, because there float16 and bfloat16 are emulated and
+    slower.
     """
     if requested != "auto":
         return requested
     gpus = tf.config.list_physical_devices("GPU")
-    capabilities = [tf.config.experimental.get_device_details(g).get("compute_capability", (0, 0))
-                    for g in gpus]
-    if gpus and min(capabilities) >= _MIN_FLOAT16_CAPABILITY:
-        return "mixed_float16"
-    return "float32"
+    if gpus:
+        capabilities = [tf.config.experimental.get_device_details(g).get("compute_capability",
+                                                                        (0, 0)) for g in gpus]
+        return "mixed_float16" if min(capabilities) >= _MIN_FLOAT16_CAPABILITY else "float32"
+    return "mixed_bfloat16" if cpu_has_bfloat16() else "float32"
+
+
+def cpu_has_bfloat16() -> bool:
+    """True if this machine's CPU has bfloat16 instructions (Linux only; False
+    where /proc/cpuinfo cannot tell)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in _BFLOAT16_CPU_FLAGS)
 
 
 def set_precision(policy_name: str) -> None:

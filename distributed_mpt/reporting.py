@@ -5,6 +5,7 @@ reports; the other workers stay quiet."""
 import json
 import os
 import sys
+import time
 
 import tensorflow as tf
 
@@ -14,9 +15,13 @@ from distributed_mpt import outputs
 class Reporter:
     """Writes one record per logged step to every sink (chief only)."""
 
-    def __init__(self, model_dir: str, enabled: bool, total_steps: int, resumed_from_step: int):
+    def __init__(self, model_dir: str, enabled: bool, total_steps: int, resumed_from_step: int,
+                 started: float):
+        """started: the run's start on the `time.monotonic()` clock; every
+        record carries the seconds since, for time-to-accuracy curves."""
         self._enabled = enabled
         self._total_steps = total_steps
+        self._started = started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
         if not enabled:
             self._writer = tf.summary.create_noop_writer()
@@ -37,7 +42,8 @@ class Reporter:
         """Reports the metrics of the interval ending at `step`."""
         if not self._enabled:
             return
-        record = {"step": step, **record}
+        record = {"step": step, **record,
+                  "elapsed_seconds": round(time.monotonic() - self._started, 3)}
         with open(self._metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         with self._writer.as_default(step=step):
@@ -49,6 +55,7 @@ class Reporter:
         parts = [f"step {step:>{width}}/{self._total_steps}"]
         for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
                           ("eval_loss", ".4f"), ("eval_accuracy", ".4f"),
+                          ("eval_accuracy_without_tta", ".4f"),
                           ("learning_rate", ".4g"), ("loss_scale", ".0f"),
                           ("examples_per_second", ".0f")):
             if name in record:

@@ -10,17 +10,17 @@ import dataclasses
 import math
 import signal
 import time
-from typing import Optional, Tuple
+from typing import Optional
 
 import keras
 import tensorflow as tf
 
-from distributed_mpt import data, optimization, outputs, precision
+from distributed_mpt import data, distribution, optimization, outputs, precision
 from distributed_mpt.checkpointing import Checkpoints, model_identity
 from distributed_mpt.cluster import Cluster
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ConfigError, DivergedError, Preempted
-from distributed_mpt.models import build_model, synchronizes_replicas
+from distributed_mpt.models import build_model, initialize_from_data, synchronizes_replicas
 from distributed_mpt.reporting import Reporter
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
@@ -97,7 +97,8 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
         policy=precision.resolve_precision(config.precision), num_workers=num_workers,
         num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
         total_steps=config.train_steps or config.epochs * epoch_steps,
-        learning_rate=optimization.scaled_learning_rate(config.learning_rate, global_batch),
+        learning_rate=optimization.scaled_learning_rate(config.learning_rate, global_batch,
+                                                        config.max_learning_rate),
         warmup_steps=round(config.warmup_epochs * epoch_steps))
 
 
@@ -115,6 +116,7 @@ class Trainer:
             plan.learning_rate, plan.total_steps, plan.warmup_steps)
         with strategy.scope():
             self.model = build_model(config.model, config.model_width, config.weight_decay)
+            initialize_from_data(self.model, train_split.images)
             self.optimizer = optimization.make_optimizer(
                 schedule, config.momentum, loss_scaling=plan.loss_scaling)
             # Built here, not lazily in the first step: MirroredStrategy
@@ -124,7 +126,8 @@ class Trainer:
             self.trained_global_batch = tf.Variable(plan.global_batch_size, dtype=tf.int64,
                                                     trainable=False)
             self._train_sums = _sum_accumulator(4)  # loss sum, correct, examples, skipped steps
-            self._eval_sums = _sum_accumulator(3)   # loss sum, correct, examples
+            # loss sum, correct, examples, correct without test-time augmentation
+            self._eval_sums = _sum_accumulator(4)
             self._device_split = None
             if config.data_on_device:
                 # A copy per device, made once; the input pipeline then
@@ -160,15 +163,21 @@ class Trainer:
                                   tf.constant(float(stop_requested)))
         return [float(x) for x in totals.numpy()]
 
-    def evaluate(self, split: data.ImageSplit) -> Tuple[float, float, int]:
-        """Loss, accuracy and example count over the whole of `split`, each
-        example counted once across all workers."""
+    def evaluate(self, split: data.ImageSplit) -> dict:
+        """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
+        `split`, each example counted once across all workers. With test-time
+        augmentation, also `eval_accuracy_without_tta`, so that every run
+        shows what it buys."""
         batch = self._plan.global_batch_size
         iterator = iter(self._strategy.distribute_datasets_from_function(
             data.eval_input_fn(split, batch)))
-        loss_sum, correct, examples = (float(x) for x in self._eval_loop(
+        loss_sum, correct, examples, plain_correct = (float(x) for x in self._eval_loop(
             iterator, tf.constant(data.eval_steps(len(split), batch))).numpy())
-        return loss_sum / examples, correct / examples, int(round(examples))
+        result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
+                  "eval_examples": int(round(examples))}
+        if self._config.eval_tta:
+            result["eval_accuracy_without_tta"] = plain_correct / examples
+        return result
 
     def _per_example_loss(self, loss_fn, labels, probabilities):
         return loss_fn(tf.one_hot(labels, data.NUM_CLASSES), probabilities)
@@ -227,10 +236,18 @@ class Trainer:
 
     def _eval_step(self, images, labels, weights):
         probabilities = self.model(images, training=False)
+        plain_correct = _is_correct(labels, probabilities)
+        if self._config.eval_tta:
+            # CIFAR-10's classes are symmetric under a horizontal flip, and
+            # the model was trained on flipped images: averaging both views
+            # removes part of the model's variance (airbench's TTA level 1).
+            mirrored = self.model(tf.reverse(images, axis=[2]), training=False)
+            probabilities = (probabilities + mirrored) / 2
         losses = self._per_example_loss(self._eval_loss, labels, probabilities)
         self._eval_sums.assign_add(tf.stack([tf.reduce_sum(losses * weights),
                                              tf.reduce_sum(_is_correct(labels, probabilities) * weights),
-                                             tf.reduce_sum(weights)]))
+                                             tf.reduce_sum(weights),
+                                             tf.reduce_sum(plain_correct * weights)]))
 
     def _eval_loop_fn(self, iterator, num_steps):
         for _ in tf.range(num_steps):
@@ -260,6 +277,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     Writes checkpoints, logs, metrics, `summary.json` and the export into
     `config.model_dir` (chief only; other workers use scratch directories).
     """
+    started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
     train_split, test_split = data.load_dataset(
         config.dataset, config.data_dir, config.download, config.synthetic_examples, config.seed)
@@ -275,15 +293,18 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     checkpoints.check_identity()  # before anything is written into model_dir
     resumed = checkpoints.restore_latest()
     start_step = int(trainer.step.numpy())
-    reporter = Reporter(config.model_dir, is_chief, plan.total_steps, start_step)
+    reporter = Reporter(config.model_dir, is_chief, plan.total_steps, start_step, started)
     if is_chief:  # written first, so that even a run that crashes says what it was
         outputs.write_json(f"{config.model_dir}/config.json", dataclasses.asdict(config))
+    rate_rule = f"{config.learning_rate:g} x {plan.global_batch_size}/{optimization.REFERENCE_BATCH_SIZE}"
+    if plan.learning_rate < optimization.scaled_learning_rate(config.learning_rate,
+                                                              plan.global_batch_size):
+        rate_rule = f"--max_learning_rate, below {rate_rule}"
     reporter.say(f"{config.model} on {config.dataset}: {plan.policy}, {strategy_name} strategy, "
                  f"{plan.num_workers} worker(s), {plan.num_replicas} replica(s); global batch "
                  f"{plan.global_batch_size} = {config.per_replica_batch_size} per replica x "
-                 f"{plan.num_replicas}; learning rate {plan.learning_rate:g} = "
-                 f"{config.learning_rate:g} x {plan.global_batch_size}"
-                 f"/{optimization.REFERENCE_BATCH_SIZE}; {plan.total_steps} steps "
+                 f"{plan.num_replicas}; learning rate {plan.learning_rate:g} = {rate_rule}; "
+                 f"{plan.total_steps} steps "
                  f"({plan.steps_per_epoch} per epoch)")
     if resumed:
         reporter.say(f"resuming from step {start_step} (checkpoint {checkpoints.latest})")
@@ -311,12 +332,17 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         "reference_batch_size": optimization.REFERENCE_BATCH_SIZE,
         "train_loss": train_metrics.get("loss"), "train_accuracy": train_metrics.get("accuracy"),
         "examples_per_second": throughput, "resumed_from_step": start_step,
-        "eval_loss": None, "eval_accuracy": None, "eval_examples": 0,
+        "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.eval_tta,
+        "device": distribution.describe_devices(),
+        "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
     if config.evaluate:
-        loss, accuracy, examples = trainer.evaluate(test_split)
-        summary.update(eval_loss=loss, eval_accuracy=accuracy, eval_examples=examples)
-        reporter.say(f"evaluated {examples} test images: loss {loss:.4f}, accuracy {accuracy:.4f}")
+        result = trainer.evaluate(test_split)
+        summary.update(result)
+        # Logged like the evaluations during training, so that the accuracy
+        # curve ends where the run ends.
+        reporter.log(steps, {"epoch": steps / plan.steps_per_epoch, **result})
+    summary["wall_seconds"] = time.monotonic() - started
     if is_chief:
         if config.export:
             reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir)}")
@@ -360,9 +386,11 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
         nonfinite_run = nonfinite_run + num_steps if round(nonfinite_steps) == num_steps else 0
         if (nonfinite_steps > 0 and not plan.loss_scaling) or \
                 nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
-            raise DivergedError(
-                f"the loss became NaN or infinite by step {current}; kept the last good checkpoint "
-                f"(step {last_saved}) untouched: lower --learning_rate or use --precision=float32")
+            kept = (f"kept the last good checkpoint (step {last_saved}) untouched" if last_saved
+                    else "no checkpoint had been written yet")
+            remedy = "lower --learning_rate" + (
+                " or use --precision=float32" if plan.policy != "float32" else "")
+            raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
 
         if current % config.log_every_steps == 0 or current == plan.total_steps:
             seconds, examples = time.perf_counter() - interval_start, interval[2]
@@ -377,10 +405,10 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
             interval, interval_start = [0.0, 0.0, 0.0, 0.0], time.perf_counter()
 
         if current % eval_every_steps == 0 and current < plan.total_steps:
-            loss, accuracy, _ = trainer.evaluate(test_split)
+            eval_started = time.perf_counter()
             reporter.log(current, {"epoch": current / plan.steps_per_epoch,
-                                   "eval_loss": loss, "eval_accuracy": accuracy})
-            interval_start = time.perf_counter()  # evaluation is not training time
+                                   **trainer.evaluate(test_split)})
+            interval_start += time.perf_counter() - eval_started  # not training time
 
         stop = totals[4] > 0
         if current % config.checkpoint_every_steps == 0 or current == plan.total_steps or stop:

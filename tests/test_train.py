@@ -264,3 +264,76 @@ def test_evaluation_every_epoch_is_logged(model_dir):
     assert [r["step"] for r in evaluations] == [32, 64]
     assert evaluations[-1]["eval_accuracy"] > 0.5
     assert read_summary(model_dir)["eval_examples"] == 1024 // 5
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet9", "airbench"])
+@pytest.mark.parametrize("batch, steps", [(16, 10), (1024, 10), (256, 100)])
+def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, model, batch, steps):
+    """No tuning flags: each model's own defaults must hold at any batch and
+    run length (in-process: a subprocess would add only TensorFlow's start-up)."""
+    import keras
+    import tensorflow as tf
+
+    from distributed_mpt.config import TrainConfig
+    from distributed_mpt.trainer import train_and_evaluate
+
+    config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=4096,
+                         model=model, model_width=8, per_replica_batch_size=batch,
+                         train_steps=steps, export=False)
+    try:
+        summary = train_and_evaluate(config, tf.distribute.get_strategy(), "default", None)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert np.isfinite(summary["train_loss"]) and summary["steps"] == steps
+    if steps >= 100:
+        assert summary["eval_accuracy"] > 0.5, "learned the learnable synthetic labels"
+
+
+def test_two_replicas_at_the_largest_batch_keep_the_mlp_finite(model_dir):
+    # The case that diverged with one default for every model: 2 x 1024.
+    result = train(["--dataset=synthetic", "--synthetic_examples=8192", "--model=mlp",
+                    "--strategy=mirrored", "--cpu_replicas=2", "--per_replica_batch_size=1024",
+                    "--train_steps=30", "--steps_per_loop=10", "--noexport",
+                    f"--model_dir={model_dir}"])
+    assert_ok(result)
+    assert np.isfinite(read_summary(model_dir)["train_loss"])
+
+
+def test_the_official_binary_release_trains_offline_and_reports_time_to_accuracy(tmp_path):
+    from conftest import write_cifar10_binary
+
+    write_cifar10_binary(tmp_path / "data")
+    model_dir = tmp_path / "run"
+    result = train(["--model=airbench", "--model_width=4", f"--data_dir={tmp_path / 'data'}",
+                    "--nodownload", "--per_replica_batch_size=64", "--train_steps=4",
+                    "--steps_per_loop=2", "--log_every_steps=2", "--eval_tta", "--noexport",
+                    f"--model_dir={model_dir}"])
+    assert_ok(result)
+    summary = read_summary(model_dir)
+    assert summary["dataset"] == "cifar10" and summary["eval_examples"] == 10_000
+    assert summary["eval_tta"] is True and 0 <= summary["eval_accuracy_without_tta"] <= 1
+    assert summary["wall_seconds"] > 0 and "cores" in summary["device"]
+    assert summary["tensorflow_version"] and summary["keras_version"]
+    # The final evaluation ends the accuracy curve, with the time it took to get there.
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 4 and records[-1]["eval_accuracy"] == summary["eval_accuracy"]
+    assert all(r["elapsed_seconds"] > 0 for r in records)
+    assert records[-1]["elapsed_seconds"] <= summary["wall_seconds"]
+    import tensorflow as tf
+    tagged = {(v.tag, e.step) for f in (model_dir / "tensorboard").glob("events.out.tfevents.*")
+              for e in tf.compat.v1.train.summary_iterator(str(f)) for v in e.summary.value}
+    assert ("eval_accuracy", 4) in tagged
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["learning_rate"] == 0.1875, "the model's default, as used"
+
+
+def test_a_damaged_binary_release_is_one_error_line_and_nothing_written(tmp_path):
+    from conftest import write_cifar10_binary
+
+    data = write_cifar10_binary(tmp_path / "data")
+    (data / "data_batch_2.bin").write_bytes(b"\0" * 1000)
+    result = train(["--model=mlp", f"--data_dir={tmp_path / 'data'}", "--nodownload",
+                    "--train_steps=2", f"--model_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data_batch_2.bin has 1,000 bytes" in errors[0], result.stderr
