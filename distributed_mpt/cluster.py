@@ -52,7 +52,8 @@ def resolve_cluster(environ: Mapping[str, str] = os.environ) -> Optional[Cluster
         return _from_tf_config(environ["TF_CONFIG"])
     if "JOB_COMPLETION_INDEX" in environ and "DMPT_NUM_WORKERS" in environ:
         return _from_indexed_job(environ)
-    if "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1") or 1) > 1:
+    if "SLURM_JOB_ID" in environ and _int_env({"SLURM_NTASKS": environ.get("SLURM_NTASKS") or "1"},
+                                              "SLURM_NTASKS") > 1:
         return _from_slurm(environ)
     return None
 
@@ -82,7 +83,9 @@ def _from_tf_config(text: str) -> Cluster:
     task_type, task_index = task["type"], task["index"]
     if task_type not in cluster:
         raise ClusterError(f'TF_CONFIG task type "{task_type}" is not in its cluster ({sorted(cluster)})')
-    if not isinstance(task_index, int) or not 0 <= task_index < len(cluster[task_type]):
+    # bool is an int in Python: "index": true must not pass as worker 1.
+    if isinstance(task_index, bool) or not isinstance(task_index, int) or \
+            not 0 <= task_index < len(cluster[task_type]):
         raise ClusterError(f'TF_CONFIG task index {task_index!r} is out of range: cluster "{task_type}" '
                            f"has {len(cluster[task_type])} task(s)")
     return _make_cluster({t: list(cluster[t]) for t in TASK_TYPES if cluster.get(t)},
@@ -95,6 +98,8 @@ def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ClusterError(f'cluster address "{address}" is not of the form host:port')
+        if not 1 <= int(port) <= 65535:
+            raise ClusterError(f'cluster address "{address}" has port {port}, outside 1-65535')
     duplicates = sorted({a for a in addresses if addresses.count(a) > 1})
     if duplicates:
         raise ClusterError(f"cluster lists {', '.join(duplicates)} more than once; every task needs its own host:port")

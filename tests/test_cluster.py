@@ -85,6 +85,15 @@ def test_slurm():
     ({"JOB_COMPLETION_INDEX": "4", "DMPT_NUM_WORKERS": "2", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
      "out of range"),
     ({"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "2"}, "DMPT_JOB_NAME"),
+    # Accepted before, and then ended in a traceback or a retryable timeout.
+    (tf_config({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": True}}),
+     "task index True is out of range"),
+    (tf_config({"cluster": {"worker": ["a:99999"]}, "task": {"type": "worker", "index": 0}}),
+     "port 99999, outside 1-65535"),
+    (tf_config({"cluster": {"worker": ["a:0"]}, "task": {"type": "worker", "index": 0}}), "port 0"),
+    ({"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "2", "DMPT_JOB_NAME": "j",
+      "DMPT_SERVICE_NAME": "s", "DMPT_PORT": "70000"}, "port 70000"),
+    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "abc"}, "SLURM_NTASKS='abc' must be set to an integer"),
 ])
 def test_malformed_cluster_is_one_clear_error(environ, fragment):
     with pytest.raises(ClusterError) as error:
