@@ -61,16 +61,27 @@ def read_jsonl(path: str) -> list:
     return records
 
 
-def export_model(model, model_dir: str) -> str:
-    """Exports `model` to `<model_dir>/export/`: `saved_model/` for TF Serving
-    and `model.keras` for Keras. The new export replaces the old one only once
-    it is complete."""
+# CIFAR-10's classes in label order (tensorflow-datasets' and Krizhevsky's).
+CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
+               "dog", "frog", "horse", "ship", "truck")
+
+
+def export_model(model, model_dir: str, class_names=CLASS_NAMES) -> str:
+    """Exports `model` to `<model_dir>/export/`: `saved_model/` for TF Serving,
+    `model.keras` for Keras, and `classes.txt` (line i names class i). The new
+    export replaces the old one only once it is complete.
+
+    The SavedModel's serving signature takes `images` (uint8 [N, 32, 32, 3],
+    0-255) and returns `probabilities` (float32 [N, classes]); its
+    `class_names` attribute holds the class names too.
+    """
     final = os.path.join(model_dir, "export")
     staging = os.path.join(model_dir, f".export-{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:
-        model.export(os.path.join(staging, "saved_model"), format="tf_saved_model", verbose=False)
+        _export_saved_model(model, os.path.join(staging, "saved_model"), class_names)
         model.save(os.path.join(staging, "model.keras"))
+        write_text(os.path.join(staging, "classes.txt"), "".join(f"{c}\n" for c in class_names))
         if os.path.exists(final):
             retired = f"{staging}-old"
             os.replace(final, retired)
@@ -81,3 +92,27 @@ def export_model(model, model_dir: str) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def _export_saved_model(model, path: str, class_names) -> None:
+    # Imported here: the entry points use this module's other helpers to
+    # check flags before TensorFlow's slow start-up.
+    import keras
+    import tensorflow as tf
+
+    def serve(images):
+        # A dict names the output: TF Serving, saved_model_cli and clients
+        # see `probabilities` instead of Keras' default `output_0`.
+        return {"probabilities": model(images, training=False)}
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    # The first endpoint also becomes `serving_default`; the argument's name
+    # (`images`) names the input.
+    archive.add_endpoint("serve", serve, input_signature=[
+        tf.TensorSpec([None, *model.input_shape[1:]], tf.uint8, name="images")])
+    # Loaded back, `.class_names[0]` is a string tensor: the names travel
+    # inside the SavedModel, not only beside it.
+    archive.add_variable_collection(
+        "class_names", [tf.Variable(list(class_names), trainable=False, name="class_names")])
+    archive.write_out(path, verbose=False)

@@ -39,7 +39,8 @@ def test_export_replaces_the_previous_export_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     served = tf.saved_model.load(str(tmp_path / "export" / "saved_model"))
     images = np.zeros((2, 32, 32, 3), np.uint8)
-    np.testing.assert_allclose(np.asarray(served.serve(images)), np.asarray(model(images)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(served.serve(images)["probabilities"]),
+                               np.asarray(model(images)), rtol=1e-5)
 
 
 def _checkpoints(model_dir, model, worker=None):
