@@ -37,6 +37,7 @@ setup(
             "distributed-mpt-launch=distributed_mpt.launch:run",
             "distributed-mpt-benchmark=distributed_mpt.benchmark:run",
             "distributed-mpt-prepare-data=distributed_mpt.prepare_data:run",
+            "distributed-mpt-predict=distributed_mpt.predict:run",
         ],
     },
 )
