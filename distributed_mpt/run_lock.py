@@ -4,23 +4,25 @@ The chief takes an exclusive `flock` on `<model_dir>/.lock` and holds it for
 the life of the run. The operating system drops the lock when the process
 ends, however it ends (exit, exception, SIGKILL, OOM killer), so a killed run
 never blocks its successor and there is no stale lock to clear by hand. The
-file itself stays; after the lock is taken it names the holder, so that a
-refused run can say who has the directory.
+file itself stays; while the lock is held it names the holder (host, pid,
+start time), so that a refused run can say who has the directory.
 
 What the lock guarantees, and where:
-- Two runs on one machine, and two pods whose volume is one node's disk:
-  the second is refused at once.
-- Shared file systems: NFSv4 implements `flock` with byte-range locks held
-  by the server, so runs on different hosts exclude each other. NFSv3 with
-  `local_lock=flock` or `nolock`, and several FUSE file systems (gcsfuse,
-  s3fs, some SMB mounts), lock only within one host: runs on two hosts both
-  get the lock and are NOT excluded. Use one run per directory there.
-- Kubernetes: a restarted or replaced pod is a new process; the old
-  process's lock died with it, so the successor starts. A pod on a node that
-  lost the network keeps its NFSv4 lock until the server's lease expires
-  (90 s by default); the new chief is refused until then. After that the
-  server hands the lock on even if the old process still runs: a lock is
-  not a fence, and it cannot stop a cut-off process from writing.
+- One machine (any local file system, or a pod's volume on one node's
+  disk): a second run is refused at once.
+- NFS: the Linux client turns `flock` into a whole-file byte-range lock that
+  the server holds (NFSv4, or NFSv3 with lockd), so runs on different hosts
+  exclude each other. Mounted with `nolock` or `local_lock=flock|all`, and
+  on several FUSE file systems (gcsfuse, s3fs, some SMB mounts), the lock
+  is local to one host: runs on two hosts both get it and are NOT excluded.
+  Use one run per directory there.
+- Kubernetes: a restarted container or a replacement pod is a new process;
+  the old process's lock went with it, so the successor starts. A pod on a
+  node that lost the network keeps its NFSv4 lock until the server's lease
+  expires (90 s by default; under NFSv3 until that node restarts): the new
+  chief is refused until then. After that the server hands the lock on even
+  if the old process still runs: a lock is not a fence, and it cannot stop a
+  cut-off process from writing.
 """
 
 import errno
@@ -94,6 +96,9 @@ class RunLock:
     def release(self) -> None:
         """Gives the directory up (closing the file drops the lock)."""
         if self._fd is not None:
+            # Emptied while still held: the file names a holder only while
+            # there is one, and a finished run run again leaves it as it was.
+            os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
 

@@ -163,6 +163,8 @@ def test_training_resumes_from_the_newest_intact_checkpoint(model_dir):
     result = train([*E2E, "--train_steps=20", f"--model_dir={model_dir}"])
     assert_ok(result)
     assert read_summary(model_dir)["resumed_from_step"] == 10
+    if WIRED:
+        assert "resuming from step 10" in result.stdout and "ckpt-15: " in result.stdout
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [10, 20], "metrics cut back to the step actually restored"
 
@@ -211,6 +213,7 @@ def test_a_second_holder_is_refused_and_a_killed_holder_blocks_nobody(tmp_path):
     with RunLock(str(tmp_path)) as lock:  # the OS released the dead holder's lock
         record = json.loads(Path(lock.path).read_text())
         assert record["pid"] == os.getpid()
+    assert Path(lock.path).read_text() == "", "names a holder only while there is one"
     with RunLock(str(tmp_path)):  # and release() let go of it
         pass
 
@@ -233,8 +236,9 @@ def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_di
         started = time.monotonic()
         result = train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"])
         assert result.returncode == 2, result.stderr[-2000:]
-        assert result.stderr.startswith("error:") and len(result.stderr.splitlines()) == 1
-        assert f"pid {holder.pid}" in result.stderr and time.monotonic() - started < 60
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in result.stderr
+        assert f"pid {holder.pid} on host" in errors[0] and time.monotonic() - started < 120
         assert sorted(p.name for p in model_dir.iterdir()) == [run_lock.LOCK_NAME]
     finally:
         holder.send_signal(signal.SIGKILL)
