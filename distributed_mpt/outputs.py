@@ -46,6 +46,16 @@ def write_text(path: str, text: str) -> None:
     os.replace(f.name, path)
 
 
+def read_json(path: str) -> dict:
+    """The JSON object in `path`; {} if there is none or it is damaged."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def read_jsonl(path: str) -> list:
     """The records of a JSON-lines file (empty if it does not exist). A last
     line cut short by a killed writer is dropped."""

@@ -8,6 +8,7 @@ OneDeviceStrategy, MirroredStrategy and MultiWorkerMirroredStrategy alike.
 
 import dataclasses
 import math
+import os
 import signal
 import time
 from typing import Optional
@@ -293,9 +294,26 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     checkpoints.check_identity()  # before anything is written into model_dir
     resumed = checkpoints.restore_latest()
     start_step = int(trainer.step.numpy())
+    finished = outputs.read_json(os.path.join(config.model_dir, "summary.json"))
+    if resumed and start_step >= plan.total_steps and finished:
+        # A finished run started again: its results stay exactly as they are.
+        if is_chief:
+            print(f"{config.model_dir} holds a finished run of {start_step} steps (see "
+                  f"summary.json); nothing to do. To train longer, pass a larger --epochs or "
+                  f"--train_steps.", flush=True)
+        checkpoints.close()
+        return finished
+    previous_config = outputs.read_json(os.path.join(config.model_dir, "config.json"))
     reporter = Reporter(config.model_dir, is_chief, plan.total_steps, start_step, started)
     if is_chief:  # written first, so that even a run that crashes says what it was
-        outputs.write_json(f"{config.model_dir}/config.json", dataclasses.asdict(config))
+        outputs.write_json(f"{config.model_dir}/config.json", {
+            **dataclasses.asdict(config),
+            # What `auto` and the per-model defaults became on this machine.
+            "resolved": {"precision": plan.policy, "strategy": strategy_name,
+                         "num_workers": plan.num_workers, "num_replicas": plan.num_replicas,
+                         "global_batch_size": plan.global_batch_size,
+                         "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
+                         "warmup_steps": plan.warmup_steps}})
     rate_rule = f"{config.learning_rate:g} x {plan.global_batch_size}/{optimization.REFERENCE_BATCH_SIZE}"
     if plan.learning_rate < optimization.scaled_learning_rate(config.learning_rate,
                                                               plan.global_batch_size):
@@ -308,6 +326,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                  f"({plan.steps_per_epoch} per epoch)")
     if resumed:
         reporter.say(f"resuming from step {start_step} (checkpoint {checkpoints.latest})")
+        planned = previous_config.get("resolved", {}).get("total_steps")
+        if planned and planned != plan.total_steps:
+            reporter.say(f"the run was planned for {planned} steps and now has {plan.total_steps}: "
+                         f"the learning-rate schedule is re-planned over the new length")
         previous_batch = int(trainer.trained_global_batch.numpy())
         if previous_batch != plan.global_batch_size:
             reporter.say(f"the checkpoint was trained at global batch {previous_batch}; "

@@ -91,7 +91,7 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path):
                         ["--models=vgg", f"--output={tmp_path / 'bench.json'}"], timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: --models: vgg not one of mlp, resnet9"]
+        "error: --models: vgg not one of mlp, resnet9, airbench"]
     assert not (tmp_path / "bench.json").exists()
 
 

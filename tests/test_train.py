@@ -32,8 +32,10 @@ def test_synthetic_run_writes_every_output(model_dir):
     assert summary["eval_accuracy"] > 0.5, "synthetic labels are learnable"
     assert "global batch 32" in result.stdout and "learning rate 0.025" in result.stdout
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [10, 20]
-    assert {"loss", "accuracy", "learning_rate", "loss_scale", "examples_per_second"} <= set(records[0])
+    assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in records] == [
+        (10, True, False), (20, True, False), (20, False, True)], "training, then the final evaluation"
+    assert {"loss", "accuracy", "learning_rate", "loss_scale", "examples_per_second",
+            "elapsed_seconds"} <= set(records[0])
     assert list((model_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (model_dir / "export" / "saved_model" / "saved_model.pb").exists()
     leftovers = [p.name for p in model_dir.rglob(".*") if p.name.startswith((".tmp-", ".export-"))]
@@ -64,7 +66,8 @@ def test_each_precision_trains(model_dir, precision):
     result = train([*SMOKE_FLAGS, "--train_steps=30", f"--precision={precision}",
                     f"--model_dir={model_dir}"])
     assert_ok(result)
-    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()
+               if "loss" in json.loads(line)]  # the training records
     assert records[-1]["loss"] < records[0]["loss"] / 2
     summary = read_summary(model_dir)
     assert summary["precision"] == precision
@@ -160,13 +163,17 @@ def test_refuses_a_checkpoint_of_another_model_and_leaves_it_untouched(model_dir
 
 
 def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
-    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", "--noevaluate", f"--model_dir={model_dir}"]))
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", "--noevaluate", "--precision=float32",
+                     f"--model_dir={model_dir}"]))
     good = checkpoint_weights(model_dir)
-    result = train([*SMOKE_FLAGS, "--train_steps=40", "--learning_rate=1e12", "--precision=float32",
+    result = train([*SMOKE_FLAGS, "--train_steps=40", "--learning_rate=1e12", "--max_learning_rate=0",
+                    "--precision=float32",
                     "--checkpoint_every_steps=5", f"--model_dir={model_dir}"])
     assert result.returncode == 3, result.stderr[-2000:]
     errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "NaN or infinite" in errors[0]
+    assert "kept the last good checkpoint (step 5)" in errors[0]
+    assert "--precision=float32" not in errors[0], "no advice to use what the run used"
     kept = checkpoint_weights(model_dir)
     for name in good:
         np.testing.assert_array_equal(kept[name], good[name])
@@ -261,7 +268,7 @@ def test_evaluation_every_epoch_is_logged(model_dir):
                      f"--model_dir={model_dir}"]))
     records = [json.loads(l) for l in (model_dir / "metrics.jsonl").read_text().splitlines()]
     evaluations = [r for r in records if "eval_accuracy" in r]
-    assert [r["step"] for r in evaluations] == [32, 64]
+    assert [r["step"] for r in evaluations] == [32, 64, 70], "the final one ends the curve"
     assert evaluations[-1]["eval_accuracy"] > 0.5
     assert read_summary(model_dir)["eval_examples"] == 1024 // 5
 
@@ -337,3 +344,31 @@ def test_a_damaged_binary_release_is_one_error_line_and_nothing_written(tmp_path
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data_batch_2.bin has 1,000 bytes" in errors[0], result.stderr
+
+
+def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
+    flags = [*SMOKE_FLAGS, "--train_steps=10", "--precision=float32", f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    files = {name: (model_dir / name).read_bytes()
+             for name in ("summary.json", "metrics.jsonl", "config.json")}
+    again = train(flags)
+    assert_ok(again)
+    assert "holds a finished run of 10 steps" in again.stdout
+    for name, content in files.items():
+        assert (model_dir / name).read_bytes() == content, f"{name} was rewritten"
+    # Extending it is a new plan, and says so.
+    longer = train([*flags, "--train_steps=20"])
+    assert_ok(longer)
+    assert "planned for 10 steps and now has 20" in longer.stdout
+    assert read_summary(model_dir)["steps"] == 20
+    resolved = json.loads((model_dir / "config.json").read_text())["resolved"]
+    assert resolved["precision"] == "float32" and resolved["total_steps"] == 20
+
+
+def test_a_recipe_by_name_from_any_directory(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "distributed_mpt.train", "--recipe=mlp", "--dataset=synthetic",
+         "--synthetic_examples=512", "--train_steps=2", "--noexport", "--model_dir=run"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert_ok(result)
+    assert read_summary(tmp_path / "run")["model"] == "mlp", "the recipe's model"
