@@ -76,7 +76,11 @@ def test_non_chief_scratch_directory_is_removed(tmp_path, monkeypatch):
 
 
 def test_auto_precision_on_this_machine():
-    expected = "mixed_float16" if tf.config.list_physical_devices("GPU") else "float32"
+    if tf.config.list_physical_devices("GPU"):
+        expected = "mixed_float16"
+    else:
+        flags = open("/proc/cpuinfo").read()
+        expected = "mixed_bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
     assert precision.resolve_precision("auto") == expected
     assert precision.resolve_precision("mixed_bfloat16") == "mixed_bfloat16"
 
