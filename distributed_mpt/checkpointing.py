@@ -135,7 +135,7 @@ class Checkpoints:
         """
         path = os.path.join(self._shared_dir, "model.json")
         if not os.path.exists(path):
-            if _on_disk(self._shared_dir):
+            if checkpoints_on_disk(self._shared_dir):
                 raise CheckpointMismatchError(
                     f"{self._shared_dir} holds checkpoints without model.json; "
                     f"use an empty --model_dir")
@@ -166,10 +166,10 @@ class Checkpoints:
         exist and none of them reads back, and CheckpointMismatchError if the
         newest readable one does not fit the tracked objects.
         """
-        found = _on_disk(self._shared_dir)
+        found = checkpoints_on_disk(self._shared_dir)
         skipped = []
         for step, prefix in found:
-            problem = _unreadable(prefix)
+            problem = why_unreadable(prefix)
             if problem:
                 skipped.append((prefix, problem))
                 continue
@@ -256,9 +256,10 @@ class Checkpoints:
             shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
-def _on_disk(directory: str) -> List[Tuple[int, str]]:
+def checkpoints_on_disk(directory: str) -> List[Tuple[int, str]]:
     """(step, prefix) of every checkpoint with a file in `directory`, newest
-    first, whatever the index file says."""
+    first, whatever the index file says. The newest that reads back:
+    `next(p for _, p in checkpoints_on_disk(d) if not why_unreadable(p))`."""
     steps = set()
     for path in glob.glob(os.path.join(glob.escape(directory), "ckpt-*")):
         match = _CHECKPOINT_FILE.match(os.path.basename(path))
@@ -271,7 +272,7 @@ def _number(prefix: str) -> int:
     return int(prefix.rsplit("-", 1)[1])
 
 
-def _unreadable(prefix: str) -> Optional[str]:
+def why_unreadable(prefix: str) -> Optional[str]:
     """Why the checkpoint at `prefix` cannot be read back whole, or None.
 
     Reads every tensor: the index must parse and each value must match the

@@ -45,8 +45,10 @@ def _save_steps(model_dir, steps):
 
 
 def _snapshot(directory):
-    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in Path(directory).rglob("*")
-            if p.is_file()}
+    """Every file's bytes and modification time (the lock file's time
+    changes with each run that takes it, its content does not)."""
+    return {p: (p.read_bytes(), p.name != run_lock.LOCK_NAME and p.stat().st_mtime_ns)
+            for p in Path(directory).rglob("*") if p.is_file()}
 
 
 def _data(model_dir, step):
