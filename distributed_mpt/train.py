@@ -185,16 +185,23 @@ def main(argv=None) -> int:
         print(__doc__ + "\nFlags:\n" + _flag_values().get_help())
         return 0
     from distributed_mpt.cluster import resolve_cluster
+    lock = None
     try:
         config = parse_config(argv)
         cluster = resolve_cluster(os.environ)
         # Imported only now, so that bad input is answered without
         # TensorFlow's start-up.
-        from distributed_mpt import distribution, outputs, trainer
+        from distributed_mpt import distribution, outputs, run_lock, trainer
         strategy_name = distribution.resolve_strategy_name(
             config.strategy, cluster, config.cpu_replicas)
         if cluster is None or cluster.is_chief:
             outputs.check_writable(config.model_dir)
+            # One run per model_dir, held until main returns (the OS drops it
+            # if the process dies); only the holder may clear debris.
+            lock = run_lock.RunLock(config.model_dir)
+            removed = lock.remove_debris()
+            if removed:
+                print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
         strategy = distribution.create_strategy(
             strategy_name, config.cpu_replicas, config.communication, cluster,
             config.peer_timeout_seconds)
@@ -219,6 +226,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: steps since the last checkpoint were not saved", file=sys.stderr)
         return 130
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -292,10 +292,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
                               **trainer.checkpointables)
     checkpoints.check_identity()  # before anything is written into model_dir
-    resumed = checkpoints.restore_latest()
+    restored = checkpoints.restore_latest()  # the newest that reads back; None: a fresh run
     start_step = int(trainer.step.numpy())
     finished = outputs.read_json(os.path.join(config.model_dir, "summary.json"))
-    if resumed and start_step >= plan.total_steps and finished:
+    if restored and start_step >= plan.total_steps and finished:
         # A finished run started again: its results stay exactly as they are.
         if is_chief:
             print(f"{config.model_dir} holds a finished run of {start_step} steps (see "
@@ -324,8 +324,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                  f"{plan.num_replicas}; learning rate {plan.learning_rate:g} = {rate_rule}; "
                  f"{plan.total_steps} steps "
                  f"({plan.steps_per_epoch} per epoch)")
-    if resumed:
-        reporter.say(f"resuming from step {start_step} (checkpoint {checkpoints.latest})")
+    if restored:
+        reporter.say(restored.describe())
         planned = previous_config.get("resolved", {}).get("total_steps")
         if planned and planned != plan.total_steps:
             reporter.say(f"the run was planned for {planned} steps and now has {plan.total_steps}: "
