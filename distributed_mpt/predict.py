@@ -67,7 +67,11 @@ def load_classifier(model_dir: str):
                      if hasattr(loaded, "class_names") else list(CLASS_NAMES))
             return (lambda images: serve(images=tf.constant(images))["probabilities"].numpy(),
                     names, saved_model)
-    checkpoint = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+    from distributed_mpt import checkpointing
+    # The newest checkpoint that reads back whole, as training resumes from;
+    # the `checkpoint` index file may be damaged or point at a missing one.
+    checkpoint = next((prefix for _, prefix in checkpointing.checkpoints_on_disk(
+        os.path.join(model_dir, "checkpoints")) if not checkpointing.why_unreadable(prefix)), None)
     config_path = os.path.join(model_dir, "config.json")
     if not (checkpoint and os.path.exists(config_path)):
         raise ConfigError(f"--model_dir={model_dir} holds no export (export/saved_model) and no "
