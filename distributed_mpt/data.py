@@ -108,8 +108,9 @@ def load_cifar10_binary(directory: str) -> Tuple[ImageSplit, ImageSplit]:
                 problem = f"cannot be read ({e.strerror})"
             if problem:
                 raise DataUnavailableError(
-                    f"{path} {problem}: it is not a file of the CIFAR-10 binary release "
-                    f"({CIFAR10_ARCHIVE}); extract the archive into {directory} again")
+                    f"{path} {problem}: it is not a file of the CIFAR-10 binary release; "
+                    f"extract the archive again (tar xzf {CIFAR10_ARCHIVE} -C "
+                    f"{os.path.dirname(os.path.abspath(directory))})")
             records.append(batch)
         records = np.concatenate(records)
         # Planes [N, 3, 32, 32] -> NHWC, the layout of every other source.

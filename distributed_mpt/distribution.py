@@ -123,7 +123,9 @@ def describe_devices() -> str:
     its CPU's model and core count."""
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
-        return f"{_cpu_model()}, {os.cpu_count()} cores"
+        # The cores this process may use (a container's share), not the host's.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return f"{_cpu_model()}, {cores} cores"
     names = [tf.config.experimental.get_device_details(g).get("device_name", "GPU") for g in gpus]
     return ", ".join(f"{names.count(name)} x {name}" for name in sorted(set(names)))
 

@@ -115,13 +115,19 @@ def whitening_filters(images: np.ndarray) -> np.ndarray:
     `images` (uint8 NHWC): each eigenvector of the patch covariance scaled by
     1/sqrt(eigenvalue), and its negative (so that a ReLU-like activation after
     it keeps both signs)."""
-    x = (images.astype(np.float32) - np.float32(CIFAR10_MEAN)) / np.float32(CIFAR10_STD)
     k, (height, width) = _WHITENING_PATCH, images.shape[1:3]
-    # Patch dimensions in the kernel's order (row, column, channel).
-    patches = np.stack([x[:, i:height - k + 1 + i, j:width - k + 1 + j]
-                        for i in range(k) for j in range(k)], axis=3)
-    patches = patches.reshape(-1, k * k * IMAGE_SHAPE[2]).astype(np.float64)
-    eigenvalues, eigenvectors = np.linalg.eigh(patches.T @ patches / len(patches))
+    dimensions = k * k * IMAGE_SHAPE[2]
+    covariance, count = np.zeros((dimensions, dimensions)), 0
+    for start in range(0, len(images), 250):  # chunks: no float copy of all images
+        x = (images[start:start + 250].astype(np.float32) - np.float32(CIFAR10_MEAN)) \
+            / np.float32(CIFAR10_STD)
+        # Patch dimensions in the kernel's order (row, column, channel).
+        patches = np.stack([x[:, i:height - k + 1 + i, j:width - k + 1 + j]
+                            for i in range(k) for j in range(k)], axis=3)
+        patches = patches.reshape(-1, dimensions).astype(np.float64)
+        covariance += patches.T @ patches
+        count += len(patches)
+    eigenvalues, eigenvectors = np.linalg.eigh(covariance / count)
     filters = eigenvectors / np.sqrt(eigenvalues + _WHITENING_EPSILON)
     filters = filters.reshape(k, k, IMAGE_SHAPE[2], -1)
     return np.concatenate([filters, -filters], axis=-1).astype(np.float32)

@@ -24,7 +24,7 @@ from absl import flags  # noqa: E402
 
 from distributed_mpt.config import DATASETS, TrainConfig  # noqa: E402
 from distributed_mpt.errors import ConfigError, UserError  # noqa: E402
-from distributed_mpt.outputs import CLASS_NAMES  # noqa: E402
+from distributed_mpt.outputs import CLASS_NAMES, read_json  # noqa: E402
 
 # Images per call when evaluating: bounds memory, not accuracy.
 EVAL_BATCH_SIZE = 500
@@ -77,9 +77,14 @@ def load_classifier(model_dir: str):
         raise ConfigError(f"--model_dir={model_dir} holds no export (export/saved_model) and no "
                           f"checkpoint with its config.json")
     from distributed_mpt.models import build_model
-    with open(config_path) as f:
-        config = json.load(f)
-    model = build_model(config["model"], config["model_width"])
+    config = read_json(config_path)
+    if not isinstance(config.get("model"), str) or not isinstance(config.get("model_width"), int):
+        raise ConfigError(f"{config_path} is damaged (no model and model_width): evaluate the "
+                          f"run's export instead, or write config.json again")
+    try:
+        model = build_model(config["model"], config["model_width"])
+    except ValueError as e:
+        raise ConfigError(f"{config_path}: {e}") from None
     # Only the model: the optimizer's state in the checkpoint is not needed.
     tf.train.Checkpoint(model=model).restore(checkpoint).expect_partial()
     return lambda images: model(images, training=False).numpy(), list(CLASS_NAMES), checkpoint

@@ -36,14 +36,17 @@ def _define_flags(fv: flags.FlagValues) -> None:
                            for model, defaults in config_lib.MODEL_DEFAULTS.items())
         return f" Default per model: {values}."
     flags.DEFINE_enum("recipe", None, recipe_names(),
-                      "A shipped recipe, read as a --flagfile (flags after it override it): "
+                      "A shipped recipe, read as a --flagfile (flags given explicitly override "
+                      "it): "
                       "cpu_cnn (91.9% on 2 CPU cores in 17 min), mlp (the notebook's network), "
                       "resnet9 (GPUs).", flag_values=fv)
     flags.DEFINE_enum("dataset", d("dataset"), config_lib.DATASETS,
                       "cifar10 from tensorflow-datasets, or synthetic CIFAR-shaped data "
                       "with learnable labels (no download).", flag_values=fv)
-    flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory "
-                        "(default ~/tensorflow_datasets).", flag_values=fv)
+    flags.DEFINE_string("data_dir", None, "Where CIFAR-10 is: a directory holding the official "
+                        "binary release (cifar-10-batches-bin/, read directly), or a "
+                        "tensorflow-datasets data directory (default ~/tensorflow_datasets).",
+                        flag_values=fv)
     flags.DEFINE_bool("download", d("download"), "Download and prepare CIFAR-10 if it is not "
                       "in --data_dir. Turn off on workers that must read prepared data.",
                       flag_values=fv)
@@ -53,8 +56,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("model", d("model"), config_lib.MODELS,
                       "mlp: the original notebook's network. resnet9: the residual CNN of "
                       "Page's DAWNBench entries (94% in 24 epochs on a GPU). airbench: Keller "
-                      "Jordan's airbench94 network (90% in 8 epochs on 2 CPU cores, see "
-                      "recipes/cpu_cnn.flags).", flag_values=fv)
+                      "Jordan's airbench94 network (91.9% in 7 epochs, 17 min on 2 CPU cores: "
+                      "--recipe=cpu_cnn).", flag_values=fv)
     flags.DEFINE_integer("model_width", d("model_width"),
                          "Channels of the first stage of resnet9 or airbench (64 in both "
                          "references).", flag_values=fv)
@@ -145,17 +148,18 @@ def recipe_names() -> list:
 
 
 def _expand_recipes(argv) -> list:
-    """Turns --recipe=NAME into --flagfile=<its file> in place, so that flags
-    after it override the recipe's, as with --flagfile."""
-    expanded, argv = [], list(argv)
+    """Turns --recipe=NAME into --flagfile=<its file>, put first, so that every
+    flag given explicitly overrides the recipe's, wherever it stands."""
+    recipes, others, argv = [], [], list(argv)
     while argv:
         arg = argv.pop(0)
         if arg == "--recipe" and argv:
             arg = "--recipe=" + argv.pop(0)
         if arg.startswith("--recipe="):
-            arg = "--flagfile=" + recipe_path(arg[len("--recipe="):])
-        expanded.append(arg)
-    return expanded
+            recipes.append("--flagfile=" + recipe_path(arg[len("--recipe="):]))
+        else:
+            others.append(arg)
+    return recipes + others
 
 
 def _flag_values() -> flags.FlagValues:
@@ -174,6 +178,10 @@ def parse_config(argv) -> config_lib.TrainConfig:
         raise ConfigError(str(e).splitlines()[0]) from None
     if len(rest) > 1:
         raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
+    if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it
+        raise ConfigError(f"--recipe={fv.recipe} must be given on the command line, as "
+                          f"--recipe={fv.recipe} (inside a flagfile, use --flagfile="
+                          f"{recipe_path(fv.recipe)})")
     values = {name: fv[name].value for name in _DEFAULTS if name in fv}
     return config_lib.TrainConfig(**values)
 
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
         print(__doc__ + "\nFlags:\n" + _flag_values().get_help())
         return 0
     from distributed_mpt.cluster import resolve_cluster
-    lock = None
+    lock, new_model_dir = None, None
     try:
         config = parse_config(argv)
         cluster = resolve_cluster(os.environ)
@@ -195,6 +203,8 @@ def main(argv=None) -> int:
         strategy_name = distribution.resolve_strategy_name(
             config.strategy, cluster, config.cpu_replicas)
         if cluster is None or cluster.is_chief:
+            if not os.path.exists(config.model_dir):
+                new_model_dir = config.model_dir
             outputs.check_writable(config.model_dir)
             # One run per model_dir, held until main returns (the OS drops it
             # if the process dies); only the holder may clear debris.
@@ -229,7 +239,23 @@ def main(argv=None) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if new_model_dir:
+            _remove_if_unused(new_model_dir)
     return 0
+
+
+def _remove_if_unused(model_dir: str) -> None:
+    """Removes a --model_dir that this run created and that holds nothing but
+    the lock file: a run refused before it wrote anything leaves no trace."""
+    from distributed_mpt.run_lock import LOCK_NAME
+
+    try:
+        if set(os.listdir(model_dir)) <= {LOCK_NAME}:
+            if os.path.exists(os.path.join(model_dir, LOCK_NAME)):
+                os.remove(os.path.join(model_dir, LOCK_NAME))
+            os.rmdir(model_dir)
+    except OSError:
+        pass  # a concurrent run took it over, or it is gone: leave it
 
 
 def _peer_errors() -> tuple:

@@ -100,7 +100,9 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
         total_steps=config.train_steps or config.epochs * epoch_steps,
         learning_rate=optimization.scaled_learning_rate(config.learning_rate, global_batch,
                                                         config.max_learning_rate),
-        warmup_steps=round(config.warmup_epochs * epoch_steps))
+        # Capped here as the schedule caps it, so that config.json says what ran.
+        warmup_steps=min(round(config.warmup_epochs * epoch_steps),
+                         (config.train_steps or config.epochs * epoch_steps) // 2))
 
 
 class Trainer:
@@ -364,10 +366,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         # Logged like the evaluations during training, so that the accuracy
         # curve ends where the run ends.
         reporter.log(steps, {"epoch": steps / plan.steps_per_epoch, **result})
-    summary["wall_seconds"] = time.monotonic() - started
+    if is_chief and config.export:
+        reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir)}")
+    summary["wall_seconds"] = time.monotonic() - started  # the export included
     if is_chief:
-        if config.export:
-            reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir)}")
         outputs.write_json(f"{config.model_dir}/summary.json", summary)
     checkpoints.close()
     reporter.close()
@@ -380,7 +382,8 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
     """Trains from `start_step` to the last step, logging, evaluating every
     `eval_every_epochs`, checkpointing and watching for divergence and stop
     signals. Returns the last interval's metrics and the throughput in
-    examples per second (first call excluded: it includes tracing)."""
+    examples per second (first call excluded, as it includes tracing, unless
+    it was the only one)."""
     if start_step >= plan.total_steps:
         return {}, None
     iterator = iter(trainer.train_dataset(train_split, start_step))
@@ -398,9 +401,11 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
                         current + config.steps_per_loop) - current
         started = time.perf_counter()
         totals = trainer.train(iterator, num_steps, signals.requested)
-        if current > start_step:
-            timed_examples += num_steps * plan.global_batch_size
-            timed_seconds += time.perf_counter() - started
+        call = (num_steps * plan.global_batch_size, time.perf_counter() - started)
+        if current == start_step:
+            first_call = call
+        else:
+            timed_examples, timed_seconds = timed_examples + call[0], timed_seconds + call[1]
         current += num_steps
         interval = [a + b for a, b in zip(interval, totals[:4])]
 
@@ -410,8 +415,10 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
                 nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
             kept = (f"kept the last good checkpoint (step {last_saved}) untouched" if last_saved
                     else "no checkpoint had been written yet")
-            remedy = "lower --learning_rate" + (
-                " or use --precision=float32" if plan.policy != "float32" else "")
+            remedy = (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
+                      f"scaled by the global batch/{optimization.REFERENCE_BATCH_SIZE}; or set "
+                      f"--max_learning_rate)" +
+                      (" or use --precision=float32" if plan.policy != "float32" else ""))
             raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
 
         if current % config.log_every_steps == 0 or current == plan.total_steps:
@@ -440,8 +447,9 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
             reporter.say(f"stopped by a signal at step {current}; checkpoint saved: "
                          f"run the same command again to resume")
             raise Preempted(f"stopped at step {current} after a checkpoint")
-    throughput = timed_examples / timed_seconds if timed_seconds else None
-    return metrics, throughput
+    if not timed_seconds:
+        timed_examples, timed_seconds = first_call
+    return metrics, timed_examples / timed_seconds
 
 
 def _next_multiple(value: int, multiple: int) -> int:

@@ -26,8 +26,6 @@ from distributed_mpt.run_lock import ModelDirBusyError, RunLock
 
 # The end-to-end tests of the lock and of debris removal need train.py and
 # trainer.py to take the lock and clean up; they run once that is wired.
-WIRED = "run_lock" in (REPO / "distributed_mpt" / "train.py").read_text()
-needs_wiring = pytest.mark.skipif(not WIRED, reason="train.py does not take the RunLock yet")
 
 
 def _checkpoints(model_dir, model=None, worker=None):
@@ -165,8 +163,7 @@ def test_training_resumes_from_the_newest_intact_checkpoint(model_dir):
     result = train([*E2E, "--train_steps=20", f"--model_dir={model_dir}"])
     assert_ok(result)
     assert read_summary(model_dir)["resumed_from_step"] == 10
-    if WIRED:
-        assert "resuming from step 10" in result.stdout and "ckpt-15: " in result.stdout
+    assert "resuming from step 10" in result.stdout and "ckpt-15: " in result.stdout
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [10, 20], "metrics cut back to the step actually restored"
 
@@ -230,7 +227,6 @@ def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
     assert target.read_text() == "keep"
 
 
-@needs_wiring
 def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_dir):
     model_dir.mkdir()
     holder = _hold_lock(model_dir)
@@ -248,7 +244,6 @@ def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_di
     assert_ok(train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"]))
 
 
-@needs_wiring
 def test_two_runs_started_together_one_trains_one_is_refused(model_dir):
     command = [sys.executable, "-m", "distributed_mpt.train", *E2E, "--train_steps=20",
                f"--model_dir={model_dir}"]
@@ -387,7 +382,6 @@ def test_what_tensorflow_leaves_when_killed_mid_save_is_debris(tmp_path):
         assert path.name == "checkpoint" or checkpointing._CHECKPOINT_FILE.match(path.name), path
 
 
-@needs_wiring
 def test_a_run_after_a_killed_run_removes_its_debris(model_dir):
     assert_ok(train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"]))
     for name in (".tmp-x", ".export-12345678/saved_model", "checkpoints/ckpt-9_temp/part",

@@ -344,6 +344,7 @@ def test_a_damaged_binary_release_is_one_error_line_and_nothing_written(tmp_path
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data_batch_2.bin has 1,000 bytes" in errors[0], result.stderr
+    assert not (tmp_path / "run").exists(), "a refused run leaves no empty --model_dir behind"
 
 
 def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
@@ -371,4 +372,6 @@ def test_a_recipe_by_name_from_any_directory(tmp_path):
          "--synthetic_examples=512", "--train_steps=2", "--noexport", "--model_dir=run"],
         capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
     assert_ok(result)
-    assert read_summary(tmp_path / "run")["model"] == "mlp", "the recipe's model"
+    summary = read_summary(tmp_path / "run")
+    assert summary["model"] == "mlp", "the recipe's model"
+    assert summary["examples_per_second"] > 0, "even a run of a single loop call has a throughput"
