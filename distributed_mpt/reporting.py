@@ -38,8 +38,9 @@ class Reporter:
         if self._enabled:
             print(message, flush=True)
 
-    def log(self, step: int, record: dict) -> None:
-        """Reports the metrics of the interval ending at `step`."""
+    def log(self, step: int, record: dict, eta_seconds: float = None) -> None:
+        """Reports the metrics of the interval ending at `step`; the printed
+        line also says how long the rest of the training should take."""
         if not self._enabled:
             return
         record = {"step": step, **record,
@@ -60,6 +61,9 @@ class Reporter:
                           ("examples_per_second", ".0f")):
             if name in record:
                 parts.append(f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}")
+        if eta_seconds is not None:
+            minutes, seconds = divmod(round(eta_seconds), 60)
+            parts.append(f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
         print("  ".join(parts), file=sys.stdout, flush=True)
 
     def close(self) -> None:

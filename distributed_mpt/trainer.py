@@ -45,6 +45,11 @@ class _StopSignals:
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if not self.requested:
+            # os.write, not print: the handler may interrupt a print.
+            os.write(2, f"{signal.Signals(signum).name}: stopping after the steps under way, "
+                        f"with a checkpoint; Ctrl-C again to abort without one (exit 130)\n"
+                        .encode())
         self.requested = True
 
     def restore(self):
@@ -361,6 +366,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
     if config.evaluate:
+        reporter.say(f"evaluating on the {len(test_split)} test images")
         result = trainer.evaluate(test_split)
         summary.update(result)
         # Logged like the evaluations during training, so that the accuracy
@@ -430,11 +436,14 @@ def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_sp
                        "loss_scale": precision.loss_scale(trainer.optimizer),
                        "examples_per_second": examples / seconds if seconds else 0.0,
                        "skipped_steps": round(interval[3])}
-            reporter.log(current, metrics)
+            remaining = (plan.total_steps - current) * plan.global_batch_size
+            eta = remaining / metrics["examples_per_second"] if examples and seconds else None
+            reporter.log(current, metrics, eta_seconds=eta)
             interval, interval_start = [0.0, 0.0, 0.0, 0.0], time.perf_counter()
 
         if current % eval_every_steps == 0 and current < plan.total_steps:
             eval_started = time.perf_counter()
+            reporter.say(f"evaluating on the {len(test_split)} test images")
             reporter.log(current, {"epoch": current / plan.steps_per_epoch,
                                    **trainer.evaluate(test_split)})
             interval_start += time.perf_counter() - eval_started  # not training time

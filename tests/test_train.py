@@ -31,6 +31,8 @@ def test_synthetic_run_writes_every_output(model_dir):
     assert summary["eval_examples"] == 1024 // 5
     assert summary["eval_accuracy"] > 0.5, "synthetic labels are learnable"
     assert "global batch 32" in result.stdout and "learning rate 0.025" in result.stdout
+    assert "ETA 0:00:" in result.stdout.splitlines()[1], "the first progress line says what is left"
+    assert "evaluating on the 204 test images" in result.stdout
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in records] == [
         (10, True, False), (20, True, False), (20, False, True)], "training, then the final evaluation"
@@ -130,6 +132,7 @@ def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig):
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr[-2000:]
     assert "Traceback" not in stderr
+    assert f"{sig.name}: stopping after the steps under way" in stderr, "acknowledged"
     saved = int(Path(interrupted, "checkpoints", "checkpoint").read_text().split('"')[1].split("-")[-1])
     assert 12 <= saved < 120, "saved where it stopped, not at a checkpoint interval"
     assert not (interrupted / "summary.json").exists(), "an interrupted run has no summary yet"
