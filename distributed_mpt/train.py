@@ -38,7 +38,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("recipe", None, recipe_names(),
                       "A shipped recipe, read as a --flagfile (flags given explicitly override "
                       "it): "
-                      "cpu_cnn (91.9% on 2 CPU cores in 17 min), mlp (the notebook's network), "
+                      "cpu_cnn (91.9% on 2 CPU cores in 15 min), mlp (the notebook's network), "
                       "resnet9 (GPUs).", flag_values=fv)
     flags.DEFINE_enum("dataset", d("dataset"), config_lib.DATASETS,
                       "cifar10 from tensorflow-datasets, or synthetic CIFAR-shaped data "
@@ -56,7 +56,7 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("model", d("model"), config_lib.MODELS,
                       "mlp: the original notebook's network. resnet9: the residual CNN of "
                       "Page's DAWNBench entries (94% in 24 epochs on a GPU). airbench: Keller "
-                      "Jordan's airbench94 network (91.9% in 7 epochs, 17 min on 2 CPU cores: "
+                      "Jordan's airbench94 network (91.9% in 7 epochs, 15 min on 2 CPU cores: "
                       "--recipe=cpu_cnn).", flag_values=fv)
     flags.DEFINE_integer("model_width", d("model_width"),
                          "Channels of the first stage of resnet9 or airbench (64 in both "
