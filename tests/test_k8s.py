@@ -612,6 +612,8 @@ def security_problems(template) -> list:
     """Hardening every container must have."""
     problems = []
     pod = template["spec"].get("securityContext", {})
+    if template["spec"].get("automountServiceAccountToken") is not False:
+        problems.append("the pod mounts a service-account token it never uses")
     for c in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
         own = c.get("securityContext", {})
         setting = lambda key: own.get(key, pod.get(key))  # noqa: E731  (container overrides pod)
@@ -645,6 +647,12 @@ def test_security_check_catches(mutate):
     (_, template), *_ = training_pods(render("tfjob"))
     mutate(template["spec"]["containers"][0])
     assert security_problems(template)
+
+
+def test_security_check_catches_a_mounted_token():
+    (_, template), *_ = training_pods(render("tfjob"))
+    del template["spec"]["automountServiceAccountToken"]
+    assert security_problems(template) == ["the pod mounts a service-account token it never uses"]
 
 
 def settings_problems(docs, settings) -> list:
