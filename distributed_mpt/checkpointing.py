@@ -34,14 +34,10 @@ import tensorflow as tf
 
 from distributed_mpt import outputs
 from distributed_mpt.errors import CheckpointMismatchError, UserError
-from distributed_mpt.run_lock import remove_matching
+from distributed_mpt.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
 
 MAX_TO_KEEP = 3
 
-# The checkpoint files TensorFlow leaves when a save is cut short: shards
-# before their merge (`ckpt-N_temp/`), a file not yet renamed into place
-# (`*.tempstate<random>`), the index file before its rename.
-_SAVE_TEMPORARIES = ("ckpt-*_temp*", "ckpt-*.tempstate*", "checkpoint.tmp*", ".tmp-*")
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -107,20 +103,11 @@ class Checkpoints:
         self._checkpoint = tf.train.Checkpoint(**trackables)
         self._bytes = checkpoint_bytes(**trackables)
         self._manager = self._new_manager()
-        self._restored: Optional[Restored] = None
         self._damaged: List[Tuple[int, str]] = []  # skipped at restore, not yet replaced
-        self._saved = False
 
     def _new_manager(self) -> tf.train.CheckpointManager:
         # It learns the checkpoints to rotate from the index file once, here.
         return tf.train.CheckpointManager(self._checkpoint, self._own_dir, max_to_keep=MAX_TO_KEEP)
-
-    @property
-    def latest(self) -> Optional[str]:
-        """Prefix of the checkpoint this run restored or last saved, if any."""
-        if self._saved:
-            return self._manager.latest_checkpoint
-        return self._restored.path if self._restored else None
 
     @property
     def bytes_needed(self) -> int:
@@ -180,11 +167,10 @@ class Checkpoints:
                 raise CheckpointMismatchError(
                     f"cannot restore {prefix} ({str(e).splitlines()[0][:200]}); use another "
                     f"--model_dir, or the flags of the run that wrote it") from None
-            self._restored = Restored(prefix, step, tuple(skipped))
             if self._is_chief:
                 self._damaged = [(_number(p), p) for p, _ in skipped]
                 self._rewrite_index(step, [p for n, p in found if n < step])
-            return self._restored
+            return Restored(prefix, step, tuple(skipped))
         if not found:
             return None
         reasons = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
@@ -225,7 +211,6 @@ class Checkpoints:
                 os.makedirs(self._shared_dir, exist_ok=True)
                 outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
             self._manager.save(checkpoint_number=step)
-            self._saved = True
         except (tf.errors.ResourceExhaustedError, OSError) as e:
             if not _is_disk_full(e):
                 raise
@@ -245,7 +230,7 @@ class Checkpoints:
     def _remove_partial(self, step: int) -> None:
         """Removes what a failed save of `step` wrote (its data files count
         only once its index, written last, exists)."""
-        remove_matching(self._own_dir, _SAVE_TEMPORARIES)
+        remove_matching(self._own_dir, CHECKPOINT_TEMPORARIES)
         prefix = os.path.join(self._own_dir, f"ckpt-{step}")
         if not os.path.exists(prefix + ".index"):
             remove_matching(self._own_dir, [f"ckpt-{step}.data-*"])

@@ -38,11 +38,11 @@ def resolve_precision(requested: str) -> str:
     return "mixed_bfloat16" if cpu_has_bfloat16() else "float32"
 
 
-def cpu_has_bfloat16() -> bool:
+def cpu_has_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True if this machine's CPU has bfloat16 instructions (Linux only; False
-    where /proc/cpuinfo cannot tell)."""
+    where `cpuinfo` cannot tell)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f
                           if line.startswith("flags")), [])
     except OSError:

@@ -38,16 +38,20 @@ from distributed_mpt.errors import UserError
 
 LOCK_NAME = ".lock"
 
+# What a save cut short leaves in a checkpoint directory.
+CHECKPOINT_TEMPORARIES = (
+    ".tmp-*",              # model.json, written by outputs.write_json
+    "ckpt-*_temp*",        # TF SaveV2 writes shards here, then merges them
+    "ckpt-*.tempstate*",   # TF: a checkpoint file not yet renamed into place
+    "checkpoint.tmp*",     # TF: the index file not yet renamed into place
+)
 # What a killed run of this project can leave in --model_dir, and who writes
 # it. Nothing else is touched: the directory may hold the user's own files.
 DEBRIS = (
-    ".tmp-*",                         # outputs.write_text before its rename
-    ".write-test-*",                  # outputs.check_writable
-    ".export-*",                      # outputs.export_model: staging, retired export
-    "checkpoints/.tmp-*",             # model.json, written by outputs.write_json
-    "checkpoints/ckpt-*_temp*",       # TF SaveV2 writes shards here, then merges them
-    "checkpoints/ckpt-*.tempstate*",  # TF: a checkpoint file not yet renamed into place
-    "checkpoints/checkpoint.tmp*",    # TF: the index file not yet renamed into place
+    ".tmp-*",              # outputs.write_text before its rename
+    ".write-test-*",       # outputs.check_writable
+    ".export-*",           # outputs.export_model: staging, retired export
+    *(f"checkpoints/{pattern}" for pattern in CHECKPOINT_TEMPORARIES),
 )
 
 

@@ -85,6 +85,22 @@ def test_auto_precision_on_this_machine():
     assert precision.resolve_precision("mixed_bfloat16") == "mixed_bfloat16"
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu avx512f avx512_bf16 fma", "mixed_bfloat16"),
+    ("fpu amx_bf16 amx_tile", "mixed_bfloat16"),
+    ("fpu avx512f avx2 fma", "float32"),
+])
+def test_auto_precision_on_a_cpu_follows_its_bfloat16_instructions(tmp_path, monkeypatch,
+                                                                   flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n")
+    assert precision.cpu_has_bfloat16(str(cpuinfo)) == (expected == "mixed_bfloat16")
+    assert not precision.cpu_has_bfloat16(str(tmp_path / "missing")), "unknown: no bfloat16"
+    monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: [])
+    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: expected == "mixed_bfloat16")
+    assert precision.resolve_precision("auto") == expected
+
+
 def test_checkpoints_of_another_precision_say_which_flag_to_pass(tmp_path):
     model = build_model("resnet9", width=4)
     step = tf.Variable(0, dtype=tf.int64)
