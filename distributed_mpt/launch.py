@@ -5,12 +5,16 @@ group when one dies.
         --dataset=synthetic --model=mlp --train_steps=200 --model_dir=runs/mw
 
 Each worker is `python -m distributed_mpt.train <train flags>` with its own
-TF_CONFIG on 127.0.0.1 and a free port; its output is prefixed with
-`[worker i]`. Ctrl-C and SIGTERM are forwarded to every worker (which save a
-checkpoint and stop). MultiWorkerMirroredStrategy cannot go on without a
-peer, so when a worker dies the others are stopped and the whole group is
-started again, up to --max_restarts times; training resumes from the latest
-checkpoint. The launcher exits with the chief's (worker 0's) status.
+TF_CONFIG on 127.0.0.1 and a port free on every address of this host; its
+output is prefixed with `[worker i]`. Ctrl-C and SIGTERM are forwarded to
+every worker (which save a checkpoint and stop). MultiWorkerMirroredStrategy
+cannot go on without a peer, so when a worker dies the others are stopped and
+the whole group is started again on fresh ports, up to --max_restarts times;
+training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
+(diverged) are not retried. The launcher exits with the chief's (worker 0's)
+status; with 2 and one `error:` line when this host has no free port left.
+
+Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
 
 import json
@@ -21,14 +25,23 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import Collection, List, Optional
 
 from absl import flags
 
-from distributed_mpt.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE
+from distributed_mpt.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, UserError
 
 # Exit codes a restart cannot fix (see errors.py): bad input, divergence.
 _PERMANENT = (EXIT_USAGE, EXIT_DIVERGED)
+# What TensorFlow prints when a worker cannot listen on its TF_CONFIG port.
+_GRPC_BIND_FAILURE = "Could not start gRPC server"
+# TensorFlow's gRPC server listens on every interface (0.0.0.0:PORT), whatever
+# address TF_CONFIG gives, so a port is only usable if it is free on all of them.
+_GRPC_LISTEN_ADDRESS = "0.0.0.0"
+
+
+class PortError(UserError):
+    """This host has no free TCP port left for a worker."""
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -40,16 +53,28 @@ def _define_flags(fv: flags.FlagValues) -> None:
                        "exit before it is killed.", lower_bound=0, flag_values=fv)
 
 
-def free_ports(count: int) -> List[int]:
-    """`count` distinct TCP ports that are free on 127.0.0.1 right now."""
-    sockets = [socket.socket() for _ in range(count)]
+def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
+    """`count` distinct TCP ports that are free on every address of this host
+    right now, none of them in `avoid` (the ports of earlier groups: one of
+    them may be what made the group fail). Raises PortError when the host has
+    no free port left."""
+    held = []  # kept bound until all are chosen, so that the kernel offers each port once
+    ports = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        while len(ports) < count:
+            probe = socket.socket()
+            held.append(probe)
+            probe.bind((_GRPC_LISTEN_ADDRESS, 0))
+            port = probe.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    except OSError as e:
+        raise PortError(f"no free TCP port for worker {len(ports)} of {count} on this host "
+                        f"({e.strerror}); free some, or start fewer workers") from None
     finally:
-        for s in sockets:
-            s.close()
+        for probe in held:
+            probe.close()
+    return ports
 
 
 def worker_tf_configs(ports: List[int]) -> List[str]:
@@ -60,12 +85,14 @@ def worker_tf_configs(ports: List[int]) -> List[str]:
 
 
 class _Group:
-    """One generation of worker processes."""
+    """One generation of worker processes, worker i listening on ports[i]."""
 
-    def __init__(self, num_workers: int, train_flags: List[str]):
+    def __init__(self, ports: List[int], train_flags: List[str]):
+        self.ports = ports
         self.processes = []
+        self.unbound_workers = set()  # workers that said they could not listen on their port
         self._pumps = []
-        for index, tf_config in enumerate(worker_tf_configs(free_ports(num_workers))):
+        for index, tf_config in enumerate(worker_tf_configs(ports)):
             env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
             process = subprocess.Popen(
                 [sys.executable, "-m", "distributed_mpt.train", *train_flags], env=env,
@@ -73,10 +100,23 @@ class _Group:
                 start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
             self.processes.append(process)
             for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
-                pump = threading.Thread(target=_prefix_lines, args=(source, sink, index), daemon=True)
+                pump = threading.Thread(target=self._relay, args=(source, sink, index), daemon=True)
                 pump.start()
                 self._pumps.append(pump)
-            print(f"[launch] started worker {index} (pid {process.pid})", flush=True)
+            print(f"[launch] started worker {index} (pid {process.pid}) on port {ports[index]}",
+                  flush=True)
+
+    def _relay(self, source, sink, index: int) -> None:
+        # Keep reading even when our own output is gone (`| head`): a worker
+        # whose pipe is not drained blocks.
+        for line in source:
+            if _GRPC_BIND_FAILURE in line:
+                self.unbound_workers.add(index)
+            try:
+                sink.write(f"[worker {index}] {line}")
+                sink.flush()
+            except (OSError, ValueError):
+                pass
 
     def first_failure(self) -> Optional[int]:
         """Index of a worker that exited non-zero, if any."""
@@ -104,21 +144,19 @@ class _Group:
         self.wait()
 
     def wait(self) -> None:
+        """Waits for every worker, and for the last of its output."""
         for process in self.processes:
             process.wait()
         for pump in self._pumps:
             pump.join(timeout=5)
 
-
-def _prefix_lines(source, sink, index: int) -> None:
-    # Keep reading even when our own output is gone (`| head`): a worker
-    # whose pipe is not drained blocks.
-    for line in source:
-        try:
-            sink.write(f"[worker {index}] {line}")
-            sink.flush()
-        except (OSError, ValueError):
-            pass
+    def busy_port_error(self) -> Optional[str]:
+        """One line naming the ports workers could not listen on, if any did."""
+        if not self.unbound_workers:
+            return None
+        busy = ", ".join(f"{self.ports[i]} (worker {i})" for i in sorted(self.unbound_workers))
+        return (f"error: port {busy} is taken on some address of this host, so the worker "
+                f"could not start its gRPC server (see `ss -ltnp`)")
 
 
 def exit_status(returncode: int) -> int:
@@ -127,48 +165,66 @@ def exit_status(returncode: int) -> int:
 
 
 def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
-    """Runs the group to completion, restarting it on failures; returns the
-    chief's exit code."""
-    forwarded = []
-    group = None
+    """Runs the group to completion, restarting it on fresh ports after a
+    retryable failure; returns the chief's exit code. Raises PortError when
+    this host has no free port left."""
+    forwarded = []  # signals received, newest last
+    groups = []  # every generation started, the running one last
 
     def forward(signum, frame):
         forwarded.append(signum)
-        if group is not None:
-            group.signal(signum)
+        if groups:
+            groups[-1].signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    restarts = 0
-    while True:
-        group = _Group(num_workers, train_flags)
-        if forwarded:  # a signal came while the group was starting
-            group.signal(forwarded[-1])
-        while not group.done() and group.first_failure() is None:
-            time.sleep(0.2)
-        failed = group.first_failure()
-        if failed is None or forwarded:
-            # Signalled workers save a checkpoint and exit 143; one that fails
-            # otherwise leaves its peers blocked in a collective.
-            while not group.done():
-                if any(p.poll() not in (None, 0, EXIT_PREEMPTED) for p in group.processes):
-                    group.stop(grace_seconds)
+    previous_handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        used_ports = set()
+        restarts = 0
+        while True:
+            ports = free_ports(num_workers, avoid=used_ports)
+            used_ports.update(ports)
+            group = _Group(ports, train_flags)
+            groups.append(group)
+            if forwarded:  # a signal came while the group was starting
+                group.signal(forwarded[-1])
+            while not group.done() and group.first_failure() is None:
                 time.sleep(0.2)
-            group.wait()
-            return exit_status(group.processes[0].returncode)
-        code = exit_status(group.processes[failed].returncode)
-        print(f"[launch] worker {failed} exited with {code}; stopping the group", flush=True)
-        group.stop(grace_seconds)
-        if code in _PERMANENT:
-            print(f"[launch] exit code {code} is permanent (bad input or divergence): not restarting",
-                  flush=True)
-            return code
-        if restarts >= max_restarts or forwarded:
-            print(f"[launch] giving up after {restarts} restart(s)", flush=True)
-            return code
-        restarts += 1
-        print(f"[launch] restart {restarts}/{max_restarts}: resuming from the latest checkpoint",
-              flush=True)
+            failed = group.first_failure()
+            if failed is None or forwarded:
+                return _finish(group, grace_seconds)
+            code = exit_status(group.processes[failed].returncode)
+            print(f"[launch] worker {failed} exited with {code}; stopping the group", flush=True)
+            group.stop(grace_seconds)
+            busy_port_error = group.busy_port_error()
+            if busy_port_error:
+                print(busy_port_error, file=sys.stderr, flush=True)
+            # The launcher chose that port and fresh ones cure it, whatever
+            # code the worker turned the failure into.
+            if code in _PERMANENT and not busy_port_error:
+                print(f"[launch] exit code {code} is permanent (bad input or divergence): "
+                      f"not restarting", flush=True)
+                return code
+            if restarts >= max_restarts or forwarded:
+                print(f"[launch] giving up after {restarts} restart(s)", flush=True)
+                return code
+            restarts += 1
+            print(f"[launch] restart {restarts}/{max_restarts} on fresh ports: resuming from "
+                  f"the latest checkpoint", flush=True)
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _finish(group: _Group, grace_seconds: float) -> int:
+    """Lets a group that succeeded or was signalled end; returns the chief's status."""
+    # Signalled workers save a checkpoint and exit 143; one that fails
+    # otherwise leaves its peers blocked in a collective.
+    while not group.done():
+        if any(p.poll() not in (None, 0, EXIT_PREEMPTED) for p in group.processes):
+            group.stop(grace_seconds)
+        time.sleep(0.2)
+    group.wait()
+    return exit_status(group.processes[0].returncode)
 
 
 def main(argv=None) -> int:
@@ -192,7 +248,11 @@ def main(argv=None) -> int:
         print("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
               file=sys.stderr)
         return EXIT_USAGE
-    return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
+    try:
+        return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
+    except PortError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
 
 
 def run() -> None:
