@@ -1,5 +1,4 @@
-"""`python -m distributed_mpt.benchmark`: runs the benchmark (see the package
-docstring); the memory section also starts its probes this way."""
+"""`python -m distributed_mpt.benchmark`: the benchmark (see the package docstring)."""
 
 from distributed_mpt.benchmark.cli import run
 

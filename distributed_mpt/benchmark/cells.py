@@ -1,0 +1,167 @@
+"""One measurement of the real training loop: a *cell*, one model x precision
+x global batch x strategy, trained by the package's `Trainer` in a fresh
+process, so that its peak memory is its own and a strategy can configure the
+devices before TensorFlow starts. The process is
+
+    python -m distributed_mpt.benchmark.cells '{"model": "mlp", ...}'
+
+which prints the cell's figures as one JSON line; `run_cell` starts it (one
+process per worker for multi_worker) and returns them.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# Steps of the first loop call, which traces the loop: never timed.
+WARMUP_STEPS = 2
+# Timed steps per loop call when a cell does not fix them: as many as fit in
+# `Cell.seconds`, judged from one short call, within these bounds.
+MIN_STEPS, MAX_STEPS = 2, 100
+CHILD_TIMEOUT_SECONDS = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """What one measurement trains, and for how long."""
+
+    model: str
+    precision: str
+    batch_size: int  # global: split over the replicas
+    strategy: str = "default"  # default (one replica), mirrored or multi_worker
+    replicas: int = 1  # mirrored: CPU replicas (ignored on GPUs: all of them); multi_worker: workers
+    model_width: int = 64
+    examples: int = 50_000  # CIFAR-10's train split: a real run's memory
+    repeats: int = 3
+    seconds: float = 2.0
+    steps: int = 0  # timed steps per call; 0: chosen from `seconds`
+
+    def describe(self) -> str:
+        parallel = f" x{self.replicas}" if self.strategy != "default" else ""
+        return f"{self.model} {self.precision} batch {self.batch_size} {self.strategy}{parallel}"
+
+
+def measure(cell: Cell) -> dict:
+    """Trains `cell` in this process with `trainer.Trainer` on its own input
+    pipeline: a warm-up call, then `repeats` timed calls of the loop. Returns
+    the median examples/s, every call's rate, the steps per call, the number
+    of replicas, and the peak memory (of GPU:0 on GPUs, else of this process)."""
+    import tensorflow as tf
+
+    from distributed_mpt import cluster, config, data, distribution, precision, trainer
+
+    gpus = tf.config.list_physical_devices("GPU")
+    workers = cluster.resolve_cluster() if cell.strategy == "multi_worker" else None
+    cpu_replicas = cell.replicas if cell.strategy == "mirrored" and not gpus else 0
+    strategy = distribution.create_strategy(cell.strategy, cpu_replicas, cluster=workers)
+    replicas = strategy.num_replicas_in_sync
+    if cell.batch_size % replicas:
+        raise ValueError(f"global batch {cell.batch_size} does not split over {replicas} replicas")
+    train_config = config.TrainConfig(
+        # The Trainer writes nothing there; only train_and_evaluate does.
+        model_dir=tempfile.gettempdir(), dataset="synthetic", synthetic_examples=cell.examples,
+        model=cell.model, model_width=cell.model_width, precision=cell.precision,
+        strategy=cell.strategy, cpu_replicas=cpu_replicas,
+        per_replica_batch_size=cell.batch_size // replicas,
+        train_steps=WARMUP_STEPS + 2 + cell.repeats * (cell.steps or MAX_STEPS),
+        evaluate=False, export=False)
+    split, _ = data.make_synthetic(cell.examples, 1, seed=0)
+    plan = trainer.plan_run(train_config, replicas, workers.num_workers if workers else 1,
+                            len(split))
+    precision.set_precision(plan.policy)
+    loop = trainer.Trainer(train_config, plan, strategy, split)
+    iterator = iter(loop.train_dataset(split, 0))
+
+    def seconds_of(steps: int) -> float:
+        started = time.perf_counter()
+        loop.train(iterator, steps, False)  # returns the totals: the steps are done
+        return time.perf_counter() - started
+
+    seconds_of(WARMUP_STEPS)
+    # Workers must agree on the steps of every call, so run_cell fixes them
+    # for multi_worker rather than let each worker judge its own speed.
+    steps = cell.steps or min(max(round(cell.seconds * 2 / seconds_of(2)), MIN_STEPS), MAX_STEPS)
+    rates = [steps * plan.global_batch_size / seconds_of(steps) for _ in range(cell.repeats)]
+    peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # kB on Linux
+    return {"examples_per_second": statistics.median(rates), "runs": rates, "steps": steps,
+            "replicas": replicas, "peak_memory_bytes": peak}
+
+
+def run_cell(cell: Cell) -> dict:
+    """Measures `cell` in fresh processes and returns the (chief's) figures;
+    raises RuntimeError naming the cell and the failure's last line."""
+    if cell.strategy == "multi_worker" and not cell.steps:
+        raise ValueError("a multi_worker cell needs its steps fixed")
+    command = [sys.executable, "-m", "distributed_mpt.benchmark.cells",
+               json.dumps(dataclasses.asdict(cell))]
+    tf_configs = _worker_tf_configs(cell.replicas) if cell.strategy == "multi_worker" else [None]
+    with contextlib.ExitStack() as stack:
+        # Files, not pipes: a child whose pipe fills up would block.
+        logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
+                 stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in tf_configs]
+        processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                      env=_environment(tf_config))
+                     for (out, err), tf_config in zip(logs, tf_configs)]
+        deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
+        # A worker that fails leaves its peers waiting in a collective: stop all.
+        while (any(p.poll() is None for p in processes) and not any(p.returncode for p in processes)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        failed = [(p.returncode, err) for p, (_, err) in zip(processes, logs) if p.returncode]
+        if failed:
+            code, err = max(failed, key=lambda f: f[0])  # one that failed on its own, not one stopped here
+            err.seek(0)
+            reason = _last_line(err.read()) if code > 0 else f"stopped after {CHILD_TIMEOUT_SECONDS} s"
+            raise RuntimeError(f"{cell.describe()}: exited {code}: {reason}")
+        logs[0][0].seek(0)
+        return json.loads(logs[0][0].read().strip().splitlines()[-1])
+
+
+def _environment(tf_config) -> dict:
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
+    return dict(environment, TF_CONFIG=tf_config) if tf_config else environment
+
+
+def _worker_tf_configs(count: int) -> list:
+    """TF_CONFIGs of `count` local workers on free ports; worker 0 is the chief."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("", 0))  # TensorFlow's gRPC server listens on every interface
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+    for s in sockets:
+        s.close()
+    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})
+            for i in range(count)]
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def main() -> None:
+    """The cell process: measures the cell given as JSON, prints its figures."""
+    try:
+        figures = measure(Cell(**json.loads(sys.argv[1])))
+    except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report
+        print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(json.dumps(figures), flush=True)
+
+
+if __name__ == "__main__":
+    main()

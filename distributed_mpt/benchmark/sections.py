@@ -1,0 +1,216 @@
+"""The sections: what each measures and the figures it reports (`SECTIONS`,
+the one place that names them; the report and the tests read it), how each
+is measured, and the report.
+
+Every training figure comes from cells (`cells.py`), measured once each and
+shared: the mixed-precision speedup, the input pipeline's headroom and the
+scaling efficiency are ratios of cells the training section also reports.
+"""
+
+import dataclasses
+import itertools
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, Tuple
+
+from distributed_mpt.benchmark.cells import Cell, run_cell
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A section: what it tells a user, the columns that name a row, and its
+    figures with their units (ex/s, img/s, B for bytes, x for a ratio)."""
+
+    about: str
+    keys: Tuple[str, ...]
+    figures: Dict[str, str]
+
+
+SECTIONS = {
+    "training": Section(
+        "examples/s of the training loop (the package's Trainer, one replica) and the peak "
+        "memory of its process (of GPU:0 on GPUs), per model x precision x global batch",
+        ("model", "precision", "batch_size", "strategy"),
+        {"examples_per_second": "ex/s", "peak_memory_bytes": "B"}),
+    "mixed_precision": Section(
+        "examples/s under mixed precision over float32, same model and batch: mixed_float16 "
+        "on GPUs, mixed_bfloat16 on CPUs (emulated, so below 1, without AVX512_BF16 or AMX)",
+        ("model", "precision", "batch_size"), {"speedup_over_float32": "x"}),
+    "input_pipeline": Section(
+        "images/s the input pipeline delivers alone, and how many times what the training "
+        "step consumes (headroom); below 1 the input is the bottleneck",
+        ("model", "precision", "batch_size"), {"images_per_second": "img/s", "headroom": "x"}),
+    "scaling": Section(
+        "examples/s with the global batch split over replicas (mirrored: every GPU, or 2 CPU "
+        "replicas) or local workers (multi_worker), and efficiency over one replica at the "
+        "same global batch; on one host the parts share its cores",
+        ("model", "precision", "batch_size", "strategy", "replicas"),
+        {"examples_per_second": "ex/s", "efficiency": "x"}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What to measure; set from the flags by `cli.parse_options`."""
+
+    output: str = None
+    sections: tuple = tuple(SECTIONS)
+    models: tuple = ("mlp", "resnet9")
+    batch_sizes: tuple = (32, 256)
+    precisions: tuple = ("float32", "mixed")  # mixed: this machine's mixed policy
+    model_width: int = 64
+    repeats: int = 3
+    seconds: float = Cell.seconds  # per timed loop call
+    examples: int = Cell.examples
+
+
+class Benchmark:
+    """Runs sections for `options`, measuring each cell once."""
+
+    def __init__(self, options: Options):
+        import tensorflow as tf
+
+        self.options = options
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        self.mixed_policy = "mixed_float16" if gpus else "mixed_bfloat16"
+        self.precisions = tuple(dict.fromkeys(
+            self.mixed_policy if p == "mixed" else p for p in options.precisions))
+        self.replicas = gpus if gpus > 1 else 2
+        self._cells = {}
+
+    def cell(self, model: str, precision: str, batch_size: int, **parallel) -> dict:
+        """The figures of one cell; a failure is kept and raised again to
+        every section that needs the cell."""
+        o = self.options
+        cell = Cell(model, precision, batch_size, model_width=o.model_width, examples=o.examples,
+                    repeats=o.repeats, seconds=o.seconds, **parallel)
+        if cell not in self._cells:
+            try:
+                self._cells[cell] = run_cell(cell)
+                _progress(f"{cell.describe()}: {self._cells[cell]['examples_per_second']:,.1f} ex/s")
+            except Exception as e:  # noqa: BLE001 — reported by the sections that need it
+                self._cells[cell] = e
+        if isinstance(self._cells[cell], Exception):
+            raise self._cells[cell]
+        return self._cells[cell]
+
+    def grid(self):
+        return itertools.product(self.options.models, self.precisions, self.options.batch_sizes)
+
+    def training(self) -> list:
+        return [{"model": m, "precision": p, "batch_size": b, "strategy": "default",
+                 **self.cell(m, p, b)} for m, p, b in self.grid()]
+
+    def mixed_precision(self) -> list:
+        rows = []
+        for model, batch in itertools.product(self.options.models, self.options.batch_sizes):
+            float32 = self.cell(model, "float32", batch)["examples_per_second"]
+            mixed = self.cell(model, self.mixed_policy, batch)["examples_per_second"]
+            rows.append({"model": model, "precision": self.mixed_policy, "batch_size": batch,
+                         "speedup_over_float32": mixed / float32})
+        return rows
+
+    def input_pipeline(self) -> list:
+        delivered = {b: pipeline_images_per_second(b, self.options)
+                     for b in self.options.batch_sizes}
+        return [{"model": m, "precision": p, "batch_size": b, "images_per_second": delivered[b],
+                 "headroom": delivered[b] / self.cell(m, p, b)["examples_per_second"]}
+                for m, p, b in self.grid()]
+
+    def scaling(self) -> list:
+        """At the largest batch and the first precision, for every model."""
+        batch, policy, rows = max(self.options.batch_sizes), self.precisions[0], []
+        for model in self.options.models:
+            one = self.cell(model, policy, batch)
+            for strategy, parts in (("mirrored", self.replicas), ("multi_worker", 2)):
+                # The same steps per call as one replica: the same work timed.
+                many = self.cell(model, policy, batch, strategy=strategy, replicas=parts,
+                                 steps=one["steps"])
+                rows.append({"model": model, "precision": policy, "batch_size": batch,
+                             "strategy": strategy, "replicas": many["replicas"],
+                             "examples_per_second": many["examples_per_second"],
+                             "efficiency": many["examples_per_second"] / one["examples_per_second"]})
+        return rows
+
+
+def pipeline_images_per_second(batch_size: int, options: Options) -> float:
+    """Images/s of the trainer's input pipeline (`data.train_input_fn`, one
+    host) with nothing consuming them: median of `repeats` windows."""
+    import tensorflow as tf
+
+    from distributed_mpt import data
+
+    split, _ = data.make_synthetic(options.examples, 1, seed=0)
+    batches = iter(data.train_input_fn(split, batch_size, 0, 0, 10**9)(tf.distribute.InputContext()))
+    next(batches)  # builds the pipeline
+    rates = []
+    for _ in range(options.repeats):
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < options.seconds:
+            next(batches)
+            count += 1
+        rates.append(count * batch_size / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+def run_benchmark(options: Options) -> dict:
+    """Runs the chosen sections; a section that fails is recorded as
+    {"failed": reason}, and the others still run."""
+    import keras
+    import tensorflow as tf
+
+    from distributed_mpt import distribution
+
+    started = time.perf_counter()
+    benchmark = Benchmark(options)
+    results = {"machine": {"devices": distribution.describe_devices(),
+                           "mixed_policy": benchmark.mixed_policy, "tensorflow": tf.__version__,
+                           "keras": keras.__version__, "python": platform.python_version()},
+               "options": dataclasses.asdict(options), "sections": {}}
+    for name in SECTIONS:
+        if name not in options.sections:
+            continue
+        _progress(f"[{name}]")
+        section_started = time.perf_counter()
+        try:
+            section = {"rows": getattr(benchmark, name)()}
+        except Exception as e:  # noqa: BLE001 — one broken section must not lose the others
+            section = {"failed": (str(e).strip().splitlines() or [type(e).__name__])[0]}
+        results["sections"][name] = {**section, "seconds": time.perf_counter() - section_started}
+    results["seconds"] = time.perf_counter() - started
+    return results
+
+
+def failed_sections(results: dict) -> list:
+    return [name for name, section in results["sections"].items() if "failed" in section]
+
+
+def _format(value: float, unit: str) -> str:
+    if unit == "B":
+        return f"{value / 2**20:,.0f} MiB"
+    return f"{value:.2f}x" if unit == "x" else f"{value:,.1f}"
+
+
+def format_report(results: dict) -> str:
+    """One table per section; FAILED and the reason for a section that failed."""
+    lines = [f"{results['machine']['devices']}; TensorFlow {results['machine']['tensorflow']}"]
+    for name, section in results["sections"].items():
+        spec = SECTIONS[name]
+        lines += ["", f"{name}: {spec.about}"]
+        if "failed" in section:
+            lines.append(f"  FAILED: {section['failed']}")
+            continue
+        header = [*spec.keys, *(f"{f} ({u})" for f, u in spec.figures.items())]
+        table = [header] + [[str(row[k]) for k in spec.keys] +
+                            [_format(row[f], u) for f, u in spec.figures.items()]
+                            for row in section["rows"]]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                  for row in table]
+    return "\n".join(lines)
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
