@@ -13,6 +13,7 @@ the very batches it would have seen.
 
 import dataclasses
 import os
+import re
 import socket
 import threading
 from typing import Callable, Optional, Tuple
@@ -124,48 +125,147 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
     """Loads CIFAR-10 from tensorflow-datasets, preparing it first if needed.
 
     Fails within seconds, naming the remedies, when the data is not in
-    `data_dir` and cannot be downloaded.
+    `data_dir` and cannot be downloaded; and with one error naming the file
+    and how to prepare it again when the prepared data is damaged.
     """
     import tensorflow_datasets as tfds  # heavy; only runs that need it pay
+
+    _check_dataset_info(data_dir)  # tfds.builder reads it, with tracebacks
+    builder = tfds.builder("cifar10", data_dir=data_dir)
+    if not builder.is_prepared():
+        _prepare_cifar10(builder, download)
+    return _read_prepared_split(builder, "train"), _read_prepared_split(builder, "test")
+
+
+def _prepare_cifar10(builder, download: bool) -> None:
+    """Downloads (or takes from the manual directory) and prepares CIFAR-10,
+    or raises DataUnavailableError naming the remedies."""
+    import tensorflow_datasets as tfds
     # Not re-exported by tensorflow-datasets' public API.
     from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
-    builder = tfds.builder("cifar10", data_dir=data_dir)
-    if not builder.is_prepared():
-        manual_dir = os.path.join(builder.data_dir_root, "downloads", "manual")
-        have_archive = os.path.exists(os.path.join(manual_dir, CIFAR10_ARCHIVE))
-        if not have_archive:
-            reason = None
-            if not download:
-                reason = "downloading is off (--nodownload)"
-            elif not _reachable(*_CIFAR10_HOST, timeout=_NETWORK_PROBE_SECONDS):
-                reason = f"{_CIFAR10_HOST[0]} cannot be reached (no network?)"
-            if reason:
-                raise DataUnavailableError(
-                    f"CIFAR-10 is not prepared in {builder.data_dir_root} and {reason}. "
-                    f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
-                    f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
-                    f"into {manual_dir}, or train on --dataset=synthetic.")
-        # Preparing writes into data_dir: say so now, not in a traceback.
-        outputs.check_writable(builder.data_dir_root, flag="--data_dir")
-        try:
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
-        except NonMatchingChecksumError:
+    manual_dir = os.path.join(builder.data_dir_root, "downloads", "manual")
+    have_archive = os.path.exists(os.path.join(manual_dir, CIFAR10_ARCHIVE))
+    if not have_archive:
+        reason = None
+        if not download:
+            reason = "downloading is off (--nodownload)"
+        elif not _reachable(*_CIFAR10_HOST, timeout=_NETWORK_PROBE_SECONDS):
+            reason = f"{_CIFAR10_HOST[0]} cannot be reached (no network?)"
+        if reason:
             raise DataUnavailableError(
-                f"{os.path.join(manual_dir, CIFAR10_ARCHIVE)} is not the CIFAR-10 archive "
-                f"(its checksum does not match; the real one is 170,052,171 bytes): download it "
-                f"again from https://www.cs.toronto.edu/~kriz/cifar.html") from None
+                f"CIFAR-10 is not prepared in {builder.data_dir_root} and {reason}. "
+                f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
+                f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
+                f"into {manual_dir}, or train on --dataset=synthetic.")
+    # Preparing writes into data_dir: say so now, not in a traceback.
+    outputs.check_writable(builder.data_dir_root, flag="--data_dir")
+    try:
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    except NonMatchingChecksumError:
+        raise DataUnavailableError(
+            f"{os.path.join(manual_dir, CIFAR10_ARCHIVE)} is not the CIFAR-10 archive "
+            f"(its checksum does not match; the real one is 170,052,171 bytes): download it "
+            f"again from https://www.cs.toronto.edu/~kriz/cifar.html") from None
 
-    def split(name: str) -> ImageSplit:
+
+def _damaged_data_error(path: str, problem: str, data_dir_root: str,
+                        dataset_dir: str) -> DataUnavailableError:
+    """The one-line error for prepared data that cannot be read: what is
+    wrong with which file, and the two ways to get intact data back."""
+    return DataUnavailableError(
+        f"{path} {problem}: the prepared CIFAR-10 is damaged. Remove {dataset_dir} and prepare "
+        f"it again with `distributed-mpt-prepare-data --data_dir={data_dir_root}`, or, offline, "
+        f"extract {CIFAR10_ARCHIVE} into {data_dir_root} (tar xzf {CIFAR10_ARCHIVE} -C "
+        f"{data_dir_root}) and pass --data_dir={data_dir_root}: the official binary release "
+        f"is read directly.")
+
+
+def _check_dataset_info(data_dir: Optional[str]) -> None:
+    """Raises DataUnavailableError if CIFAR-10's `dataset_info.json` exists
+    but does not describe the prepared splits.
+
+    tensorflow-datasets reads this file when the builder is created and
+    fails on a damaged one with whatever its parser raised (a protobuf
+    ParseError, a UnicodeDecodeError wrapped in a RuntimeError, an
+    AssertionError on the version), so the file is parsed here first, with
+    tensorflow-datasets' own reader.
+    """
+    import tensorflow_datasets as tfds
+    from google.protobuf import json_format  # a dependency of TensorFlow
+
+    builder_class = tfds.builder_cls("cifar10")
+    data_dir_root = os.path.expanduser(data_dir or tfds.core.constants.DATA_DIR)
+    dataset_dir = os.path.join(data_dir_root, builder_class.name, str(builder_class.VERSION))
+    path = os.path.join(dataset_dir, "dataset_info.json")
+    if not os.path.exists(path):
+        return  # not prepared: load_cifar10 prepares it or says how
+    try:
+        info = tfds.core.dataset_info.read_from_json(path)
+    except (OSError, UnicodeDecodeError, json_format.ParseError) as e:
+        problem = f"cannot be read as a dataset description ({str(e).splitlines()[0][:200].rstrip('.')})"
+    else:
+        split_sizes = {split.name: sum(split.shard_lengths) for split in info.splits}
+        if (info.name, info.version) == (builder_class.name, str(builder_class.VERSION)) \
+                and split_sizes.get("train") and split_sizes.get("test"):
+            return
+        problem = (f"does not describe {builder_class.name} {builder_class.VERSION} "
+                   f"with its train and test splits")
+    raise _damaged_data_error(path, problem, data_dir_root, dataset_dir)
+
+
+# What reading a prepared split raises when its files are damaged: a record
+# that fails its checksum or is cut short, a missing file, fewer records than
+# dataset_info.json counts, or a record that does not decode as an image.
+_DAMAGED_RECORD_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError,
+                          tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError)
+
+
+def _read_prepared_split(builder, name: str) -> ImageSplit:
+    """The prepared split `name` in memory, or DataUnavailableError naming
+    the damaged file."""
+    import tensorflow_datasets as tfds
+
+    try:
         # Batches of known size rather than batch_size=-1, which needs the
         # split's size up front.
         batches = list(tfds.as_numpy(
             builder.as_dataset(split=name, as_supervised=True).batch(10_000)))
-        return ImageSplit(np.concatenate([b[0] for b in batches]).astype(np.uint8),
-                          np.concatenate([b[1] for b in batches]).astype(np.int32))
+    except _DAMAGED_RECORD_ERRORS as e:
+        path, problem = _find_damaged_record_file(builder.info.splits[name])
+        if path is None:  # every file reads back whole: the records themselves are foreign
+            path, problem = builder.data_dir, f"holds unreadable {name} records ({_tf_message(e)})"
+        raise _damaged_data_error(path, problem, builder.data_dir_root, builder.data_dir) from None
+    return ImageSplit(np.concatenate([b[0] for b in batches]).astype(np.uint8),
+                      np.concatenate([b[1] for b in batches]).astype(np.int32))
 
-    return split("train"), split("test")
+
+def _find_damaged_record_file(split_info) -> Tuple[Optional[str], Optional[str]]:
+    """The first record file of a split that is missing, fails to read or
+    holds another number of records than dataset_info.json says, and what is
+    wrong with it; (None, None) if there is none.
+
+    Runs only after reading failed: TensorFlow's errors do not say which of
+    the split's files they came from.
+    """
+    for path, expected in zip(split_info.filepaths, split_info.shard_lengths):
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            return path, "is missing"
+        try:
+            count = sum(1 for _ in tf.data.TFRecordDataset(path))
+        except _DAMAGED_RECORD_ERRORS as e:
+            return path, f"is cut short or corrupted ({_tf_message(e)})"
+        if count != expected:
+            return path, f"holds {count} records, not the {expected} that dataset_info.json counts"
+    return None, None
+
+
+def _tf_message(error: tf.errors.OpError) -> str:
+    """A TensorFlow error's message without the op and function names."""
+    message = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)
+    return message.splitlines()[0][:200] if message else type(error).__name__
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:

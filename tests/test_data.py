@@ -102,16 +102,128 @@ def test_synthetic_labels_follow_from_images():
     np.testing.assert_array_equal(again.images, train.images)
 
 
-def test_cifar10_loads_through_tensorflow_datasets():
+# Records per file of the tiny binary release that tensorflow-datasets
+# prepares below: 5 train files and 1 test file.
+_RECORDS_PER_FILE = 4
+
+
+@pytest.fixture(scope="module")
+def prepared_cifar10(tmp_path_factory):
+    """A tensorflow-datasets data directory holding a tiny CIFAR-10 prepared
+    by tensorflow-datasets itself (real TFRecord files, dataset_info.json),
+    from binary-release files of 4 records each instead of the download."""
     import tensorflow_datasets as tfds
     from unittest import mock
 
-    # mock_data stands in for prepared data; it does not mark it prepared.
-    with tfds.testing.mock_data(num_examples=64), \
-            mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", return_value=True):
-        train, test = data.load_cifar10("/nonexistent", download=False)
-    assert train.images.shape == (64, 32, 32, 3) and train.images.dtype == np.uint8
-    assert train.labels.dtype == np.int32 and len(test) == 64
+    root = tmp_path_factory.mktemp("cifar10")
+    extracted = root / "extracted" / "cifar-10-batches-bin"
+    extracted.mkdir(parents=True)
+    records = np.zeros((_RECORDS_PER_FILE, 1 + 3072), np.uint8)
+    records[:, 0] = np.arange(_RECORDS_PER_FILE)  # the labels; each image is its label's grey
+    records[:, 1:] = records[:, :1]
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        records.tofile(extracted / name)
+    (extracted / "batches.meta.txt").write_text("\n".join(f"class{i}" for i in range(10)))
+    builder = tfds.builder("cifar10", data_dir=str(root / "tfds"))
+    with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
+                           return_value=str(extracted.parent)):
+        builder.download_and_prepare()
+    return root / "tfds"
+
+
+@pytest.fixture
+def cifar10_copy(prepared_cifar10, tmp_path):
+    """A copy of the prepared data directory that a test may damage."""
+    import shutil
+
+    return shutil.copytree(prepared_cifar10, tmp_path / "tfds")
+
+
+def test_prepared_cifar10_loads_through_tensorflow_datasets(cifar10_copy):
+    train, test = data.load_dataset("cifar10", str(cifar10_copy), download=False,
+                                    synthetic_examples=0, seed=0)
+    assert train.images.shape == (5 * _RECORDS_PER_FILE, 32, 32, 3) and train.images.dtype == np.uint8
+    assert train.labels.dtype == np.int32 and len(test) == _RECORDS_PER_FILE
+    for images, labels in [(train.images, train.labels), (test.images, test.labels)]:
+        np.testing.assert_array_equal(images[:, 3, 5, 1], labels)  # every pixel is the label
+
+
+def _truncate(path, size):
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def _flip_byte(path, position):
+    content = bytearray(path.read_bytes())
+    content[position] ^= 0xFF
+    path.write_bytes(bytes(content))
+
+
+def _write_records(path, count):
+    """Replaces `path` by an intact TFRecord file of `count` records that are
+    not CIFAR-10 examples."""
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for _ in range(count):
+            writer.write(b"not an example")
+
+
+_TRAIN_RECORDS = "cifar10-train.tfrecord-00000-of-00001"
+_TEST_RECORDS = "cifar10-test.tfrecord-00000-of-00001"
+
+
+@pytest.mark.parametrize("damaged, damage, problem", [
+    (_TRAIN_RECORDS, lambda p: _truncate(p, p.stat().st_size // 2 + 7), "is cut short or corrupted"),
+    # The records are all the same size: half the file is 10 whole records,
+    # which read back without an error, and only their count tells.
+    (_TRAIN_RECORDS, lambda p: _truncate(p, p.stat().st_size // 2), "holds 10 records, not the 20"),
+    (_TRAIN_RECORDS, lambda p: _flip_byte(p, p.stat().st_size // 3), "corrupted record at"),
+    (_TEST_RECORDS, lambda p: _truncate(p, 0), f"holds 0 records, not the {_RECORDS_PER_FILE}"),
+    (_TEST_RECORDS, lambda p: p.unlink(), "is missing"),
+    ("dataset_info.json", lambda p: p.write_bytes(b"\x00garbage{"), "cannot be read as a dataset"),
+    ("dataset_info.json", lambda p: _truncate(p, p.stat().st_size // 2), "Failed to load JSON"),
+    ("dataset_info.json", lambda p: p.write_text("{}"), "does not describe cifar10 3.0.2"),
+    # Every file reads back whole, but what it holds is not CIFAR-10: the
+    # whole prepared directory is named.
+    (".", lambda p: _write_records(p / _TRAIN_RECORDS, 5 * _RECORDS_PER_FILE),
+     "holds unreadable train records"),
+])
+def test_damaged_prepared_cifar10_is_one_error_naming_the_file(cifar10_copy, damaged, damage,
+                                                               problem):
+    dataset_dir = cifar10_copy / "cifar10" / "3.0.2"
+    damage(dataset_dir / damaged)
+    with pytest.raises(DataUnavailableError) as error:
+        data.load_dataset("cifar10", str(cifar10_copy), download=False, synthetic_examples=0, seed=0)
+    message = str(error.value)
+    assert "\n" not in message
+    named = dataset_dir if damaged == "." else dataset_dir / damaged
+    assert message.startswith(f"{named} ") and problem in message
+    # How to get intact data back: prepare again, or read the binary release.
+    assert f"Remove {dataset_dir} " in message
+    assert f"distributed-mpt-prepare-data --data_dir={cifar10_copy}`" in message
+    assert f"tar xzf cifar-10-binary.tar.gz -C {cifar10_copy}" in message
+
+
+def test_preparing_over_damaged_data_says_how_to_recover(cifar10_copy, capsys):
+    from distributed_mpt import prepare_data
+
+    _flip_byte(cifar10_copy / "cifar10" / "3.0.2" / _TEST_RECORDS, 100)
+    assert prepare_data.main([f"--data_dir={cifar10_copy}"]) == 2
+    error_lines = capsys.readouterr().err.splitlines()
+    assert len(error_lines) == 1 and error_lines[0].startswith("error: ")
+    assert _TEST_RECORDS in error_lines[0] and "Remove " in error_lines[0]
+
+
+def test_training_on_damaged_data_exits_with_one_error_line(cifar10_copy, tmp_path):
+    from conftest import train
+
+    _flip_byte(cifar10_copy / "cifar10" / "3.0.2" / _TRAIN_RECORDS, 1000)
+    model_dir = tmp_path / "run"
+    result = train(["--dataset=cifar10", f"--data_dir={cifar10_copy}", "--nodownload",
+                    "--model=mlp", "--train_steps=2", f"--model_dir={model_dir}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and _TRAIN_RECORDS in error_lines[0], result.stderr[-3000:]
+    assert not model_dir.exists()
 
 
 def test_missing_cifar10_without_download_names_the_remedies(tmp_path):
