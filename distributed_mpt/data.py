@@ -321,18 +321,14 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return num_examples // global_batch_size
 
 
-def augment_batch(images: tf.Tensor, offsets: tf.Tensor, flips: tf.Tensor) -> tf.Tensor:
-    """Padded random crop and horizontal flip of a whole uint8 batch.
+def gather_and_augment(images, labels, indices, offsets, flips):
+    """The augmented training batch at `indices` of `images` and `labels`:
+    a padded random crop and a horizontal flip of each image.
 
-    images: uint8 [B, H, W, C]; offsets: int32 [B, 2] in [0, 2*CROP_PADDING],
-    the crop's corner in the reflect-padded image; flips: bool [B].
-    """
-    return _gather_augmented(images, tf.range(tf.shape(images)[0]), offsets, flips)
-
-
-def _gather_augmented(images: tf.Tensor, indices: tf.Tensor, offsets: tf.Tensor,
-                      flips: tf.Tensor) -> tf.Tensor:
-    """`augment_batch(tf.gather(images, indices), offsets, flips)` as one gather.
+    images: uint8 [N, H, W, C]; labels: int32 [N]; indices: int32 [B];
+    offsets: int32 [B, 2] in [0, 2*CROP_PADDING], the crop's corner in the
+    reflect-padded image; flips: bool [B]. Returns uint8 [B, H, W, C] images
+    and their labels.
 
     Padding, cropping and flipping only decide which source pixel lands
     where, so the source pixel's index is computed and the whole batch is
@@ -344,7 +340,8 @@ def _gather_augmented(images: tf.Tensor, indices: tf.Tensor, offsets: tf.Tensor,
     columns = tf.where(flips[:, None], tf.range(width - 1, -1, -1)[None, :], tf.range(width)[None, :])
     columns = _reflect(offsets[:, 1:] - CROP_PADDING + columns, width)                   # [B, W]
     pixel = (indices[:, None, None] * height + rows[:, :, None]) * width + columns[:, None, :]
-    return tf.gather(tf.reshape(images, [-1, channels]), pixel)                          # [B, H, W, C]
+    augmented = tf.gather(tf.reshape(images, [-1, channels]), pixel)                     # [B, H, W, C]
+    return augmented, tf.gather(labels, indices)
 
 
 def _reflect(position: tf.Tensor, size: int) -> tf.Tensor:
@@ -384,11 +381,6 @@ def _options() -> tf.data.Options:
     return options
 
 
-def gather_and_augment(images, labels, indices, offsets, flips):
-    """The augmented training batch at `indices` of `images` and `labels`."""
-    return _gather_augmented(images, indices, offsets, flips), tf.gather(labels, indices)
-
-
 def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,
                    num_steps: int, images_on_device: bool = False
                    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
@@ -399,11 +391,12 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
     With `images_on_device`, it yields `(indices, offsets, flips)` instead:
     the caller keeps the split on the device and applies `gather_and_augment`
     there, so only a few bytes per image cross from the host each step.
+
+    The global batch must fit the split at least once; `trainer.plan_run`
+    checks that, with the flags to change, before any pipeline is built.
     """
     num_examples = len(split)
     epoch_steps = steps_per_epoch(num_examples, global_batch_size)
-    if epoch_steps == 0:
-        raise ValueError(f"global batch {global_batch_size} exceeds the {num_examples} training examples")
     first_epoch, skip_steps = divmod(start_step, epoch_steps)
     last_epoch = (start_step + num_steps + epoch_steps - 1) // epoch_steps
 

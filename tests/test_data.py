@@ -29,11 +29,13 @@ def split():
 
 def test_augmentation_keeps_shape_dtype_and_pixels():
     images = tf.constant(np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3), dtype=np.uint8))
+    labels, indices = tf.range(6), tf.range(6)
     offsets = tf.constant([[4, 4], [0, 0], [8, 8], [4, 4], [0, 8], [2, 6]], tf.int32)
     flips = tf.constant([False, False, False, True, False, True])
-    eager = data.augment_batch(images, offsets, flips)
-    in_graph = next(iter(tf.data.Dataset.from_tensors((images, offsets, flips))
-                         .map(data.augment_batch)))
+    eager, _ = data.gather_and_augment(images, labels, indices, offsets, flips)
+    # In a tf.data map, as train_input_fn applies it.
+    in_graph, _ = next(iter(tf.data.Dataset.from_tensors((indices, offsets, flips))
+                            .map(lambda *batch: data.gather_and_augment(images, labels, *batch))))
     for out in (eager, in_graph):
         assert out.dtype == tf.uint8 and out.shape == (6, 32, 32, 3)
     np.testing.assert_array_equal(eager, in_graph)
@@ -255,7 +257,8 @@ def test_augmentation_matches_reflect_pad_crop_and_flip():
     padded = np.pad(images, [(0, 0), (4, 4), (4, 4), (0, 0)], mode="reflect")
     expected = np.stack([padded[i, y:y + 32, x:x + 32][:, ::-1 if f else 1]
                          for i, ((y, x), f) in enumerate(zip(offsets, flips))])
-    np.testing.assert_array_equal(data.augment_batch(tf.constant(images), offsets, flips), expected)
+    augmented, _ = data.gather_and_augment(images, np.arange(64), tf.range(64), offsets, flips)
+    np.testing.assert_array_equal(augmented, expected)
     indices = tf.constant([5, 0, 63])
     augmented, labels = data.gather_and_augment(images, np.arange(64), indices,
                                                 offsets[[5, 0, 63]], flips[[5, 0, 63]])
