@@ -154,9 +154,9 @@ class _Group:
         """One line naming the ports workers could not listen on, if any did."""
         if not self.unbound_workers:
             return None
-        busy = ", ".join(f"{self.ports[i]} (worker {i})" for i in sorted(self.unbound_workers))
-        return (f"error: port {busy} is taken on some address of this host, so the worker "
-                f"could not start its gRPC server (see `ss -ltnp`)")
+        busy = "; ".join(f"worker {i} could not start its gRPC server: port {self.ports[i]} is "
+                         f"taken on some address of this host" for i in sorted(self.unbound_workers))
+        return f"error: {busy} (see `ss -ltnp`)"
 
 
 def exit_status(returncode: int) -> int:

@@ -169,8 +169,8 @@ def test_a_busy_port_is_named_and_the_group_restarts_on_fresh_ports(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [line for line in _own_lines(result.stderr) if line.startswith("error:")] == [
-        f"error: port {taken} (worker 1) is taken on some address of this host, so the worker "
-        f"could not start its gRPC server (see `ss -ltnp`)"]
+        f"error: worker 1 could not start its gRPC server: port {taken} is taken on some address "
+        f"of this host (see `ss -ltnp`)"]
     assert "Traceback" not in "\n".join(_own_lines(result.stdout + result.stderr))
     assert "restart 1/1 on fresh ports" in result.stdout
     ports = [int(p) for p in re.findall(r"started worker \d+ \(pid \d+\) on port (\d+)", result.stdout)]
