@@ -16,8 +16,8 @@ EXIT_PREEMPTED = 143
 # A peer of a multi-worker job was lost mid-training (128 + SIGPIPE: the
 # connection broke). Retryable: the group restarts from the last checkpoint.
 EXIT_PEER_LOST = 141
-# Peers of a multi-worker job did not come up in time: the worker is ended
-# by SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
+# Peers of a multi-worker job did not come up in time: peer_watchdog ends
+# the worker with SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
 # still be scheduled.
 EXIT_PEER_TIMEOUT = 142
 
@@ -37,7 +37,7 @@ class ClusterError(UserError):
 
 
 class DataUnavailableError(UserError):
-    """The dataset is not in --data_dir and cannot be downloaded."""
+    """The dataset is not in --data_dir, is damaged there, or cannot be downloaded."""
 
 
 class CheckpointMismatchError(UserError):
