@@ -103,8 +103,7 @@ class _Group:
                 pump = threading.Thread(target=self._relay, args=(source, sink, index), daemon=True)
                 pump.start()
                 self._pumps.append(pump)
-            print(f"[launch] started worker {index} (pid {process.pid}) on port {ports[index]}",
-                  flush=True)
+            _say(f"[launch] started worker {index} (pid {process.pid}) on port {ports[index]}")
 
     def _relay(self, source, sink, index: int) -> None:
         # Keep reading even when our own output is gone (`| head`): a worker
@@ -112,11 +111,7 @@ class _Group:
         for line in source:
             if _GRPC_BIND_FAILURE in line:
                 self.unbound_workers.add(index)
-            try:
-                sink.write(f"[worker {index}] {line}")
-                sink.flush()
-            except (OSError, ValueError):
-                pass
+            _say(f"[worker {index}] " + line.rstrip("\n"), sink)
 
     def first_failure(self) -> Optional[int]:
         """Index of a worker that exited non-zero, if any."""
@@ -159,6 +154,21 @@ class _Group:
         return f"error: {busy} (see `ss -ltnp`)"
 
 
+def _say(line: str, stream=None) -> None:
+    """Writes one line to stdout (or `stream`) at once."""
+    stream = stream or sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except (OSError, ValueError):
+        # The reader is gone (`| head`). The workers must still be supervised,
+        # so that is no error: the rest goes to /dev/null, where Python's
+        # final flush cannot fail with a traceback either.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+
 def exit_status(returncode: int) -> int:
     """A process's return code as a shell reports it (killed by signal n: 128 + n)."""
     return 128 - returncode if returncode < 0 else returncode
@@ -193,23 +203,23 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             if failed is None or forwarded:
                 return _finish(group, grace_seconds)
             code = exit_status(group.processes[failed].returncode)
-            print(f"[launch] worker {failed} exited with {code}; stopping the group", flush=True)
+            _say(f"[launch] worker {failed} exited with {code}; stopping the group")
             group.stop(grace_seconds)
             busy_port_error = group.busy_port_error()
             if busy_port_error:
-                print(busy_port_error, file=sys.stderr, flush=True)
+                _say(busy_port_error, sys.stderr)
             # The launcher chose that port and fresh ones cure it, whatever
             # code the worker turned the failure into.
             if code in _PERMANENT and not busy_port_error:
-                print(f"[launch] exit code {code} is permanent (bad input or divergence): "
-                      f"not restarting", flush=True)
+                _say(f"[launch] exit code {code} is permanent (bad input or divergence): "
+                     f"not restarting")
                 return code
             if restarts >= max_restarts or forwarded:
-                print(f"[launch] giving up after {restarts} restart(s)", flush=True)
+                _say(f"[launch] giving up after {restarts} restart(s)")
                 return code
             restarts += 1
-            print(f"[launch] restart {restarts}/{max_restarts} on fresh ports: resuming from "
-                  f"the latest checkpoint", flush=True)
+            _say(f"[launch] restart {restarts}/{max_restarts} on fresh ports: resuming from "
+                 f"the latest checkpoint")
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
@@ -235,23 +245,23 @@ def main(argv=None) -> int:
     fv = flags.FlagValues()
     _define_flags(fv)
     if {"-h", "--help"} & set(own):
-        print(__doc__ + "\nFlags:\n" + fv.get_help())
+        _say(__doc__ + "\nFlags:\n" + fv.get_help())
         return 0
     try:
         rest = fv(["distributed-mpt-launch", *own])
         if len(rest) > 1:
             raise flags.Error(f"unexpected argument(s) {' '.join(rest[1:])}; put training flags after --")
     except flags.Error as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        _say(f"error: {str(e).splitlines()[0]}", sys.stderr)
         return EXIT_USAGE
     if not train_flags:
-        print("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
-              file=sys.stderr)
+        _say("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
+             sys.stderr)
         return EXIT_USAGE
     try:
         return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
     except PortError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _say(f"error: {e}", sys.stderr)
         return e.exit_code
 
 

@@ -114,6 +114,14 @@ def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     assert "started worker" not in out
 
 
+def test_output_to_a_reader_that_is_gone_is_no_traceback():
+    launcher = subprocess.Popen([sys.executable, "-m", "distributed_mpt.launch", "--help"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    launcher.stdout.close()  # as `| head` does, long before Python has started
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0 and stderr == ""
+
+
 # --- the launcher with real workers -----------------------------------------
 
 
