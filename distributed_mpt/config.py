@@ -42,42 +42,90 @@ MODEL_DEFAULTS = {
 _PER_MODEL = tuple(MODEL_DEFAULTS["mlp"])
 
 
+def _option(default, help: str, choices=None):
+    """A config field that is also a command-line flag: its help text lives
+    here, once, and the entry point derives the flag from it."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run needs; see `distributed_mpt.train` for the flags."""
+    """Everything a training run needs; each field is the flag of the same
+    name of `distributed-mpt-train`."""
 
-    model_dir: str
-    dataset: str = "cifar10"
-    data_dir: Optional[str] = None
-    download: bool = True
-    synthetic_examples: int = 50_000
-    model: str = "resnet9"
-    model_width: int = 64
-    precision: str = "auto"
-    strategy: str = "auto"
-    cpu_replicas: int = 0
-    communication: str = "auto"
-    per_replica_batch_size: int = 128
-    epochs: int = 24
-    train_steps: int = 0
+    model_dir: Optional[str] = _option(
+        None, "Where checkpoints, TensorBoard logs, metrics.jsonl, summary.json and the export "
+        "go. A run resumes from the checkpoints it finds here.")
+    dataset: str = _option("cifar10", "cifar10 from tensorflow-datasets, or synthetic "
+                           "CIFAR-shaped data with learnable labels (no download).", DATASETS)
+    data_dir: Optional[str] = _option(
+        None, "Where CIFAR-10 is: a directory holding the official binary release "
+        "(cifar-10-batches-bin/, read directly), or a tensorflow-datasets data directory "
+        "(default ~/tensorflow_datasets).")
+    download: bool = _option(True, "Download and prepare CIFAR-10 if it is not in --data_dir. "
+                             "Turn off on workers that must read prepared data.")
+    synthetic_examples: int = _option(50_000, "Training examples of --dataset=synthetic (test: "
+                                      "a fifth as many).")
+    model: str = _option(
+        "resnet9", "mlp: the original notebook's network. resnet9: the residual CNN of Page's "
+        "DAWNBench entries (94% in 24 epochs on a GPU). airbench: Keller Jordan's airbench94 "
+        "network (91.9% in 7 epochs, 15 min on 2 CPU cores: --recipe=cpu_cnn).", MODELS)
+    model_width: int = _option(64, "Channels of the first stage of resnet9 or airbench (64 in "
+                               "both references).")
+    precision: str = _option(
+        "auto", "auto: mixed_float16 on GPUs of compute capability 7.0+, mixed_bfloat16 on "
+        "CPUs with bfloat16 instructions (AVX512_BF16 or AMX: 1.2-1.3x faster than float32, "
+        "measured), else float32 (float16 is emulated and slow on CPUs). mixed_float16 scales "
+        "the loss dynamically; mixed_bfloat16 needs no scaling.", PRECISIONS)
+    strategy: str = _option("auto", "auto picks multi_worker for a cluster, mirrored for "
+                            "several GPUs or --cpu_replicas, one_device for one GPU, else "
+                            "default.", STRATEGIES)
+    cpu_replicas: int = _option(0, "Split the CPU into N logical devices so that mirrored runs "
+                                "N replicas without GPUs (for tests and experiments); 0: off.")
+    communication: str = _option("auto", "Collective implementation for multi_worker: nccl on "
+                                 "GPUs (needs a large /dev/shm in containers), ring (gRPC) on "
+                                 "CPUs.", COMMUNICATIONS)
+    per_replica_batch_size: int = _option(128, "Examples per replica per step; the global "
+                                          "batch is this times the number of replicas of all "
+                                          "workers.")
+    epochs: int = _option(24, "Epochs to train.")
+    train_steps: int = _option(0, "Optimizer steps to train; overrides --epochs when > 0.")
     # None: the model's entry in MODEL_DEFAULTS.
-    learning_rate: Optional[float] = None
-    max_learning_rate: Optional[float] = None
-    warmup_epochs: Optional[float] = None
-    momentum: Optional[float] = None
-    weight_decay: Optional[float] = None
-    label_smoothing: Optional[float] = None
-    seed: int = 0
-    steps_per_loop: int = 50
-    log_every_steps: int = 100
-    checkpoint_every_steps: int = 1000
-    xla: bool = False
-    data_on_device: bool = False
-    peer_timeout_seconds: int = 300
-    evaluate: bool = True
-    eval_every_epochs: int = 0
-    eval_tta: bool = False
-    export: bool = True
+    learning_rate: Optional[float] = _option(
+        None, "Peak learning rate at the reference batch of 128; scaled linearly with the "
+        "global batch.")
+    max_learning_rate: Optional[float] = _option(
+        None, "Ceiling of the scaled learning rate (0: none), for networks that diverge above "
+        "a rate whatever the batch; applies to the model's own rate, not to an explicit "
+        "--learning_rate.")
+    warmup_epochs: Optional[float] = _option(
+        None, "Linear warmup from 0, in epochs, then cosine decay to 0; at most half of the "
+        "run.")
+    momentum: Optional[float] = _option(None, "SGD Nesterov momentum.")
+    weight_decay: Optional[float] = _option(None, "L2 coefficient on kernels.")
+    label_smoothing: Optional[float] = _option(None, "Label smoothing of the training loss.")
+    seed: int = _option(0, "Seed of initialization, shuffling and augmentation.")
+    steps_per_loop: int = _option(
+        50, "At most this many optimizer steps per tf.function call (less Python overhead); "
+        "fewer when steps are slow, so that progress and Ctrl-C are answered within seconds.")
+    log_every_steps: int = _option(100, "Steps between progress lines (there is also one at "
+                                   "least every 20 seconds and at the end of each epoch).")
+    checkpoint_every_steps: int = _option(1000, "Steps between checkpoints (one is also written "
+                                          "at the end and on SIGTERM/Ctrl-C).")
+    xla: bool = _option(False, "Compile the forward and backward pass with XLA.")
+    data_on_device: bool = _option(
+        False, "Keep the uint8 train split in device memory (150 MB per GPU for CIFAR-10) and "
+        "shuffle and augment there: only indices cross from the host. Same results as the "
+        "host pipeline for the same seed.")
+    peer_timeout_seconds: int = _option(300, "multi_worker: give up if the peers are not all up "
+                                        "after this long.")
+    evaluate: bool = _option(True, "Evaluate on the whole test split at the end.")
+    eval_every_epochs: int = _option(0, "Also evaluate every N epochs during training (logged "
+                                     "like the progress); 0: only at the end.")
+    eval_tta: bool = _option(False, "Test-time augmentation: evaluate on the mean of the "
+                             "predictions for each test image and its mirror image (horizontal "
+                             "flip, as airbench does).")
+    export: bool = _option(True, "Export a SavedModel and a .keras file at the end.")
 
     def __post_init__(self):
         _choice("model", self.model, MODELS)
