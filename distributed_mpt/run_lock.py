@@ -136,6 +136,18 @@ def remove_matching(directory: str, patterns) -> list:
     return removed
 
 
+def remove_if_unused(model_dir: str) -> None:
+    """Removes `model_dir` if it holds nothing but the lock file: for a
+    directory created by a run that was refused before it wrote anything."""
+    try:
+        if set(os.listdir(model_dir)) <= {LOCK_NAME}:
+            if os.path.exists(os.path.join(model_dir, LOCK_NAME)):
+                os.remove(os.path.join(model_dir, LOCK_NAME))
+            os.rmdir(model_dir)
+    except OSError:
+        pass  # a concurrent run took it over, or it is gone: leave it
+
+
 def _read_holder(fd: int) -> str:
     """'pid P on host H since T' from the lock file, as far as it says."""
     try:

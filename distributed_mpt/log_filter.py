@@ -1,0 +1,84 @@
+"""A quiet start: TensorFlow's C++ log lines are kept off the console.
+
+TensorFlow 2.21 logs from C++ straight to file descriptor 2 (`I0000 ...`,
+`W0000 ...`, and on machines without a GPU `E0000 ... failed call to
+cuInit`), and most of those lines ignore TF_CPP_MIN_LOG_LEVEL because they
+are written before absl's logging is initialized. So the process's own
+descriptor 2 goes through a small filter process that drops those lines and
+passes everything else through unchanged. DMPT_VERBOSE=1 keeps them.
+
+The filter is a process, not a thread: TensorFlow holds the GIL while it
+waits for multi-worker peers, and a thread could not drain the pipe then. It
+ignores SIGINT and SIGTERM and ends when every writer has closed the pipe,
+so the last lines of a process that is killed or aborts still arrive.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+VERBOSE_ENV = "DMPT_VERBOSE"
+
+# A C++ (or absl) log line: severity, date, time, thread id, file:line].
+# Fatal lines always pass: they say why the process is about to die.
+_TENSORFLOW_LINE = re.compile(
+    rb"^(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+:\d+\]"
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|To enable the following instructions: .* rebuild TensorFlow"
+    rb"|This TensorFlow binary is optimized to use available CPU instructions)")
+
+_filter_process = None
+_original_stderr = None
+
+
+def start() -> None:
+    """Routes this process's stderr through the filter, unless DMPT_VERBOSE
+    is set or it is already routed. Call before TensorFlow is imported."""
+    global _filter_process, _original_stderr
+    if _filter_process is not None or os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return
+    sys.stderr.flush()
+    try:
+        _filter_process = subprocess.Popen(
+            [sys.executable, "-m", "distributed_mpt.log_filter"], stdin=subprocess.PIPE,
+            stdout=2, stderr=subprocess.DEVNULL)
+    except OSError:
+        return  # no filter: the lines are noise, never a reason to fail
+    _original_stderr = os.dup(2)
+    os.dup2(_filter_process.stdin.fileno(), 2)
+    _filter_process.stdin.close()
+
+
+def stop() -> None:
+    """Puts stderr back and waits (briefly) until the filter has passed on
+    every line written so far."""
+    global _filter_process, _original_stderr
+    if _filter_process is None:
+        return
+    sys.stderr.flush()
+    os.dup2(_original_stderr, 2)
+    os.close(_original_stderr)
+    try:
+        # Child processes that still hold the pipe (a watchdog about to
+        # exit) keep it open a little longer: do not wait for them.
+        _filter_process.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        pass
+    _filter_process = _original_stderr = None
+
+
+def _filter(source, sink) -> None:
+    for line in source:
+        if not _TENSORFLOW_LINE.match(line):
+            sink.write(line)
+            sink.flush()
+
+
+if __name__ == "__main__":
+    # Ctrl-C reaches the whole process group: the filter keeps passing lines
+    # on until its writers are gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _filter(sys.stdin.buffer, sys.stdout.buffer)

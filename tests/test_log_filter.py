@@ -1,0 +1,28 @@
+"""TensorFlow's C++ log lines are filtered out; everything else passes."""
+
+import io
+
+from distributed_mpt.log_filter import _filter
+
+TENSORFLOW_LINES = [
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+    b"I0000 00:00:1796061718.255367   27490 port.cc:153] oneDNN custom operations are on.\n",
+    b"E0000 00:00:1796061719.918335   27490 cuda_platform.cc:52] failed call to cuInit: "
+    b"INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n",
+    b"W1130 18:00:01.123456  140 tf_logging.py:123] AutoGraph could not transform\n",
+    b"To enable the following instructions: AVX512F FMA, in other operations, rebuild "
+    b"TensorFlow with the appropriate compiler flags.\n",
+]
+OURS = [
+    b"error: --model_dir=/x is not writable (Permission denied)\n",
+    b"step  10/100  epoch 0.50  loss 1.2\n",
+    b"Traceback (most recent call last):\n",
+    b"F0000 00:00:1796061719.918335   27490 check.cc:1] Check failed: a fatal line stays\n",
+]
+
+
+def test_tensorflow_lines_are_dropped_and_the_rest_passes_in_order():
+    sink = io.BytesIO()
+    lines = [line for pair in zip(TENSORFLOW_LINES, OURS) for line in pair] + TENSORFLOW_LINES[4:]
+    _filter(io.BytesIO(b"".join(lines)), sink)
+    assert sink.getvalue() == b"".join(OURS)
