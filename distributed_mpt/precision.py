@@ -1,4 +1,5 @@
-"""Precision policies and the optimizer that goes with each.
+"""Which precision policy a run uses, and the loss scale it reports (the
+loss-scaling optimizer itself is made in optimization.py).
 
 mixed_float16: float16 compute, float32 variables, dynamic loss scaling
 (float16 underflows small gradients). mixed_bfloat16: bfloat16 compute,

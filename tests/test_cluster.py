@@ -25,7 +25,7 @@ def test_kubeflow_chief_and_workers():
     cluster = resolve_cluster(tf_config(KUBEFLOW_CHIEF_AND_WORKERS))
     assert cluster.addresses == ("cifar-chief-0.default.svc:2222", "cifar-worker-0.default.svc:2222",
                                  "cifar-worker-1.default.svc:2222")
-    assert cluster.chief_address == "cifar-chief-0.default.svc:2222"
+    assert cluster.addresses[0] == "cifar-chief-0.default.svc:2222"
     assert (cluster.task_type, cluster.task_index, cluster.is_chief) == ("worker", 1, False)
     assert cluster.own_address == "cifar-worker-1.default.svc:2222"
     chief = dict(KUBEFLOW_CHIEF_AND_WORKERS, task={"type": "chief", "index": 0})

@@ -117,12 +117,33 @@ def test_worker_gives_up_on_peers_that_never_come_up(tmp_path):
     assert len(errors) == 1 and "127.0.0.1:47612" in errors[0] and "peer_timeout_seconds" in errors[0]
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--num_workers=0", "--", "--model_dir=x"], "num_workers"),
-    (["--num_workers=2"], "no training flags"),
-    (["--max_restarts=-1", "--", "--model_dir=x"], "max_restarts"),
-])
-def test_launcher_bad_input(args, fragment):
-    result = run_module("distributed_mpt.launch", args, timeout=60)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("error:") and fragment in result.stderr
+def _blocks_sigterm(pid: int) -> bool:
+    """True while the worker waits for its peers (it blocks SIGTERM then)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_sigterm_to_the_group_ends_a_worker_waiting_for_its_peers(tmp_path):
+    tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:47613", "127.0.0.1:47614"]},
+                            "task": {"type": "worker", "index": 0}})
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS,
+         "--peer_timeout_seconds=600", f"--model_dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=subprocess_env(TF_CONFIG=tf_config), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _blocks_sigterm(worker.pid):
+            assert worker.poll() is None and time.monotonic() < deadline, "never waited for peers"
+            time.sleep(0.1)
+        time.sleep(1)  # inside TensorFlow's wait, where its own handler would swallow SIGTERM
+        signalled = time.monotonic()
+        os.killpg(worker.pid, signal.SIGTERM)  # as the launcher or a terminal does
+        _, stderr = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+    assert time.monotonic() - signalled < 10, "the worker ends within seconds, not at the deadline"
+    assert worker.returncode == -signal.SIGKILL, stderr[-3000:]  # 137: retryable
+    assert "SIGTERM while waiting for the peers" in stderr
