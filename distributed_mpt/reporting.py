@@ -21,6 +21,10 @@ class Reporter:
         record carries the seconds since, for time-to-accuracy curves."""
         self._enabled = enabled
         self._total_steps = total_steps
+        # On a terminal, a status line is rewritten after every loop call;
+        # logs (Kubernetes, SLURM, a file) get whole lines only.
+        self._terminal = enabled and sys.stdout.isatty()
+        self._live_line_shown = False
         self._started = started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
         if not enabled:
@@ -33,10 +37,28 @@ class Reporter:
         outputs.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
 
+    def last_logged(self, key: str) -> dict:
+        """The newest record of metrics.jsonl that has `key`; {} if none."""
+        records = outputs.read_jsonl(self._metrics_path) if self._enabled else []
+        return next((r for r in reversed(records) if key in r), {})
+
     def say(self, message: str) -> None:
         """Prints a line on the chief."""
         if self._enabled:
+            self._clear_live_line()
             print(message, flush=True)
+
+    def live(self, step: int) -> None:
+        """Shows the step reached on the status line (terminals only)."""
+        if self._terminal:
+            sys.stdout.write(f"\r\x1b[Kstep {step}/{self._total_steps}")
+            sys.stdout.flush()
+            self._live_line_shown = True
+
+    def _clear_live_line(self) -> None:
+        if self._live_line_shown:
+            sys.stdout.write("\r\x1b[K")
+            self._live_line_shown = False
 
     def log(self, step: int, record: dict, eta_seconds: float = None) -> None:
         """Reports the metrics of the interval ending at `step`; the printed
@@ -64,6 +86,7 @@ class Reporter:
         if eta_seconds is not None:
             minutes, seconds = divmod(round(eta_seconds), 60)
             parts.append(f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
+        self._clear_live_line()
         print("  ".join(parts), file=sys.stdout, flush=True)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import signal
+import threading
 import time
 from typing import Optional
 
@@ -29,32 +30,51 @@ from distributed_mpt.reporting import Reporter
 _NONFINITE_STEPS_WITH_LOSS_SCALING = 100
 
 
-class _StopSignals:
-    """Turns SIGTERM/SIGINT into a request to checkpoint and stop.
+class StopSignals:
+    """Turns SIGTERM/SIGINT into a request to checkpoint and stop, answered at
+    once.
 
-    The request is all-reduced with the metrics, so every worker stops after
-    the same step. A second Ctrl-C interrupts at once.
+    A Python signal handler runs only when the main thread gets back from
+    TensorFlow, which may take a loop call; the C-level handler writes the
+    signal to a wakeup pipe at once, though, and a thread reading it prints
+    the acknowledgement within milliseconds. The request itself is
+    all-reduced with the metrics, so every worker stops after the same step.
+    A second Ctrl-C aborts at once (exit 130), without a checkpoint.
     """
 
     def __init__(self):
         self.requested = False
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self.stopping = "after the steps under way, with a checkpoint"  # what a stop means now
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = {sig: signal.signal(sig, lambda *_: None)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
+        threading.Thread(target=self._watch, daemon=True, name="stop-signals").start()
 
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+    def _watch(self):
+        while True:
+            received = os.read(self._read_fd, 64)
+            if not received:  # restore() closed the pipe
+                os.close(self._read_fd)
+                return
+            for signum in received:
+                self._handle(signal.Signals(signum))
+
+    def _handle(self, sig):
+        if self.requested and sig == signal.SIGINT:
+            os.write(2, b"second Ctrl-C: aborting without a checkpoint (exit 130)\n")
+            os._exit(130)
         if not self.requested:
-            # os.write, not print: the handler may interrupt a print.
-            os.write(2, f"{signal.Signals(signum).name}: stopping after the steps under way, "
-                        f"with a checkpoint; Ctrl-C again to abort without one (exit 130)\n"
-                        .encode())
+            os.write(2, f"{sig.name}: stopping {self.stopping}; Ctrl-C again to abort "
+                        f"(exit 130)\n".encode())
         self.requested = True
 
     def restore(self):
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        os.close(self._write_fd)  # ends the watching thread
 
 
 def _sum_accumulator(size: int) -> tf.Variable:
@@ -62,6 +82,25 @@ def _sum_accumulator(size: int) -> tf.Variable:
     return tf.Variable(tf.zeros([size]), trainable=False,
                        synchronization=tf.VariableSynchronization.ON_READ,
                        aggregation=tf.VariableAggregation.SUM)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopTotals:
+    """What one call of the training loop sums over all replicas."""
+
+    loss_sum: float
+    correct: float
+    examples: float
+    nonfinite_steps: float   # fractional when only some replicas saw one
+    stop_requests: float     # > 0: some worker was signalled; all stop now
+    seconds_per_step: float  # the previous call's, averaged over the replicas
+
+    def __add__(self, other: "LoopTotals") -> "LoopTotals":
+        return LoopTotals(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                                  dataclasses.astuple(other))))
+
+
+NO_TOTALS = LoopTotals(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +158,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                  train_split: data.ImageSplit):
-        self._config, self._plan, self._strategy = config, plan, strategy
+        self.config, self.plan, self._strategy = config, plan, strategy
         schedule = optimization.learning_rate_schedule(
             plan.learning_rate, plan.total_steps, plan.warmup_steps)
         with strategy.scope():
@@ -161,29 +200,32 @@ class Trainer:
     def train_dataset(self, split: data.ImageSplit, start_step: int):
         """The distributed training input from `start_step` to the last step."""
         return self._strategy.distribute_datasets_from_function(data.train_input_fn(
-            split, self._plan.global_batch_size, self._config.seed, start_step,
-            self._plan.total_steps - start_step, images_on_device=self._device_split is not None))
+            split, self.plan.global_batch_size, self.config.seed, start_step,
+            self.plan.total_steps - start_step, images_on_device=self._device_split is not None))
 
-    def train(self, iterator, num_steps: int, stop_requested: bool) -> list:
-        """Runs `num_steps` optimizer steps; returns the sums over all replicas
-        [loss, correct, examples, non-finite steps, stop requests]."""
+    def train(self, iterator, num_steps: int, stop_requested: bool = False,
+              seconds_per_step: float = 0.0) -> LoopTotals:
+        """Runs `num_steps` optimizer steps. `stop_requested` and this
+        worker's `seconds_per_step` in the previous call travel with the
+        metrics, so that every worker gets the same totals back."""
         totals = self._train_loop(iterator, tf.constant(num_steps),
-                                  tf.constant(float(stop_requested)))
-        return [float(x) for x in totals.numpy()]
+                                  tf.constant([float(stop_requested), seconds_per_step]))
+        totals = [float(x) for x in totals.numpy()]
+        return LoopTotals(*totals[:5], seconds_per_step=totals[5] / self.plan.num_replicas)
 
     def evaluate(self, split: data.ImageSplit) -> dict:
         """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
         `split`, each example counted once across all workers. With test-time
         augmentation, also `eval_accuracy_without_tta`, so that every run
         shows what it buys."""
-        batch = self._plan.global_batch_size
+        batch = self.plan.global_batch_size
         iterator = iter(self._strategy.distribute_datasets_from_function(
             data.eval_input_fn(split, batch)))
         loss_sum, correct, examples, plain_correct = (float(x) for x in self._eval_loop(
             iterator, tf.constant(data.eval_steps(len(split), batch))).numpy())
         result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
                   "eval_examples": int(round(examples))}
-        if self._config.eval_tta:
+        if self.config.eval_tta:
             result["eval_accuracy_without_tta"] = plain_correct / examples
         return result
 
@@ -197,7 +239,7 @@ class Trainer:
             losses = self._per_example_loss(self._train_loss, labels, probabilities)
             # Averaged over the global batch, so that the all-reduced sum of
             # replica gradients is the gradient of the global batch.
-            loss = tf.nn.compute_average_loss(losses, global_batch_size=self._plan.global_batch_size)
+            loss = tf.nn.compute_average_loss(losses, global_batch_size=self.plan.global_batch_size)
             if model.losses:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             scaled_loss = self.optimizer.scale_loss(loss)
@@ -211,7 +253,7 @@ class Trainer:
             images, labels = batch
         gradients, loss, loss_sum, correct = self._gradients(images, labels)
         context = tf.distribute.get_replica_context()
-        if self._plan.loss_scaling:
+        if self.plan.loss_scaling:
             # Keras' LossScaleOptimizer decides to skip a step from each
             # replica's own gradients (it assumes they were summed already),
             # so replicas could disagree: some apply an inf, or workers fall
@@ -233,19 +275,19 @@ class Trainer:
         skipped = nonfinite / context.num_replicas_in_sync
         self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
 
-    def _train_loop_fn(self, iterator, num_steps, stop_requested):
+    def _train_loop_fn(self, iterator, num_steps, travelling):
         for _ in tf.range(num_steps):
             self._strategy.run(self._train_step, args=next(iterator))
             self.step.assign_add(1)
         # The stop request travels with the metrics: if any worker was
         # signalled, all of them learn it after this same step.
-        totals = self._strategy.run(_drain, args=(self._train_sums, tf.reshape(stop_requested, [1])))
+        totals = self._strategy.run(_drain, args=(self._train_sums, travelling))
         return self._strategy.reduce("SUM", totals, axis=None)
 
     def _eval_step(self, images, labels, weights):
         probabilities = self.model(images, training=False)
         plain_correct = _is_correct(labels, probabilities)
-        if self._config.eval_tta:
+        if self.config.eval_tta:
             # CIFAR-10's classes are symmetric under a horizontal flip, and
             # the model was trained on flipped images: averaging both views
             # removes part of the model's variance (airbench's TTA level 1).
@@ -343,14 +385,29 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                          f"continuing at global batch {plan.global_batch_size}")
             trainer.trained_global_batch.assign(plan.global_batch_size)
 
-    signals = _StopSignals()
+    signals = StopSignals()
     try:
-        train_metrics, throughput = _run_training(
-            trainer, config, plan, train_split, test_split, start_step, checkpoints, reporter,
-            signals)
+        loop = _TrainingLoop(trainer, checkpoints, reporter, signals)
+        train_metrics, throughput = loop.run(train_split, test_split, start_step)
+        # A stop requested from here on lets the run finish: what is left
+        # (evaluation, export) is what makes it complete.
+        signals.stopping = "once the run is complete: evaluating and exporting first"
+        summary = _summary(trainer, strategy_name, start_step, train_metrics, throughput)
+        _evaluate_and_export(trainer, test_split, reporter, summary, export=is_chief)
+        summary["wall_seconds"] = time.monotonic() - started  # the export included
+        if is_chief:
+            outputs.write_json(f"{config.model_dir}/summary.json", summary)
     finally:
         signals.restore()
+    checkpoints.close()
+    reporter.close()
+    return summary
 
+
+def _summary(trainer: Trainer, strategy_name: str, start_step: int, train_metrics: dict,
+             throughput: Optional[float]) -> dict:
+    """What summary.json says of a run, before its evaluation."""
+    config, plan = trainer.config, trainer.plan
     steps = int(trainer.step.numpy())
     summary = {
         "strategy": strategy_name, "num_workers": plan.num_workers,
@@ -365,100 +422,154 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         "device": distribution.describe_devices(),
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
+    return summary
+
+
+def _evaluate_and_export(trainer: Trainer, test_split, reporter: Reporter, summary: dict,
+                         export: bool) -> None:
+    """Evaluates the trained model into `summary`, and exports it if
+    `export` (the chief) and the config say so."""
+    config, steps = trainer.config, summary["steps"]
     if config.evaluate:
         reporter.say(f"evaluating on the {len(test_split)} test images")
         result = trainer.evaluate(test_split)
         summary.update(result)
         # Logged like the evaluations during training, so that the accuracy
         # curve ends where the run ends.
-        reporter.log(steps, {"epoch": steps / plan.steps_per_epoch, **result})
-    if is_chief and config.export:
+        reporter.log(steps, {"epoch": summary["epochs"], **result})
+    if export and config.export:
         reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir)}")
-    summary["wall_seconds"] = time.monotonic() - started  # the export included
-    if is_chief:
-        outputs.write_json(f"{config.model_dir}/summary.json", summary)
-    checkpoints.close()
-    reporter.close()
-    return summary
 
 
-def _run_training(trainer: Trainer, config: TrainConfig, plan: RunPlan, train_split,
-                  test_split, start_step: int, checkpoints: Checkpoints, reporter: Reporter,
-                  signals: _StopSignals):
-    """Trains from `start_step` to the last step, logging, evaluating every
-    `eval_every_epochs`, checkpointing and watching for divergence and stop
-    signals. Returns the last interval's metrics and the throughput in
-    examples per second (first call excluded, as it includes tracing, unless
-    it was the only one)."""
-    if start_step >= plan.total_steps:
-        return {}, None
-    iterator = iter(trainer.train_dataset(train_split, start_step))
-    nonfinite_run = 0
-    interval = [0.0, 0.0, 0.0, 0.0]  # sums since the last log line
-    interval_start = time.perf_counter()
-    timed_examples, timed_seconds, metrics = 0, 0.0, {}
-    current = last_saved = start_step
-    # Evaluation at the end is train_and_evaluate's; this is for the curve.
-    eval_every_steps = config.eval_every_epochs * plan.steps_per_epoch or plan.total_steps
-    while current < plan.total_steps:
-        num_steps = min(plan.total_steps, _next_multiple(current, config.log_every_steps),
-                        _next_multiple(current, config.checkpoint_every_steps),
-                        _next_multiple(current, eval_every_steps),
-                        current + config.steps_per_loop) - current
-        started = time.perf_counter()
-        totals = trainer.train(iterator, num_steps, signals.requested)
-        call = (num_steps * plan.global_batch_size, time.perf_counter() - started)
-        if current == start_step:
-            first_call = call
-        else:
-            timed_examples, timed_seconds = timed_examples + call[0], timed_seconds + call[1]
-        current += num_steps
-        interval = [a + b for a, b in zip(interval, totals[:4])]
+# A loop call's target length: a stop request or a progress line waits for
+# the call under way, so calls are kept this short (up to --steps_per_loop
+# steps each), whatever the model or device.
+_CALL_SECONDS = 1.0
+# A progress line at least this often, whatever --log_every_steps says.
+_PROGRESS_SECONDS = 20.0
 
-        nonfinite_steps = totals[3]  # fractional when only some replicas saw it
-        nonfinite_run = nonfinite_run + num_steps if round(nonfinite_steps) == num_steps else 0
-        if (nonfinite_steps > 0 and not plan.loss_scaling) or \
-                nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
-            kept = (f"kept the last good checkpoint (step {last_saved}) untouched" if last_saved
-                    else "no checkpoint had been written yet")
+
+class _TrainingLoop:
+    """Trains from a step to the last one: logging, evaluating every
+    `eval_every_epochs`, checkpointing, and watching for divergence and
+    stop requests."""
+
+    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, reporter: Reporter,
+                 signals: StopSignals):
+        self._trainer, self._checkpoints = trainer, checkpoints
+        self._reporter, self._signals = reporter, signals
+
+    def run(self, train_split, test_split, start_step: int):
+        """Returns the last interval's metrics and the throughput in examples
+        per second (the first call excluded, as it includes tracing, unless
+        it was the only one)."""
+        trainer, config, plan = self._trainer, self._trainer.config, self._trainer.plan
+        if start_step >= plan.total_steps:
+            # Trained before, but stopped before its summary was written
+            # (SIGKILL during the export): the log has the training figures.
+            last = self._reporter.last_logged("loss")
+            return last, last.get("examples_per_second")
+        iterator = iter(trainer.train_dataset(train_split, start_step))
+        self._nonfinite_run, self._last_saved = 0, start_step
+        interval, interval_start = NO_TOTALS, time.perf_counter()
+        timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
+        # This worker's pace in the last call, sent with the next one; and
+        # every worker's mean, which comes back the same to all of them.
+        seconds_per_step = agreed_seconds_per_step = 0.0
+        current = start_step
+        # Evaluation at the end is train_and_evaluate's; this is for the curve.
+        eval_every_steps = config.eval_every_epochs * plan.steps_per_epoch or plan.total_steps
+        boundaries = (config.log_every_steps, config.checkpoint_every_steps, eval_every_steps,
+                      plan.steps_per_epoch)
+        first_call = None
+        while current < plan.total_steps:
+            num_steps = min(plan.total_steps, current + _steps_per_call(agreed_seconds_per_step,
+                                                                        config.steps_per_loop),
+                            *(_next_multiple(current, b) for b in boundaries)) - current
+            call_started = time.perf_counter()
+            totals = trainer.train(iterator, num_steps, self._signals.requested, seconds_per_step)
+            seconds = time.perf_counter() - call_started
+            seconds_per_step, agreed_seconds_per_step = seconds / num_steps, totals.seconds_per_step
+            if first_call is None:
+                first_call = (num_steps * plan.global_batch_size, seconds)
+            else:
+                timed_examples += num_steps * plan.global_batch_size
+                timed_seconds += seconds
+            current += num_steps
+            interval += totals
+            self._check_finite(totals, num_steps, current)
+
+            seconds = time.perf_counter() - interval_start
+            if (current % config.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
+                    current == plan.total_steps or seconds >= _PROGRESS_SECONDS or not lines):
+                # The first line comes after the first call, so that a slow
+                # start (tracing) shows; it has no ETA, as tracing is in it.
+                metrics = self._log(current, interval, seconds, with_eta=lines > 0)
+                lines += 1
+                interval, interval_start = NO_TOTALS, time.perf_counter()
+            else:
+                self._reporter.live(current)
+
+            if current % eval_every_steps == 0 and current < plan.total_steps:
+                eval_started = time.perf_counter()
+                self._reporter.say(f"evaluating on the {len(test_split)} test images")
+                self._reporter.log(current, {"epoch": current / plan.steps_per_epoch,
+                                             **trainer.evaluate(test_split)})
+                interval_start += time.perf_counter() - eval_started  # not training time
+
+            stop = totals.stop_requests > 0
+            if current % config.checkpoint_every_steps == 0 or current == plan.total_steps or stop:
+                self._checkpoints.save(current)
+                self._last_saved = current
+            if stop:
+                self._reporter.say(f"stopped by a signal at step {current}; checkpoint saved: "
+                                   f"run the same command again to resume")
+                raise Preempted(f"stopped at step {current} after a checkpoint")
+        if not timed_seconds:
+            timed_examples, timed_seconds = first_call
+        return metrics, timed_examples / timed_seconds
+
+    def _check_finite(self, totals: LoopTotals, num_steps: int, current: int) -> None:
+        """Raises DivergedError on a non-finite loss (without loss scaling) or
+        too many skipped steps in a row (with it)."""
+        plan = self._trainer.plan
+        self._nonfinite_run = (self._nonfinite_run + num_steps
+                               if round(totals.nonfinite_steps) == num_steps else 0)
+        if (totals.nonfinite_steps > 0 and not plan.loss_scaling) or \
+                self._nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
+            kept = (f"kept the last good checkpoint (step {self._last_saved}) untouched"
+                    if self._last_saved else "no checkpoint had been written yet")
             remedy = (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
                       f"scaled by the global batch/{optimization.REFERENCE_BATCH_SIZE}; or set "
                       f"--max_learning_rate)" +
                       (" or use --precision=float32" if plan.policy != "float32" else ""))
             raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
 
-        if current % config.log_every_steps == 0 or current == plan.total_steps:
-            seconds, examples = time.perf_counter() - interval_start, interval[2]
-            metrics = {"epoch": current / plan.steps_per_epoch,
-                       "loss": interval[0] / examples if examples else math.nan,
-                       "accuracy": interval[1] / examples if examples else math.nan,
-                       "learning_rate": float(trainer.optimizer.learning_rate),
-                       "loss_scale": precision.loss_scale(trainer.optimizer),
-                       "examples_per_second": examples / seconds if seconds else 0.0,
-                       "skipped_steps": round(interval[3])}
-            remaining = (plan.total_steps - current) * plan.global_batch_size
-            eta = remaining / metrics["examples_per_second"] if examples and seconds else None
-            reporter.log(current, metrics, eta_seconds=eta)
-            interval, interval_start = [0.0, 0.0, 0.0, 0.0], time.perf_counter()
+    def _log(self, step: int, interval: LoopTotals, seconds: float, with_eta: bool) -> dict:
+        """Reports the interval's metrics; returns them."""
+        plan, optimizer = self._trainer.plan, self._trainer.optimizer
+        examples = interval.examples
+        metrics = {"epoch": step / plan.steps_per_epoch,
+                   "loss": interval.loss_sum / examples if examples else math.nan,
+                   "accuracy": interval.correct / examples if examples else math.nan,
+                   "learning_rate": float(optimizer.learning_rate),
+                   "loss_scale": precision.loss_scale(optimizer),
+                   "examples_per_second": examples / seconds if seconds else 0.0,
+                   "skipped_steps": round(interval.nonfinite_steps)}
+        eta = None
+        if with_eta and examples and seconds:
+            eta = (plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]
+        self._reporter.log(step, metrics, eta_seconds=eta)
+        return metrics
 
-        if current % eval_every_steps == 0 and current < plan.total_steps:
-            eval_started = time.perf_counter()
-            reporter.say(f"evaluating on the {len(test_split)} test images")
-            reporter.log(current, {"epoch": current / plan.steps_per_epoch,
-                                   **trainer.evaluate(test_split)})
-            interval_start += time.perf_counter() - eval_started  # not training time
 
-        stop = totals[4] > 0
-        if current % config.checkpoint_every_steps == 0 or current == plan.total_steps or stop:
-            checkpoints.save(current)
-            last_saved = current
-        if stop:
-            reporter.say(f"stopped by a signal at step {current}; checkpoint saved: "
-                         f"run the same command again to resume")
-            raise Preempted(f"stopped at step {current} after a checkpoint")
-    if not timed_seconds:
-        timed_examples, timed_seconds = first_call
-    return metrics, timed_examples / timed_seconds
+def _steps_per_call(seconds_per_step: float, steps_per_loop: int) -> int:
+    """Steps for a call of about _CALL_SECONDS at `seconds_per_step` (the
+    same on every worker, so that they all call the loop alike); one while
+    the pace is not known yet."""
+    if seconds_per_step <= 0:
+        return 1
+    return max(1, min(steps_per_loop, int(_CALL_SECONDS / seconds_per_step)))
 
 
 def _next_multiple(value: int, multiple: int) -> int:

@@ -34,8 +34,49 @@ def run_module(module: str, args, timeout: float = 300, env=None, wrapper=None):
 
 
 def train(args, **kwargs):
-    """Runs the real training entry point."""
-    return run_module("distributed_mpt.train", [str(a) for a in args], **kwargs)
+    """Runs the real training entry point: in this process, where a separate
+    one adds nothing (TensorFlow's start-up is paid once), else as
+    `python -m distributed_mpt.train` (an environment of its own, logical
+    CPU devices, which TensorFlow configures once per process)."""
+    args = [str(a) for a in args]
+    if kwargs or any(a.startswith(("--cpu_replicas", "--strategy=mirrored")) for a in args):
+        return run_module("distributed_mpt.train", args, **kwargs)
+    from distributed_mpt.train import main
+    return run_in_process(main, args)
+
+
+def run_in_process(main, args) -> subprocess.CompletedProcess:
+    """Calls an entry point's `main(args)` with its output captured as a
+    process's would be (file descriptors 1 and 2 included, which TensorFlow
+    and the log filter write to)."""
+    import contextlib
+    import tempfile
+
+    import keras
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        stdout = open(1, "w", buffering=1, closefd=False)
+        stderr = open(2, "w", buffering=1, closefd=False)
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                code = main(args)
+        finally:
+            stdout.flush()
+            stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            # The run set the global precision policy; the next test builds
+            # its own models.
+            keras.mixed_precision.set_global_policy("float32")
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(args, code, out.read().decode(), err.read().decode())
 
 
 def read_summary(model_dir) -> dict:
