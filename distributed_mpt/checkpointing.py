@@ -17,7 +17,6 @@ or, worse, overwriting it.
 """
 
 import dataclasses
-import errno
 import glob
 import hashlib
 import json
@@ -39,7 +38,6 @@ from distributed_mpt.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
 MAX_TO_KEEP = 3
 
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointDamagedError(UserError):
@@ -212,7 +210,7 @@ class Checkpoints:
                 outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
             self._manager.save(checkpoint_number=step)
         except (tf.errors.ResourceExhaustedError, OSError) as e:
-            if not _is_disk_full(e):
+            if not outputs.is_disk_full(e):
                 raise
             self._remove_partial(step)
             raise DiskFullError(
@@ -271,14 +269,6 @@ def why_unreadable(prefix: str) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - a damaged file raises OpError, IndexError, ...
         return (str(e).splitlines() or [type(e).__name__])[0][:160]
     return None
-
-
-def _is_disk_full(error: Exception) -> bool:
-    if isinstance(error, OSError):
-        return error.errno in _DISK_FULL
-    # TensorFlow reports a failed write as ResourceExhaustedError with the
-    # C library's message; out-of-memory is ResourceExhaustedError too.
-    return any(os.strerror(code) in str(error) for code in _DISK_FULL)
 
 
 def _megabytes(size: int) -> str:

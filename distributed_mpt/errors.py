@@ -20,6 +20,10 @@ EXIT_PEER_LOST = 141
 # the worker with SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
 # still be scheduled.
 EXIT_PEER_TIMEOUT = 142
+# Another run holds --model_dir. Retryable: on Kubernetes this is a
+# replacement chief waiting for a lost node's NFS lock to expire (about
+# 90 s), and a restart with backoff gets the directory once it has.
+EXIT_MODEL_DIR_BUSY = 144
 
 
 class UserError(Exception):

@@ -5,6 +5,7 @@ written under a temporary name in the same directory and renamed into place,
 which is atomic on POSIX file systems.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -31,13 +32,30 @@ def write_json(path: str, data) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(error: Exception) -> bool:
+    """True if `error` is a write that found no space (or quota) left."""
+    if isinstance(error, OSError):
+        return error.errno in _DISK_FULL
+    # TensorFlow reports a failed write as ResourceExhaustedError with the
+    # C library's message; out-of-memory is ResourceExhaustedError too.
+    return any(os.strerror(code) in str(error) for code in _DISK_FULL)
+
+
 def write_text(path: str, text: str) -> None:
-    """Writes `text` to `path` atomically (temporary file, fsync, rename)."""
+    """Writes `text` to `path` atomically (temporary file, fsync, rename);
+    a failed write leaves no temporary file behind."""
     directory = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-", delete=False) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.remove(f.name)
+            raise
     # Temporary files are private (0600); the result is for everyone the
     # umask allows, like any file the user writes.
     umask = os.umask(0)

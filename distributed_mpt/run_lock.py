@@ -34,7 +34,7 @@ import shutil
 import socket
 import time
 
-from distributed_mpt.errors import UserError
+from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError
 
 LOCK_NAME = ".lock"
 
@@ -56,7 +56,9 @@ DEBRIS = (
 
 
 class ModelDirBusyError(UserError):
-    """Another run holds --model_dir, or it cannot be locked."""
+    """Another run holds --model_dir (retryable: it may end)."""
+
+    exit_code = EXIT_MODEL_DIR_BUSY
 
 
 class RunLock:
@@ -68,7 +70,8 @@ class RunLock:
 
     def __init__(self, model_dir: str):
         """Takes the lock at once or raises ModelDirBusyError naming the
-        holder. `model_dir` must exist."""
+        holder (ConfigError if the file system cannot lock). `model_dir`
+        must exist."""
         self.path = os.path.join(model_dir, LOCK_NAME)
         # O_NOFOLLOW: the lock file is never a symlink to somewhere else.
         # Python's descriptors are not inherited by child processes, so no
@@ -76,7 +79,7 @@ class RunLock:
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise ModelDirBusyError(f"cannot open the lock file {self.path} ({e.strerror}); "
+            raise ConfigError(f"cannot open the lock file {self.path} ({e.strerror}); "
                                     f"remove it if it is not a plain file") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -87,7 +90,7 @@ class RunLock:
                 raise ModelDirBusyError(
                     f"--model_dir={model_dir} is in use by another run ({holder}); wait for "
                     f"it to end, stop it, or choose another --model_dir") from None
-            raise ModelDirBusyError(
+            raise ConfigError(
                 f"cannot lock {self.path} ({e.strerror}): the file system of --model_dir "
                 f"offers no locks; choose a --model_dir on a local disk or NFSv4") from None
         # Written only once the lock is ours, so the file always names the

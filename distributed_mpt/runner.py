@@ -7,7 +7,7 @@ import sys
 
 from distributed_mpt import log_filter
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_PEER_LOST, Preempted, UserError
+from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, Preempted, UserError
 
 
 def run(config: TrainConfig) -> int:
@@ -50,6 +50,17 @@ def run(config: TrainConfig) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
+        from distributed_mpt import outputs
+        if not outputs.is_disk_full(e):
+            raise
+        # Checkpoints say this themselves; this is for the other files
+        # (metrics, summary, export), each written whole or not at all.
+        where = getattr(e, "filename", None) or config.model_dir
+        print(f"error: no space left for {where}: free space in --model_dir={config.model_dir} "
+              f"(see the README's \"Disk space\") and run the same command again to resume",
+              file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except Preempted as e:
         print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
         return e.exit_code

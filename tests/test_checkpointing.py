@@ -20,7 +20,7 @@ from conftest import REPO, SMOKE_FLAGS, assert_ok, read_summary, subprocess_env,
 from distributed_mpt import checkpointing, run_lock
 from distributed_mpt.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
                                            DiskFullError, model_identity)
-from distributed_mpt.errors import CheckpointMismatchError, UserError
+from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, CheckpointMismatchError, ConfigError, UserError
 from distributed_mpt.models import build_model
 from distributed_mpt.run_lock import ModelDirBusyError, RunLock
 
@@ -222,7 +222,7 @@ def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
     target.write_text("keep")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / run_lock.LOCK_NAME).symlink_to(target)
-    with pytest.raises(ModelDirBusyError, match="cannot open the lock file"):
+    with pytest.raises(ConfigError, match="cannot open the lock file"):
         RunLock(str(tmp_path / "run"))
     assert target.read_text() == "keep"
 
@@ -233,7 +233,7 @@ def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_di
     try:
         started = time.monotonic()
         result = train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"])
-        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.returncode == EXIT_MODEL_DIR_BUSY, result.stderr[-2000:]  # retryable
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in result.stderr
         assert f"pid {holder.pid} on host" in errors[0] and time.monotonic() - started < 120
@@ -250,7 +250,7 @@ def test_two_runs_started_together_one_trains_one_is_refused(model_dir):
     runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=subprocess_env(), cwd=REPO) for _ in range(2)]
     results = sorted((run.wait(timeout=300), run.stderr.read()) for run in runs)
-    assert [code for code, _ in results] == [0, 2], results
+    assert [code for code, _ in results] == [0, EXIT_MODEL_DIR_BUSY], results
     assert "in use by another run" in results[1][1]
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))
@@ -327,6 +327,31 @@ def test_training_on_a_full_disk_says_so_and_the_rerun_resumes(tmpfs):
     resumed = train([*E2E, "--train_steps=15", f"--model_dir={model_dir}"])
     assert_ok(resumed)
     assert read_summary(model_dir)["resumed_from_step"] == 5
+
+
+def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
+    mount_point, resize = tmpfs
+    resize(16)
+    model_dir = mount_point / "run"
+    flags = [*E2E, "--model=resnet9", "--model_width=4", "--train_steps=5",
+             f"--model_dir={model_dir}"]
+    assert_ok(train(flags))  # trained, not exported (E2E has --noexport)
+    (model_dir / "summary.json").unlink()  # as if killed before the export
+    used = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
+    resize_to = f"{(used + 4096 * 40) // 1024}k"  # the export (>1 MB) cannot fit
+    subprocess.run(["mount", "-o", f"remount,size={resize_to}", str(mount_point)], check=True)
+
+    result = train([*flags, "--export"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0] and "Traceback" not in result.stderr
+    assert not (model_dir / "summary.json").exists() and not (model_dir / "export").exists()
+    assert not list(model_dir.glob(".export-*")) and not list(model_dir.glob(".tmp-*"))
+
+    resize(16)
+    assert_ok(train([*flags, "--export"]))
+    assert (model_dir / "export" / "model.keras").exists()
+    assert read_summary(model_dir)["train_loss"] is not None, "the training figures, from the log"
 
 
 # --- debris of killed runs ------------------------------------------------------
