@@ -1,127 +1,90 @@
-"""The benchmark entry point: it runs, and its figures are well-formed.
+"""The benchmark: every section's figures, failures reported as such, flags.
 
-Correctness only: no test asserts a timing or the value of a ratio, which
+Behaviour only: no test asserts a speed or the value of a ratio, which
 depend on the machine and its load.
 """
 
-import collections
 import json
 import math
+import sys
+from pathlib import Path
 
-import numpy as np
+import pytest
 
-from conftest import assert_ok, run_module
-
-SECTIONS = ("input_pipeline", "training", "machine_limit", "memory", "scaling", "startup")
-# The figures each section must carry (medians of rates, seconds or bytes).
-REQUIRED = {
-    "input_pipeline": ("package_images_per_second", "per_example_images_per_second", "speedup"),
-    "training": ("package_examples_per_second", "model_fit_examples_per_second",
-                 "speedup_over_model_fit", "steps_per_loop_1_examples_per_second",
-                 "xla_examples_per_second"),
-    "machine_limit": ("achieved_flops_per_second", "matmul_flops_per_second",
-                      "fraction_of_peak"),
-    "memory": ("package_peak_bytes", "notebook_peak_bytes", "baseline_peak_bytes",
-               "package_over_notebook"),
-    "startup": ("import_tensorflow_seconds", "one_step_run_seconds"),
-}
-SCALING = {"mirrored": ("examples_per_second_1_replicas", "examples_per_second_2_replicas",
-                        "efficiency"),
-           "multi_worker": ("examples_per_second_1_workers", "examples_per_second_2_workers",
-                            "efficiency")}
+from conftest import run_module
+from distributed_mpt import config
+from distributed_mpt.benchmark import cells, cli, sections
+from distributed_mpt.benchmark.sections import SECTIONS
 
 
-def _numbers(value, path=""):
-    """Every number in a JSON value, with its path (booleans are not numbers)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _numbers(item, f"{path}.{key}")
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _numbers(item, f"{path}[{index}]")
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        yield path, value
+def _assert_figures(report: dict, names) -> None:
+    """Each named section has rows, and each row every figure SECTIONS gives
+    it, as a positive finite number."""
+    for name in names:
+        section = report["sections"][name]
+        assert "failed" not in section, f"{name} failed: {section['failed']}"
+        assert section["rows"], f"{name} has no rows"
+        for row in section["rows"]:
+            for figure in SECTIONS[name].figures:
+                value = row.get(figure)
+                assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, \
+                    f"{name}: {figure} = {value!r} in {row}"
 
 
-def _assert_positive_finite(record, keys, where):
-    for key in keys:
-        value = record.get(key)
-        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, \
-            f"{where}.{key} = {value!r}"
-
-
-def test_tiny_run_writes_every_section(tmp_path):
+def test_tiny_run_of_the_entry_point_reports_every_section(tmp_path):
     output = tmp_path / "bench.json"
+    script = Path(sys.executable).with_name("distributed-mpt-benchmark")  # distributed_mpt.benchmark:run
     result = run_module("distributed_mpt.benchmark", ["--tiny", f"--output={output}"],
-                        timeout=240)
-    assert_ok(result)
-    figures = json.loads(output.read_text())
-
-    assert figures["machine"]["cpu_cores"] > 0 and figures["machine"]["tensorflow"]
-    assert isinstance(figures["machine"]["gpus"], list)
-    for section in SECTIONS:
-        assert section in figures, f"no {section} section"
-        numbers = list(_numbers(figures[section], section))
-        assert numbers, f"{section} has no figures"
-        for path, value in numbers:
-            assert math.isfinite(value) and value > 0, f"{path} = {value!r}"
-    for section, keys in REQUIRED.items():
-        rows = figures[section].get("results", [figures[section]])
-        assert rows, f"{section} has no results"
-        for index, row in enumerate(rows):
-            _assert_positive_finite(row, keys, f"{section}[{index}]")
-    assert "resnet9" in figures["input_pipeline"]["results"][0]["package_over_training_step"]
-    _assert_positive_finite(figures["input_pipeline"]["results"][0]["package_over_training_step"],
-                            ["resnet9"], "input_pipeline.package_over_training_step")
-    # Only the multi-worker part may be skipped (it needs distributed_mpt.launch).
-    _assert_positive_finite(figures["scaling"]["mirrored"], SCALING["mirrored"], "scaling.mirrored")
-    multi_worker = figures["scaling"]["multi_worker"]
-    if "skipped" in multi_worker:
-        assert isinstance(multi_worker["skipped"], str) and multi_worker["skipped"]
-    else:
-        _assert_positive_finite(multi_worker, SCALING["multi_worker"], "scaling.multi_worker")
-
-    table = result.stdout
-    for section in SECTIONS:
-        assert section in table, f"the table does not mention {section}:\n{table}"
+                        timeout=1200, wrapper=script if script.exists() else None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert list(report["sections"]) == list(SECTIONS)
+    _assert_figures(report, SECTIONS)
+    assert report["machine"]["mixed_policy"] in ("mixed_float16", "mixed_bfloat16")
+    for name in SECTIONS:
+        assert f"\n{name}: " in result.stdout, result.stdout
 
 
-def test_bad_flag_is_one_line_and_exit_2(tmp_path):
-    result = run_module("distributed_mpt.benchmark",
-                        ["--models=vgg", f"--output={tmp_path / 'bench.json'}"], timeout=60)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "error: --models: vgg not one of mlp, resnet9, airbench"]
-    assert not (tmp_path / "bench.json").exists()
+def test_a_failing_section_is_reported_failed_and_the_exit_status_is_1(tmp_path, monkeypatch,
+                                                                       capsys):
+    def run_cell(cell):  # float32 trains, the mixed policy breaks
+        if cell.precision != "float32":
+            raise RuntimeError(f"{cell.describe()}: exited 1: error: ValueError: boom")
+        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+                "peak_memory_bytes": 2**20}
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+    output = tmp_path / "bench.json"
+    assert cli.main(["--tiny", "--precisions=float32", "--sections=training,mixed_precision",
+                     f"--output={output}"]) == 1
+    report = json.loads(output.read_text())
+    _assert_figures(report, ["training"])
+    assert report["sections"]["mixed_precision"]["failed"].endswith("exited 1: error: ValueError: boom")
+    printed = capsys.readouterr()
+    assert "mixed_precision: " in printed.out and "  FAILED: " in printed.out
+    assert "error: section mixed_precision FAILED: " in printed.err
 
 
-def test_reference_pipeline_sees_the_same_examples_as_the_package():
-    from distributed_mpt import data
-    from distributed_mpt.benchmark import pipeline as benchmark
-
-    batch, steps = 32, 20
-    split, _ = data.make_synthetic(batch * steps, 1, seed=3)
-    epochs = {
-        "package": benchmark.package_pipeline(split, batch, seed=3, num_steps=steps),
-        "per_example": benchmark.per_example_pipeline(split, batch, seed=3, repeat=False),
-    }
-    for name, dataset in epochs.items():
-        labels = collections.Counter()
-        batches = 0
-        for images, batch_labels in dataset:
-            assert images.dtype.name == "uint8" and images.shape == (batch, 32, 32, 3), name
-            labels.update(np.asarray(batch_labels).tolist())
-            batches += 1
-        assert batches == steps, name
-        assert labels == collections.Counter(split.labels.tolist()), name
+def test_a_cell_that_fails_in_its_process_raises_its_last_error_line():
+    too_large = cells.Cell("mlp", "float32", batch_size=64, model_width=8, examples=32, repeats=1)
+    with pytest.raises(RuntimeError, match=r"exited 1: error: ConfigError: the global batch of 64"):
+        cells.run_cell(too_large)
 
 
-def test_mixed_precision_speedup_is_against_float32_of_the_same_model_and_batch():
-    from distributed_mpt.benchmark.training import _mixed_precision_speedups
+def test_bad_flags_are_one_error_line_and_exit_2(tmp_path, capsys):
+    output = tmp_path / "bench.json"
+    for flag, message in (
+            ("--models=vgg", f"--models: vgg not one of {', '.join(config.MODELS)}"),
+            ("--repeats=x", "flag --repeats=x: invalid literal for int() with base 10: 'x'")):
+        assert cli.main([flag, f"--output={output}"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert not output.exists()
 
-    rows = [{"model": "mlp", "batch_size": 32, "precision": p, "package_examples_per_second": r}
-            for p, r in (("float32", 100.0), ("mixed_float16", 250.0))]
-    rows.append({"model": "mlp", "batch_size": 256, "precision": "mixed_float16",
-                 "package_examples_per_second": 900.0})  # no float32 row to compare with
-    (speedup,) = _mixed_precision_speedups(rows)
-    assert (speedup["batch_size"], speedup["speedup_over_float32"]) == (32, 2.5)
+
+def test_help_describes_every_section_and_has_no_hidden_flag(capsys):
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for name, section in SECTIONS.items():
+        assert f"  {name}: {section.about.split()[0]}" in text
+    assert not [name for name in cli._flag_values() if name.startswith("_")]
+    assert "minutes on 2 CPU cores" in text

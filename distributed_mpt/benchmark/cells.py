@@ -1,13 +1,9 @@
-"""One measurement of the real training loop: a *cell*, one model x precision
-x global batch x strategy, trained by the package's `Trainer` in a fresh
-process, so that its peak memory is its own and a strategy can configure the
-devices before TensorFlow starts. The process is
-
-    python -m distributed_mpt.benchmark.cells '{"model": "mlp", ...}'
-
-which prints the cell's figures as one JSON line; `run_cell` starts it (one
-process per worker for multi_worker) and returns them.
-"""
+"""One measurement of the real training loop: a *cell* (model x precision x
+global batch x strategy) trained by the package's `Trainer` in a fresh
+process, so that its peak memory is its own and a strategy can set up devices
+before TensorFlow starts. `run_cell` starts `python -m
+distributed_mpt.benchmark.cells CELL_JSON` (one per worker for multi_worker),
+which prints the cell's figures as one JSON line."""
 
 import contextlib
 import dataclasses
@@ -124,7 +120,8 @@ def run_cell(cell: Cell) -> dict:
         if failed:
             code, err = max(failed, key=lambda f: f[0])  # one that failed on its own, not one stopped here
             err.seek(0)
-            reason = _last_line(err.read()) if code > 0 else f"stopped after {CHILD_TIMEOUT_SECONDS} s"
+            lines = [line.strip() for line in err.read().splitlines() if line.strip()] or ["?"]
+            reason = lines[-1] if code > 0 else f"stopped after {CHILD_TIMEOUT_SECONDS} s"
             raise RuntimeError(f"{cell.describe()}: exited {code}: {reason}")
         logs[0][0].seek(0)
         return json.loads(logs[0][0].read().strip().splitlines()[-1])
@@ -146,11 +143,6 @@ def _worker_tf_configs(count: int) -> list:
         s.close()
     return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})
             for i in range(count)]
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no output)"
 
 
 def main() -> None:

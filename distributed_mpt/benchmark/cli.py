@@ -35,7 +35,7 @@ def _flag_values() -> flags.FlagValues:
                          "or airbench.", flag_values=fv)
     flags.DEFINE_integer("repeats", d.repeats, "Timed loop calls per measurement (about "
                          f"{d.seconds:g} s each); the median is reported.", flag_values=fv)
-    flags.DEFINE_bool("tiny", False, "A smoke run for tests, in about a minute: the MLP of "
+    flags.DEFINE_bool("tiny", False, "A smoke run for tests: the MLP of "
                       "width 8, batch 32, one short repeat, a 1,024-image split (flags given "
                       "explicitly still win).", flag_values=fv)
     return fv

@@ -97,13 +97,20 @@ class Benchmark:
         return self._cells[cell]
 
     def grid(self):
-        return itertools.product(self.options.models, self.precisions, self.options.batch_sizes)
+        """(model, precision, batch) of every single-replica cell; the
+        precisions of a model and batch one after another, so that the load
+        of a shared machine changes little between the two of a speedup."""
+        for model, batch, policy in itertools.product(
+                self.options.models, self.options.batch_sizes, self.precisions):
+            yield model, policy, batch
 
     def training(self) -> list:
+        """The training section's rows: every cell of the grid."""
         return [{"model": m, "precision": p, "batch_size": b, "strategy": "default",
                  **self.cell(m, p, b)} for m, p, b in self.grid()]
 
     def mixed_precision(self) -> list:
+        """Per model and batch, whatever --precisions says."""
         rows = []
         for model, batch in itertools.product(self.options.models, self.options.batch_sizes):
             float32 = self.cell(model, "float32", batch)["examples_per_second"]
@@ -113,6 +120,7 @@ class Benchmark:
         return rows
 
     def input_pipeline(self) -> list:
+        """The pipeline's rate per batch over each cell of the grid."""
         delivered = {b: pipeline_images_per_second(b, self.options)
                      for b in self.options.batch_sizes}
         return [{"model": m, "precision": p, "batch_size": b, "images_per_second": delivered[b],
@@ -123,11 +131,13 @@ class Benchmark:
         """At the largest batch and the first precision, for every model."""
         batch, policy, rows = max(self.options.batch_sizes), self.precisions[0], []
         for model in self.options.models:
-            one = self.cell(model, policy, batch)
+            # One replica again, just before the others and with the same
+            # steps per call: the same work, timed under the same load.
+            steps = self.cell(model, policy, batch)["steps"]
+            one = self.cell(model, policy, batch, steps=steps)
             for strategy, parts in (("mirrored", self.replicas), ("multi_worker", 2)):
-                # The same steps per call as one replica: the same work timed.
                 many = self.cell(model, policy, batch, strategy=strategy, replicas=parts,
-                                 steps=one["steps"])
+                                 steps=steps)
                 rows.append({"model": model, "precision": policy, "batch_size": batch,
                              "strategy": strategy, "replicas": many["replicas"],
                              "examples_per_second": many["examples_per_second"],
@@ -184,6 +194,7 @@ def run_benchmark(options: Options) -> dict:
 
 
 def failed_sections(results: dict) -> list:
+    """The names of the sections that failed in `results`."""
     return [name for name, section in results["sections"].items() if "failed" in section]
 
 
