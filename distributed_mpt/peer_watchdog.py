@@ -5,13 +5,14 @@ while it waits.
 While MultiWorkerMirroredStrategy waits for its peers, the worker is inside
 TensorFlow's C++ code holding the GIL: no Python thread or signal handler of
 its own runs, and TensorFlow's coordination service installs a SIGTERM
-handler that only records the signal. So the worker blocks SIGTERM and
-SIGINT for that wait (they stay pending, visible in /proc), and this
-process, started with `python -m distributed_mpt.peer_watchdog`, acts on
-them. It ignores those signals itself, so that a signal sent to the whole
+handler that only records the signal. So the worker holds SIGTERM and
+SIGINT blocked until its strategy exists (`hold_stop_signals`; they stay
+pending, visible in /proc), and this process, started with
+`python -m distributed_mpt.peer_watchdog`, acts on them. It ignores those signals itself, so that a signal sent to the whole
 process group cannot take the deadline away.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -25,29 +26,43 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_SECONDS = 0.2
 
 
+@contextlib.contextmanager
+def hold_stop_signals():
+    """Blocks SIGTERM and SIGINT in the calling (main) thread for the block.
+
+    Enter it before TensorFlow starts any thread: threads inherit the mask,
+    so TensorFlow's never take these signals (a process-directed signal goes
+    to a thread that does not block it), and they stay pending while the
+    main thread is busy. On exit, TensorFlow's SIGTERM handler is replaced
+    before they are unblocked: one that arrived meanwhile, or comes before
+    the training loop installs its own handler, ends the process as it would
+    any (128 + 15 = 143, retryable); nothing is lost, as nothing has been
+    trained yet.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
 class PeerWatchdog:
-    """Use as a context manager around the wait for the peers."""
+    """Use as a context manager around the wait for the peers, inside
+    `hold_stop_signals`."""
 
     def __init__(self, timeout_seconds: float, peers):
         self._command = [sys.executable, "-m", "distributed_mpt.peer_watchdog", str(os.getpid()),
                          str(timeout_seconds), *peers]
 
     def __enter__(self):
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         self._process = subprocess.Popen(self._command)
         return self
 
     def __exit__(self, *exc_info):
         self._process.kill()
         self._process.wait()
-        # TensorFlow's SIGTERM handler is replaced before the signals are
-        # unblocked: a SIGTERM that arrived in between, or comes before the
-        # training loop installs its own handler, ends the worker as it
-        # would any process (128 + 15 = 143, retryable); nothing is lost,
-        # as nothing has been trained yet.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def _pending_stop_signal(pid: int):

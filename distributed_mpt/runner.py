@@ -6,6 +6,7 @@ import os
 import sys
 
 from distributed_mpt import log_filter
+from distributed_mpt.peer_watchdog import hold_stop_signals
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, Preempted, UserError
 
@@ -15,26 +16,29 @@ def run(config: TrainConfig) -> int:
     log_filter.start()
     lock, new_model_dir = None, None
     try:
-        from distributed_mpt.cluster import resolve_cluster
-        cluster = resolve_cluster(os.environ)
-        # TensorFlow is imported only now, behind the log filter, and after
-        # the cheap checks.
-        from distributed_mpt import distribution, outputs, run_lock, trainer
-        strategy_name = distribution.resolve_strategy_name(
-            config.strategy, cluster, config.cpu_replicas)
-        if cluster is None or cluster.is_chief:
-            if not os.path.exists(config.model_dir):
-                new_model_dir = config.model_dir
-            # One run per model_dir, held until the end (the OS drops it if
-            # the process dies); only the holder may clear debris.
-            outputs.check_writable(config.model_dir)
-            lock = run_lock.RunLock(config.model_dir)
-            removed = lock.remove_debris()
-            if removed:
-                print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
-        strategy = distribution.create_strategy(
-            strategy_name, config.cpu_replicas, config.communication, cluster,
-            config.peer_timeout_seconds)
+        # Until the strategy exists, stop signals wait (see hold_stop_signals):
+        # held before TensorFlow's first thread starts.
+        with hold_stop_signals():
+            from distributed_mpt.cluster import resolve_cluster
+            cluster = resolve_cluster(os.environ)
+            # TensorFlow is imported only now, behind the log filter, and after
+            # the cheap checks.
+            from distributed_mpt import distribution, outputs, run_lock, trainer
+            strategy_name = distribution.resolve_strategy_name(
+                config.strategy, cluster, config.cpu_replicas)
+            if cluster is None or cluster.is_chief:
+                if not os.path.exists(config.model_dir):
+                    new_model_dir = config.model_dir
+                # One run per model_dir, held until the end (the OS drops it if
+                # the process dies); only the holder may clear debris.
+                outputs.check_writable(config.model_dir)
+                lock = run_lock.RunLock(config.model_dir)
+                removed = lock.remove_debris()
+                if removed:
+                    print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
+            strategy = distribution.create_strategy(
+                strategy_name, config.cpu_replicas, config.communication, cluster,
+                config.peer_timeout_seconds)
         try:
             trainer.train_and_evaluate(config, strategy, strategy_name, cluster)
         except distribution.PEER_ERRORS as e:
@@ -50,6 +54,12 @@ def run(config: TrainConfig) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except Preempted as e:
+        print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: steps since the last checkpoint were not saved", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
         from distributed_mpt import outputs
         if not outputs.is_disk_full(e):
@@ -61,12 +71,6 @@ def run(config: TrainConfig) -> int:
               f"(see the README's \"Disk space\") and run the same command again to resume",
               file=sys.stderr, flush=True)
         return EXIT_USAGE
-    except Preempted as e:
-        print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: steps since the last checkpoint were not saved", file=sys.stderr)
-        return 130
     finally:
         if lock is not None:
             lock.release()
