@@ -93,6 +93,15 @@ def checkpoint_weights(model_dir) -> dict:
             if name not in ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE")}
 
 
+def assert_one_error_line(result, fragment, exit_code=2):
+    """A refusal as the user must see it: `exit_code`, no traceback, and
+    exactly one `error:` line, which holds `fragment`."""
+    assert result.returncode == exit_code, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], result.stderr[-2000:]
+
+
 def assert_ok(result):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
 
@@ -117,3 +126,20 @@ def write_cifar10_binary(directory: Path) -> Path:
     for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
         records.tofile(out / name)
     return out
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small tmpfs; skipped where this process may not mount one."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+
+    def resize(megabytes):
+        subprocess.run(["mount", "-o", f"remount,size={megabytes}m", str(mount_point)], check=True)
+
+    yield mount_point, resize
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)

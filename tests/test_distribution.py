@@ -1,12 +1,26 @@
-"""Strategy names resolve by what the process finds; see test_train.py and
-test_multi_worker.py for the strategies at work in real processes."""
+"""Strategies from names, and multi-worker training with real worker
+processes talking gRPC on 127.0.0.1, started by the real launcher: N workers
+equal one with N times the batch, a lost worker or a SIGTERM survived, a
+start-up that always ends."""
 
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, checkpoint_weights, read_summary,
+                      subprocess_env, run_module, train)
 from distributed_mpt.cluster import resolve_cluster
 from distributed_mpt.distribution import resolve_strategy_name
 from distributed_mpt.errors import ConfigError
+from distributed_mpt.launch import free_ports, worker_tf_configs
 
 TWO_WORKERS = resolve_cluster({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]}, '
                                             '"task": {"type": "worker", "index": 0}}'})
@@ -33,3 +47,138 @@ def test_multi_worker_without_a_cluster_says_how_to_get_one():
 def test_a_single_worker_strategy_under_a_multi_worker_cluster_is_refused():
     with pytest.raises(ConfigError, match="separate models"):
         resolve_strategy_name("mirrored", TWO_WORKERS, 0)
+
+
+# --- several workers in real processes -------------------------------------------
+
+MW_FLAGS = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+            "--peer_timeout_seconds=60"]
+
+
+def launch(args, tmp_path, timeout=300):
+    """Runs the launcher; worker temp files go to tmp_path/tmp so that the test can see them."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return run_module("distributed_mpt.launch", [str(a) for a in args], timeout=timeout,
+                      env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+
+
+def test_two_workers_train_like_one_worker_with_twice_the_batch(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    result = launch(["--num_workers=2", "--max_restarts=0", "--", *MW_FLAGS, "--train_steps=8",
+                     "--precision=float32", f"--model_dir={two}"], tmp_path)
+    assert_ok(result)
+    assert re.search(r"\[worker 0\] step +8/8", result.stdout)
+    assert "[worker 1] step" not in result.stdout, "only the chief reports progress"
+    summary = read_summary(two)
+    assert (summary["strategy"], summary["num_workers"], summary["num_replicas"]) == ("multi_worker", 2, 2)
+    assert summary["global_batch_size"] == 32
+    assert summary["eval_examples"] == 1024 // 5, "the test split evaluated once across workers"
+    assert summary["eval_accuracy"] > 0.5
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "the non-chief worker removed its scratch files"
+
+    assert_ok(train([*MW_FLAGS, "--train_steps=8", "--precision=float32", "--strategy=default",
+                     "--per_replica_batch_size=32", f"--model_dir={one}"]))
+    assert read_summary(one)["eval_accuracy"] == pytest.approx(summary["eval_accuracy"], abs=0.01)
+    a, b = checkpoint_weights(two), checkpoint_weights(one)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-6, err_msg=name)
+
+    # The same checkpoint resumed by one worker: a new global batch, and it says so.
+    resumed = train([*MW_FLAGS, "--train_steps=12", "--precision=float32", "--strategy=default",
+                     "--noexport", f"--model_dir={two}"])
+    assert_ok(resumed)
+    assert "trained at global batch 32; continuing at global batch 16" in resumed.stdout
+    assert read_summary(two)["resumed_from_step"] == 8
+
+
+def _start_launcher(args, tmp_path):
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "distributed_mpt.launch", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(TMPDIR=str(tmp_path / "tmp")), cwd=REPO)
+
+
+def _read_until(process, pattern, seen, timeout=180):
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+        assert time.monotonic() < deadline, f"no line matching {pattern!r} in time"
+    raise AssertionError(f"launcher ended before {pattern!r}:\n{''.join(seen)[-4000:]}")
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGTERM"])
+def test_group_survives_a_lost_worker_and_finishes_every_step(tmp_path, fault):
+    model_dir = tmp_path / "run"
+    process = _start_launcher(
+        ["--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS,
+         "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
+         "--checkpoint_every_steps=10" if fault == "SIGKILL" else "--checkpoint_every_steps=1000",
+         "--noevaluate", f"--model_dir={model_dir}"], tmp_path)
+    seen = []
+    pid = int(_read_until(process, r"started worker 1 \(pid (\d+)\)", seen).group(1))
+    _read_until(process, r"\[worker 0\] step +12/", seen)
+    os.kill(pid, getattr(signal, fault))
+    output, _ = process.communicate(timeout=300)
+    output = "".join(seen) + output
+    assert process.returncode == 0, output[-4000:]
+    assert "restart 1/2" in output
+    summary = read_summary(model_dir)
+    assert summary["steps"] == 48, "exactly the requested number of optimizer steps"
+    if fault == "SIGKILL":
+        assert summary["resumed_from_step"] in (10, 20, 30, 40)
+        assert "exited with 137" in output  # 128 + SIGKILL
+    else:
+        # Both workers stopped at the step they agreed on and saved it.
+        stopped = re.search(r"stopped by a signal at step (\d+)", output)
+        assert stopped, output[-4000:]
+        assert summary["resumed_from_step"] == int(stopped.group(1)) >= 12
+        assert "exited with 143" in output
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "no scratch checkpoints left behind"
+
+
+def test_worker_gives_up_on_peers_that_never_come_up(tmp_path):
+    tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:47611", "127.0.0.1:47612"]},
+                            "task": {"type": "worker", "index": 0}})
+    started = time.monotonic()
+    result = run_module("distributed_mpt.train",
+                        [*SMOKE_FLAGS, "--peer_timeout_seconds=5", f"--model_dir={tmp_path / 'run'}"],
+                        timeout=120, env=subprocess_env(TF_CONFIG=tf_config))
+    assert time.monotonic() - started < 90
+    assert result.returncode == -signal.SIGALRM, result.stderr[-3000:]  # 142 in a shell
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "127.0.0.1:47612" in errors[0] and "peer_timeout_seconds" in errors[0]
+
+
+def _blocks_sigterm(pid: int) -> bool:
+    """True while the worker waits for its peers (it blocks SIGTERM then)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_sigterm_to_the_group_ends_a_worker_waiting_for_its_peers(tmp_path):
+    tf_config = worker_tf_configs(free_ports(2))[0]  # worker 1 is never started
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS,
+         "--peer_timeout_seconds=600", f"--model_dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=subprocess_env(TF_CONFIG=tf_config), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _blocks_sigterm(worker.pid):
+            assert worker.poll() is None and time.monotonic() < deadline, "never waited for peers"
+            time.sleep(0.1)
+        time.sleep(1)  # inside TensorFlow's wait, where its own handler would swallow SIGTERM
+        signalled = time.monotonic()
+        os.killpg(worker.pid, signal.SIGTERM)  # as the launcher or a terminal does
+        _, stderr = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+    assert time.monotonic() - signalled < 10, "the worker ends within seconds, not at the deadline"
+    assert worker.returncode == -signal.SIGKILL, stderr[-3000:]  # 137: retryable
+    assert "SIGTERM while waiting for the peers" in stderr

@@ -1,16 +1,16 @@
-"""Atomic outputs, the export, and checkpoints that refuse another model."""
+"""Files written whole or not at all, with the umask; the export replaced whole."""
 
 import json
 import os
+import subprocess
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from distributed_mpt import outputs, precision
-from distributed_mpt.checkpointing import Checkpoints, model_identity
-from distributed_mpt.errors import CheckpointMismatchError, ConfigError
+from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
+from distributed_mpt import outputs
+from distributed_mpt.errors import ConfigError
 from distributed_mpt.models import build_model
 
 
@@ -43,74 +43,6 @@ def test_export_replaces_the_previous_export_whole(tmp_path):
                                np.asarray(model(images)), rtol=1e-5)
 
 
-def _checkpoints(model_dir, model, worker=None):
-    step = tf.Variable(0, dtype=tf.int64)
-    return Checkpoints(str(model_dir), worker, model_identity(model, "float32"), model=model, step=step), step
-
-
-def test_checkpoints_restore_and_refuse_another_model(tmp_path):
-    mlp = build_model("mlp")
-    saver, step = _checkpoints(tmp_path, mlp)
-    saver.check_identity()
-    step.assign(7)
-    saver.save(7)
-    restorer, restored_step = _checkpoints(tmp_path, build_model("mlp"))
-    restorer.check_identity()
-    assert restorer.restore_latest() and int(restored_step.numpy()) == 7
-    other, _ = _checkpoints(tmp_path, build_model("resnet9", width=4))
-    with pytest.raises(CheckpointMismatchError, match="different model"):
-        other.check_identity()
-
-
-def test_non_chief_scratch_directory_is_removed(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    import tempfile
-    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    worker, step = _checkpoints(tmp_path / "run", build_model("resnet9", width=4), worker="worker-1")
-    worker.save(1)
-    assert list((tmp_path / "tmp").iterdir()), "the worker saved into its scratch directory"
-    assert not (tmp_path / "run").exists(), "a non-chief never writes into model_dir"
-    worker.close()
-    assert not list((tmp_path / "tmp").iterdir())
-
-
-def test_auto_precision_on_this_machine():
-    if tf.config.list_physical_devices("GPU"):
-        expected = "mixed_float16"
-    else:
-        flags = open("/proc/cpuinfo").read()
-        expected = "mixed_bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-    assert precision.resolve_precision("auto") == expected
-    assert precision.resolve_precision("mixed_bfloat16") == "mixed_bfloat16"
-
-
-@pytest.mark.parametrize("flags, expected", [
-    ("fpu avx512f avx512_bf16 fma", "mixed_bfloat16"),
-    ("fpu amx_bf16 amx_tile", "mixed_bfloat16"),
-    ("fpu avx512f avx2 fma", "float32"),
-])
-def test_auto_precision_on_a_cpu_follows_its_bfloat16_instructions(tmp_path, monkeypatch,
-                                                                   flags, expected):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n")
-    assert precision.cpu_has_bfloat16(str(cpuinfo)) == (expected == "mixed_bfloat16")
-    assert not precision.cpu_has_bfloat16(str(tmp_path / "missing")), "unknown: no bfloat16"
-    monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: [])
-    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: expected == "mixed_bfloat16")
-    assert precision.resolve_precision("auto") == expected
-
-
-def test_checkpoints_of_another_precision_say_which_flag_to_pass(tmp_path):
-    model = build_model("resnet9", width=4)
-    step = tf.Variable(0, dtype=tf.int64)
-    Checkpoints(str(tmp_path), None, model_identity(model, "mixed_float16"), model=model,
-                step=step).save(1)
-    other = Checkpoints(str(tmp_path), None, model_identity(model, "float32"), model=model, step=step)
-    with pytest.raises(CheckpointMismatchError, match="--precision=mixed_float16"):
-        other.check_identity()
-
-
 def test_a_torn_last_metrics_line_is_dropped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
@@ -122,3 +54,28 @@ def test_written_files_follow_the_umask(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
+    mount_point, resize = tmpfs
+    resize(16)
+    model_dir = mount_point / "run"
+    flags = [*SMOKE_FLAGS, "--noevaluate", "--model=resnet9", "--model_width=4", "--train_steps=5",
+             f"--model_dir={model_dir}"]
+    assert_ok(train(flags))  # trained, not exported (E2E has --noexport)
+    (model_dir / "summary.json").unlink()  # as if killed before the export
+    used = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
+    resize_to = f"{(used + 4096 * 40) // 1024}k"  # the export (>1 MB) cannot fit
+    subprocess.run(["mount", "-o", f"remount,size={resize_to}", str(mount_point)], check=True)
+
+    result = train([*flags, "--export"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0] and "Traceback" not in result.stderr
+    assert not (model_dir / "summary.json").exists() and not (model_dir / "export").exists()
+    assert not list(model_dir.glob(".export-*")) and not list(model_dir.glob(".tmp-*"))
+
+    resize(16)
+    assert_ok(train([*flags, "--export"]))
+    assert (model_dir / "export" / "model.keras").exists()
+    assert read_summary(model_dir)["train_loss"] is not None, "the training figures, from the log"

@@ -1,7 +1,11 @@
-"""What a person watching a run sees: the first progress line soon after the
-start, a stop signal answered at once and obeyed within seconds, a second
-Ctrl-C that aborts. Real processes: signals and timing are what a user sees."""
+"""The training loop: the same weights whatever the replicas, steps per call,
+XLA or data placement; every model trains at its defaults; divergence is
+caught. And what a person watching a run sees: the first progress line soon
+after the start, a stop signal answered at once and obeyed within seconds, a
+second Ctrl-C that aborts (real processes: signals and timing are what a user
+sees)."""
 
+import json
 import re
 import signal
 import subprocess
@@ -9,9 +13,11 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, assert_ok, read_summary, subprocess_env, train
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, checkpoint_weights, read_summary,
+                      subprocess_env, train)
 from distributed_mpt.trainer import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
@@ -118,3 +124,128 @@ def test_a_run_signalled_while_it_exports_completes_and_keeps_its_training_figur
     assert rerun["resumed_from_step"] == 40
     assert rerun["train_loss"] == pytest.approx(summary["train_loss"])
     assert rerun["examples_per_second"] > 0  # the last interval's, as logged
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_each_precision_trains(model_dir, precision):
+    result = train([*SMOKE_FLAGS, "--train_steps=30", f"--precision={precision}",
+                    f"--model_dir={model_dir}"])
+    assert_ok(result)
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()
+               if "loss" in json.loads(line)]  # the training records
+    assert records[-1]["loss"] < records[0]["loss"] / 2
+    summary = read_summary(model_dir)
+    assert summary["precision"] == precision
+    assert summary["eval_accuracy"] > 0.5  # chance is 0.1
+    if precision == "mixed_float16":
+        assert records[-1]["loss_scale"] > 1, "dynamic loss scaling is on"
+    else:
+        assert records[-1]["loss_scale"] == 1
+
+
+@pytest.mark.parametrize("precision, rtol, atol", [
+    ("float32", 1e-4, 2e-6),
+    # float16 compute: round-off differs with the batch split. Loss-scale
+    # skips must be agreed across replicas (Keras decides per replica).
+    ("mixed_float16", 1e-2, 5e-3),
+])
+def test_two_mirrored_replicas_match_one_replica_at_the_same_global_batch(
+        tmp_path, precision, rtol, atol):
+    common = [*SMOKE_FLAGS, "--train_steps=8", f"--precision={precision}", "--noevaluate"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", "--per_replica_batch_size=32",
+                     f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
+    assert read_summary(two)["num_replicas"] == 2
+    assert read_summary(two)["global_batch_size"] == 32
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    assert single.keys() == mirrored.keys()
+    assert single["step/.ATTRIBUTES/VARIABLE_VALUE"] == mirrored["step/.ATTRIBUTES/VARIABLE_VALUE"] == 8
+    kernels = [n for n in single if single[n].ndim == 2]
+    assert len(kernels) >= 6, "weights and momentum slots of three Dense layers"
+    if precision == "mixed_float16":
+        scale = "optimizer/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE"
+        assert single[scale] == mirrored[scale]
+    for name in single:
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", "--noevaluate", "--precision=float32",
+                     f"--model_dir={model_dir}"]))
+    good = checkpoint_weights(model_dir)
+    result = train([*SMOKE_FLAGS, "--train_steps=40", "--learning_rate=1e12", "--max_learning_rate=0",
+                    "--precision=float32",
+                    "--checkpoint_every_steps=5", f"--model_dir={model_dir}"])
+    assert result.returncode == 3, result.stderr[-2000:]
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "NaN or infinite" in errors[0]
+    assert "kept the last good checkpoint (step 5)" in errors[0]
+    assert "--precision=float32" not in errors[0], "no advice to use what the run used"
+    kept = checkpoint_weights(model_dir)
+    for name in good:
+        np.testing.assert_array_equal(kept[name], good[name])
+    assert not (model_dir / "summary.json").read_text().count('"steps": 40')
+
+
+def test_steps_per_loop_xla_and_device_data_give_the_same_weights(tmp_path):
+    common = [*SMOKE_FLAGS, "--train_steps=6", "--precision=float32", "--noevaluate"]
+    runs = {"plain": ["--steps_per_loop=1"], "looped": ["--steps_per_loop=6"],
+            "xla": ["--steps_per_loop=3", "--xla"],
+            "device_data": ["--steps_per_loop=2", "--data_on_device"],
+            "device_data_mirrored": ["--data_on_device", "--strategy=mirrored", "--cpu_replicas=2",
+                                     "--per_replica_batch_size=16"]}
+    weights = {}
+    for name, flags in runs.items():
+        assert_ok(train([*common, *flags, f"--model_dir={tmp_path / name}"]))
+        weights[name] = checkpoint_weights(tmp_path / name)
+    for name in runs.keys() - {"plain"}:
+        assert weights[name].keys() == weights["plain"].keys()
+        for variable in weights["plain"]:
+            np.testing.assert_allclose(weights[name][variable], weights["plain"][variable],
+                                       rtol=1e-4, atol=2e-6, err_msg=f"{name}: {variable}")
+
+
+def test_evaluation_every_epoch_is_logged(model_dir):
+    # 1024 synthetic examples at batch 32: 32 steps per epoch.
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=70", "--eval_every_epochs=1",
+                     f"--model_dir={model_dir}"]))
+    records = [json.loads(l) for l in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evaluations] == [32, 64, 70], "the final one ends the curve"
+    assert evaluations[-1]["eval_accuracy"] > 0.5
+    assert read_summary(model_dir)["eval_examples"] == 1024 // 5
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet9", "airbench"])
+@pytest.mark.parametrize("batch, steps", [(16, 10), (1024, 10), (256, 100)])
+def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, model, batch, steps):
+    """No tuning flags: each model's own defaults must hold at any batch and
+    run length (in-process: a subprocess would add only TensorFlow's start-up)."""
+    import keras
+    import tensorflow as tf
+
+    from distributed_mpt.config import TrainConfig
+    from distributed_mpt.trainer import train_and_evaluate
+
+    config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=4096,
+                         model=model, model_width=8, per_replica_batch_size=batch,
+                         train_steps=steps, export=False)
+    try:
+        summary = train_and_evaluate(config, tf.distribute.get_strategy(), "default", None)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert np.isfinite(summary["train_loss"]) and summary["steps"] == steps
+    if steps >= 100:
+        assert summary["eval_accuracy"] > 0.5, "learned the learnable synthetic labels"
+
+
+def test_two_replicas_at_the_largest_batch_keep_the_mlp_finite(model_dir):
+    # The case that diverged with one default for every model: 2 x 1024.
+    result = train(["--dataset=synthetic", "--synthetic_examples=8192", "--model=mlp",
+                    "--strategy=mirrored", "--cpu_replicas=2", "--per_replica_batch_size=1024",
+                    "--train_steps=12", "--steps_per_loop=4", "--noexport", "--noevaluate",
+                    f"--model_dir={model_dir}"])
+    assert_ok(result)
+    assert np.isfinite(read_summary(model_dir)["train_loss"])
