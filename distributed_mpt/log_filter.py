@@ -27,7 +27,9 @@ _TENSORFLOW_LINE = re.compile(
     rb"^(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+:\d+\]"
     rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
     rb"|To enable the following instructions: .* rebuild TensorFlow"
-    rb"|This TensorFlow binary is optimized to use available CPU instructions)")
+    rb"|This TensorFlow binary is optimized to use available CPU instructions"
+    # The continuation of the coordination service's "Example stragglers:".
+    rb"|/job:\w+/replica:\d+/task:\d+$)")
 
 _filter_process = None
 _original_stderr = None
