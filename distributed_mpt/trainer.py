@@ -2,8 +2,9 @@
 
 Keras 3's `Model.fit` fails under MultiWorkerMirroredStrategy, so training is
 a custom loop of `strategy.run(train_step)` inside a `tf.function` that runs
-`steps_per_loop` optimizer steps per call; it serves the default strategy,
-OneDeviceStrategy, MirroredStrategy and MultiWorkerMirroredStrategy alike.
+several optimizer steps per call (about a second's worth, at most
+`steps_per_loop`); it serves the default strategy, OneDeviceStrategy,
+MirroredStrategy and MultiWorkerMirroredStrategy alike.
 """
 
 import dataclasses
