@@ -38,7 +38,7 @@ def test_tiny_run_of_the_entry_point_reports_every_section(tmp_path):
                         timeout=1200, wrapper=script if script.exists() else None)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(output.read_text())
-    assert list(report["sections"]) == list(SECTIONS)
+    assert set(report["sections"]) == set(SECTIONS)
     _assert_figures(report, SECTIONS)
     assert report["machine"]["mixed_policy"] in ("mixed_float16", "mixed_bfloat16")
     for name in SECTIONS:

@@ -9,7 +9,7 @@ warm-up call of the loop, then --repeats timed calls of about 2 s; the median
 is reported. A section that fails is reported as FAILED with its reason, the
 others still run, and the exit status is 1.
 
-  Everything, about DURATION on 2 CPU cores (much less on a GPU):
+  Everything, about 9 minutes on 2 CPU cores:
       distributed-mpt-benchmark --output=bench.json
   One model and batch:
       distributed-mpt-benchmark --models=resnet9 --batch_sizes=128

@@ -12,8 +12,9 @@ import itertools
 import platform
 import statistics
 import sys
+import textwrap
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from distributed_mpt.benchmark.cells import Cell, run_cell
 
@@ -55,7 +56,7 @@ SECTIONS = {
 class Options:
     """What to measure; set from the flags by `cli.parse_options`."""
 
-    output: str = None
+    output: Optional[str] = None
     sections: tuple = tuple(SECTIONS)
     models: tuple = ("mlp", "resnet9")
     batch_sizes: tuple = (32, 256)
@@ -209,7 +210,7 @@ def format_report(results: dict) -> str:
     lines = [f"{results['machine']['devices']}; TensorFlow {results['machine']['tensorflow']}"]
     for name, section in results["sections"].items():
         spec = SECTIONS[name]
-        lines += ["", f"{name}: {spec.about}"]
+        lines += ["", *textwrap.wrap(f"{name}: {spec.about}", 100)]
         if "failed" in section:
             lines.append(f"  FAILED: {section['failed']}")
             continue
