@@ -4,10 +4,11 @@ network): examples/s per model x precision x batch x strategy, peak memory,
 the speedup mixed precision gives, whether the input pipeline keeps up, and
 how training scales over replicas and workers.
 
-Each measurement trains in a fresh process (its peak memory is its own), one
-warm-up call of the loop, then --repeats timed calls of about 2 s; the median
-is reported. A section that fails is reported as FAILED with its reason, the
-others still run, and the exit status is 1.
+Each measurement trains in a fresh process, so that its peak memory is its
+own: a warm-up call of the loop, then --repeats timed calls of about 2 s, of
+which the fastest is reported (the least disturbed by other processes, as
+timeit reports). A section that fails is reported as FAILED with its reason,
+the others still run, and the exit status is 1.
 
   Everything, about 9 minutes on 2 CPU cores:
       distributed-mpt-benchmark --output=bench.json
