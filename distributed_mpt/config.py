@@ -11,6 +11,8 @@ from typing import Optional
 from distributed_mpt.errors import ConfigError
 
 DATASETS = ("cifar10", "synthetic")
+# A progress line at least this often, whatever --log_every_steps says.
+PROGRESS_SECONDS = 20
 MODELS = ("mlp", "resnet9", "airbench")
 PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
@@ -109,7 +111,8 @@ class TrainConfig:
         50, "At most this many optimizer steps per tf.function call (less Python overhead); "
         "fewer when steps are slow, so that progress and Ctrl-C are answered within seconds.")
     log_every_steps: int = _option(100, "Steps between progress lines (there is also one at "
-                                   "least every 20 seconds and at the end of each epoch).")
+                                   f"least every {PROGRESS_SECONDS} seconds and at the end of "
+                                   "each epoch).")
     checkpoint_every_steps: int = _option(1000, "Steps between checkpoints (one is also written "
                                           "at the end and on SIGTERM/Ctrl-C).")
     xla: bool = _option(False, "Compile the forward and backward pass with XLA.")

@@ -20,6 +20,11 @@ EXIT_PEER_LOST = 141
 # the worker with SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
 # still be scheduled.
 EXIT_PEER_TIMEOUT = 142
+# Ctrl-C pressed twice: aborted at once, without a checkpoint (128 + SIGINT,
+# as a shell reports a process that Ctrl-C ended).
+EXIT_ABORTED = 130
+# A multi-worker worker signalled while it waited for its peers is ended by
+# peer_watchdog with SIGKILL (128 + 9): retryable, nothing was trained yet.
 # Another run holds --model_dir. Retryable: on Kubernetes this is a
 # replacement chief waiting for a lost node's NFS lock to expire (about
 # 90 s), and a restart with backoff gets the directory once it has.

@@ -33,18 +33,19 @@ def hold_stop_signals():
     Enter it before TensorFlow starts any thread: threads inherit the mask,
     so TensorFlow's never take these signals (a process-directed signal goes
     to a thread that does not block it), and they stay pending while the
-    main thread is busy. On exit, TensorFlow's SIGTERM handler is replaced
-    before they are unblocked: one that arrived meanwhile, or comes before
-    the training loop installs its own handler, ends the process as it would
-    any (128 + 15 = 143, retryable); nothing is lost, as nothing has been
-    trained yet.
+    main thread is busy. On exit, the handlers found on entry replace
+    TensorFlow's before the signals are unblocked: a SIGTERM that arrived
+    meanwhile, or comes before the training loop installs its own handler,
+    ends the process as it would any (128 + 15 = 143, retryable); nothing is
+    lost, as nothing has been trained yet.
     """
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # replaces whatever TensorFlow installed
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 

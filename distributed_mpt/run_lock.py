@@ -100,14 +100,26 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(holder) + "\n").encode(), 0)
 
-    def release(self) -> None:
-        """Gives the directory up (closing the file drops the lock)."""
-        if self._fd is not None:
+    def release(self, remove_model_dir_if_unused: bool = False) -> None:
+        """Gives the directory up (closing the file drops the lock). With
+        `remove_model_dir_if_unused`, for a directory this run created, the
+        directory goes too if it holds nothing but the lock file: removed
+        while the lock is still held, so no other run can have taken it."""
+        if self._fd is None:
+            return
+        model_dir = os.path.dirname(self.path)
+        if remove_model_dir_if_unused and set(os.listdir(model_dir)) <= {LOCK_NAME}:
+            try:
+                os.remove(self.path)
+                os.rmdir(model_dir)
+            except OSError:
+                pass  # something appeared meanwhile: leave the directory
+        else:
             # Emptied while still held: the file names a holder only while
             # there is one, and a finished run run again leaves it as it was.
             os.ftruncate(self._fd, 0)
-            os.close(self._fd)
-            self._fd = None
+        os.close(self._fd)
+        self._fd = None
 
     def remove_debris(self) -> list:
         """Removes what a killed run of this project left in the directory
@@ -137,18 +149,6 @@ def remove_matching(directory: str, patterns) -> list:
                     pass
             removed.append(path)
     return removed
-
-
-def remove_if_unused(model_dir: str) -> None:
-    """Removes `model_dir` if it holds nothing but the lock file: for a
-    directory created by a run that was refused before it wrote anything."""
-    try:
-        if set(os.listdir(model_dir)) <= {LOCK_NAME}:
-            if os.path.exists(os.path.join(model_dir, LOCK_NAME)):
-                os.remove(os.path.join(model_dir, LOCK_NAME))
-            os.rmdir(model_dir)
-    except OSError:
-        pass  # a concurrent run took it over, or it is gone: leave it
 
 
 def _read_holder(fd: int) -> str:

@@ -21,8 +21,9 @@ import tensorflow as tf
 from distributed_mpt import data, distribution, optimization, outputs, precision
 from distributed_mpt.checkpointing import Checkpoints, model_identity
 from distributed_mpt.cluster import Cluster
+from distributed_mpt import config as config_lib
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import ConfigError, DivergedError, Preempted
+from distributed_mpt.errors import EXIT_ABORTED, ClusterError, ConfigError, DivergedError, Preempted
 from distributed_mpt.models import build_model, initialize_from_data, synchronizes_replicas
 from distributed_mpt.reporting import Reporter
 
@@ -40,16 +41,17 @@ class StopSignals:
     signal to a wakeup pipe at once, though, and a thread reading it prints
     the acknowledgement within milliseconds. The request itself is
     all-reduced with the metrics, so every worker stops after the same step.
-    A second Ctrl-C aborts at once (exit 130), without a checkpoint.
+    A second Ctrl-C aborts at once (EXIT_ABORTED), without a checkpoint.
     """
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
         self.stopping = "after the steps under way, with a checkpoint"  # what a stop means now
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
-        self._previous = {sig: signal.signal(sig, lambda *_: None)
-                          for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, lambda *_: None) for sig in self._SIGNALS}
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
         threading.Thread(target=self._watch, daemon=True, name="stop-signals").start()
 
@@ -60,22 +62,33 @@ class StopSignals:
                 os.close(self._read_fd)
                 return
             for signum in received:
-                self._handle(signal.Signals(signum))
+                # Every signal with a Python handler comes through this pipe.
+                if signum in self._SIGNALS:
+                    self._handle(signal.Signals(signum))
 
     def _handle(self, sig):
         if self.requested and sig == signal.SIGINT:
-            os.write(2, b"second Ctrl-C: aborting without a checkpoint (exit 130)\n")
-            os._exit(130)
+            _say_now(b"second Ctrl-C: aborting without a checkpoint (exit %d)" % EXIT_ABORTED)
+            os._exit(EXIT_ABORTED)
         if not self.requested:
-            os.write(2, f"{sig.name}: stopping {self.stopping}; Ctrl-C again to abort "
-                        f"(exit 130)\n".encode())
-        self.requested = True
+            self.requested = True  # before anything that can fail
+            _say_now(f"{sig.name}: stopping {self.stopping}; Ctrl-C again to abort "
+                     f"(exit {EXIT_ABORTED})".encode())
 
     def restore(self):
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         os.close(self._write_fd)  # ends the watching thread
+
+
+def _say_now(message: bytes) -> None:
+    """Writes a line to stderr from a signal watcher: os.write, as the main
+    thread may be inside a print; on a terminal, over the status line."""
+    try:
+        os.write(2, (b"\r\x1b[K" if os.isatty(2) else b"") + message + b"\n")
+    except OSError:
+        pass  # nobody reads stderr any more: the stop still happens
 
 
 def _sum_accumulator(size: int) -> tf.Variable:
@@ -97,8 +110,12 @@ class LoopTotals:
     seconds_per_step: float  # the previous call's, averaged over the replicas
 
     def __add__(self, other: "LoopTotals") -> "LoopTotals":
-        return LoopTotals(*(a + b for a, b in zip(dataclasses.astuple(self),
-                                                  dataclasses.astuple(other))))
+        """The sums of both; what travels (stop requests, pace) is `other`'s,
+        the newer call's."""
+        return LoopTotals(self.loss_sum + other.loss_sum, self.correct + other.correct,
+                          self.examples + other.examples,
+                          self.nonfinite_steps + other.nonfinite_steps,
+                          other.stop_requests, other.seconds_per_step)
 
 
 NO_TOTALS = LoopTotals(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -139,15 +156,15 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
             f"the global batch of {global_batch} ({config.per_replica_batch_size} x {num_replicas} "
             f"replicas) exceeds the {num_train_examples} training examples; "
             f"lower --per_replica_batch_size")
+    total_steps = config.train_steps or config.epochs * epoch_steps
     return RunPlan(
         policy=precision.resolve_precision(config.precision), num_workers=num_workers,
         num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
-        total_steps=config.train_steps or config.epochs * epoch_steps,
+        total_steps=total_steps,
         learning_rate=optimization.scaled_learning_rate(config.learning_rate, global_batch,
                                                         config.max_learning_rate),
         # Capped here as the schedule caps it, so that config.json says what ran.
-        warmup_steps=min(round(config.warmup_epochs * epoch_steps),
-                         (config.train_steps or config.epochs * epoch_steps) // 2))
+        warmup_steps=min(round(config.warmup_epochs * epoch_steps), total_steps // 2))
 
 
 class Trainer:
@@ -197,6 +214,30 @@ class Trainer:
     def checkpointables(self) -> dict:
         return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
                 "global_batch_size": self.trained_global_batch}
+
+    def check_workers_agree(self, facts: dict) -> None:
+        """Raises ClusterError on every worker unless all of them passed the
+        same `facts` (numbers). A worker that resumes from another step (no
+        shared --model_dir), finds another split, or resolves another
+        precision would call the collectives differently: a hang, or a
+        silently different run."""
+        values = tf.constant([float(v) for v in facts.values()], tf.float64)
+        strategy = self._strategy
+
+        @tf.function(autograph=False)
+        def count_disagreeing():
+            # If all are equal, each equals the mean; if not, some do not.
+            mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(values)), axis=None)
+            differs = strategy.run(lambda: tf.cast(tf.reduce_any(values != mean), tf.float64))
+            return strategy.reduce("SUM", differs, axis=None)
+
+        if float(count_disagreeing()) > 0:
+            mine = ", ".join(f"{name} {value:g}" for name, value in facts.items())
+            raise ClusterError(
+                f"the workers of this job see different runs (this worker: {mine}; precision is "
+                f"an index into {'/'.join(config_lib.PRECISIONS)}): give every worker the same "
+                f"--model_dir on one shared file system, the same data and flags, and an "
+                f"explicit --precision")
 
     def train_dataset(self, split: data.ImageSplit, start_step: int):
         """The distributed training input from `start_step` to the last step."""
@@ -345,7 +386,13 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     restored = checkpoints.restore_latest()  # the newest that reads back; None: a fresh run
     start_step = int(trainer.step.numpy())
     finished = outputs.read_json(os.path.join(config.model_dir, "summary.json"))
-    if restored and start_step >= plan.total_steps and finished:
+    is_finished = bool(restored and start_step >= plan.total_steps and finished)
+    if plan.num_workers > 1:
+        trainer.check_workers_agree({
+            "start step": start_step, "finished": is_finished,
+            "precision": config_lib.PRECISIONS.index(plan.policy),
+            "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch})
+    if is_finished:
         # A finished run started again: its results stay exactly as they are.
         if is_chief:
             print(f"{config.model_dir} holds a finished run of {start_step} steps (see "
@@ -400,8 +447,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             outputs.write_json(f"{config.model_dir}/summary.json", summary)
     finally:
         signals.restore()
-    checkpoints.close()
-    reporter.close()
+        checkpoints.close()  # a non-chief's scratch directory goes, even on a stop
+        reporter.close()
     return summary
 
 
@@ -446,8 +493,6 @@ def _evaluate_and_export(trainer: Trainer, test_split, reporter: Reporter, summa
 # the call under way, so calls are kept this short (up to --steps_per_loop
 # steps each), whatever the model or device.
 _CALL_SECONDS = 1.0
-# A progress line at least this often, whatever --log_every_steps says.
-_PROGRESS_SECONDS = 20.0
 
 
 class _TrainingLoop:
@@ -489,23 +534,25 @@ class _TrainingLoop:
                             *(_next_multiple(current, b) for b in boundaries)) - current
             call_started = time.perf_counter()
             totals = trainer.train(iterator, num_steps, self._signals.requested, seconds_per_step)
-            seconds = time.perf_counter() - call_started
-            seconds_per_step, agreed_seconds_per_step = seconds / num_steps, totals.seconds_per_step
+            call_seconds = time.perf_counter() - call_started
+            seconds_per_step = call_seconds / num_steps
+            agreed_seconds_per_step = totals.seconds_per_step
             if first_call is None:
-                first_call = (num_steps * plan.global_batch_size, seconds)
+                first_call = (num_steps * plan.global_batch_size, call_seconds)
             else:
                 timed_examples += num_steps * plan.global_batch_size
-                timed_seconds += seconds
+                timed_seconds += call_seconds
             current += num_steps
             interval += totals
             self._check_finite(totals, num_steps, current)
 
-            seconds = time.perf_counter() - interval_start
+            interval_seconds = time.perf_counter() - interval_start
             if (current % config.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
-                    current == plan.total_steps or seconds >= _PROGRESS_SECONDS or not lines):
+                    current == plan.total_steps or interval_seconds >= config_lib.PROGRESS_SECONDS
+                    or not lines):
                 # The first line comes after the first call, so that a slow
                 # start (tracing) shows; it has no ETA, as tracing is in it.
-                metrics = self._log(current, interval, seconds, with_eta=lines > 0)
+                metrics = self._log(current, interval, interval_seconds, with_eta=lines > 0)
                 lines += 1
                 interval, interval_start = NO_TOTALS, time.perf_counter()
             else:
@@ -518,10 +565,13 @@ class _TrainingLoop:
                                              **trainer.evaluate(test_split)})
                 interval_start += time.perf_counter() - eval_started  # not training time
 
-            stop = totals.stop_requests > 0
+            # A stop agreed on the last call lets the run complete instead.
+            stop = totals.stop_requests > 0 and current < plan.total_steps
             if current % config.checkpoint_every_steps == 0 or current == plan.total_steps or stop:
+                save_started = time.perf_counter()
                 self._checkpoints.save(current)
                 self._last_saved = current
+                interval_start += time.perf_counter() - save_started  # not training time
             if stop:
                 self._reporter.say(f"stopped by a signal at step {current}; checkpoint saved: "
                                    f"run the same command again to resume")

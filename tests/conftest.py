@@ -2,8 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,49 @@ def run_module(module: str, args, timeout: float = 300, env=None, wrapper=None):
     command += [str(wrapper), *args] if wrapper else ["-m", module, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=env or subprocess_env(), cwd=REPO)
+
+
+class WatchedProcess:
+    """`python -m module args`, whose output lines (stdout and stderr
+    together) are collected as they come, each with the time it arrived."""
+
+    def __init__(self, module, args, env=None):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, *[str(a) for a in args]], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env or subprocess_env())
+        self.lines = []  # (time.monotonic(), line)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, pattern, timeout):
+        """The time and the match of the first line matching `pattern`;
+        fails the test after `timeout` seconds, or when the process ends."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for when, line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return when, match
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        pytest.fail(f"no line matching {pattern!r} within {timeout} s:\n{self.output()[-4000:]}")
+
+    def finish(self, timeout):
+        """The exit status, once the process has ended (killed after
+        `timeout` seconds)."""
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self.process.kill()
+            self._reader.join(timeout=5)
+
+    def output(self):
+        return "\n".join(line for _, line in self.lines)
 
 
 def train(args, **kwargs):

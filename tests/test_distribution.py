@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (REPO, SMOKE_FLAGS, assert_ok, checkpoint_weights, read_summary,
-                      subprocess_env, run_module, train)
+from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
+                      read_summary, run_module, subprocess_env, train)
 from distributed_mpt.cluster import resolve_cluster
 from distributed_mpt.distribution import resolve_strategy_name
 from distributed_mpt.errors import ConfigError
@@ -92,39 +92,21 @@ def test_two_workers_train_like_one_worker_with_twice_the_batch(tmp_path):
     assert read_summary(two)["resumed_from_step"] == 8
 
 
-def _start_launcher(args, tmp_path):
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "distributed_mpt.launch", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env(TMPDIR=str(tmp_path / "tmp")), cwd=REPO)
-
-
-def _read_until(process, pattern, seen, timeout=180):
-    deadline = time.monotonic() + timeout
-    for line in process.stdout:
-        seen.append(line)
-        match = re.search(pattern, line)
-        if match:
-            return match
-        assert time.monotonic() < deadline, f"no line matching {pattern!r} in time"
-    raise AssertionError(f"launcher ended before {pattern!r}:\n{''.join(seen)[-4000:]}")
-
-
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGTERM"])
 def test_group_survives_a_lost_worker_and_finishes_every_step(tmp_path, fault):
     model_dir = tmp_path / "run"
-    process = _start_launcher(
-        ["--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS,
-         "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
-         "--checkpoint_every_steps=10" if fault == "SIGKILL" else "--checkpoint_every_steps=1000",
-         "--noevaluate", f"--model_dir={model_dir}"], tmp_path)
-    seen = []
-    pid = int(_read_until(process, r"started worker 1 \(pid (\d+)\)", seen).group(1))
-    _read_until(process, r"\[worker 0\] step +12/", seen)
-    os.kill(pid, getattr(signal, fault))
-    output, _ = process.communicate(timeout=300)
-    output = "".join(seen) + output
-    assert process.returncode == 0, output[-4000:]
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    run = WatchedProcess("distributed_mpt.launch", [
+        "--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS,
+        "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
+        "--checkpoint_every_steps=10" if fault == "SIGKILL" else "--checkpoint_every_steps=1000",
+        "--noevaluate", f"--model_dir={model_dir}"],
+        env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+    _, started = run.wait_for(r"started worker 1 \(pid (\d+)\)", timeout=180)
+    run.wait_for(r"\[worker 0\] step +12/", timeout=180)
+    os.kill(int(started.group(1)), getattr(signal, fault))
+    assert run.finish(timeout=300) == 0, run.output()[-4000:]
+    output = run.output()
     assert "restart 1/2" in output
     summary = read_summary(model_dir)
     assert summary["steps"] == 48, "exactly the requested number of optimizer steps"
@@ -182,3 +164,19 @@ def test_sigterm_to_the_group_ends_a_worker_waiting_for_its_peers(tmp_path):
     assert time.monotonic() - signalled < 10, "the worker ends within seconds, not at the deadline"
     assert worker.returncode == -signal.SIGKILL, stderr[-3000:]  # 137: retryable
     assert "SIGTERM while waiting for the peers" in stderr
+
+
+def test_workers_that_would_resume_from_different_steps_refuse_together(tmp_path):
+    """Without one shared --model_dir, the chief resumes and the other worker
+    does not: both say so, instead of calling the collectives differently."""
+    flags = [*MW_FLAGS, "--precision=float32", "--train_steps=16"]
+    assert_ok(train([*flags, "--train_steps=8", "--per_replica_batch_size=32",
+                     f"--model_dir={tmp_path / 'shared'}"]))
+    configs = worker_tf_configs(free_ports(2))
+    workers = [WatchedProcess("distributed_mpt.train", [*flags, f"--model_dir={tmp_path / name}"],
+                              env=subprocess_env(TF_CONFIG=config))
+               for name, config in zip(["shared", "elsewhere"], configs)]
+    for worker in workers:
+        assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
+        assert "the workers of this job see different runs" in worker.output()
+        assert "Traceback" not in worker.output()

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, checkpoint_weights,
-                      read_summary, subprocess_env, train)
+from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_one_error_line,
+                      checkpoint_weights, read_summary, subprocess_env, train)
 
 SUMMARY_KEYS = {"strategy", "num_workers", "num_replicas", "per_replica_batch_size",
                 "global_batch_size", "precision", "model", "steps", "epochs", "learning_rate",
@@ -67,31 +67,17 @@ def test_cifar10_from_tensorflow_datasets(model_dir):
     assert summary["steps"] == 6 and np.isfinite(summary["train_loss"])
 
 
-def _train_until(args, line_fragment, timeout=120):
-    """Starts training, waits for a progress line, returns the process."""
-    process = subprocess.Popen([sys.executable, "-m", "distributed_mpt.train", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=subprocess_env(), cwd=REPO)
-    deadline = time.monotonic() + timeout
-    for line in process.stdout:
-        if line_fragment in line:
-            return process
-        assert time.monotonic() < deadline, f"no '{line_fragment}' line in time"
-    process.wait()
-    raise AssertionError(f"training ended before '{line_fragment}': {process.stderr.read()[-3000:]}")
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig):
     flags = [*SMOKE_FLAGS, "--train_steps=120", "--steps_per_loop=2", "--log_every_steps=4",
              "--checkpoint_every_steps=1000", "--noevaluate"]
     interrupted = tmp_path / "interrupted"
-    process = _train_until([*flags, f"--model_dir={interrupted}"], "step  12/")
-    process.send_signal(sig)
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 143, stderr[-2000:]
-    assert "Traceback" not in stderr
-    assert f"{sig.name}: stopping after the steps under way" in stderr, "acknowledged"
+    run = WatchedProcess("distributed_mpt.train", [*flags, f"--model_dir={interrupted}"])
+    run.wait_for(r"^step +12/", timeout=120)
+    run.process.send_signal(sig)
+    assert run.finish(timeout=120) == 143, run.output()[-2000:]
+    assert "Traceback" not in run.output()
+    assert f"{sig.name}: stopping after the steps under way" in run.output(), "acknowledged"
     saved = int(Path(interrupted, "checkpoints", "checkpoint").read_text().split('"')[1].split("-")[-1])
     assert 12 <= saved < 120, "saved where it stopped, not at a checkpoint interval"
     assert not (interrupted / "summary.json").exists(), "an interrupted run has no summary yet"

@@ -6,18 +6,18 @@ second Ctrl-C that aborts (real processes: signals and timing are what a user
 sees)."""
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import (REPO, SMOKE_FLAGS, assert_ok, checkpoint_weights, read_summary,
-                      subprocess_env, train)
+from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
+                      read_summary, subprocess_env, train)
 from distributed_mpt.trainer import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
@@ -26,47 +26,8 @@ SLOW_RUN = ["--dataset=synthetic", "--synthetic_examples=2048", "--model=resnet9
             "--train_steps=2000", "--noexport", "--noevaluate"]
 
 
-class _Run:
-    """A training process whose output lines are timestamped as they come."""
-
-    def __init__(self, args):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "distributed_mpt.train", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=subprocess_env())
-        self.lines = []  # (monotonic time, line)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def wait_for(self, pattern, timeout):
-        """The time and text of the first line matching `pattern`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for when, line in list(self.lines):
-                if re.search(pattern, line):
-                    return when, line
-            if self.process.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.05)
-        pytest.fail(f"no line matching {pattern!r} within {timeout} s:\n" +
-                    "\n".join(line for _, line in self.lines))
-
-    def finish(self, timeout):
-        try:
-            return self.process.wait(timeout=timeout)
-        finally:
-            self.process.kill()
-            self._reader.join(timeout=5)
-
-    def output(self):
-        return "\n".join(line for _, line in self.lines)
-
-
 def test_progress_starts_soon_and_a_stop_signal_is_answered_at_once(tmp_path):
-    run = _Run([*SLOW_RUN, f"--model_dir={tmp_path / 'run'}"])
+    run = WatchedProcess("distributed_mpt.train", [*SLOW_RUN, f"--model_dir={tmp_path / 'run'}"])
     started, _ = run.wait_for(r"^resnet9 on synthetic", timeout=120)
     first_step, _ = run.wait_for(r"^step +\d+/2000", timeout=120)
     assert first_step - started < 30, "the first progress line comes within 30 s of the start"
@@ -75,7 +36,7 @@ def test_progress_starts_soon_and_a_stop_signal_is_answered_at_once(tmp_path):
     run.process.send_signal(signal.SIGINT)
     acknowledged, line = run.wait_for(r"^SIGINT: stopping", timeout=10)
     assert acknowledged - signalled < 1, "Ctrl-C is acknowledged within a second"
-    assert "Ctrl-C again to abort" in line
+    assert "Ctrl-C again to abort" in line.string
     assert run.finish(timeout=60) == 143, run.output()
     stopped_at = time.monotonic()
     assert stopped_at - signalled < 30, "the stop takes effect within seconds, with a checkpoint"
@@ -84,7 +45,7 @@ def test_progress_starts_soon_and_a_stop_signal_is_answered_at_once(tmp_path):
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
-    run = _Run([*SLOW_RUN, f"--model_dir={tmp_path / 'run'}"])
+    run = WatchedProcess("distributed_mpt.train", [*SLOW_RUN, f"--model_dir={tmp_path / 'run'}"])
     run.wait_for(r"^step +\d+/2000", timeout=120)
     run.process.send_signal(signal.SIGINT)
     run.wait_for(r"^SIGINT: stopping", timeout=10)
@@ -93,6 +54,86 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert run.finish(timeout=30) == 130, run.output()
     assert time.monotonic() - second < 5, "a second Ctrl-C does not wait for the step under way"
     assert "aborting without a checkpoint" in run.output()
+
+
+def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
+    """The steps of each loop call, and the steps logged, on a worker whose
+    own clock ticks `local_clock` seconds per clock reading, when the
+    all-reduced pace (the same on every worker) comes back as
+    `pace_of_all_workers`, call by call."""
+    from types import SimpleNamespace
+
+    from distributed_mpt import trainer as trainer_module
+    from distributed_mpt.config import TrainConfig
+    from distributed_mpt.trainer import LoopTotals, _TrainingLoop, plan_run
+
+    config = TrainConfig(model_dir="unused", train_steps=200, precision="float32",
+                         log_every_steps=1000, checkpoint_every_steps=1000)
+    sizes, logged, paces = [], [], iter(pace_of_all_workers)
+
+    def train(iterator, num_steps, stop_requested, seconds_per_step):
+        sizes.append(num_steps)
+        return LoopTotals(1.0, 1.0, 1.0, 0.0, 0.0, next(paces))
+
+    fake = SimpleNamespace(config=config, plan=plan_run(config, 1, 1, 50_000), train=train,
+                           train_dataset=lambda split, start: [],
+                           optimizer=SimpleNamespace(learning_rate=0.1))
+    ticks = iter(range(0, 10**6, local_clock))
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(trainer_module.precision, "loss_scale", lambda optimizer: 1.0)
+    quiet = SimpleNamespace(log=lambda step, *a, **k: logged.append(step), live=lambda step: None,
+                            say=print)
+    loop = _TrainingLoop(fake, SimpleNamespace(save=lambda step: None), quiet,
+                         SimpleNamespace(requested=False))
+    loop.run(None, None, start_step=0)
+    return sizes, logged
+
+
+def test_a_terminal_gets_a_status_line_and_a_log_whole_lines(tmp_path):
+    import pty
+
+    controller, terminal = pty.openpty()
+    args = [*SMOKE_FLAGS, "--train_steps=40", "--log_every_steps=1000"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.train", *args, f"--model_dir={tmp_path / 'tty'}"],
+        stdout=terminal, stderr=subprocess.DEVNULL, cwd=REPO, env=subprocess_env())
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    assert process.wait(timeout=60) == 0
+    assert b"\r\x1b[Kstep " in shown, "steps counted on the status line between progress lines"
+
+    logged = train([*args, f"--model_dir={tmp_path / 'log'}"])
+    assert_ok(logged)
+    assert "\r" not in logged.stdout and "\x1b" not in logged.stdout, "a log gets whole lines only"
+
+
+def test_workers_with_different_clocks_call_the_loop_alike(monkeypatch):
+    paces = [0.0, 0.5, 0.1, 0.01, 0.2] + [0.05] * 200
+    fast, _ = _loop_with_a_fake_trainer(paces, local_clock=1, monkeypatch=monkeypatch)
+    slow, _ = _loop_with_a_fake_trainer(paces, local_clock=7, monkeypatch=monkeypatch)
+    assert fast == slow, "the call sizes follow the agreed pace only, not a worker's own clock"
+    # One step while the pace is unknown, then about a second per call.
+    assert fast[:7] == [1, 1, 2, 10, 50, 5, 20] and sum(fast) == 200
+
+
+def test_a_progress_line_comes_at_least_every_20_seconds(monkeypatch):
+    # --log_every_steps=1000 and 390 steps per epoch: only the clock and the
+    # run's end call for lines here. Each call reads the clock twice, 5 s
+    # apart: a call of 5 s, and 5 s more before the next.
+    sizes, logged = _loop_with_a_fake_trainer([0.5] * 200, local_clock=5, monkeypatch=monkeypatch)
+    assert logged[0] == 1, "a line after the first call"
+    steps_at_call_end = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    assert set(logged) <= set(steps_at_call_end) and logged[-1] == 200
+    gaps = [steps_at_call_end.index(b) - steps_at_call_end.index(a) for a, b in zip(logged, logged[1:])]
+    assert max(gaps) <= 2, "20 s of this clock is two calls"
 
 
 @pytest.mark.parametrize("seconds_per_step, expected", [
@@ -107,7 +148,7 @@ def test_loop_calls_last_about_a_second(seconds_per_step, expected):
 
 def test_a_run_signalled_while_it_exports_completes_and_keeps_its_training_figures(tmp_path):
     model_dir = tmp_path / "run"
-    run = _Run([*SMOKE_FLAGS, "--train_steps=40", "--export", f"--model_dir={model_dir}"])
+    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=40", "--export", f"--model_dir={model_dir}"])
     run.wait_for(r"^evaluating on the", timeout=120)
     run.process.send_signal(signal.SIGTERM)
     assert run.finish(timeout=120) == 0, run.output()
@@ -190,8 +231,10 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
 
 
 def test_steps_per_loop_xla_and_device_data_give_the_same_weights(tmp_path):
-    common = [*SMOKE_FLAGS, "--train_steps=6", "--precision=float32", "--noevaluate"]
-    runs = {"plain": ["--steps_per_loop=1"], "looped": ["--steps_per_loop=6"],
+    # Loop calls grow from one step as the pace becomes known: "looped" runs
+    # calls of 1, 1 and 6 steps, "plain" eight calls of one.
+    common = [*SMOKE_FLAGS, "--train_steps=8", "--precision=float32", "--noevaluate"]
+    runs = {"plain": ["--steps_per_loop=1"], "looped": ["--steps_per_loop=8"],
             "xla": ["--steps_per_loop=3", "--xla"],
             "device_data": ["--steps_per_loop=2", "--data_on_device"],
             "device_data_mirrored": ["--data_on_device", "--strategy=mirrored", "--cpu_replicas=2",
@@ -207,11 +250,15 @@ def test_steps_per_loop_xla_and_device_data_give_the_same_weights(tmp_path):
                                        rtol=1e-4, atol=2e-6, err_msg=f"{name}: {variable}")
 
 
-def test_evaluation_every_epoch_is_logged(model_dir):
+def test_evaluation_and_progress_every_epoch_are_logged(model_dir):
     # 1024 synthetic examples at batch 32: 32 steps per epoch.
-    assert_ok(train([*SMOKE_FLAGS, "--train_steps=70", "--eval_every_epochs=1",
-                     f"--model_dir={model_dir}"]))
+    result = train([*SMOKE_FLAGS, "--train_steps=70", "--eval_every_epochs=1",
+                    "--log_every_steps=1000", f"--model_dir={model_dir}"])
+    assert_ok(result)
     records = [json.loads(l) for l in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    training = [r["step"] for r in records if "loss" in r]
+    assert {1, 32, 64, 70} <= set(training), "after the first call, at each epoch's end, at the end"
+    assert result.stdout.count("evaluating on the 204 test images") == 3, "a line before each"
     evaluations = [r for r in records if "eval_accuracy" in r]
     assert [r["step"] for r in evaluations] == [32, 64, 70], "the final one ends the curve"
     assert evaluations[-1]["eval_accuracy"] > 0.5
