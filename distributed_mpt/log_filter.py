@@ -4,8 +4,9 @@ TensorFlow 2.21 logs from C++ straight to file descriptor 2 (`I0000 ...`,
 `W0000 ...`, and on machines without a GPU `E0000 ... failed call to
 cuInit`), and most of those lines ignore TF_CPP_MIN_LOG_LEVEL because they
 are written before absl's logging is initialized. So the process's own
-descriptor 2 goes through a small filter process that drops those lines and
-passes everything else through unchanged. DMPT_VERBOSE=1 keeps them.
+descriptor 2 goes through a small filter process that drops those lines
+(other errors pass) and passes everything else through unchanged.
+DMPT_VERBOSE=1 keeps them all.
 
 The filter is a process, not a thread: TensorFlow holds the GIL while it
 waits for multi-worker peers, and a thread could not drain the pipe then. It
@@ -22,9 +23,12 @@ import sys
 VERBOSE_ENV = "DMPT_VERBOSE"
 
 # A C++ (or absl) log line: severity, date, time, thread id, file:line].
-# Fatal lines always pass: they say why the process is about to die.
+# Info and warning lines go; of the errors only the CUDA probe's on machines
+# without a GPU: the others (gRPC, the coordination service) explain a
+# failure, and fatal lines say why the process is about to die.
+_LOG_LINE = rb"\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+:\d+\]"
 _TENSORFLOW_LINE = re.compile(
-    rb"^(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+:\d+\]"
+    rb"^(?:[IW]" + _LOG_LINE + rb"|E" + _LOG_LINE + rb" .*cuInit"
     rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
     rb"|To enable the following instructions: .* rebuild TensorFlow"
     rb"|This TensorFlow binary is optimized to use available CPU instructions"
@@ -71,11 +75,39 @@ def stop() -> None:
     _filter_process = _original_stderr = None
 
 
+# A piece of output: a line, or a progress bar's update (ended by \r).
+_PIECE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
+
+
 def _filter(source, sink) -> None:
-    for line in source:
-        if not _TENSORFLOW_LINE.match(line):
-            sink.write(line)
-            sink.flush()
+    """Copies `source` to `sink` piece by piece as it comes, without
+    TensorFlow's lines, until `source` ends. If `sink` goes away (nobody
+    reads stderr any more), the rest is read and dropped, so that writers
+    never block or fail."""
+    pending, sink_open = b"", True
+    while True:
+        chunk = source.read1(1 << 16)
+        if not chunk:
+            break
+        pending += chunk
+        end = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+        complete, pending = pending[:end], pending[end:]
+        for piece in _PIECE.findall(complete):
+            sink_open = sink_open and _write(sink, piece)
+    if pending and sink_open:
+        _write(sink, pending)
+
+
+def _write(sink, piece: bytes) -> bool:
+    """Writes `piece` unless it is TensorFlow's; False once `sink` is gone."""
+    if _TENSORFLOW_LINE.match(piece):
+        return True
+    try:
+        sink.write(piece)
+        sink.flush()
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ OURS = [
     b"step  10/100  epoch 0.50  loss 1.2\n",
     b"Traceback (most recent call last):\n",
     b"F0000 00:00:1796061719.918335   27490 check.cc:1] Check failed: a fatal line stays\n",
+    b"E0000 00:00:1796061719.918335   27490 grpc_server_lib.cc:1] Could not start gRPC server\n",
 ]
 
 
@@ -28,3 +29,29 @@ def test_tensorflow_lines_are_dropped_and_the_rest_passes_in_order():
     lines = interleaved + TENSORFLOW_LINES[len(OURS):]
     _filter(io.BytesIO(b"".join(lines)), sink)
     assert sink.getvalue() == b"".join(OURS)
+
+
+def test_progress_bars_pass_as_they_come_and_a_closed_sink_is_drained():
+    class Source:
+        """Hands out one chunk per read, as a pipe does."""
+        def __init__(self, chunks):
+            self.chunks = list(chunks)
+
+        def read1(self, size):
+            return self.chunks.pop(0) if self.chunks else b""
+
+    sink = io.BytesIO()
+    _filter(Source([b"\rDl: 10%", b"\rDl: 20%\r", b"I0000 00:00:17.5 1 a.cc:1] x\n", b"tail"]),
+            sink)
+    assert sink.getvalue() == b"\rDl: 10%\rDl: 20%\rtail"
+
+    class GoneSink:
+        def write(self, data):
+            raise BrokenPipeError
+
+        def flush(self):
+            pass
+
+    source = Source([b"a\n", b"b\n", b"c\n"])
+    _filter(source, GoneSink())  # returns, having read everything
+    assert source.chunks == []
