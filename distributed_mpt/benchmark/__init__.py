@@ -10,7 +10,7 @@ which the fastest is reported (the least disturbed by other processes, as
 timeit reports). A section that fails is reported as FAILED with its reason,
 the others still run, and the exit status is 1.
 
-  Everything, about 9 minutes on 2 CPU cores:
+  Everything, about 6 minutes on 2 CPU cores:
       distributed-mpt-benchmark --output=bench.json
   One model and batch:
       distributed-mpt-benchmark --models=resnet9 --batch_sizes=128

@@ -40,6 +40,7 @@ class Cell:
     steps: int = 0  # timed steps per call; 0: chosen from `seconds`
 
     def describe(self) -> str:
+        """The cell in a few words, for progress lines and errors."""
         parallel = f" x{self.replicas}" if self.strategy != "default" else ""
         return f"{self.model} {self.precision} batch {self.batch_size} {self.strategy}{parallel}"
 
@@ -81,8 +82,8 @@ def measure(cell: Cell) -> dict:
         return time.perf_counter() - started
 
     seconds_of(WARMUP_STEPS)
-    # Workers must agree on the steps of every call, so run_cell fixes them
-    # for multi_worker rather than let each worker judge its own speed.
+    # Workers must agree on the steps of every call: a multi_worker cell comes
+    # with them fixed (run_cell insists) rather than each judging its speed.
     steps = cell.steps or min(max(round(cell.seconds * 2 / seconds_of(2)), MIN_STEPS), MAX_STEPS)
     rates = [steps * plan.global_batch_size / seconds_of(steps) for _ in range(cell.repeats)]
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
