@@ -108,14 +108,15 @@ def run_cell(cell: Cell) -> dict:
                                       env=_environment(tf_config))
                      for (out, err), tf_config in zip(logs, tf_configs)]
         deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
-        # A worker that fails leaves its peers waiting in a collective: stop all.
-        while (any(p.poll() is None for p in processes) and not any(p.returncode for p in processes)
-               and time.monotonic() < deadline):
-            time.sleep(0.2)
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+        try:  # a worker that fails leaves its peers waiting in a collective: stop all
+            while (any(p.poll() is None for p in processes)
+                   and not any(p.returncode for p in processes) and time.monotonic() < deadline):
+                time.sleep(0.2)
+        finally:  # also on Ctrl-C: no child outlives the benchmark
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
         failed = [(p.returncode, err) for p, (_, err) in zip(processes, logs) if p.returncode]
         if failed:
             code, err = max(failed, key=lambda f: f[0])  # one that failed on its own, not one stopped here
