@@ -36,6 +36,7 @@ def test_synthetic_run_writes_every_output(model_dir):
     assert "ETA" not in progress[0], "no ETA from a step that includes tracing"
     assert "ETA 0:00:" in progress[1], "the next line says what is left"
     assert "evaluating on the 204 test images" in result.stdout
+    assert "\r" not in result.stdout and "\x1b" not in result.stdout, "a log gets whole lines only"
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in records] == [
         (1, True, False), (10, True, False), (20, True, False), (20, False, True)], \
