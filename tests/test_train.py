@@ -68,37 +68,47 @@ def test_cifar10_from_tensorflow_datasets(model_dir):
     assert summary["steps"] == 6 and np.isfinite(summary["train_loss"])
 
 
+INTERRUPTIBLE = [*SMOKE_FLAGS, "--train_steps=60", "--steps_per_loop=2", "--log_every_steps=4",
+                 "--checkpoint_every_steps=1000", "--noevaluate"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The weights of the run no signal interrupted, to compare with."""
+    model_dir = tmp_path_factory.mktemp("straight")
+    assert_ok(train([*INTERRUPTIBLE, f"--model_dir={model_dir}"]))
+    return checkpoint_weights(model_dir)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig):
-    flags = [*SMOKE_FLAGS, "--train_steps=120", "--steps_per_loop=2", "--log_every_steps=4",
-             "--checkpoint_every_steps=1000", "--noevaluate"]
+def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig, uninterrupted):
     interrupted = tmp_path / "interrupted"
-    run = WatchedProcess("distributed_mpt.train", [*flags, f"--model_dir={interrupted}"])
+    run = WatchedProcess("distributed_mpt.train", [*INTERRUPTIBLE, f"--model_dir={interrupted}"])
     run.wait_for(r"^step +12/", timeout=120)
     run.process.send_signal(sig)
     assert run.finish(timeout=120) == 143, run.output()[-2000:]
     assert "Traceback" not in run.output()
     assert f"{sig.name}: stopping after the steps under way" in run.output(), "acknowledged"
     saved = int(Path(interrupted, "checkpoints", "checkpoint").read_text().split('"')[1].split("-")[-1])
-    assert 12 <= saved < 120, "saved where it stopped, not at a checkpoint interval"
+    assert 12 <= saved < 60, "saved where it stopped, not at a checkpoint interval"
     assert not (interrupted / "summary.json").exists(), "an interrupted run has no summary yet"
 
-    resumed = train([*flags, f"--model_dir={interrupted}"])
+    resumed = train([*INTERRUPTIBLE, f"--model_dir={interrupted}"])
     assert_ok(resumed)
     assert f"resuming from step {saved}" in resumed.stdout
     summary = read_summary(interrupted)
-    assert (summary["resumed_from_step"], summary["steps"]) == (saved, 120)
+    assert (summary["resumed_from_step"], summary["steps"]) == (saved, 60)
     steps_logged = [json.loads(l)["step"] for l in (interrupted / "metrics.jsonl").read_text().splitlines()]
     assert steps_logged == sorted(set(steps_logged)), "no step logged twice across both runs"
-    assert set(range(4, 121, 4)) <= set(steps_logged) <= set(range(4, 121, 4)) | {1, saved + 1}, \
+    every_interval = set(range(4, 61, 4))
+    assert every_interval <= set(steps_logged) <= every_interval | {1, saved + 1}, \
         "every interval, and a line after the first call of each run"
     # Exactly the run that was never interrupted: no step lost or done twice.
-    straight = tmp_path / "straight"
-    assert_ok(train([*flags, f"--model_dir={straight}"]))
-    a, b = checkpoint_weights(interrupted), checkpoint_weights(straight)
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    weights = checkpoint_weights(interrupted)
+    assert weights.keys() == uninterrupted.keys()
+    for name in weights:
+        np.testing.assert_allclose(weights[name], uninterrupted[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
 
 
 def test_refuses_a_checkpoint_of_another_model_and_leaves_it_untouched(model_dir):
