@@ -71,7 +71,7 @@ class TrainConfig:
     model: str = _option(
         "resnet9", "mlp: the original notebook's network. resnet9: the residual CNN of Page's "
         "DAWNBench entries (94% in 24 epochs on a GPU). airbench: Keller Jordan's airbench94 "
-        "network (91.9% in 7 epochs, 15 min on 2 CPU cores: --recipe=cpu_cnn).", MODELS)
+        "network (92% in 7 epochs, 15 min on 2 CPU cores: --recipe=cpu_cnn).", MODELS)
     model_width: int = _option(64, "Channels of the first stage of resnet9 or airbench (64 in "
                                "both references).")
     precision: str = _option(

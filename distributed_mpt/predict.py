@@ -16,15 +16,13 @@ import json
 import os
 import sys
 
-# As in train.py: TensorFlow's C++ start-up chatter would bury the answer.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+from absl import flags
 
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
-
-from distributed_mpt.config import DATASETS, TrainConfig  # noqa: E402
-from distributed_mpt.errors import ConfigError, UserError  # noqa: E402
-from distributed_mpt.outputs import CLASS_NAMES, read_json  # noqa: E402
+from distributed_mpt import log_filter
+from distributed_mpt.config import DATASETS, TrainConfig
+from distributed_mpt.errors import ConfigError, UserError
+from distributed_mpt.outputs import CLASS_NAMES, read_json
 
 # Images per call when evaluating: bounds memory, not accuracy.
 EVAL_BATCH_SIZE = 500
@@ -119,7 +117,17 @@ def evaluate(probabilities, images: np.ndarray, labels: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     """Evaluates and/or classifies as the flags say; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    # As in training: TensorFlow's C++ start-up lines would bury the answer.
+    log_filter.start()
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log_filter.stop()
+
+
+def _main(argv) -> int:
     fv = _flag_values()
     if {"-h", "--help", "--helpfull"} & set(argv):
         print(__doc__ + "\nFlags:\n" + fv.get_help())
