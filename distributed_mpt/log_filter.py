@@ -14,6 +14,7 @@ ignores SIGINT and SIGTERM and ends when every writer has closed the pipe,
 so the last lines of a process that is killed or aborts still arrive.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -37,6 +38,19 @@ _TENSORFLOW_LINE = re.compile(
 
 _filter_process = None
 _original_stderr = None
+
+
+@contextlib.contextmanager
+def filtering():
+    """Filters this process's stderr for the block (see `start`), and flushes
+    and restores it however the block ends."""
+    start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stop()
 
 
 def start() -> None:

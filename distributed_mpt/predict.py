@@ -118,13 +118,8 @@ def evaluate(probabilities, images: np.ndarray, labels: np.ndarray) -> dict:
 def main(argv=None) -> int:
     """Evaluates and/or classifies as the flags say; returns the exit code."""
     # As in training: TensorFlow's C++ start-up lines would bury the answer.
-    log_filter.start()
-    try:
+    with log_filter.filtering():
         return _main(sys.argv[1:] if argv is None else argv)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        log_filter.stop()
 
 
 def _main(argv) -> int:

@@ -13,7 +13,11 @@ from distributed_mpt.errors import EXIT_ABORTED, EXIT_PEER_LOST, EXIT_USAGE, Pre
 
 def run(config: TrainConfig) -> int:
     """Trains as `config` says, in this process; returns the exit code."""
-    log_filter.start()
+    with log_filter.filtering():
+        return _run(config)
+
+
+def _run(config: TrainConfig) -> int:
     lock, new_model_dir = None, None
     try:
         # Until the strategy exists, stop signals wait (see hold_stop_signals):
@@ -72,9 +76,6 @@ def run(config: TrainConfig) -> int:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
             lock.release(remove_model_dir_if_unused=bool(new_model_dir))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        log_filter.stop()
     return 0
 
 

@@ -20,7 +20,8 @@ the others still run, and the exit status is 1.
 
 import os
 
-# As in train.py: keep TensorFlow's C++ start-up chatter out of the report.
+# Keeps most of TensorFlow's C++ start-up lines out of the report; the
+# cells' processes inherit it.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from distributed_mpt.benchmark.cli import main, run  # noqa: E402
