@@ -10,11 +10,12 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
 
 # Steps of the first loop call, which traces the loop: never timed.
 WARMUP_STEPS = 2
@@ -99,7 +100,7 @@ def run_cell(cell: Cell) -> dict:
         raise ValueError("a multi_worker cell needs its steps fixed")
     command = [sys.executable, "-m", "distributed_mpt.benchmark.cells",
                json.dumps(dataclasses.asdict(cell))]
-    tf_configs = _worker_tf_configs(cell.replicas) if cell.strategy == "multi_worker" else [None]
+    tf_configs = launch.worker_tf_configs(launch.free_ports(cell.replicas)) if cell.strategy == "multi_worker" else [None]
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
@@ -132,18 +133,6 @@ def _environment(tf_config) -> dict:
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
     return dict(environment, TF_CONFIG=tf_config) if tf_config else environment
-
-
-def _worker_tf_configs(count: int) -> list:
-    """TF_CONFIGs of `count` local workers on free ports; worker 0 is the chief."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("", 0))  # TensorFlow's gRPC server listens on every interface
-    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-    for s in sockets:
-        s.close()
-    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})
-            for i in range(count)]
 
 
 def main() -> None:
