@@ -17,6 +17,9 @@ MODELS = ("mlp", "resnet9", "airbench")
 PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 COMMUNICATIONS = ("auto", "ring", "nccl")
+LR_SCHEDULES = ("cosine", "piecewise_linear")
+FLIPS = ("random", "alternating", "none")
+TTA_VIEWS = ("none", "flip", "flip_translate")
 
 
 # What each network needs to train well, and not diverge, at any batch
@@ -90,7 +93,7 @@ class TrainConfig:
     per_replica_batch_size: int = _option(128, "Examples per replica per step; the global "
                                           "batch is this times the number of replicas of all "
                                           "workers.")
-    epochs: int = _option(24, "Epochs to train.")
+    epochs: float = _option(24, "Epochs to train (a fraction of one counts its steps, rounded up).")
     train_steps: int = _option(0, "Optimizer steps to train; overrides --epochs when > 0.")
     # None: the model's entry in MODEL_DEFAULTS.
     learning_rate: Optional[float] = _option(
@@ -101,11 +104,34 @@ class TrainConfig:
         "a rate whatever the batch; applies to the model's own rate, not to an explicit "
         "--learning_rate.")
     warmup_epochs: Optional[float] = _option(
-        None, "Linear warmup from 0, in epochs, then cosine decay to 0; at most half of the "
-        "run.")
+        None, "Epochs of the learning-rate warmup (see --lr_schedule); at most half of the run.")
+    lr_schedule: str = _option(
+        "cosine", "cosine: linear warmup from 0 to the peak, then cosine decay to 0. "
+        "piecewise_linear (airbench94's): linear from 0.2x the peak to the peak over the "
+        "warmup, then linear to 0.07x the peak at the last step.", LR_SCHEDULES)
     momentum: Optional[float] = _option(None, "SGD Nesterov momentum.")
     weight_decay: Optional[float] = _option(None, "L2 coefficient on kernels.")
     label_smoothing: Optional[float] = _option(None, "Label smoothing of the training loss.")
+    shift_lr_multiplier: float = _option(
+        1.0, "Batch-norm shifts (beta) train at this multiple of the learning rate (airbench94: "
+        "64); their L2 coefficient is --weight_decay divided by it, so that their decay per "
+        "step is as large as the kernels'.")
+    whiten_bias_epochs: float = _option(
+        0.0, "airbench: train the whitening layer's bias for this many epochs, then freeze it "
+        "(airbench94: 3); 0: the bias stays 0.")
+    lookahead: bool = _option(
+        False, "airbench94's lookahead: every 5 steps the weights (and batch-norm statistics) "
+        "move to an exponential moving average of themselves, of decay 0.95^5 x "
+        "(step/total steps)^3, so that averaging grows as the learning rate falls; after the "
+        "last step they are that average.")
+    crop_padding: int = _option(
+        4, "Random translation of each training image by up to this many pixels (a crop of "
+        "the reflect-padded image; airbench94: 2); 0: none.")
+    flip: str = _option(
+        "random", "Horizontal flips of training images. random: each image in each epoch "
+        "with probability 1/2. alternating (airbench94's): each image flipped at random once, "
+        "then all of them flipped on every odd epoch, so that every image is seen both ways "
+        "in any two epochs. none.", FLIPS)
     seed: int = _option(0, "Seed of initialization, shuffling and augmentation.")
     steps_per_loop: int = _option(
         50, "At most this many optimizer steps per tf.function call (less Python overhead); "
@@ -125,9 +151,11 @@ class TrainConfig:
     evaluate: bool = _option(True, "Evaluate on the whole test split at the end.")
     eval_every_epochs: int = _option(0, "Also evaluate every N epochs during training (logged "
                                      "like the progress); 0: only at the end.")
-    eval_tta: bool = _option(False, "Test-time augmentation: evaluate on the mean of the "
-                             "predictions for each test image and its mirror image (horizontal "
-                             "flip, as airbench does).")
+    eval_tta: str = _option(
+        "none", "Test-time augmentation: classify each test image by the mean logits of several "
+        "views. flip: the image and its mirror image. flip_translate (airbench94's): those two, "
+        "weighted 1/2, and both again shifted by one pixel up-left and down-right, 1/8 each. "
+        "Runs evaluate with and without, so that each shows what it buys.", TTA_VIEWS)
     export: bool = _option(True, "Export a SavedModel and a .keras file at the end.")
 
     def __post_init__(self):
@@ -159,6 +187,9 @@ _MAX_EXAMPLES = 2_000_000    # synthetic images: 3 KB each in memory
 _MAX_WIDTH = 1024            # resnet9 at 1024 already has 1.7 billion weights
 _MAX_BATCH = 65_536
 _MAX_CPU_REPLICAS = 64       # logical devices: TensorFlow stalls creating 100,000
+_MAX_MULTIPLIER = 1e4
+# Reflect padding mirrors the image without its edge, so at most 31 pixels.
+_MAX_CROP_PADDING = 31
 
 
 def _validate(c: TrainConfig) -> None:
@@ -167,6 +198,9 @@ def _validate(c: TrainConfig) -> None:
     _choice("precision", c.precision, PRECISIONS)
     _choice("strategy", c.strategy, STRATEGIES)
     _choice("communication", c.communication, COMMUNICATIONS)
+    _choice("lr_schedule", c.lr_schedule, LR_SCHEDULES)
+    _choice("flip", c.flip, FLIPS)
+    _choice("eval_tta", c.eval_tta, TTA_VIEWS)
     for name in ("per_replica_batch_size", "steps_per_loop", "log_every_steps",
                  "checkpoint_every_steps", "model_width", "synthetic_examples",
                  "peer_timeout_seconds"):
@@ -182,7 +216,7 @@ def _validate(c: TrainConfig) -> None:
                         ("cpu_replicas", _MAX_CPU_REPLICAS)):
         value = getattr(c, name)
         _require(value <= limit, f"--{name}={value} is larger than this program accepts ({limit:,})")
-    _require(c.epochs > 0 or c.train_steps > 0,
+    _require(math.isfinite(c.epochs) and (c.epochs > 0 or c.train_steps > 0),
              f"--epochs={c.epochs} must be positive (or set --train_steps)")
     _require(c.train_steps >= 0, f"--train_steps={c.train_steps} must be >= 0 (0 means: use --epochs)")
     _require(c.learning_rate > 0, f"--learning_rate={c.learning_rate} must be positive")
@@ -192,6 +226,12 @@ def _validate(c: TrainConfig) -> None:
     _require(0 <= c.momentum < 1, f"--momentum={c.momentum} must be in [0, 1)")
     _require(c.weight_decay >= 0, f"--weight_decay={c.weight_decay} must be >= 0")
     _require(0 <= c.label_smoothing < 1, f"--label_smoothing={c.label_smoothing} must be in [0, 1)")
+    _require(math.isfinite(c.shift_lr_multiplier) and 0 < c.shift_lr_multiplier <= _MAX_MULTIPLIER,
+             f"--shift_lr_multiplier={c.shift_lr_multiplier} must be in (0, {_MAX_MULTIPLIER}]")
+    _require(math.isfinite(c.whiten_bias_epochs) and c.whiten_bias_epochs >= 0,
+             f"--whiten_bias_epochs={c.whiten_bias_epochs} must be >= 0")
+    _require(0 <= c.crop_padding <= _MAX_CROP_PADDING,
+             f"--crop_padding={c.crop_padding} must be in [0, {_MAX_CROP_PADDING}] (pixels)")
     # Seeds feed numpy (< 2**32) and TensorFlow's stateless ops (int32, with
     # small offsets added).
     _require(0 <= c.seed < 2**31 - 16, f"--seed={c.seed} must be in [0, {2**31 - 16})")

@@ -1,11 +1,12 @@
 """The optimizer and how its learning rate follows the global batch.
 
 The learning rate scales linearly with the global batch (Goyal et al. 2017,
-"Accurate, Large Minibatch SGD"), warms up linearly from zero, and then
-follows a cosine decay to zero at the last step.
+"Accurate, Large Minibatch SGD"), warms up linearly, and then decays: by a
+cosine to zero, or linearly to a floor as airbench94 does.
 """
 
 import keras
+import tensorflow as tf
 
 # The batch at which --learning_rate is stated. 128 with lr 0.1 and SGD
 # momentum 0.9 is the classic CIFAR ResNet recipe (He et al. 2016, sec. 4.2).
@@ -26,18 +27,46 @@ def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
     return min(rate, ceiling) if ceiling > 0 else rate
 
 
-def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int):
-    """Linear warmup from 0 to `peak` over `warmup_steps`, then cosine decay to 0.
+def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int,
+                           kind: str = "cosine"):
+    """The learning rate of each step, of `kind` (see config.LR_SCHEDULES):
+
+    cosine: linear warmup from 0 to `peak` over `warmup_steps`, then cosine
+    decay to 0. piecewise_linear: from 0.2 x `peak` to `peak` over
+    `warmup_steps`, then linearly to 0.07 x `peak` at the last step.
 
     The warmup takes at most half of the run, so that a short run (a smoke
     test, --train_steps) still decays instead of ending at its peak.
     """
     warmup_steps = min(warmup_steps, total_steps // 2)
+    if kind == "piecewise_linear":
+        return PiecewiseLinear(peak, total_steps, warmup_steps)
     decay_steps = max(total_steps - warmup_steps, 1)
     if warmup_steps == 0:
         return keras.optimizers.schedules.CosineDecay(peak, decay_steps)
     return keras.optimizers.schedules.CosineDecay(
         0.0, decay_steps, warmup_target=peak, warmup_steps=warmup_steps)
+
+
+class PiecewiseLinear(keras.optimizers.schedules.LearningRateSchedule):
+    """airbench94's schedule: a linear rise from START x peak to the peak over
+    `warmup_steps`, then a linear fall to END x peak at `total_steps`."""
+
+    START, END = 0.2, 0.07
+
+    def __init__(self, peak: float, total_steps: int, warmup_steps: int):
+        self.peak, self.total_steps, self.warmup_steps = peak, total_steps, warmup_steps
+
+    def __call__(self, step):
+        step = keras.ops.cast(step, "float32")
+        rising = self.START + (1 - self.START) * step / max(self.warmup_steps, 1)
+        falling = 1 - (1 - self.END) * (step - self.warmup_steps) / max(
+            self.total_steps - self.warmup_steps, 1)
+        return self.peak * keras.ops.where(step < self.warmup_steps, rising, falling)
+
+    def get_config(self):
+        return {"peak": self.peak, "total_steps": self.total_steps,
+                "warmup_steps": self.warmup_steps}
 
 
 def make_optimizer(learning_rate, momentum: float, loss_scaling: bool) -> keras.optimizers.Optimizer:
@@ -47,3 +76,40 @@ def make_optimizer(learning_rate, momentum: float, loss_scaling: bool) -> keras.
     if loss_scaling:
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
+
+
+class Lookahead:
+    """airbench94's lookahead: every EVERY_STEPS steps, an exponential moving
+    average of the weights takes a step toward them and the weights are set
+    to it; after the last step the weights are the average.
+
+    The decay, BASE_DECAY x (step / total_steps)^3, is near 0 early (the
+    average follows the weights) and grows as the learning rate falls, so
+    the end of the run is averaged over ever more steps. Batch-norm
+    statistics are averaged with the weights, as airbench averages the whole
+    state dict. Create it in the strategy's scope after the model's weights
+    are initialized; `state` (the averages) belongs in the checkpoint.
+    """
+
+    EVERY_STEPS = 5
+    BASE_DECAY = 0.95 ** 5
+
+    def __init__(self, model: keras.Model, total_steps: int):
+        self._weights = [w for w in model.weights if "float" in str(w.dtype)]
+        self._total_steps = total_steps
+        self.state = tf.Module(name="lookahead")
+        self.state.averages = [tf.Variable(tf.convert_to_tensor(w), trainable=False,
+                                           name="lookahead_average") for w in self._weights]
+
+    def after_step(self, step: tf.Tensor) -> None:
+        """Updates after optimizer step number `step` (1-based); call in
+        cross-replica context, inside the compiled loop."""
+        if step % self.EVERY_STEPS == 0:
+            fraction = tf.cast(step, tf.float32) / self._total_steps
+            keep = self.BASE_DECAY * fraction ** 3
+            for average, weight in zip(self.state.averages, self._weights):
+                average.assign(keep * average + (1 - keep) * tf.convert_to_tensor(weight))
+                weight.assign(average)
+        if step == self._total_steps:
+            for average, weight in zip(self.state.averages, self._weights):
+                weight.assign(average)

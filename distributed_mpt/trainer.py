@@ -24,7 +24,8 @@ from distributed_mpt.cluster import Cluster
 from distributed_mpt import config as config_lib
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import EXIT_ABORTED, ClusterError, ConfigError, DivergedError, Preempted
-from distributed_mpt.models import build_model, initialize_from_data, synchronizes_replicas
+from distributed_mpt.models import (batch_norm_shifts, build_model, initialize_from_data,
+                                   synchronizes_replicas, whitening_bias)
 from distributed_mpt.reporting import Reporter
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
@@ -156,7 +157,8 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
             f"the global batch of {global_batch} ({config.per_replica_batch_size} x {num_replicas} "
             f"replicas) exceeds the {num_train_examples} training examples; "
             f"lower --per_replica_batch_size")
-    total_steps = config.train_steps or config.epochs * epoch_steps
+    # A fraction of an epoch counts its steps, rounded up (airbench's 9.9).
+    total_steps = config.train_steps or math.ceil(round(config.epochs * epoch_steps, 6))
     return RunPlan(
         policy=precision.resolve_precision(config.precision), num_workers=num_workers,
         num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
@@ -178,10 +180,15 @@ class Trainer:
                  train_split: data.ImageSplit):
         self.config, self.plan, self._strategy = config, plan, strategy
         schedule = optimization.learning_rate_schedule(
-            plan.learning_rate, plan.total_steps, plan.warmup_steps)
+            plan.learning_rate, plan.total_steps, plan.warmup_steps, config.lr_schedule)
         with strategy.scope():
-            self.model = build_model(config.model, config.model_width, config.weight_decay)
+            self.model = build_model(config.model, config.model_width, config.weight_decay,
+                                     config.shift_lr_multiplier)
             initialize_from_data(self.model, train_split.images)
+            # The logits, for test-time augmentation to average.
+            self._logits = keras.Model(self.model.inputs, self.model.get_layer("logits").output)
+            self._lookahead = (optimization.Lookahead(self.model, plan.total_steps)
+                               if config.lookahead else None)
             self.optimizer = optimization.make_optimizer(
                 schedule, config.momentum, loss_scaling=plan.loss_scaling)
             # Built here, not lazily in the first step: MirroredStrategy
@@ -207,13 +214,21 @@ class Trainer:
             # Only the forward and backward pass: the gradient all-reduce and
             # the update stay outside XLA, where every strategy supports them.
             self._gradients = tf.function(self._compute_gradients, jit_compile=True)
+        self._gradient_scales = _gradient_scales(self.model, config.shift_lr_multiplier)
+        bias = whitening_bias(self.model)
+        self._whiten_bias_index = next((i for i, v in enumerate(self.model.trainable_variables)
+                                        if v is bias), None)
+        self._whiten_bias_steps = round(config.whiten_bias_epochs * plan.steps_per_epoch)
         self._train_loop = tf.function(self._train_loop_fn)
         self._eval_loop = tf.function(self._eval_loop_fn)
 
     @property
     def checkpointables(self) -> dict:
-        return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
-                "global_batch_size": self.trained_global_batch}
+        state = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                 "global_batch_size": self.trained_global_batch}
+        if self._lookahead:
+            state["lookahead"] = self._lookahead.state
+        return state
 
     def check_workers_agree(self, facts: dict) -> None:
         """Raises ClusterError on every worker unless all of them passed the
@@ -243,7 +258,8 @@ class Trainer:
         """The distributed training input from `start_step` to the last step."""
         return self._strategy.distribute_datasets_from_function(data.train_input_fn(
             split, self.plan.global_batch_size, self.config.seed, start_step,
-            self.plan.total_steps - start_step, images_on_device=self._device_split is not None))
+            self.plan.total_steps - start_step, images_on_device=self._device_split is not None,
+            augmentation=data.Augmentation(self.config.crop_padding, self.config.flip)))
 
     def train(self, iterator, num_steps: int, stop_requested: bool = False,
               seconds_per_step: float = 0.0) -> LoopTotals:
@@ -267,7 +283,7 @@ class Trainer:
             iterator, tf.constant(data.eval_steps(len(split), batch))).numpy())
         result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
                   "eval_examples": int(round(examples))}
-        if self.config.eval_tta:
+        if self.config.eval_tta != "none":
             result["eval_accuracy_without_tta"] = plain_correct / examples
         return result
 
@@ -290,7 +306,8 @@ class Trainer:
 
     def _train_step(self, *batch):
         if self._device_split is not None:  # batch: indices, crop offsets, flips
-            images, labels = data.gather_and_augment(*self._device_split, *batch)
+            images, labels = data.gather_and_augment(*self._device_split, *batch,
+                                                     self.config.crop_padding)
         else:
             images, labels = batch
         gradients, loss, loss_sum, correct = self._gradients(images, labels)
@@ -310,6 +327,12 @@ class Trainer:
             # No skipping without loss scaling: a non-finite loss is fatal,
             # and its count needs no extra pass over the gradients.
             nonfinite = 1.0 - tf.cast(tf.math.is_finite(loss), tf.float32)
+        gradients = [g * scale if scale != 1 else g
+                     for g, scale in zip(gradients, self._gradient_scales)]
+        if self._whiten_bias_index is not None:
+            # Frozen after its epochs: a zero gradient (and momentum decaying).
+            i = self._whiten_bias_index
+            gradients[i] *= tf.cast(self.step < self._whiten_bias_steps, gradients[i].dtype)
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         count = tf.cast(tf.shape(labels)[0], tf.float32)
         sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros([3]))
@@ -321,20 +344,22 @@ class Trainer:
         for _ in tf.range(num_steps):
             self._strategy.run(self._train_step, args=next(iterator))
             self.step.assign_add(1)
+            if self._lookahead:
+                self._lookahead.after_step(self.step)
         # The stop request travels with the metrics: if any worker was
         # signalled, all of them learn it after this same step.
         totals = self._strategy.run(_drain, args=(self._train_sums, travelling))
         return self._strategy.reduce("SUM", totals, axis=None)
 
     def _eval_step(self, images, labels, weights):
-        probabilities = self.model(images, training=False)
-        plain_correct = _is_correct(labels, probabilities)
-        if self.config.eval_tta:
-            # CIFAR-10's classes are symmetric under a horizontal flip, and
-            # the model was trained on flipped images: averaging both views
-            # removes part of the model's variance (airbench's TTA level 1).
-            mirrored = self.model(tf.reverse(images, axis=[2]), training=False)
-            probabilities = (probabilities + mirrored) / 2
+        # CIFAR-10's classes are symmetric under a horizontal flip and small
+        # shifts, and the model was trained on such views: averaging their
+        # logits removes part of the model's variance.
+        views = data.test_time_views(images, self.config.eval_tta)
+        view_logits = [tf.cast(self._logits(view, training=False), tf.float32) for _, view in views]
+        logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
+        probabilities = tf.nn.softmax(logits)
+        plain_correct = _is_correct(labels, view_logits[0])
         losses = self._per_example_loss(self._eval_loss, labels, probabilities)
         self._eval_sums.assign_add(tf.stack([tf.reduce_sum(losses * weights),
                                              tf.reduce_sum(_is_correct(labels, probabilities) * weights),
@@ -348,10 +373,18 @@ class Trainer:
         return self._strategy.reduce("SUM", totals, axis=None)
 
 
-def _is_correct(labels, probabilities):
-    """1.0 where the most probable class is the label, per example."""
-    predictions = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
+def _is_correct(labels, scores):
+    """1.0 where the highest-scoring class (probabilities or logits) is the
+    label, per example."""
+    predictions = tf.argmax(scores, axis=-1, output_type=tf.int32)
     return tf.cast(predictions == labels, tf.float32)
+
+
+def _gradient_scales(model: keras.Model, shift_lr_multiplier: float) -> list:
+    """Per trainable variable, what its gradient is multiplied by:
+    `shift_lr_multiplier` for batch-norm shifts, 1 for the rest."""
+    shifts = {id(v) for v in batch_norm_shifts(model)}
+    return [shift_lr_multiplier if id(v) in shifts else 1.0 for v in model.trainable_variables]
 
 
 def _drain(accumulator, extra):

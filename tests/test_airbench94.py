@@ -1,0 +1,178 @@
+"""The parts of the airbench94 recipe, each an option of the package: they do
+what airbench does, touch only what they should, and keep the loop's
+promises (N replicas = 1 replica, a resume that is step-exact)."""
+
+import signal
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import (SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights, read_summary,
+                      subprocess_env, train)
+from distributed_mpt import data, models, optimization
+
+# A tiny airbench with every part of the recipe on, on synthetic data.
+AIRBENCH94 = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
+              "--model_width=8", "--per_replica_batch_size=32", "--lr_schedule=piecewise_linear",
+              "--warmup_epochs=0.5", "--shift_lr_multiplier=64", "--whiten_bias_epochs=1",
+              "--lookahead", "--crop_padding=2", "--flip=alternating", "--precision=float32",
+              "--noexport"]
+
+
+def _images(count=4, size=6):
+    return tf.constant(np.random.default_rng(0).integers(0, 256, (count, size, size, 3)),
+                       tf.uint8)
+
+
+def test_test_time_views_are_the_ones_named():
+    images = _images()
+    mirror = images[:, :, ::-1]
+    assert [w for w, _ in data.test_time_views(images, "none")] == [1.0]
+    flip = data.test_time_views(images, "flip")
+    assert [w for w, _ in flip] == [0.5, 0.5]
+    np.testing.assert_array_equal(flip[0][1], images)
+    np.testing.assert_array_equal(flip[1][1], mirror)
+
+    six = data.test_time_views(images, "flip_translate")
+    assert [w for w, _ in six] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
+    padded = np.pad(images.numpy(), [(0, 0), (1, 1), (1, 1), (0, 0)], mode="reflect")
+    down_right, up_left = padded[:, :-2, :-2], padded[:, 2:, 2:]
+    expected = [images, mirror, down_right, down_right[:, :, ::-1], up_left, up_left[:, :, ::-1]]
+    for (_, view), want in zip(six, expected):
+        np.testing.assert_array_equal(view, want)
+    # One pixel each way along the diagonal: the centre of the view moved.
+    np.testing.assert_array_equal(down_right[:, 1:, 1:], images[:, :-1, :-1])
+
+
+def test_alternating_flips_show_each_image_both_ways_in_two_epochs():
+    # Each image is its own label, and asymmetric: column 0 holds 1, the
+    # rest 0, so a flipped copy has its 1 in the last column.
+    count = 64
+    images = np.zeros((count, 32, 32, 3), np.uint8)
+    images[:, :, 0] = 1
+    split = data.ImageSplit(images, np.arange(count, dtype=np.int32))
+    dataset_fn = data.train_input_fn(split, global_batch_size=16, seed=5, start_step=0,
+                                     num_steps=3 * count // 16,
+                                     augmentation=data.Augmentation(0, "alternating"))
+    context = tf.distribute.InputContext()
+    flipped = [{}, {}, {}]  # per epoch: image -> flipped?
+    for step, (batch, labels) in enumerate(dataset_fn(context)):
+        for image, label in zip(batch.numpy(), labels.numpy()):
+            flipped[step // (count // 16)][label] = bool(image[0, -1, 0])
+    first = np.array([flipped[0][i] for i in range(count)])
+    assert 0.2 < first.mean() < 0.8, "each image flipped at random once"
+    np.testing.assert_array_equal([flipped[1][i] for i in range(count)], ~first)
+    np.testing.assert_array_equal([flipped[2][i] for i in range(count)], first)
+
+
+def test_piecewise_linear_schedule_is_airbench94s():
+    schedule = optimization.learning_rate_schedule(2.0, total_steps=100, warmup_steps=23,
+                                                   kind="piecewise_linear")
+    rates = [float(schedule(step)) for step in (0, 23, 100)]
+    np.testing.assert_allclose(rates, [0.4, 2.0, 0.14], rtol=1e-6)
+    np.testing.assert_allclose(float(schedule(61.5)), (2.0 + 0.14) / 2, rtol=1e-6)
+
+
+def test_lookahead_pulls_every_fifth_step_and_ends_on_the_average():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    lookahead = optimization.Lookahead(model, total_steps=12)
+    kernel = model.weights[0]
+    average = lookahead.state.averages[0]
+    start = kernel.numpy().copy()
+
+    kernel.assign(start + 1.0)
+    lookahead.after_step(tf.constant(4, tf.int64))  # not a fifth step: nothing moves
+    np.testing.assert_array_equal(average.numpy(), start)
+    np.testing.assert_array_equal(kernel.numpy(), start + 1.0)
+
+    lookahead.after_step(tf.constant(5, tf.int64))
+    keep = 0.95 ** 5 * (5 / 12) ** 3
+    np.testing.assert_allclose(average.numpy(), keep * start + (1 - keep) * (start + 1), rtol=1e-6)
+    np.testing.assert_array_equal(kernel.numpy(), average.numpy())
+
+    kernel.assign(start + 5.0)
+    lookahead.after_step(tf.constant(12, tf.int64))  # the last step: the average, unmoved
+    np.testing.assert_array_equal(kernel.numpy(), average.numpy())
+
+
+def _trained_variables(model_dir) -> list:
+    """The trained variables of the tiny airbench's checkpoint, in the
+    order of `model.trainable_variables` (the checkpoint keeps each under
+    the optimizer, which tracks them in that order)."""
+    saved = checkpoint_weights(model_dir)
+    return [saved[f"optimizer/_trainable_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"]
+            for i in range(len(_TINY.trainable_variables))]
+
+
+_TINY = models.build_model("airbench", 8)
+
+
+def _indices(variables) -> list:
+    return [i for i, v in enumerate(_TINY.trainable_variables) if any(v is w for w in variables)]
+
+
+def test_the_shift_multiplier_speeds_up_only_batch_norm_shifts(tmp_path):
+    # One step from the same start: the update of each variable is its
+    # first gradient times the learning rate, so every kernel moves alike
+    # and every shift (zero at the start) moves 64 times as far.
+    runs = {}
+    for multiplier in (1, 64):
+        model_dir = tmp_path / str(multiplier)
+        assert_ok(train([*AIRBENCH94, "--train_steps=1", "--nolookahead", "--noevaluate",
+                         f"--shift_lr_multiplier={multiplier}", f"--model_dir={model_dir}"]))
+        runs[multiplier] = _trained_variables(model_dir)
+    shifts = _indices(models.batch_norm_shifts(_TINY))
+    assert len(shifts) == 6, "two batch norms in each of three stages"
+    for i, (plain, fast) in enumerate(zip(runs[1], runs[64])):
+        if i in shifts:
+            assert np.abs(plain).max() > 0
+            np.testing.assert_allclose(fast, 64 * plain, rtol=1e-4, err_msg=str(i))
+        else:
+            np.testing.assert_array_equal(fast, plain, err_msg=str(i))
+
+
+def test_the_whitening_bias_trains_only_when_asked(tmp_path):
+    [bias] = _indices([models.whitening_bias(_TINY)])
+    biases = {}
+    for epochs in (0, 1):
+        model_dir = tmp_path / str(epochs)
+        assert_ok(train([*AIRBENCH94, "--train_steps=4", "--noevaluate", "--nolookahead",
+                         f"--whiten_bias_epochs={epochs}", f"--model_dir={model_dir}"]))
+        biases[epochs] = _trained_variables(model_dir)[bias]
+    assert not biases[0].any()
+    assert biases[1].any()
+
+
+def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path):
+    common = [*AIRBENCH94, "--train_steps=10", "--noevaluate"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    assert single.keys() == mirrored.keys()
+    assert any(name.startswith("lookahead/") for name in single), "the averages are saved"
+    for name in single:
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    # Lookahead's averages and the alternating flips live across the stop.
+    common = [*AIRBENCH94, "--train_steps=300", "--noevaluate", "--steps_per_loop=5"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert_ok(train([*common, f"--model_dir={whole}"]))
+    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
+                         env=subprocess_env())
+    run.wait_for(r"^step +\d+/300", timeout=120)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) != 0, "stopped early, with a checkpoint"
+    assert_ok(train([*common, f"--model_dir={stopped}"]))
+    resumed_from = read_summary(stopped)["resumed_from_step"]
+    assert 0 < resumed_from < 300
+    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
