@@ -73,14 +73,15 @@ class TrainConfig:
                                       "a fifth as many).")
     model: str = _option(
         "resnet9", "mlp: the original notebook's network. resnet9: the residual CNN of Page's "
-        "DAWNBench entries (94% in 24 epochs on a GPU). airbench: Keller Jordan's airbench94 "
-        "network (92% in 7 epochs, 15 min on 2 CPU cores: --recipe=cpu_cnn).", MODELS)
+        "DAWNBench entries (94% in 24 epochs on a V100, as published). airbench: Keller Jordan's "
+        "airbench94 network, the CPU's choice (--recipe=cpu_cnn94 or cpu_cnn; their headers "
+        "give accuracy and time, with the CPU they were measured on).", MODELS)
     model_width: int = _option(64, "Channels of the first stage of resnet9 or airbench (64 in "
                                "both references).")
     precision: str = _option(
         "auto", "auto: mixed_float16 on GPUs of compute capability 7.0+, mixed_bfloat16 on "
-        "CPUs with bfloat16 instructions (AVX512_BF16 or AMX: 1.2-1.3x faster than float32, "
-        "measured), else float32 (float16 is emulated and slow on CPUs). mixed_float16 scales "
+        "CPUs with bfloat16 instructions (AVX512_BF16 or AMX; airbench trains about 1.3x faster "
+        "than in float32 on a 2-core AMD EPYC with AVX512_BF16), else float32 (float16 is emulated and slow on CPUs). mixed_float16 scales "
         "the loss dynamically; mixed_bfloat16 needs no scaling.", PRECISIONS)
     strategy: str = _option("auto", "auto picks multi_worker for a cluster, mirrored for "
                             "several GPUs or --cpu_replicas, one_device for one GPU, else "
@@ -97,12 +98,12 @@ class TrainConfig:
     train_steps: int = _option(0, "Optimizer steps to train; overrides --epochs when > 0.")
     # None: the model's entry in MODEL_DEFAULTS.
     learning_rate: Optional[float] = _option(
-        None, "Peak learning rate at the reference batch of 128; scaled linearly with the "
-        "global batch.")
+        None, "Learning rate at the reference batch of 128. The peak rate is this x global "
+        "batch / 128, at most --max_learning_rate; the run prints the rate it uses.")
     max_learning_rate: Optional[float] = _option(
-        None, "Ceiling of the scaled learning rate (0: none), for networks that diverge above "
-        "a rate whatever the batch; applies to the model's own rate, not to an explicit "
-        "--learning_rate.")
+        None, "Ceiling of the peak learning rate (0: none), for networks that diverge above a "
+        "rate whatever the batch (the MLP's default: 0.05). It caps the model's own rate; an "
+        "explicit --learning_rate is used as scaled, unless --max_learning_rate is given too.")
     warmup_epochs: Optional[float] = _option(
         None, "Epochs of the learning-rate warmup (see --lr_schedule); at most half of the run.")
     lr_schedule: str = _option(
