@@ -17,7 +17,8 @@ MODELS = ("mlp", "resnet9", "airbench")
 PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 COMMUNICATIONS = ("auto", "ring", "nccl")
-LR_SCHEDULES = ("cosine", "piecewise_linear")
+LR_SCHEDULES = ("cosine", "linear", "piecewise_linear")
+OPTIMIZERS = ("sgd", "muon")
 FLIPS = ("random", "alternating", "none")
 TTA_VIEWS = ("none", "flip", "flip_translate")
 
@@ -107,10 +108,18 @@ class TrainConfig:
     warmup_epochs: Optional[float] = _option(
         None, "Epochs of the learning-rate warmup (see --lr_schedule); at most half of the run.")
     lr_schedule: str = _option(
-        "cosine", "cosine: linear warmup from 0 to the peak, then cosine decay to 0. "
-        "piecewise_linear (airbench94's): linear from 0.2x the peak to the peak over the "
+        "cosine", "cosine: linear warmup from 0 to the peak, then cosine decay to 0. linear: "
+        "the same warmup, then linearly to 0. piecewise_linear (airbench94's): linear from 0.2x the peak to the peak over the "
         "warmup, then linear to 0.07x the peak at the last step.", LR_SCHEDULES)
     momentum: Optional[float] = _option(None, "SGD Nesterov momentum.")
+    optimizer: str = _option(
+        "sgd", "sgd: SGD with Nesterov momentum. muon (airbench94_muon's): Muon for the "
+        "convolution filters (orthogonalized steps; see --muon_learning_rate), SGD for the "
+        "rest.", OPTIMIZERS)
+    muon_learning_rate: float = _option(
+        0.24, "--optimizer=muon: the filters' peak learning rate (not scaled with the batch: "
+        "Muon's step size does not depend on the gradient's); it follows --lr_schedule.")
+    muon_momentum: float = _option(0.6, "--optimizer=muon: the filters' Nesterov momentum.")
     weight_decay: Optional[float] = _option(None, "L2 coefficient on kernels.")
     label_smoothing: Optional[float] = _option(None, "Label smoothing of the training loss.")
     shift_lr_multiplier: float = _option(
@@ -201,6 +210,7 @@ def _validate(c: TrainConfig) -> None:
     _choice("communication", c.communication, COMMUNICATIONS)
     _choice("lr_schedule", c.lr_schedule, LR_SCHEDULES)
     _choice("flip", c.flip, FLIPS)
+    _choice("optimizer", c.optimizer, OPTIMIZERS)
     _choice("eval_tta", c.eval_tta, TTA_VIEWS)
     for name in ("per_replica_batch_size", "steps_per_loop", "log_every_steps",
                  "checkpoint_every_steps", "model_width", "synthetic_examples",
@@ -229,6 +239,12 @@ def _validate(c: TrainConfig) -> None:
     _require(0 <= c.label_smoothing < 1, f"--label_smoothing={c.label_smoothing} must be in [0, 1)")
     _require(math.isfinite(c.shift_lr_multiplier) and 0 < c.shift_lr_multiplier <= _MAX_MULTIPLIER,
              f"--shift_lr_multiplier={c.shift_lr_multiplier} must be in (0, {_MAX_MULTIPLIER}]")
+    _require(math.isfinite(c.muon_learning_rate) and c.muon_learning_rate > 0,
+             f"--muon_learning_rate={c.muon_learning_rate} must be positive")
+    _require(0 <= c.muon_momentum < 1, f"--muon_momentum={c.muon_momentum} must be in [0, 1)")
+    _require(c.optimizer == "sgd" or c.model != "mlp",
+             "--optimizer=muon trains convolution filters, and the mlp has none: use "
+             "--optimizer=sgd")
     _require(math.isfinite(c.whiten_bias_epochs) and c.whiten_bias_epochs >= 0,
              f"--whiten_bias_epochs={c.whiten_bias_epochs} must be >= 0")
     _require(0 <= c.crop_padding <= _MAX_CROP_PADDING,

@@ -44,6 +44,12 @@ def batch_norm_shifts(model: keras.Model) -> list:
             if isinstance(layer, keras.layers.BatchNormalization) and layer.center]
 
 
+def convolution_filters(model: keras.Model) -> list:
+    """The trained convolution kernels of `model` (not airbench's frozen
+    whitening filters): what --optimizer=muon trains with Muon."""
+    return [v for v in model.trainable_variables if len(v.shape) == 4]
+
+
 def whitening_bias(model: keras.Model):
     """airbench's whitening-layer bias (trained for --whiten_bias_epochs
     only), or None for the other models."""

@@ -24,8 +24,8 @@ from distributed_mpt.cluster import Cluster
 from distributed_mpt import config as config_lib
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import EXIT_ABORTED, ClusterError, ConfigError, DivergedError, Preempted
-from distributed_mpt.models import (batch_norm_shifts, build_model, initialize_from_data,
-                                   synchronizes_replicas, whitening_bias)
+from distributed_mpt.models import (batch_norm_shifts, build_model, convolution_filters,
+                                   initialize_from_data, synchronizes_replicas, whitening_bias)
 from distributed_mpt.reporting import Reporter
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
@@ -190,7 +190,10 @@ class Trainer:
             self._lookahead = (optimization.Lookahead(self.model, plan.total_steps)
                                if config.lookahead else None)
             self.optimizer = optimization.make_optimizer(
-                schedule, config.momentum, loss_scaling=plan.loss_scaling)
+                schedule, config.momentum, loss_scaling=plan.loss_scaling,
+                muon_variables=convolution_filters(self.model) if config.optimizer == "muon" else (),
+                muon_rate_ratio=config.muon_learning_rate / plan.learning_rate,
+                muon_momentum=config.muon_momentum)
             # Built here, not lazily in the first step: MirroredStrategy
             # cannot create slot variables inside the traced step.
             self.optimizer.build(self.model.trainable_variables)

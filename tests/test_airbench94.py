@@ -145,8 +145,40 @@ def test_the_whitening_bias_trains_only_when_asked(tmp_path):
     assert biases[1].any()
 
 
+def test_muon_orthogonalizes_keeping_the_singular_vectors():
+    rng = np.random.default_rng(0)
+    left, _ = np.linalg.qr(rng.normal(size=(576, 64)))
+    right, _ = np.linalg.qr(rng.normal(size=(64, 64)))
+    spread = np.geomspace(1, 10, 64)  # singular values over a decade
+    gradient = (left * spread) @ right.T
+    update = optimization.orthogonalize(tf.constant(gradient, tf.float32)).numpy()
+    in_its_basis = left.T @ update @ right  # diagonal if the singular vectors are kept
+    singular = np.diag(in_its_basis)
+    assert 0.5 < singular.min() and singular.max() < 1.5, "near 1, not spread over a decade"
+    off_diagonal = in_its_basis - np.diag(singular)
+    assert np.abs(off_diagonal).max() < 0.05 * singular.max()
+
+
+def test_a_muon_step_renormalizes_the_filter_and_steps_along_the_orthogonalized_momentum():
+    kernel = keras.Variable(np.random.default_rng(1).normal(size=(3, 3, 4, 8)), dtype="float32")
+    bias = keras.Variable(np.zeros(8), dtype="float32")
+    optimizer = optimization.SGDWithMuon(0.5, momentum=0.9, muon_variables=[kernel],
+                                         muon_rate_ratio=0.2, muon_momentum=0.6)
+    gradient = tf.constant(np.random.default_rng(2).normal(size=(3, 3, 4, 8)), tf.float32)
+    start = kernel.numpy()
+    optimizer.apply_gradients([(gradient, kernel), (tf.ones(8), bias)])
+    # First step: momentum = gradient, Nesterov direction = 1.6 x gradient,
+    # whose orthogonalization is that of the gradient.
+    renormalized = start * np.sqrt(8) / np.linalg.norm(start)
+    step = optimization.orthogonalize(tf.reshape(1.6 * gradient, [-1, 8])).numpy().reshape(start.shape)
+    np.testing.assert_allclose(kernel.numpy(), renormalized - 0.2 * 0.5 * step, rtol=1e-4, atol=1e-5)
+    # The other variables take SGD's step: 0.5 x (1 + 0.9) Nesterov.
+    np.testing.assert_allclose(bias.numpy(), -0.95 * np.ones(8), rtol=1e-6)
+
+
 def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path):
-    common = [*AIRBENCH94, "--train_steps=10", "--noevaluate"]
+    # Muon as well: its filters' updates go through the same machinery.
+    common = [*AIRBENCH94, "--train_steps=10", "--noevaluate", "--optimizer=muon"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
     assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
