@@ -49,7 +49,8 @@ def _choose_precision(requested: str):
             "compute_capability", (0, 0)) for g in gpus)
         version = ".".join(map(str, capability))
         if capability >= _MIN_FLOAT16_CAPABILITY:
-            return "mixed_float16", f"the GPUs have float16 tensor cores (compute capability {version})"
+            return ("mixed_float16",
+                    f"the GPUs have float16 tensor cores (compute capability {version})")
         return "float32", f"a GPU of compute capability {version} has no float16 tensor cores"
     instructions = cpu_bfloat16_instructions()
     if instructions:

@@ -33,7 +33,8 @@ def test_auto_precision_on_a_cpu_follows_its_bfloat16_instructions(cpu_with, fla
 
 
 @pytest.mark.parametrize("capabilities, expected", [
-    ([(8, 0), (8, 0)], "mixed_float16: the GPUs have float16 tensor cores (compute capability 8.0)"),
+    ([(8, 0), (8, 0)],
+     "mixed_float16: the GPUs have float16 tensor cores (compute capability 8.0)"),
     ([(8, 0), (6, 1)], "float32: a GPU of compute capability 6.1 has no float16 tensor cores"),
 ])
 def test_auto_precision_on_gpus_follows_the_oldest(monkeypatch, capabilities, expected):

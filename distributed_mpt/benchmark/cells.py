@@ -111,7 +111,8 @@ def run_cell(cell) -> dict:
         raise ValueError("a multi_worker cell needs its steps fixed")
     command = [sys.executable, "-m", "distributed_mpt.benchmark.cells", type(cell).__name__,
                json.dumps(dataclasses.asdict(cell))]
-    tf_configs = launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker else [None]
+    tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
+                  else [None])
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),

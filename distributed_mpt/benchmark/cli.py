@@ -30,7 +30,8 @@ def _flag_values() -> flags.FlagValues:
         "output", lambda path: path is None or not os.path.isdir(path),
         "is a directory; name a file to write", flag_values=fv)
     flags.register_validator(
-        "output", lambda path: path is None or os.path.isdir(os.path.dirname(os.path.abspath(path))),
+        "output",
+        lambda path: path is None or os.path.isdir(os.path.dirname(os.path.abspath(path))),
         "is in a directory that does not exist; create it first", flag_values=fv)
     flags.DEFINE_list("sections", list(d.sections), f"Of {', '.join(SECTIONS)}.", flag_values=fv)
     flags.DEFINE_list("models", list(d.models), f"Of {', '.join(config_lib.MODELS)}.",

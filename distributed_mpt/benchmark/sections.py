@@ -132,8 +132,8 @@ class Benchmark:
 
     def roof(self) -> list:
         """Every kernel in the compute dtype of each precision."""
-        return [{"precision": dtype, **row} for dtype in dict.fromkeys(map(_compute_dtype, self.precisions))
-                for row in self.roof_rows(dtype)]
+        dtypes = dict.fromkeys(map(_compute_dtype, self.precisions))
+        return [{"precision": dtype, **row} for dtype in dtypes for row in self.roof_rows(dtype)]
 
     def training(self) -> list:
         """The training section's rows: every cell of the grid."""
