@@ -16,8 +16,8 @@ _MIN_FLOAT16_CAPABILITY = (7, 0)
 
 # CPU instructions that compute in bfloat16 natively (Linux /proc/cpuinfo
 # names). With them, oneDNN runs mixed_bfloat16 1.2-1.3x faster than float32
-# at the same accuracy (measured on an AMD EPYC with AVX512_BF16: README,
-# "Results"); without them bfloat16 is emulated and slower.
+# at the same accuracy (measured on an AMD EPYC with AVX512_BF16:
+# docs/performance.md); without them bfloat16 is emulated and slower.
 _BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -29,26 +29,45 @@ def resolve_precision(requested: str) -> str:
     Other CPUs: float32, because there float16 and bfloat16 are emulated and
     slower.
     """
+    return _choose_precision(requested)[0]
+
+
+def describe_precision_choice(requested: str) -> str:
+    """The policy `requested` resolves to and what decided it, for a run's
+    start line: "mixed_bfloat16: this CPU has AVX512_BF16", "float32: this
+    CPU has no bfloat16 instructions", "float32: as requested"."""
+    return "{}: {}".format(*_choose_precision(requested))
+
+
+def _choose_precision(requested: str):
+    """(policy, the reason for it): the one place `auto` is decided."""
     if requested != "auto":
-        return requested
+        return requested, "as requested"
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
-        capabilities = [tf.config.experimental.get_device_details(g).get("compute_capability",
-                                                                        (0, 0)) for g in gpus]
-        return "mixed_float16" if min(capabilities) >= _MIN_FLOAT16_CAPABILITY else "float32"
-    return "mixed_bfloat16" if cpu_has_bfloat16() else "float32"
+        capability = min(tf.config.experimental.get_device_details(g).get(
+            "compute_capability", (0, 0)) for g in gpus)
+        version = ".".join(map(str, capability))
+        if capability >= _MIN_FLOAT16_CAPABILITY:
+            return ("mixed_float16",
+                    f"the GPUs have float16 tensor cores (compute capability {version})")
+        return "float32", f"a GPU of compute capability {version} has no float16 tensor cores"
+    instructions = cpu_bfloat16_instructions()
+    if instructions:
+        return "mixed_bfloat16", f"this CPU has {' and '.join(i.upper() for i in instructions)}"
+    return "float32", "this CPU has no bfloat16 instructions"
 
 
-def cpu_has_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True if this machine's CPU has bfloat16 instructions (Linux only; False
-    where `cpuinfo` cannot tell)."""
+def cpu_bfloat16_instructions(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+    """The bfloat16 instruction sets of this machine's CPU, by their
+    /proc/cpuinfo names (Linux only; none where `cpuinfo` cannot tell)."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f
                           if line.startswith("flags")), [])
     except OSError:
-        return False
-    return any(flag in flags for flag in _BFLOAT16_CPU_FLAGS)
+        return ()
+    return tuple(flag for flag in _BFLOAT16_CPU_FLAGS if flag in flags)
 
 
 def set_precision(policy_name: str) -> None:

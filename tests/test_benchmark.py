@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_module
 from distributed_mpt import config
-from distributed_mpt.benchmark import cells, cli, sections
+from distributed_mpt.benchmark import cells, cli, roof, sections
 from distributed_mpt.benchmark.sections import SECTIONS
 
 
@@ -71,20 +71,73 @@ def test_a_cell_that_fails_in_its_process_raises_its_last_error_line():
         cells.run_cell(too_large)
 
 
-def test_bad_flags_are_one_error_line_and_exit_2(tmp_path, capsys):
+@pytest.fixture
+def nothing_measured(monkeypatch):
+    """Fails the test if anything is measured."""
+
+    def run_cell(cell):
+        raise AssertionError(f"{cell.describe()} was measured")
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+
+
+def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, capsys,
+                                                                   nothing_measured):
     output = tmp_path / "bench.json"
-    for flag, message in (
-            ("--models=vgg", f"--models: vgg not one of {', '.join(config.MODELS)}"),
-            ("--repeats=x", "flag --repeats=x: invalid literal for int() with base 10: 'x'")):
-        assert cli.main([flag, f"--output={output}"]) == 2
+    for flags, message in (
+            (["--models=vgg", f"--output={output}"],
+             f"--models: vgg given; choose from {', '.join(config.MODELS)}"),
+            (["--sections=", f"--output={output}"],
+             f"--sections: nothing given; choose from {', '.join(SECTIONS)}"),
+            (["--repeats=x", f"--output={output}"],
+             "flag --repeats=x: invalid literal for int() with base 10: 'x'"),
+            ([f"--output={tmp_path}"],
+             f"flag --output={tmp_path}: is a directory; name a file to write"),
+            ([f"--output={tmp_path}/missing/bench.json"],
+             f"flag --output={tmp_path}/missing/bench.json: is in a directory that does not "
+             f"exist; create it first")):
+        assert cli.main(flags) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
-    assert not output.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_help_describes_every_section_and_has_no_hidden_flag(capsys):
+def test_help_describes_every_section_and_flag_and_measures_nothing(capsys, nothing_measured):
     assert cli.main(["--help"]) == 0
     text = capsys.readouterr().out
     for name, section in SECTIONS.items():
         assert f"  {name}: {section.about.split()[0]}" in text
-    assert not [name for name in cli._flag_values() if name.startswith("_")]
-    assert "minutes on 2 CPU cores" in text
+    flag_names = list(cli._flag_values())
+    assert not [name for name in flag_names if name.startswith("_")]
+    assert all(f"--{name}" in text for name in flag_names)
+
+
+def test_each_cell_is_set_against_the_roof_of_its_compute_dtype(tmp_path, monkeypatch):
+    def run_cell(cell):
+        if isinstance(cell, roof.Roof):  # the bfloat16 roof is twice the float32 one
+            peak = {"float32": 4e11, "bfloat16": 8e11}[cell.dtype]
+            return {"rows": [{"kernel": "matmul", "flops_per_second": peak / 2},
+                             {"kernel": "conv", "flops_per_second": peak}]}
+        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+                "peak_memory_bytes": 2**20, "training_flops_per_example": 1e9}
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+    output = tmp_path / "bench.json"
+    assert cli.main(["--tiny", "--precisions=float32,mixed_bfloat16", "--sections=roof,compute",
+                     f"--output={output}"]) == 0
+    report = json.loads(output.read_text())["sections"]
+    assert [(r["precision"], r["kernel"]) for r in report["roof"]["rows"]] == [
+        ("float32", "matmul"), ("float32", "conv"), ("bfloat16", "matmul"), ("bfloat16", "conv")]
+    assert [(r["precision"], r["flops_per_second"], r["fraction_of_roof"])
+            for r in report["compute"]["rows"]] == [("float32", 1e11, 0.25),
+                                                     ("mixed_bfloat16", 1e11, 0.125)]
+
+
+def test_flops_are_counted_from_the_convolutions_and_dense_layers():
+    import keras
+
+    images = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same")(images)  # 8*8*4 outputs x 3*3*2 weights
+    x = keras.layers.MaxPooling2D()(x)  # not counted: no multiply-adds
+    x = keras.layers.Conv2D(6, 1, groups=2)(x)  # 4*4*6 outputs x 1*1*(4/2) weights
+    x = keras.layers.Dense(3)(keras.layers.Flatten()(x))  # 3 outputs x 96 weights
+    assert roof.forward_flops(keras.Model(images, x)) == 2 * (4608 + 192 + 288)

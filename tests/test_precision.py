@@ -1,33 +1,56 @@
 """`auto` precision follows the devices: GPUs by compute capability, CPUs by
-their bfloat16 instructions."""
+their bfloat16 instructions; and a run can say which decided it."""
 
 import pytest
-import tensorflow as tf
 
 from distributed_mpt import precision
 
 
-def test_auto_precision_on_this_machine():
-    if tf.config.list_physical_devices("GPU"):
-        expected = "mixed_float16"
-    else:
-        flags = open("/proc/cpuinfo").read()
-        expected = "mixed_bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-    assert precision.resolve_precision("auto") == expected
-    assert precision.resolve_precision("mixed_bfloat16") == "mixed_bfloat16"
+@pytest.fixture
+def cpu_with(tmp_path, monkeypatch):
+    """Makes this a GPU-less machine whose CPU has the given cpuinfo flags."""
+
+    read_cpuinfo = precision.cpu_bfloat16_instructions
+
+    def make(flags):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: [])
+        monkeypatch.setattr(precision, "cpu_bfloat16_instructions",
+                            lambda: read_cpuinfo(str(cpuinfo)))
+    return make
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ("fpu avx512f avx512_bf16 fma", "mixed_bfloat16"),
-    ("fpu amx_bf16 amx_tile", "mixed_bfloat16"),
-    ("fpu avx512f avx2 fma", "float32"),
+    ("fpu avx512f avx512_bf16 fma", "mixed_bfloat16: this CPU has AVX512_BF16"),
+    ("fpu amx_bf16 amx_tile avx512_bf16", "mixed_bfloat16: this CPU has AVX512_BF16 and AMX_BF16"),
+    ("fpu avx512f avx2 fma", "float32: this CPU has no bfloat16 instructions"),
 ])
-def test_auto_precision_on_a_cpu_follows_its_bfloat16_instructions(tmp_path, monkeypatch,
-                                                                   flags, expected):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n")
-    assert precision.cpu_has_bfloat16(str(cpuinfo)) == (expected == "mixed_bfloat16")
-    assert not precision.cpu_has_bfloat16(str(tmp_path / "missing")), "unknown: no bfloat16"
-    monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: [])
-    monkeypatch.setattr(precision, "cpu_has_bfloat16", lambda: expected == "mixed_bfloat16")
-    assert precision.resolve_precision("auto") == expected
+def test_auto_precision_on_a_cpu_follows_its_bfloat16_instructions(cpu_with, flags, expected):
+    cpu_with(flags)
+    assert precision.describe_precision_choice("auto") == expected
+    assert precision.resolve_precision("auto") == expected.split(":")[0]
+
+
+@pytest.mark.parametrize("capabilities, expected", [
+    ([(8, 0), (8, 0)],
+     "mixed_float16: the GPUs have float16 tensor cores (compute capability 8.0)"),
+    ([(8, 0), (6, 1)], "float32: a GPU of compute capability 6.1 has no float16 tensor cores"),
+])
+def test_auto_precision_on_gpus_follows_the_oldest(monkeypatch, capabilities, expected):
+    gpus = [f"GPU:{i}" for i in range(len(capabilities))]
+    monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: gpus)
+    monkeypatch.setattr(precision.tf.config.experimental, "get_device_details",
+                        lambda gpu: {"compute_capability": capabilities[gpus.index(gpu)]})
+    assert precision.describe_precision_choice("auto") == expected
+    assert precision.resolve_precision("auto") == expected.split(":")[0]
+
+
+def test_an_explicit_precision_is_kept_whatever_the_devices(cpu_with):
+    cpu_with("fpu avx2")
+    assert precision.resolve_precision("mixed_bfloat16") == "mixed_bfloat16"
+    assert precision.describe_precision_choice("mixed_float16") == "mixed_float16: as requested"
+
+
+def test_cpuinfo_that_cannot_be_read_means_no_bfloat16(tmp_path):
+    assert precision.cpu_bfloat16_instructions(str(tmp_path / "missing")) == ()

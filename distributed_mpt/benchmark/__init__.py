@@ -1,12 +1,14 @@
 """What to expect from training on this machine, measured with the package's
 own training loop and input pipeline on CIFAR-shaped synthetic data (no
-network): examples/s per model x precision x batch x strategy, peak memory,
-the speedup mixed precision gives, whether the input pipeline keeps up, and
-how training scales over replicas and workers.
+network): the machine's compute roof per precision, examples/s per model x
+precision x batch x strategy, peak memory, the speedup mixed precision gives,
+the fraction of the roof training reaches, whether the input pipeline keeps
+up, and how training scales over replicas and workers.
 
 Each measurement trains in a fresh process, so that its peak memory is its
 own: a warm-up call of the loop, then --repeats timed calls of about 2 s, of
-which the fastest is reported (the least disturbed by other processes, as
+which the fastest is reported; the roof of each precision is timed the same
+way, in a process of its own (the least disturbed by other processes, as
 timeit reports). A section that fails is reported as FAILED with its reason,
 the others still run, and the exit status is 1.
 
@@ -14,6 +16,9 @@ the others still run, and the exit status is 1.
       distributed-mpt-benchmark --output=bench.json
   One model and batch:
       distributed-mpt-benchmark --models=resnet9 --batch_sizes=128
+  How close the CPU recipe's training comes to the roof:
+      distributed-mpt-benchmark --models=airbench --batch_sizes=512 \
+          --precisions=mixed --sections=roof,compute
   A smoke run, for tests:
       distributed-mpt-benchmark --tiny --output=/tmp/bench.json
 """

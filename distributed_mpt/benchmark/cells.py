@@ -2,8 +2,9 @@
 global batch x strategy) trained by the package's `Trainer` in a fresh
 process, so that its peak memory is its own and a strategy can set up devices
 before TensorFlow starts. `run_cell` starts `python -m
-distributed_mpt.benchmark.cells CELL_JSON` (one per worker for multi_worker),
-which prints the cell's figures as one JSON line."""
+distributed_mpt.benchmark.cells KIND CELL_JSON` (one per worker for
+multi_worker), which prints the cell's figures as one JSON line. A `roof.Roof`
+measurement runs the same way."""
 
 import contextlib
 import dataclasses
@@ -16,6 +17,7 @@ import tempfile
 import time
 
 from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
+from distributed_mpt.benchmark import roof
 
 # Steps of the first loop call, which traces the loop: never timed.
 WARMUP_STEPS = 2
@@ -50,7 +52,8 @@ def measure(cell: Cell) -> dict:
     """Trains `cell` in this process with `trainer.Trainer` on its own input
     pipeline: a warm-up call, then `repeats` timed calls of the loop. Returns
     the best examples/s, every call's rate, the steps per call, the number
-    of replicas, and the peak memory (of GPU:0 on GPUs, else of this process)."""
+    of replicas, the peak memory (of GPU:0 on GPUs, else of this process),
+    and the FLOPs one example's training step takes."""
     import tensorflow as tf
 
     from distributed_mpt import cluster, config, data, distribution, precision, trainer
@@ -90,17 +93,26 @@ def measure(cell: Cell) -> dict:
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # kB on Linux
     return {"examples_per_second": max(rates), "runs": rates, "steps": steps,
-            "replicas": replicas, "peak_memory_bytes": peak}
+            "replicas": replicas, "peak_memory_bytes": peak,
+            "training_flops_per_example": roof.TRAINING_FLOPS_PER_FORWARD_FLOP
+            * roof.forward_flops(loop.model)}
 
 
-def run_cell(cell: Cell) -> dict:
-    """Measures `cell` in fresh processes and returns the (chief's) figures;
-    raises RuntimeError naming the cell and the failure's last line."""
-    if cell.strategy == "multi_worker" and not cell.steps:
+# What the cell process measures, by the name of what it is given.
+_MEASURES = {Cell.__name__: (Cell, measure), roof.Roof.__name__: (roof.Roof, roof.measure)}
+
+
+def run_cell(cell) -> dict:
+    """Measures `cell` (a Cell or a roof.Roof) in fresh processes and returns
+    the (chief's) figures; raises RuntimeError naming the cell and the
+    failure's last line."""
+    multi_worker = getattr(cell, "strategy", None) == "multi_worker"
+    if multi_worker and not cell.steps:
         raise ValueError("a multi_worker cell needs its steps fixed")
-    command = [sys.executable, "-m", "distributed_mpt.benchmark.cells",
+    command = [sys.executable, "-m", "distributed_mpt.benchmark.cells", type(cell).__name__,
                json.dumps(dataclasses.asdict(cell))]
-    tf_configs = launch.worker_tf_configs(launch.free_ports(cell.replicas)) if cell.strategy == "multi_worker" else [None]
+    tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
+                  else [None])
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
@@ -136,9 +148,11 @@ def _environment(tf_config) -> dict:
 
 
 def main() -> None:
-    """The cell process: measures the cell given as JSON, prints its figures."""
+    """The cell process: measures the cell given as its kind and JSON, prints
+    its figures."""
+    kind, measure_cell = _MEASURES[sys.argv[1]]
     try:
-        figures = measure(Cell(**json.loads(sys.argv[1])))
+        figures = measure_cell(kind(**json.loads(sys.argv[2])))
     except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report
         print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)

@@ -11,18 +11,28 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
-from distributed_mpt.errors import ConfigError, UserError
+from distributed_mpt.errors import EXIT_ABORTED, ConfigError, UserError
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 _TINY = dict(models=("mlp",), batch_sizes=(32,), model_width=8, repeats=1, seconds=0.05,
-             examples=1024)
+             examples=1024, roof_batch_size=8)
 _PRECISIONS = ("float32", "mixed", "mixed_float16", "mixed_bfloat16")
+# The exit status when a section failed: the report is complete but for it.
+EXIT_SECTION_FAILED = 1
 
 
 def _flag_values() -> flags.FlagValues:
     fv, d = flags.FlagValues(), Options()
-    flags.DEFINE_string("output", None, "Also write every figure as JSON to this file.",
-                        flag_values=fv)
+    flags.DEFINE_string("output", None, "Also write every figure as JSON to this file (in an "
+                        "existing directory).", flag_values=fv)
+    # Checked before any measuring, not found after it.
+    flags.register_validator(
+        "output", lambda path: path is None or not os.path.isdir(path),
+        "is a directory; name a file to write", flag_values=fv)
+    flags.register_validator(
+        "output",
+        lambda path: path is None or os.path.isdir(os.path.dirname(os.path.abspath(path))),
+        "is in a directory that does not exist; create it first", flag_values=fv)
     flags.DEFINE_list("sections", list(d.sections), f"Of {', '.join(SECTIONS)}.", flag_values=fv)
     flags.DEFINE_list("models", list(d.models), f"Of {', '.join(config_lib.MODELS)}.",
                       flag_values=fv)
@@ -49,7 +59,8 @@ def parse_options(argv) -> Options:
         rest = fv(["distributed-mpt-benchmark", *argv])
     except flags.Error as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    _require(len(rest) == 1, f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
+    if len(rest) > 1:
+        raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
     try:
         batch_sizes = tuple(int(b) for b in fv.batch_sizes)
     except ValueError:
@@ -63,17 +74,14 @@ def parse_options(argv) -> Options:
     for name, choices in (("sections", SECTIONS), ("models", config_lib.MODELS),
                           ("precisions", _PRECISIONS)):
         values = getattr(options, name)
-        _require(bool(values), f"--{name} is empty; choose from {', '.join(choices)}")
         bad = [v for v in values if v not in choices]
-        _require(not bad, f"--{name}: {', '.join(bad)} not one of {', '.join(choices)}")
-    _require(bool(batch_sizes) and all(0 < b <= options.examples for b in batch_sizes),
-             f"--batch_sizes={','.join(fv.batch_sizes)} must be in 1..{options.examples}")
+        if not values or bad:
+            raise ConfigError(f"--{name}: {', '.join(bad) or 'nothing'} given; choose from "
+                              f"{', '.join(choices)}")
+    if not (batch_sizes and all(0 < b <= options.examples for b in batch_sizes)):
+        raise ConfigError(f"--batch_sizes={','.join(fv.batch_sizes)} must be in "
+                          f"1..{options.examples}")
     return options
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 def help_text() -> str:
@@ -93,7 +101,7 @@ def main(argv=None) -> int:
         return 0
     try:
         options = parse_options(argv)
-        if options.output:  # now, not after minutes of measuring
+        if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
             outputs.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
         results = run_benchmark(options)
     except UserError as e:
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted: nothing written", file=sys.stderr)
-        return 130
+        return EXIT_ABORTED
     print(format_report(results), flush=True)
     if options.output:
         outputs.write_json(options.output, results)
@@ -109,7 +117,7 @@ def main(argv=None) -> int:
     for name in failed_sections(results):
         print(f"error: section {name} FAILED: {results['sections'][name]['failed']}",
               file=sys.stderr)
-    return 1 if failed_sections(results) else 0
+    return EXIT_SECTION_FAILED if failed_sections(results) else 0
 
 
 def run() -> None:

@@ -3,8 +3,9 @@ the one place that names them; the report and the tests read it), how each
 is measured, and the report.
 
 Every training figure comes from cells (`cells.py`), measured once each and
-shared: the mixed-precision speedup, the input pipeline's headroom and the
-scaling efficiency are ratios of cells the training section also reports.
+shared: the mixed-precision speedup, the input pipeline's headroom, the
+fraction of the compute roof and the scaling efficiency are ratios of cells
+the training section also reports.
 """
 
 import dataclasses
@@ -16,12 +17,13 @@ import time
 from typing import Dict, Optional, Tuple
 
 from distributed_mpt.benchmark.cells import Cell, run_cell
+from distributed_mpt.benchmark.roof import Roof
 
 
 @dataclasses.dataclass(frozen=True)
 class Section:
     """A section: what it tells a user, the columns that name a row, and its
-    figures with their units (ex/s, img/s, B for bytes, x for a ratio)."""
+    figures with their units (ex/s, img/s, FLOP/s, B for bytes, x for a ratio)."""
 
     about: str
     keys: Tuple[str, ...]
@@ -29,6 +31,11 @@ class Section:
 
 
 SECTIONS = {
+    "roof": Section(
+        "the compute roof: FLOP/s of a large matmul and of 3x3 convolutions at a CIFAR "
+        "network's sizes, timed alone, in each compute dtype of --precisions; the best of a "
+        "dtype is its roof",
+        ("precision", "kernel"), {"flops_per_second": "FLOP/s"}),
     "training": Section(
         "examples/s of the training loop (the package's Trainer, one replica) and the peak "
         "memory of its process (of GPU:0 on GPUs), per model x precision x global batch",
@@ -38,6 +45,12 @@ SECTIONS = {
         "examples/s under mixed precision over float32, same model and batch: mixed_float16 "
         "on GPUs, mixed_bfloat16 on CPUs (emulated, so below 1, without AVX512_BF16 or AMX)",
         ("model", "precision", "batch_size"), {"speedup_over_float32": "x"}),
+    "compute": Section(
+        "FLOP/s the training step reaches (the model's convolution and dense FLOPs, forward "
+        "+ backward = 3x forward, times its examples/s), and its fraction of the roof of its "
+        "compute dtype",
+        ("model", "precision", "batch_size"),
+        {"flops_per_second": "FLOP/s", "fraction_of_roof": "x"}),
     "input_pipeline": Section(
         "images/s the input pipeline delivers alone, and how many times what the training "
         "step consumes (headroom); below 1 the input is the bottleneck",
@@ -64,6 +77,7 @@ class Options:
     repeats: int = 3
     seconds: float = Cell.seconds  # per timed loop call
     examples: int = Cell.examples
+    roof_batch_size: int = Roof.batch_size
 
 
 class Benchmark:
@@ -84,12 +98,24 @@ class Benchmark:
         """The figures of one cell; a failure is kept and raised again to
         every section that needs the cell."""
         o = self.options
-        cell = Cell(model, precision, batch_size, model_width=o.model_width, examples=o.examples,
-                    repeats=o.repeats, seconds=o.seconds, **parallel)
+        return self._measured(Cell(model, precision, batch_size, model_width=o.model_width,
+                                   examples=o.examples, repeats=o.repeats, seconds=o.seconds,
+                                   **parallel))
+
+    def roof_rows(self, dtype: str) -> list:
+        """The roof's kernels in compute dtype `dtype`, measured once."""
+        o = self.options
+        # Half a training call's window: a lone kernel settles at once.
+        return self._measured(Roof(dtype, o.roof_batch_size, o.repeats, o.seconds / 2))["rows"]
+
+    def _measured(self, cell) -> dict:
         if cell not in self._cells:
             try:
                 self._cells[cell] = run_cell(cell)
-                _progress(f"{cell.describe()}: {self._cells[cell]['examples_per_second']:,.1f} ex/s")
+                figures = self._cells[cell]
+                _progress(f"{cell.describe()}: " + (
+                    f"{figures['examples_per_second']:,.1f} ex/s" if "rows" not in figures else
+                    f"{max(r['flops_per_second'] for r in figures['rows']) / 1e9:,.1f} GFLOP/s"))
             except Exception as e:  # noqa: BLE001 — reported by the sections that need it
                 self._cells[cell] = e
         if isinstance(self._cells[cell], Exception):
@@ -104,6 +130,11 @@ class Benchmark:
                 self.options.models, self.options.batch_sizes, self.precisions):
             yield model, policy, batch
 
+    def roof(self) -> list:
+        """Every kernel in the compute dtype of each precision."""
+        dtypes = dict.fromkeys(map(_compute_dtype, self.precisions))
+        return [{"precision": dtype, **row} for dtype in dtypes for row in self.roof_rows(dtype)]
+
     def training(self) -> list:
         """The training section's rows: every cell of the grid."""
         return [{"model": m, "precision": p, "batch_size": b, "strategy": "default",
@@ -117,6 +148,17 @@ class Benchmark:
             mixed = self.cell(model, self.mixed_policy, batch)["examples_per_second"]
             rows.append({"model": model, "precision": self.mixed_policy, "batch_size": batch,
                          "speedup_over_float32": mixed / float32})
+        return rows
+
+    def compute(self) -> list:
+        """Every cell of the grid against the roof of its compute dtype."""
+        rows = []
+        for model, policy, batch in self.grid():
+            figures = self.cell(model, policy, batch)
+            flops = figures["examples_per_second"] * figures["training_flops_per_example"]
+            roof = max(r["flops_per_second"] for r in self.roof_rows(_compute_dtype(policy)))
+            rows.append({"model": model, "precision": policy, "batch_size": batch,
+                         "flops_per_second": flops, "fraction_of_roof": flops / roof})
         return rows
 
     def input_pipeline(self) -> list:
@@ -143,6 +185,12 @@ class Benchmark:
                              "examples_per_second": many["examples_per_second"],
                              "efficiency": many["examples_per_second"] / one["examples_per_second"]})
         return rows
+
+
+def _compute_dtype(policy: str) -> str:
+    import keras
+
+    return keras.DTypePolicy(policy).compute_dtype
 
 
 def pipeline_images_per_second(batch_size: int, options: Options) -> float:
@@ -201,6 +249,8 @@ def failed_sections(results: dict) -> list:
 def _format(value: float, unit: str) -> str:
     if unit == "B":
         return f"{value / 2**20:,.0f} MiB"
+    if unit == "FLOP/s":
+        return f"{value / 1e9:,.1f} G"
     return f"{value:.2f}x" if unit == "x" else f"{value:,.1f}"
 
 
