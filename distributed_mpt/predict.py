@@ -21,11 +21,13 @@ holds: use only exports you trust, as you would a script.
 
 import contextlib
 import dataclasses
+import gc
 import json
+import logging
 import os
 import stat
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 from absl import flags
@@ -91,17 +93,16 @@ def _load_export(export_dir: str) -> Classifier:
     import tensorflow as tf
 
     saved_model = os.path.join(export_dir, "saved_model")
-    with _quiet_tensorflow():
-        try:
-            loaded = tf.saved_model.load(saved_model)
-            serve = loaded.signatures["serving_default"]
-            # Exports made before the names were shipped hold none.
-            names = ([n.decode() for n in loaded.class_names[0].numpy()]
-                     if hasattr(loaded, "class_names") else list(CLASS_NAMES))
-        # A damaged SavedModel raises OSError, ValueError, KeyError, OpError...
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"{saved_model} cannot be loaded ({_first_line(e)}): export the "
-                              f"model again") from None
+    try:
+        loaded = tf.saved_model.load(saved_model)
+        serve = loaded.signatures["serving_default"]
+        # Exports made before the names were shipped hold none.
+        names = ([n.decode() for n in loaded.class_names[0].numpy()]
+                 if hasattr(loaded, "class_names") else list(CLASS_NAMES))
+    # A damaged SavedModel raises OSError, ValueError, KeyError, OpError...
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{saved_model} cannot be loaded ({_first_line(e)}): export the "
+                          f"model again") from None
     _, inputs = serve.structured_input_signature
     images, outputs = inputs.get("images"), serve.structured_outputs
     if not (images is not None and images.dtype == tf.uint8 and images.shape.rank == 4
@@ -147,16 +148,12 @@ def _load_checkpoint(model_dir: str) -> Classifier:
     except (MemoryError, tf.errors.ResourceExhaustedError):
         raise ConfigError(f"{config_path} names a model too large for this machine's memory "
                           f"({config.model}, width {config.model_width})") from None
-    with _quiet_tensorflow():
-        try:
-            status = tf.train.Checkpoint(model=model).restore(prefix)
-            status.expect_partial()  # the optimizer's state is not needed...
-            status.assert_existing_objects_matched()  # ...but every weight of the model is
-        except (AssertionError, ValueError, tf.errors.OpError) as e:
-            raise CheckpointMismatchError(
-                f"{prefix} does not hold the weights of the {config.model} of width "
-                f"{config.model_width} that {config_path} names ({_first_line(e)}): predict "
-                f"from the run's export, or restore its config.json") from None
+    mismatch = _restore_weights(model, prefix)
+    if mismatch:
+        raise CheckpointMismatchError(
+            f"{prefix} does not hold the weights of the {config.model} of width "
+            f"{config.model_width} that {config_path} names ({mismatch}): predict from the "
+            f"run's export, or restore its config.json")
     # The test results are this checkpoint's only if the run ended with it.
     summary = read_json(os.path.join(model_dir, "summary.json"))
     results = summary if summary.get("steps") == step else {}
@@ -168,6 +165,20 @@ def _load_checkpoint(model_dir: str) -> Classifier:
                        info))
 
 
+def _restore_weights(model, prefix: str) -> Optional[str]:
+    """Restores every weight of `model` from the checkpoint at `prefix`;
+    returns why it cannot, or None."""
+    import tensorflow as tf
+
+    try:
+        status = tf.train.Checkpoint(model=model).restore(prefix)
+        status.expect_partial()  # the optimizer's state is not needed...
+        status.assert_existing_objects_matched()  # ...but every weight of the model is
+    except (AssertionError, ValueError, tf.errors.OpError) as e:
+        return _first_line(e)
+    return None
+
+
 def _checked_config(values: dict, source: str = "") -> TrainConfig:
     """`values` (TrainConfig's fields, any subset) checked as training checks
     its flags, with the same bounds; ConfigError naming the file `source` (if
@@ -176,7 +187,9 @@ def _checked_config(values: dict, source: str = "") -> TrainConfig:
     try:
         if source and not values:
             raise ConfigError("no settings in it")
-        return TrainConfig(**{k: v for k, v in values.items() if k in known}, model_dir=".")
+        # The run's own directory may be elsewhere now: it is not used.
+        return TrainConfig(**{**{k: v for k, v in values.items() if k in known},
+                              "model_dir": "."})
     except (ConfigError, TypeError, ValueError) as e:
         if not source:
             raise
@@ -199,16 +212,16 @@ def describe(classifier: Classifier) -> str:
 
 @contextlib.contextmanager
 def _quiet_tensorflow():
-    """Keeps TensorFlow's Python warnings (a page per mismatched checkpoint)
-    off the console: the error line says what went wrong."""
-    import tensorflow as tf
-
-    logger = tf.get_logger()
+    """Keeps TensorFlow's Python warnings off the console: a checkpoint
+    that does not fit gives a page of them, some only when the objects of
+    the failed restore are collected. The error line says what is wrong."""
+    logger = logging.getLogger("tensorflow")  # tf.get_logger(), without importing TensorFlow
     level = logger.level
-    logger.setLevel("ERROR")
+    logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        gc.collect()  # what a failed restore left, collected while quiet
         logger.setLevel(level)
 
 
@@ -258,7 +271,7 @@ def evaluate(probabilities, images: np.ndarray, labels: np.ndarray) -> dict:
 def main(argv=None) -> int:
     """Evaluates and/or classifies as the flags say; returns the exit code."""
     # As in training: TensorFlow's C++ start-up lines would bury the answer.
-    with log_filter.filtering():
+    with log_filter.filtering(), _quiet_tensorflow():
         return _main(sys.argv[1:] if argv is None else argv)
 
 
