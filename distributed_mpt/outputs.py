@@ -98,6 +98,9 @@ CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
 # that whoever uses it (distributed-mpt-predict first) can say what its
 # answers are worth. Keys as in config.json and summary.json.
 MODEL_INFO_NAME = "model_info.json"
+# The settings it records, TrainConfig's fields (synthetic_examples only for
+# --dataset=synthetic, where it and the seed regenerate the test split).
+MODEL_INFO_CONFIG_KEYS = ("model", "model_width", "dataset", "seed", "synthetic_examples")
 _MODEL_INFO_SUMMARY_KEYS = (
     "precision", "steps", "epochs", "global_batch_size", "eval_loss", "eval_accuracy",
     "eval_accuracy_without_tta", "eval_examples", "eval_tta", "tensorflow_version",
@@ -108,9 +111,8 @@ def model_info(config: dict, summary: dict) -> dict:
     """model_info.json's content: the model and its data from a run's
     `config` (TrainConfig's fields, as in config.json), the training and
     its test results from `summary` (summary.json's keys, those known)."""
-    info = {key: config[key] for key in ("model", "model_width", "dataset", "seed")}
-    if config["dataset"] == "synthetic":  # what regenerates its test split
-        info["synthetic_examples"] = config["synthetic_examples"]
+    info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS
+            if key != "synthetic_examples" or config["dataset"] == "synthetic"}
     info.update((key, summary[key]) for key in _MODEL_INFO_SUMMARY_KEYS if key in summary)
     return info
 

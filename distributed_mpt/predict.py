@@ -35,7 +35,8 @@ from absl import flags
 from distributed_mpt import log_filter
 from distributed_mpt.config import DATASETS, TrainConfig
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, UserError
-from distributed_mpt.outputs import CLASS_NAMES, MODEL_INFO_NAME, model_info, read_json
+from distributed_mpt.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
+                                     model_info, read_json)
 
 # Images per call when evaluating: bounds memory, not accuracy.
 EVAL_BATCH_SIZE = 500
@@ -121,7 +122,7 @@ def _load_export(export_dir: str) -> Classifier:
     info_path = os.path.join(export_dir, MODEL_INFO_NAME)
     info = read_json(info_path)
     if info:
-        _checked_config(info, info_path)
+        _checked_config({k: info[k] for k in MODEL_INFO_CONFIG_KEYS if k in info}, info_path)
     return Classifier(lambda x: serve(images=tf.constant(x))["probabilities"].numpy(),
                       names, saved_model, info)
 
