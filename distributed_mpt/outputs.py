@@ -94,15 +94,62 @@ CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
                "dog", "frog", "horse", "ship", "truck")
 
 
-def export_model(model, model_dir: str, class_names=CLASS_NAMES) -> str:
+# Beside the model in export/: what it is and what it was trained on, so
+# that whoever uses it (distributed-mpt-predict first) can say what its
+# answers are worth. Keys as in config.json and summary.json.
+MODEL_INFO_NAME = "model_info.json"
+# The settings it records, TrainConfig's fields (synthetic_examples only for
+# --dataset=synthetic, where it and the seed regenerate the test split).
+MODEL_INFO_CONFIG_KEYS = ("model", "model_width", "dataset", "seed", "synthetic_examples")
+_MODEL_INFO_SUMMARY_KEYS = (
+    "precision", "steps", "epochs", "global_batch_size", "eval_loss", "eval_accuracy",
+    "eval_accuracy_without_tta", "eval_examples", "eval_tta", "tensorflow_version",
+    "keras_version")
+
+
+def model_info(config: dict, summary: dict) -> dict:
+    """model_info.json's content: the model and its data from a run's
+    `config` (TrainConfig's fields, as in config.json), the training and
+    its test results from `summary` (summary.json's keys, those known)."""
+    info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS
+            if key != "synthetic_examples" or config["dataset"] == "synthetic"}
+    info.update((key, summary[key]) for key in _MODEL_INFO_SUMMARY_KEYS if key in summary)
+    return info
+
+
+def check_export_destination(model_dir: str) -> None:
+    """Raises ConfigError if `<model_dir>/export` exists and is not an
+    export this package wrote: a new export replaces the old one whole, so
+    a user's file or directory of that name would be lost. Call before
+    training, so that the refusal comes before hours of work."""
+    path = os.path.join(model_dir, "export")
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        kind = "a symbolic link" if os.path.islink(path) else "a file"
+        raise ConfigError(f"{path} is {kind}, not an export of this program, and a new "
+                          f"export would replace it: move it away, pass --noexport, or choose "
+                          f"another --model_dir")
+    entries = os.listdir(path)
+    if entries and not os.path.isdir(os.path.join(path, "saved_model")):
+        raise ConfigError(f"{path} holds files that are not an export of this program "
+                          f"({', '.join(sorted(entries)[:3])}), and a new export would replace "
+                          f"them: move it away, pass --noexport, or choose another "
+                          f"--model_dir")
+
+
+def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> str:
     """Exports `model` to `<model_dir>/export/`: `saved_model/` for TF Serving,
-    `model.keras` for Keras, and `classes.txt` (line i names class i). The new
-    export replaces the old one only once it is complete.
+    `model.keras` for Keras, `classes.txt` (line i names class i) and, given
+    `info` (see model_info), `model_info.json`. The new export replaces the
+    old one only once it is complete, and never replaces what this package
+    did not write (see check_export_destination).
 
     The SavedModel's serving signature takes `images` (uint8 [N, 32, 32, 3],
     0-255) and returns `probabilities` (float32 [N, classes]); its
     `class_names` attribute holds the class names too.
     """
+    check_export_destination(model_dir)
     final = os.path.join(model_dir, "export")
     staging = os.path.join(model_dir, f".export-{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
@@ -110,6 +157,8 @@ def export_model(model, model_dir: str, class_names=CLASS_NAMES) -> str:
         _export_saved_model(model, os.path.join(staging, "saved_model"), class_names)
         model.save(os.path.join(staging, "model.keras"))
         write_text(os.path.join(staging, "classes.txt"), "".join(f"{c}\n" for c in class_names))
+        if info is not None:
+            write_json(os.path.join(staging, MODEL_INFO_NAME), info)
         if os.path.exists(final):
             retired = f"{staging}-old"
             os.replace(final, retired)

@@ -522,7 +522,10 @@ def _evaluate_and_export(trainer: Trainer, test_split, reporter: Reporter, summa
         # curve ends where the run ends.
         reporter.log(steps, {"epoch": summary["epochs"], **result})
     if export and config.export:
-        reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir)}")
+        # The export says what it learned, so that its users can tell a
+        # smoke test's model from a real one (distributed-mpt-predict does).
+        info = outputs.model_info(dataclasses.asdict(config), summary)
+        reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir, info)}")
 
 
 # A loop call's target length: a stop request or a progress line waits for

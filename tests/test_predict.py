@@ -1,7 +1,11 @@
 """Using a trained model: the export's serving signature, and the real
 `distributed_mpt.predict` entry point run as a user runs it."""
 
+import contextlib
 import json
+import os
+import signal
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +15,9 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from conftest import SMOKE_FLAGS, assert_ok, run_in_process, run_module, subprocess_env, train
-from distributed_mpt import outputs
+from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
+                      run_in_process, run_module, subprocess_env, train)
+from distributed_mpt import outputs, predict as predict_module
 from distributed_mpt.models import build_model
 
 
@@ -99,26 +104,188 @@ def test_evaluate_prints_the_accuracy_on_every_test_image(model_dir):
     assert "accuracy" in result.stdout and "(100 images)" in result.stdout
 
 
-def test_a_run_without_export_is_evaluated_from_its_checkpoint(tmp_path):
-    run = tmp_path / "run"
-    assert_ok(train([*SMOKE_FLAGS, "--train_steps=20", f"--model_dir={run}"]))  # --noexport
-    result = predict(f"--model_dir={run}", "--evaluate", "--dataset=synthetic", "--json",
-                     "--synthetic_examples=1024")
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """What the quick start makes: a model that learned synthetic data,
+    trained and exported through the real entry point."""
+    run = tmp_path_factory.mktemp("synthetic") / "run"
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=20", "--export", f"--model_dir={run}"]))
+    return run
+
+
+def test_a_model_of_synthetic_data_says_so_before_its_answers(synthetic_run, photo):
+    info = json.loads((synthetic_run / "export" / outputs.MODEL_INFO_NAME).read_text())
+    summary = read_summary(synthetic_run)
+    assert info["dataset"] == "synthetic" and info["model"] == "mlp"
+    assert info["steps"] == summary["steps"] == 20
+    assert info["eval_accuracy"] == summary["eval_accuracy"]
+    assert info["precision"] == summary["precision"]
+    result = run_module("distributed_mpt.predict", [f"--model_dir={synthetic_run}", str(photo)])
     assert_ok(result)
-    assert json.loads(result.stdout)["evaluation"]["accuracy"] > 0.5, "synthetic labels are learnable"
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [predict_module.SYNTHETIC_WARNING]
+    assert (f"model: mlp trained 20 steps with --dataset=synthetic, test accuracy "
+            f"{summary['eval_accuracy']:.4f}") in result.stderr
+    assert result.stdout.startswith(f"{photo}: ")
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("not_an_image", "is not a PNG, JPEG"), ("missing_image", "cannot read"),
-    ("missing_export", "holds no export")])
-def test_bad_input_is_one_error_line_and_exit_2(model_dir, photo, tmp_path, problem, message):
-    text_file = tmp_path / "notes.png"
-    text_file.write_text("not pixels")
-    args = {"not_an_image": [f"--model_dir={model_dir}", text_file],
-            "missing_image": [f"--model_dir={model_dir}", tmp_path / "absent.png"],
-            "missing_export": [f"--model_dir={tmp_path}", photo]}[problem]
-    result = predict(*args)
-    assert result.returncode == 2, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last
-    assert "Traceback" not in result.stderr
+def test_a_run_without_export_is_evaluated_from_its_checkpoint_on_its_own_data(
+        synthetic_run, tmp_path):
+    run = tmp_path / "run"  # the run as it was before its export
+    run.mkdir()
+    (run / "checkpoints").symlink_to(synthetic_run / "checkpoints")
+    shutil.copy(synthetic_run / "config.json", run)
+    result = predict(f"--model_dir={run}", "--evaluate", "--json")
+    assert_ok(result)
+    answer = json.loads(result.stdout)
+    # config.json says what it learned: the synthetic split of its own
+    # seed and size (1024 training examples, a fifth as many test images).
+    assert answer["model"]["dataset"] == "synthetic" and answer["model"]["steps"] == 20
+    assert answer["evaluation"]["dataset"] == "synthetic"
+    assert answer["evaluation"]["examples"] == 204
+    assert answer["evaluation"]["accuracy"] > 0.5, "synthetic labels are learnable"
+
+
+# The hostile inputs: each `make(tmp_path, untrained, trained, photo)` builds
+# the bad thing in tmp_path and returns the directory that must be left as it
+# was and predict's arguments; `untrained` and `trained` are the fixtures'
+# run directories.
+
+def _damaged_export(damage):
+    def make(tmp_path, untrained, trained, photo):
+        shutil.copytree(untrained / "export", tmp_path / "run" / "export")
+        damage(tmp_path / "run" / "export" / "saved_model")
+        return tmp_path / "run", [photo]
+    return make
+
+
+def _weightless_export(tmp_path, untrained, trained, photo):
+    """The right signature and no weights: 0.1 for every class, as an
+    untrained model would answer."""
+    class Constant(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.uint8, name="images")])
+        def serve(self, images):
+            return {"probabilities": tf.fill([tf.shape(images)[0], 10], 0.1)}
+
+    module = Constant()
+    tf.saved_model.save(module, str(tmp_path / "run" / "export" / "saved_model"),
+                        signatures={"serving_default": module.serve})
+    return tmp_path / "run", [photo]
+
+
+def _checkpoint_run(config=None, weightless=False):
+    """The trained run before its export, its config.json changed by
+    `config` (a dict to merge, or the whole text), or with a checkpoint
+    that holds no model weights."""
+    def make(tmp_path, untrained, trained, photo):
+        run = tmp_path / "run"
+        if weightless:
+            tf.train.Checkpoint(step=tf.Variable(20)).write(str(run / "checkpoints" / "ckpt-20"))
+        else:
+            run.mkdir()
+            (run / "checkpoints").symlink_to(trained / "checkpoints")
+        recorded = json.loads((trained / "config.json").read_text())
+        text = config if isinstance(config, str) else json.dumps({**recorded, **(config or {})})
+        (run / "config.json").write_text(text)
+        return run, [photo]
+    return make
+
+
+def _bad_image(make_path):
+    def make(tmp_path, untrained, trained, photo):
+        return untrained, [make_path(tmp_path / "image.png")]
+    return make
+
+
+def _text(path):
+    path.write_text("not pixels")
+    return path
+
+
+def _directory(path):
+    path.mkdir()
+    return path
+
+
+def _fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+def _huge(path):
+    with open(path, "wb") as f:
+        f.truncate(predict_module.MAX_IMAGE_BYTES + 1)  # sparse: no disk used
+    return path
+
+
+def _nothing(tmp_path, untrained, trained, photo):
+    return tmp_path, [photo]
+
+
+def _flags(*flags):
+    def make(tmp_path, untrained, trained, photo):
+        return untrained, ["--evaluate", "--dataset=synthetic", *flags]
+    return make
+
+
+HOSTILE_INPUTS = {
+    # What loads must hold the model, whole.
+    "empty saved_model.pb": (_damaged_export(
+        lambda d: (d / "saved_model.pb").write_bytes(b"")), "cannot be loaded"),
+    "garbage saved_model.pb": (_damaged_export(
+        lambda d: (d / "saved_model.pb").write_bytes(os.urandom(1000))), "cannot be loaded"),
+    "SavedModel without variables": (_damaged_export(
+        lambda d: shutil.rmtree(d / "variables")), "cannot be loaded"),
+    "export without weights": (_weightless_export, "holds no trained variables"),
+    "checkpoint without weights": (_checkpoint_run(weightless=True), "does not hold the weights"),
+    "config.json of another model": (_checkpoint_run({"model": "resnet9", "model_width": 4}),
+                                     "does not hold the weights of the resnet9"),
+    "config.json of width 100,000": (_checkpoint_run({"model": "resnet9", "model_width": 100_000}),
+                                     "larger than this program accepts"),
+    "garbage config.json": (_checkpoint_run("\x00garbage{"), "config.json is damaged"),
+    "no export, no checkpoint": (_nothing, "holds no export"),
+    # Images: refused by kind and size before they are read.
+    "a text file as an image": (_bad_image(_text), "is not a PNG, JPEG"),
+    "a missing image": (_bad_image(lambda p: p), "cannot read"),
+    "a directory as an image": (_bad_image(_directory), "not a regular file"),
+    "a FIFO as an image": (_bad_image(_fifo), "not a regular file"),
+    "/dev/zero as an image": (_bad_image(lambda p: Path("/dev/zero")), "not a regular file"),
+    "an image of 64 MB": (_bad_image(_huge), "larger than an image"),
+    # Counts bounded as training bounds them.
+    "--synthetic_examples=-1": (_flags("--synthetic_examples=-1"), "must be a positive"),
+    "--synthetic_examples=10**11": (_flags(f"--synthetic_examples={10**11}"),
+                                    "larger than this program accepts"),
+}
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Raises TimeoutError in the block after `seconds` (a blocked read
+    included: Python runs the handler when the system call is interrupted)."""
+    def expire(*_):
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _tree(directory: Path) -> dict:
+    """Every path under `directory` with its size and modification time."""
+    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
+
+
+@pytest.mark.parametrize("problem", HOSTILE_INPUTS)
+def test_hostile_input_is_one_error_line_and_exit_2(problem, model_dir, synthetic_run, photo,
+                                                    tmp_path):
+    make, fragment = HOSTILE_INPUTS[problem]
+    run, args = make(tmp_path, model_dir, synthetic_run, photo)
+    before = _tree(run)
+    with _deadline(seconds=300):  # a FIFO read would block: fail instead
+        result = predict(f"--model_dir={run}", *args)
+    assert_one_error_line(result, fragment)
+    assert _tree(run) == before, "predict writes nothing"
