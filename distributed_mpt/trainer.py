@@ -8,6 +8,7 @@ MirroredStrategy and MultiWorkerMirroredStrategy alike.
 """
 
 import dataclasses
+import hashlib
 import math
 import os
 import signal
@@ -215,29 +216,44 @@ class Trainer:
         return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
                 "global_batch_size": self.trained_global_batch}
 
-    def check_workers_agree(self, facts: dict) -> None:
+    def check_workers_agree(self, facts: dict, flags: dict) -> None:
         """Raises ClusterError on every worker unless all of them passed the
-        same `facts` (numbers). A worker that resumes from another step (no
-        shared --model_dir), finds another split, or resolves another
-        precision would call the collectives differently: a hang, or a
-        silently different run."""
-        values = tf.constant([float(v) for v in facts.values()], tf.float64)
+        same `facts` (numbers) and `flags` (flag name: value), naming what
+        differs. A worker that resumes from another step (no shared
+        --model_dir), finds another split, or resolves another precision
+        would call the collectives differently: a hang. One started with
+        another seed, rate or weight decay trains a silently different run,
+        which the chief's config.json would not show."""
+        # Workers exchange only numbers: each flag travels as 32 bits of its
+        # value's hash, which a float64 holds, and the sum over workers too.
+        digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:4], "big")
+                   for v in flags.values()]
+        values = tf.constant([float(v) for v in [*facts.values(), *digests]], tf.float64)
         strategy = self._strategy
 
         @tf.function(autograph=False)
-        def count_disagreeing():
-            # If all are equal, each equals the mean; if not, some do not.
+        def workers_differing():
+            # Per entry: if all are equal, each equals the mean; if not, some
+            # do not. The sum counts the workers that differ from the mean.
             mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(values)), axis=None)
-            differs = strategy.run(lambda: tf.cast(tf.reduce_any(values != mean), tf.float64))
+            differs = strategy.run(lambda: tf.cast(values != mean, tf.float64))
             return strategy.reduce("SUM", differs, axis=None)
 
-        if float(count_disagreeing()) > 0:
+        names = [*facts, *(f"--{name}" for name in flags)]
+        differing = [name for name, count in zip(names, workers_differing().numpy()) if count > 0]
+        differing_flags = [name for name in differing if name.startswith("--")]
+        if differing_flags:
+            mine = " ".join(f"{name}={flags[name[2:]]}" for name in differing_flags)
+            raise ClusterError(
+                f"the workers of this job were started with different {', '.join(differing_flags)} "
+                f"(this worker: {mine}): give every worker the same flags")
+        if differing:
             mine = ", ".join(f"{name} {value:g}" for name, value in facts.items())
             raise ClusterError(
-                f"the workers of this job see different runs (this worker: {mine}; precision is "
-                f"an index into {'/'.join(config_lib.PRECISIONS)}): give every worker the same "
-                f"--model_dir on one shared file system, the same data and flags, and an "
-                f"explicit --precision")
+                f"the workers of this job see different runs ({', '.join(differing)} differ; this "
+                f"worker: {mine}; precision is an index into {'/'.join(config_lib.PRECISIONS)}): "
+                f"give every worker the same --model_dir on one shared file system, the same data "
+                f"and flags, and an explicit --precision")
 
     def train_dataset(self, split: data.ImageSplit, start_step: int):
         """The distributed training input from `start_step` to the last step."""
@@ -391,7 +407,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         trainer.check_workers_agree({
             "start step": start_step, "finished": is_finished,
             "precision": config_lib.PRECISIONS.index(plan.policy),
-            "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch})
+            "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch},
+            config_lib.shared_flags(config))
     if is_finished:
         # A finished run started again: its results stay exactly as they are.
         if is_chief:

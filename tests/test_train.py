@@ -235,3 +235,24 @@ def test_a_recipe_by_name_from_any_directory(tmp_path):
     summary = read_summary(tmp_path / "run")
     assert summary["model"] == "mlp", "the recipe's model"
     assert summary["examples_per_second"] > 0, "even a run of a single loop call has a throughput"
+
+
+def test_workers_started_with_different_flags_refuse_together_naming_them(tmp_path):
+    """Worker 1 with another seed and weight decay made both workers train
+    on and exit 0, the chief's config.json saying nothing of it."""
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    flags = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+             "--peer_timeout_seconds=60", "--train_steps=4", "--precision=float32"]
+    differing = [[], ["--seed=5", "--weight_decay=0.01"]]
+    workers = [WatchedProcess("distributed_mpt.train",
+                              [*flags, *extra, f"--model_dir={tmp_path / 'run'}"],
+                              env=subprocess_env(TF_CONFIG=tf_config))
+               for extra, tf_config in zip(differing, worker_tf_configs(free_ports(2)))]
+    for worker, mine in zip(workers, ["--seed=0 --weight_decay=0.0", "--seed=5 --weight_decay=0.01"]):
+        assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
+        errors = [line for line in worker.output().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in worker.output(), worker.output()[-3000:]
+        assert "different --weight_decay, --seed" in errors[0] and f"(this worker: " in errors[0]
+        assert all(flag in errors[0] for flag in mine.split()), errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
