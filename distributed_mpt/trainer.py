@@ -398,10 +398,22 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
     checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
                               **trainer.checkpointables)
+    # Before anything is read or written there: a user's file where a
+    # directory of the run belongs is refused now, not after training.
+    outputs.check_model_dir_layout(config.model_dir)
     checkpoints.check_identity()  # before anything is written into model_dir
     restored = checkpoints.restore_latest()  # the newest that reads back; None: a fresh run
     start_step = int(trainer.step.numpy())
-    finished = outputs.read_json(os.path.join(config.model_dir, "summary.json"))
+    previous_config, finished = {}, {}
+    if restored:
+        previous_config = outputs.read_json(
+            os.path.join(config.model_dir, "config.json"),
+            {"dataset": str, "seed": int, "resolved": dict},
+            remedy="it records the flags of the run that wrote the checkpoints: restore an intact "
+                   "copy, or remove it to resume without comparing them")
+        finished = outputs.read_json(
+            os.path.join(config.model_dir, "summary.json"), {"steps": int},
+            remedy="remove it, and the run evaluates again and writes a new one")
     is_finished = bool(restored and start_step >= plan.total_steps and finished)
     if plan.num_workers > 1:
         trainer.check_workers_agree({
@@ -417,7 +429,14 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                   f"--train_steps.", flush=True)
         checkpoints.close()
         return finished
-    previous_config = outputs.read_json(os.path.join(config.model_dir, "config.json"))
+    # Resuming on other data or another seed would mix two runs in one model.
+    changed = [f"--{name}={previous_config[name]}" for name in ("dataset", "seed")
+               if previous_config and previous_config[name] != getattr(config, name)]
+    if changed:
+        checkpoints.close()
+        raise ConfigError(
+            f"--model_dir={config.model_dir} holds a run with {' '.join(changed)}, which this run "
+            f"changes: pass {' '.join(changed)} to resume it, or choose another --model_dir")
     reporter = Reporter(config.model_dir, is_chief, plan.total_steps, start_step, started)
     if is_chief:  # written first, so that even a run that crashes says what it was
         outputs.write_json(f"{config.model_dir}/config.json", {
@@ -440,14 +459,19 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                  f"({plan.steps_per_epoch} per epoch)")
     if restored:
         reporter.say(restored.describe())
-        planned = previous_config.get("resolved", {}).get("total_steps")
+        previous = previous_config.get("resolved", {})
+        planned = previous.get("total_steps")
         if planned and planned != plan.total_steps:
             reporter.say(f"the run was planned for {planned} steps and now has {plan.total_steps}: "
                          f"the learning-rate schedule is re-planned over the new length")
         previous_batch = int(trainer.trained_global_batch.numpy())
         if previous_batch != plan.global_batch_size:
-            reporter.say(f"the checkpoint was trained at global batch {previous_batch}; "
-                         f"continuing at global batch {plan.global_batch_size}")
+            previous_rate = previous.get("peak_learning_rate")
+            rate = f" (was {previous_rate:g})" if isinstance(previous_rate, (int, float)) else ""
+            reporter.say(f"the checkpoint was trained at global batch {previous_batch}; continuing "
+                         f"at global batch {plan.global_batch_size}: the peak learning rate is "
+                         f"rescaled to {plan.learning_rate:g}{rate} and the schedule re-planned "
+                         f"over {plan.total_steps} steps of {plan.steps_per_epoch} per epoch")
             trainer.trained_global_batch.assign(plan.global_batch_size)
 
     signals = StopSignals()
@@ -621,9 +645,10 @@ class _TrainingLoop:
                    "loss": interval.loss_sum / examples if examples else math.nan,
                    "accuracy": interval.correct / examples if examples else math.nan,
                    "learning_rate": float(optimizer.learning_rate),
-                   "loss_scale": precision.loss_scale(optimizer),
                    "examples_per_second": examples / seconds if seconds else 0.0,
                    "skipped_steps": round(interval.nonfinite_steps)}
+        if plan.loss_scaling:  # float32 and bfloat16 have no scale to show
+            metrics["loss_scale"] = precision.loss_scale(optimizer)
         eta = None
         if with_eta and examples and seconds:
             eta = (plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]

@@ -41,8 +41,10 @@ def test_synthetic_run_writes_every_output(model_dir):
     assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in records] == [
         (1, True, False), (10, True, False), (20, True, False), (20, False, True)], \
         "training, then the final evaluation"
-    assert {"loss", "accuracy", "learning_rate", "loss_scale", "examples_per_second",
+    assert {"loss", "accuracy", "learning_rate", "examples_per_second",
             "elapsed_seconds"} <= set(records[0])
+    assert "loss_scale" not in records[0] and "loss_scale" not in result.stdout, \
+        "no loss scale where the loss is not scaled (float32)"
     assert list((model_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (model_dir / "export" / "saved_model" / "saved_model.pb").exists()
     leftovers = [p.name for p in model_dir.rglob(".*") if p.name.startswith((".tmp-", ".export-"))]
