@@ -411,6 +411,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             {"dataset": str, "seed": int, "resolved": dict},
             remedy="it records the flags of the run that wrote the checkpoints: restore an intact "
                    "copy, or remove it to resume without comparing them")
+    if restored and start_step >= plan.total_steps:  # else it is rewritten at the end
         finished = outputs.read_json(
             os.path.join(config.model_dir, "summary.json"), {"steps": int},
             remedy="remove it, and the run evaluates again and writes a new one")
