@@ -100,8 +100,12 @@ def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig, uninterru
     assert f"resuming from step {saved}" in resumed.stdout
     summary = read_summary(interrupted)
     assert (summary["resumed_from_step"], summary["steps"]) == (saved, 60)
-    steps_logged = [json.loads(l)["step"] for l in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert "deprecat" not in (resumed.stdout + resumed.stderr).lower(), "no TensorFlow noise"
+    records = [json.loads(l) for l in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r["step"] for r in records]
     assert steps_logged == sorted(set(steps_logged)), "no step logged twice across both runs"
+    elapsed = [r["elapsed_seconds"] for r in records]
+    assert elapsed == sorted(set(elapsed)), "time goes on across the resume, it does not restart"
     every_interval = set(range(4, 61, 4))
     assert every_interval <= set(steps_logged) <= every_interval | {1, saved + 1}, \
         "every interval, and a line after the first call of each run"
