@@ -132,7 +132,9 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
 
     _check_dataset_info(data_dir)  # tfds.builder reads it, with tracebacks
     builder = tfds.builder("cifar10", data_dir=data_dir)
-    if not builder.is_prepared():
+    # is_prepared() logs a warning about the missing dataset_info.json of a
+    # folder that does not exist: a misleading first line for a new user.
+    if not (os.path.isdir(builder.data_dir) and builder.is_prepared()):
         _prepare_cifar10(builder, download)
     return _read_prepared_split(builder, "train"), _read_prepared_split(builder, "test")
 
@@ -154,10 +156,13 @@ def _prepare_cifar10(builder, download: bool) -> None:
             reason = f"{_CIFAR10_HOST[0]} cannot be reached (no network?)"
         if reason:
             raise DataUnavailableError(
-                f"CIFAR-10 is not prepared in {builder.data_dir_root} and {reason}. "
-                f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
-                f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
-                f"into {manual_dir}, or train on --dataset=synthetic.")
+                f"CIFAR-10 is not in {builder.data_dir_root} and {reason}. Either extract the "
+                f"official binary release there ({CIFAR10_ARCHIVE} from "
+                f"https://www.cs.toronto.edu/~kriz/cifar.html: tar xzf {CIFAR10_ARCHIVE} -C DIR "
+                f"gives DIR/{CIFAR10_BINARY_DIR}/, read directly with --data_dir=DIR), or run "
+                f"`distributed-mpt-prepare-data --data_dir=DIR` on a machine with network and "
+                f"copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} into "
+                f"{manual_dir}, or train on --dataset=synthetic.")
     # Preparing writes into data_dir: say so now, not in a traceback.
     outputs.check_writable(builder.data_dir_root, flag="--data_dir")
     try:
