@@ -209,7 +209,7 @@ def _check_dataset_info(data_dir: Optional[str]) -> None:
     try:
         info = tfds.core.dataset_info.read_from_json(path)
     except (OSError, UnicodeDecodeError, json_format.ParseError) as e:
-        problem = f"cannot be read as a dataset description ({_one_line(str(e))})"
+        problem = f"cannot be read as a dataset description ({outputs.first_line(e).rstrip('.')})"
     else:
         split_sizes = {split.name: sum(split.shard_lengths) for split in info.splits}
         if (info.name, info.version) == (builder_class.name, str(builder_class.VERSION)) \
@@ -269,12 +269,8 @@ def _find_damaged_record_file(split_info) -> Tuple[Optional[str], Optional[str]]
 
 def _tf_message(error: tf.errors.OpError) -> str:
     """A TensorFlow error's message without the op and function names."""
-    return _one_line(re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)) or type(error).__name__
-
-
-def _one_line(message: str) -> str:
-    """The first line of an error message, short enough to quote inside ours."""
-    return (message.splitlines() or [""])[0][:200].rstrip(".")
+    message = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)
+    return outputs.first_line(message).rstrip(".") or type(error).__name__
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:
