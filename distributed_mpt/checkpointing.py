@@ -9,7 +9,7 @@ A checkpoint is lost only if every copy of it is: a run restores the newest
 checkpoint that reads back whole, found by listing the files on disk rather
 than by trusting the `checkpoint` index file (a crash, a full disk or a user
 can leave that file garbage or pointing at nothing), and skips damaged newer
-ones, saying why. When checkpoints exist and none reads back, the run stops
+ones, saying why; the index file is then rewritten from what was found. When checkpoints exist and none reads back, the run stops
 and changes nothing: it never starts from step 0 over them. Beside the
 checkpoints, `model.json` records which model they hold, so that a run of
 another model refuses the directory instead of failing deep in TensorFlow
@@ -19,7 +19,6 @@ or, worse, overwriting it.
 import dataclasses
 import glob
 import hashlib
-import json
 import math
 import os
 import re
@@ -38,6 +37,12 @@ from distributed_mpt.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
 MAX_TO_KEEP = 3
 
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
+# The index file TensorFlow's CheckpointManager keeps (a text protobuf,
+# CheckpointState), and the lines of it that this module reads and writes.
+_INDEX_FILE = "checkpoint"
+_INDEX_LINE = re.compile(r'(model_checkpoint_path|all_model_checkpoint_paths): "(ckpt-\d+)"'
+                         r'|(all_model_checkpoint_timestamps|last_preserved_timestamp): '
+                         r'[0-9.e+-]+')
 
 
 class CheckpointDamagedError(UserError):
@@ -100,12 +105,10 @@ class Checkpoints:
         self._own_dir = self._shared_dir if self._is_chief else _scratch_dir(model_dir, worker)
         self._checkpoint = tf.train.Checkpoint(**trackables)
         self._bytes = checkpoint_bytes(**trackables)
-        self._manager = self._new_manager()
+        # Made at the first save, once restore_latest has checked the index
+        # file: the manager reads it when it is created, and fails on garbage.
+        self._manager: Optional[tf.train.CheckpointManager] = None
         self._damaged: List[Tuple[int, str]] = []  # skipped at restore, not yet replaced
-
-    def _new_manager(self) -> tf.train.CheckpointManager:
-        # It learns the checkpoints to rotate from the index file once, here.
-        return tf.train.CheckpointManager(self._checkpoint, self._own_dir, max_to_keep=MAX_TO_KEEP)
 
     @property
     def bytes_needed(self) -> int:
@@ -119,14 +122,16 @@ class Checkpoints:
         Call before anything is written into the model directory.
         """
         path = os.path.join(self._shared_dir, "model.json")
-        if not os.path.exists(path):
+        stored = outputs.read_json(
+            path, {"model": str, "precision": str, "variable_shapes": list},
+            remedy="it says which model the checkpoints beside it hold: restore an intact copy, "
+                   "or start again in an empty --model_dir")
+        if not stored:
             if checkpoints_on_disk(self._shared_dir):
                 raise CheckpointMismatchError(
                     f"{self._shared_dir} holds checkpoints without model.json; "
                     f"use an empty --model_dir")
             return
-        with open(path) as f:
-            stored = json.load(f)
         if stored.get("precision") != self._identity["precision"] and \
                 {k: v for k, v in stored.items() if k != "precision"} == \
                 {k: v for k, v in self._identity.items() if k != "precision"}:
@@ -163,13 +168,15 @@ class Checkpoints:
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 # It reads back whole, so it is not damaged: it holds other state.
                 raise CheckpointMismatchError(
-                    f"cannot restore {prefix} ({str(e).splitlines()[0][:200]}); use another "
+                    f"cannot restore {prefix} ({outputs.first_line(e)}); use another "
                     f"--model_dir, or the flags of the run that wrote it") from None
             if self._is_chief:
                 self._damaged = [(_number(p), p) for p, _ in skipped]
                 self._rewrite_index(step, [p for n, p in found if n < step])
             return Restored(prefix, step, tuple(skipped))
         if not found:
+            if self._is_chief:
+                self._rewrite_index(None, [])  # an index naming nothing goes
             return None
         reasons = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
         raise CheckpointDamagedError(
@@ -177,26 +184,31 @@ class Checkpoints:
             f"nothing was changed: put back intact copies, or move {self._shared_dir} away to "
             f"start again from step 0")
 
-    def _rewrite_index(self, step: int, older: List[str]) -> None:
+    def _rewrite_index(self, step: Optional[int], older: List[str]) -> None:
         """Makes the index file name the restored checkpoint as the latest and
-        the older ones beside it, so that they are rotated out as usual.
-        Unchanged if it says so already (a finished run run again changes no
-        file)."""
+        the older ones beside it, so that they are rotated out as usual; with
+        no step, removes it. Unchanged if it says so already (a finished run
+        run again changes no file)."""
+        path = os.path.join(self._shared_dir, _INDEX_FILE)
         names = [os.path.basename(p) for p in reversed(older)] + [f"ckpt-{step}"]
-        state = tf.train.get_checkpoint_state(self._shared_dir)
-        if state is not None and [os.path.basename(p) for p in
-                                  state.all_model_checkpoint_paths] == names and \
-                os.path.basename(state.model_checkpoint_path) == names[-1]:
+        state = _read_index(path)
+        if step is None:
+            if os.path.lexists(path):
+                outputs.warn(f"removed {path}: it names checkpoints that are not there")
+                os.remove(path)
             return
-        # The v1 name is the only public writer of the index; an absolute
-        # directory keeps the names relative, as CheckpointManager writes them.
+        if state is not None and state.names == names:
+            return
+        if state is None and os.path.lexists(path):
+            outputs.warn(f"{path} was damaged; rewritten from the checkpoints on disk")
         # CheckpointManager deletes only checkpoints newer than the "last
         # preserved" time, so they get now and that time a second before.
         now = time.time()
-        tf.compat.v1.train.update_checkpoint_state(
-            os.path.abspath(self._shared_dir), names[-1], all_model_checkpoint_paths=names,
-            all_model_checkpoint_timestamps=[now] * len(names), last_preserved_timestamp=now - 1)
-        self._manager = self._new_manager()
+        outputs.write_text(path, "".join(
+            [f'model_checkpoint_path: "{names[-1]}"\n'] +
+            [f'all_model_checkpoint_paths: "{name}"\n' for name in names] +
+            [f"all_model_checkpoint_timestamps: {now!r}\n" for _ in names] +
+            [f"last_preserved_timestamp: {now - 1!r}\n"]))
 
     def save(self, step: int) -> None:
         """Saves the state at `step` (every worker must call this together).
@@ -208,6 +220,10 @@ class Checkpoints:
             if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
                 os.makedirs(self._shared_dir, exist_ok=True)
                 outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
+            if self._manager is None:
+                # It learns the checkpoints to rotate from the index file, once.
+                self._manager = tf.train.CheckpointManager(self._checkpoint, self._own_dir,
+                                                           max_to_keep=MAX_TO_KEEP)
             self._manager.save(checkpoint_number=step)
         except (tf.errors.ResourceExhaustedError, OSError) as e:
             if not outputs.is_disk_full(e):
@@ -251,6 +267,30 @@ def checkpoints_on_disk(directory: str) -> List[Tuple[int, str]]:
     return [(step, os.path.join(directory, f"ckpt-{step}")) for step in sorted(steps, reverse=True)]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    names: List[str]  # the checkpoints the index file lists, oldest first
+
+
+def _read_index(path: str) -> Optional[_Index]:
+    """What the index file at `path` lists; None if there is none, or if it
+    is not what CheckpointManager writes (then it is rebuilt, never trusted)."""
+    try:
+        text = outputs.read_text(path, remedy="")
+    except outputs.DamagedFileError:
+        return None
+    if text is None:
+        return None
+    names = []
+    for line in text.splitlines():
+        match = _INDEX_LINE.fullmatch(line.strip())
+        if not match:
+            return None
+        if match.group(1) == "all_model_checkpoint_paths":
+            names.append(match.group(2))
+    return _Index(names)
+
+
 def _number(prefix: str) -> int:
     return int(prefix.rsplit("-", 1)[1])
 
@@ -267,7 +307,7 @@ def why_unreadable(prefix: str) -> Optional[str]:
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
     except Exception as e:  # noqa: BLE001 - a damaged file raises OpError, IndexError, ...
-        return (str(e).splitlines() or [type(e).__name__])[0][:160]
+        return outputs.first_line(e, 160)
     return None
 
 

@@ -258,3 +258,18 @@ def _validate(c: TrainConfig) -> None:
     _require(c.cpu_replicas == 0 or c.strategy in ("auto", "mirrored"),
              f"--cpu_replicas={c.cpu_replicas} needs --strategy=mirrored (or auto); "
              f"--strategy={c.strategy} runs one replica per worker")
+
+
+# Flags that may differ between the workers of one job: where each finds its
+# files, what only the chief does, and what each resolves from `auto` on its
+# own machine (the trainer compares the resolved precision instead).
+_PER_WORKER = ("model_dir", "data_dir", "download", "peer_timeout_seconds", "export",
+               "precision", "strategy", "communication")
+
+
+def shared_flags(c: TrainConfig) -> dict:
+    """The fields that every worker of one job must set alike, by flag name
+    (the per-model defaults resolved): all but the per-worker ones, so that a
+    new field is checked unless it is declared per-worker."""
+    return {field.name: getattr(c, field.name) for field in dataclasses.fields(c)
+            if field.name not in _PER_WORKER}

@@ -143,7 +143,9 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
 
     _check_dataset_info(data_dir)  # tfds.builder reads it, with tracebacks
     builder = tfds.builder("cifar10", data_dir=data_dir)
-    if not builder.is_prepared():
+    # is_prepared() logs a warning about the missing dataset_info.json of a
+    # folder that does not exist: a misleading first line for a new user.
+    if not (os.path.isdir(builder.data_dir) and builder.is_prepared()):
         _prepare_cifar10(builder, download)
     return _read_prepared_split(builder, "train"), _read_prepared_split(builder, "test")
 
@@ -165,10 +167,13 @@ def _prepare_cifar10(builder, download: bool) -> None:
             reason = f"{_CIFAR10_HOST[0]} cannot be reached (no network?)"
         if reason:
             raise DataUnavailableError(
-                f"CIFAR-10 is not prepared in {builder.data_dir_root} and {reason}. "
-                f"Either run `distributed-mpt-prepare-data --data_dir=DIR` on a machine with "
-                f"network and copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} "
-                f"into {manual_dir}, or train on --dataset=synthetic.")
+                f"CIFAR-10 is not in {builder.data_dir_root} and {reason}. Either extract the "
+                f"official binary release there ({CIFAR10_ARCHIVE} from "
+                f"https://www.cs.toronto.edu/~kriz/cifar.html: tar xzf {CIFAR10_ARCHIVE} -C DIR "
+                f"gives DIR/{CIFAR10_BINARY_DIR}/, read directly with --data_dir=DIR), or run "
+                f"`distributed-mpt-prepare-data --data_dir=DIR` on a machine with network and "
+                f"copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} into "
+                f"{manual_dir}, or train on --dataset=synthetic.")
     # Preparing writes into data_dir: say so now, not in a traceback.
     outputs.check_writable(builder.data_dir_root, flag="--data_dir")
     try:
@@ -215,7 +220,7 @@ def _check_dataset_info(data_dir: Optional[str]) -> None:
     try:
         info = tfds.core.dataset_info.read_from_json(path)
     except (OSError, UnicodeDecodeError, json_format.ParseError) as e:
-        problem = f"cannot be read as a dataset description ({_one_line(str(e))})"
+        problem = f"cannot be read as a dataset description ({outputs.first_line(e).rstrip('.')})"
     else:
         split_sizes = {split.name: sum(split.shard_lengths) for split in info.splits}
         if (info.name, info.version) == (builder_class.name, str(builder_class.VERSION)) \
@@ -275,12 +280,8 @@ def _find_damaged_record_file(split_info) -> Tuple[Optional[str], Optional[str]]
 
 def _tf_message(error: tf.errors.OpError) -> str:
     """A TensorFlow error's message without the op and function names."""
-    return _one_line(re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)) or type(error).__name__
-
-
-def _one_line(message: str) -> str:
-    """The first line of an error message, short enough to quote inside ours."""
-    return (message.splitlines() or [""])[0][:200].rstrip(".")
+    message = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)
+    return outputs.first_line(message).rstrip(".") or type(error).__name__
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:

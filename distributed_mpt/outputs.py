@@ -9,10 +9,47 @@ import errno
 import json
 import os
 import shutil
+import stat
+import sys
 import tempfile
 import uuid
+from typing import List, Optional, Tuple
 
-from distributed_mpt.errors import ConfigError
+from distributed_mpt.errors import ConfigError, UserError
+
+# Prefixes of the temporary names this module writes under; run_lock.py
+# clears what a killed run left with them.
+TEMPORARY_PREFIX = ".tmp-"          # write_text, before its rename
+WRITE_TEST_PREFIX = ".write-test-"  # check_writable
+EXPORT_STAGING_PREFIX = ".export-"  # export_model: staging, retired export
+
+# What a run keeps in --model_dir, by kind. Each is checked before training
+# (check_model_dir_layout): a user's file named `export`, or a directory
+# named `summary.json`, is refused then, not found after hours of training.
+MODEL_DIR_DIRECTORIES = ("checkpoints", "tensorboard", "export")
+MODEL_DIR_FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints/model.json",
+                   "checkpoints/checkpoint")
+
+# Far above any file a run writes (metrics.jsonl grows by ~200 bytes a
+# line): a bigger one is not ours, and is refused before it is read.
+_MAX_READ_BYTES = 1 << 28
+
+
+class DamagedFileError(UserError):
+    """A file in --model_dir is not what this program wrote there."""
+
+
+def warn(message: str) -> None:
+    """One `warning:` line on stderr: something was repaired, the run goes on."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def first_line(error, limit: int = 200) -> str:
+    """The first line of an error or message, at most `limit` characters:
+    what fits into one `error:` line (TensorFlow's messages run to pages)."""
+    text = str(error)
+    return (text.splitlines() or [type(error).__name__ if isinstance(error, BaseException)
+                                  else ""])[0][:limit]
 
 
 def check_writable(directory: str, flag: str = "--model_dir") -> None:
@@ -20,7 +57,7 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
     ConfigError naming `flag`, the flag that chose it."""
     try:
         os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=WRITE_TEST_PREFIX):
             pass
     except OSError as e:
         raise ConfigError(f"{flag}={directory} is not writable ({e.strerror}); "
@@ -48,7 +85,8 @@ def write_text(path: str, text: str) -> None:
     """Writes `text` to `path` atomically (temporary file, fsync, rename);
     a failed write leaves no temporary file behind."""
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-", delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=TEMPORARY_PREFIX,
+                                     delete=False) as f:
         try:
             f.write(text)
             f.flush()
@@ -64,29 +102,117 @@ def write_text(path: str, text: str) -> None:
     os.replace(f.name, path)
 
 
-def read_json(path: str) -> dict:
-    """The JSON object in `path`; {} if there is none or it is damaged."""
+def check_model_dir_layout(model_dir: str) -> None:
+    """Raises ConfigError if something in `model_dir` is not the kind of
+    thing a run keeps under its name (a file where a directory belongs, a
+    directory or a FIFO where a file belongs). Nothing is moved or deleted:
+    it may be the user's."""
+    for name in MODEL_DIR_DIRECTORIES:
+        path = os.path.join(model_dir, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{path} is not a directory, but a run keeps its {name} there: "
+                              f"move it away, or choose another --model_dir")
+    for name in MODEL_DIR_FILES:
+        path = os.path.join(model_dir, name)
+        if os.path.lexists(path) and not _is_regular_file(path):
+            raise ConfigError(f"{path} is not a regular file, but a run writes its "
+                              f"{os.path.basename(name)} there: move it away, or choose another "
+                              f"--model_dir")
+
+
+def _is_regular_file(path: str) -> bool:
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # a dangling symlink, a loop
+        return False
+
+
+def read_text(path: str, remedy: str) -> Optional[str]:
+    """The text of the regular file at `path`, decoded strictly as UTF-8;
+    None if there is nothing there. Anything else (a FIFO, a directory, a
+    huge or undecodable file) raises DamagedFileError, which names the file
+    and `remedy`, the way out."""
+    if not os.path.lexists(path):
+        return None
+    if not _is_regular_file(path):  # a FIFO would block the read forever
+        raise DamagedFileError(f"{path} is not a regular file; {remedy}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_READ_BYTES + 1)
+    except OSError as e:
+        raise DamagedFileError(f"cannot read {path} ({e.strerror}); {remedy}") from None
+    if len(raw) > _MAX_READ_BYTES:
+        raise DamagedFileError(f"{path} is larger than any file this program writes "
+                               f"({_MAX_READ_BYTES:,} bytes); {remedy}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DamagedFileError(f"{path} is damaged (not UTF-8 text at byte {e.start}); "
+                               f"{remedy}") from None
+
+
+def read_json(path: str, fields: Optional[dict] = None,
+              remedy: str = "restore an intact copy, or move it away") -> dict:
+    """The JSON object in `path`, as this program writes it; {} if there is
+    no file. `fields` maps keys the object must have to their type (or a
+    tuple of types). Raises DamagedFileError, naming the file, what is wrong
+    and `remedy`, if it is anything else."""
+    text = read_text(path, remedy)
+    if text is None:
         return {}
-    return data if isinstance(data, dict) else {}
+    data, problem = _parse_record(text, fields or {})
+    if problem:
+        raise DamagedFileError(f"{path} is damaged ({problem}); {remedy}")
+    return data
 
 
-def read_jsonl(path: str) -> list:
-    """The records of a JSON-lines file (empty if it does not exist). A last
-    line cut short by a killed writer is dropped."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a torn line: what was appended when the process died
-    return records
+def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Optional[str]]:
+    """The records of a JSON-lines file up to its first damaged line, and
+    what is wrong with that line (None if nothing is). A last line cut short
+    by a killed writer counts as damaged. No file: no records.
+
+    `fields` as for read_json. Raises DamagedFileError only if `path` is
+    not a regular file or is too big to be ours."""
+    remedy = "move it away, or choose another --model_dir"
+    if not os.path.lexists(path):
+        return [], None
+    if not _is_regular_file(path):
+        raise DamagedFileError(f"{path} is not a regular file; {remedy}")
+    if os.path.getsize(path) > _MAX_READ_BYTES:
+        raise DamagedFileError(f"{path} is larger than any file this program writes; {remedy}")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records, torn = [], lines.pop()  # after the last newline: b"" unless cut short
+    for number, line in enumerate(lines, 1):
+        try:
+            record, problem = _parse_record(line.decode("utf-8"), fields or {})
+        except UnicodeDecodeError:
+            problem = "not UTF-8 text"
+        if problem:
+            return records, f"line {number} is damaged ({problem})"
+        records.append(record)
+    if torn:
+        return records, "its last line was cut short"
+    return records, None
+
+
+def _parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]]:
+    """The JSON object in `text` and None, or None and what is wrong."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as e:
+        return None, f"not JSON: {first_line(e, 80)}"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__}, not an object"
+    for key, kind in fields.items():
+        if key not in data:
+            return None, f"no {key!r}"
+        # JSON has no integers apart from numbers: true is not a step.
+        if not isinstance(data[key], kind) or (isinstance(data[key], bool) and kind is not bool):
+            return None, f"{key!r} is a {type(data[key]).__name__}"
+    return data, None
 
 
 # CIFAR-10's classes in label order (tensorflow-datasets' and Krizhevsky's).

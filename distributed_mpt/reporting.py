@@ -12,13 +12,18 @@ import tensorflow as tf
 from distributed_mpt import outputs
 
 
+# What every record of metrics.jsonl holds; a line without them is damaged.
+_RECORD_FIELDS = {"step": int, "elapsed_seconds": (int, float)}
+
+
 class Reporter:
     """Writes one record per logged step to every sink (chief only)."""
 
     def __init__(self, model_dir: str, enabled: bool, total_steps: int, resumed_from_step: int,
                  started: float):
         """started: the run's start on the `time.monotonic()` clock; every
-        record carries the seconds since, for time-to-accuracy curves."""
+        record carries the seconds since, plus those of the earlier runs it
+        resumes (as metrics.jsonl has them), for time-to-accuracy curves."""
         self._enabled = enabled
         self._total_steps = total_steps
         # On a terminal, a status line is rewritten after every loop call;
@@ -27,19 +32,26 @@ class Reporter:
         self._live_line_shown = False
         self._started = started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
+        self._earlier_seconds = 0.0
         if not enabled:
             self._writer = tf.summary.create_noop_writer()
             return
+        records, damage = outputs.read_jsonl(self._metrics_path, _RECORD_FIELDS)
+        if damage:
+            outputs.warn(f"{self._metrics_path}: {damage}; cut back to its last good line "
+                         f"({len(records)} records kept)")
+        # The time of the earlier runs counts, all of it: also that of the
+        # records dropped below, which was spent, if on steps now redone.
+        self._earlier_seconds = max((r["elapsed_seconds"] for r in records), default=0.0)
         # Records past the resumed step describe steps that will be redone:
         # keep the log consistent with the checkpoint.
-        kept = [r for r in outputs.read_jsonl(self._metrics_path)
-                if r.get("step", 0) <= resumed_from_step]
+        kept = [r for r in records if r["step"] <= resumed_from_step]
         outputs.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
 
     def last_logged(self, key: str) -> dict:
         """The newest record of metrics.jsonl that has `key`; {} if none."""
-        records = outputs.read_jsonl(self._metrics_path) if self._enabled else []
+        records = outputs.read_jsonl(self._metrics_path)[0] if self._enabled else []
         return next((r for r in reversed(records) if key in r), {})
 
     def say(self, message: str) -> None:
@@ -65,8 +77,8 @@ class Reporter:
         line also says how long the rest of the training should take."""
         if not self._enabled:
             return
-        record = {"step": step, **record,
-                  "elapsed_seconds": round(time.monotonic() - self._started, 3)}
+        elapsed = self._earlier_seconds + time.monotonic() - self._started
+        record = {"step": step, **record, "elapsed_seconds": round(elapsed, 3)}
         with open(self._metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         with self._writer.as_default(step=step):

@@ -13,13 +13,14 @@ Real CIFAR-10 offline: add --data_dir=DIR --nodownload, DIR holding the official
 TensorFlow's own start-up log lines are hidden; DMPT_VERBOSE=1 shows them.
 """
 import dataclasses
+import os
 import sys
 import typing
 
 from absl import flags
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import recipes
+from distributed_mpt import outputs, recipes
 from distributed_mpt.errors import ConfigError
 
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
@@ -65,14 +66,46 @@ def _expand_recipes(argv) -> list:
     return expanded + others
 
 
+_FLAGFILE = ("--flagfile", "-flagfile")
+
+
+def _check_flagfiles(args, seen=()) -> None:
+    """Raises ConfigError unless every --flagfile in `args`, and every one
+    that those name, is a regular file of UTF-8 text. absl opens whatever it
+    is given: it waits forever on a FIFO and raises UnicodeDecodeError on a
+    binary file."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        if arg in _FLAGFILE:
+            path = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(tuple(f"{name}=" for name in _FLAGFILE)):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        path = os.path.expanduser(path)
+        if not path or path in seen:  # absl warns of a cycle and goes on
+            continue
+        try:
+            text = outputs.read_text(path, "--flagfile takes a text file of flags, one a line, "
+                                           "in UTF-8")
+        except outputs.DamagedFileError as e:
+            raise ConfigError(str(e)) from None
+        if text is not None:  # a missing file is absl's to report
+            _check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
+
+
 def parse_config(argv) -> config_lib.TrainConfig:
     """Parses command-line flags (without the program name) into a validated
     config. Raises ConfigError, with one line saying what is wrong."""
     fv = _flag_values()
+    args = _expand_recipes(argv)
+    _check_flagfiles(args)
     try:
-        rest = fv(["distributed-mpt-train", *_expand_recipes(argv)])
-    except flags.Error as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        rest = fv(["distributed-mpt-train", *args])
+    except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
+        raise ConfigError(outputs.first_line(e).removeprefix("ERROR:: ")) from None
     if len(rest) > 1:
         raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
     if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it

@@ -8,6 +8,7 @@ MirroredStrategy and MultiWorkerMirroredStrategy alike.
 """
 
 import dataclasses
+import hashlib
 import math
 import os
 import signal
@@ -233,29 +234,44 @@ class Trainer:
             state["lookahead"] = self._lookahead.state
         return state
 
-    def check_workers_agree(self, facts: dict) -> None:
+    def check_workers_agree(self, facts: dict, flags: dict) -> None:
         """Raises ClusterError on every worker unless all of them passed the
-        same `facts` (numbers). A worker that resumes from another step (no
-        shared --model_dir), finds another split, or resolves another
-        precision would call the collectives differently: a hang, or a
-        silently different run."""
-        values = tf.constant([float(v) for v in facts.values()], tf.float64)
+        same `facts` (numbers) and `flags` (flag name: value), naming what
+        differs. A worker that resumes from another step (no shared
+        --model_dir), finds another split, or resolves another precision
+        would call the collectives differently: a hang. One started with
+        another seed, rate or weight decay trains a silently different run,
+        which the chief's config.json would not show."""
+        # Workers exchange only numbers: each flag travels as 32 bits of its
+        # value's hash, which a float64 holds, and the sum over workers too.
+        digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:4], "big")
+                   for v in flags.values()]
+        values = tf.constant([float(v) for v in [*facts.values(), *digests]], tf.float64)
         strategy = self._strategy
 
         @tf.function(autograph=False)
-        def count_disagreeing():
-            # If all are equal, each equals the mean; if not, some do not.
+        def workers_differing():
+            # Per entry: if all are equal, each equals the mean; if not, some
+            # do not. The sum counts the workers that differ from the mean.
             mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(values)), axis=None)
-            differs = strategy.run(lambda: tf.cast(tf.reduce_any(values != mean), tf.float64))
+            differs = strategy.run(lambda: tf.cast(values != mean, tf.float64))
             return strategy.reduce("SUM", differs, axis=None)
 
-        if float(count_disagreeing()) > 0:
+        names = [*facts, *(f"--{name}" for name in flags)]
+        differing = [name for name, count in zip(names, workers_differing().numpy()) if count > 0]
+        differing_flags = [name for name in differing if name.startswith("--")]
+        if differing_flags:
+            mine = " ".join(f"{name}={flags[name[2:]]}" for name in differing_flags)
+            raise ClusterError(
+                f"the workers of this job were started with different {', '.join(differing_flags)} "
+                f"(this worker: {mine}): give every worker the same flags")
+        if differing:
             mine = ", ".join(f"{name} {value:g}" for name, value in facts.items())
             raise ClusterError(
-                f"the workers of this job see different runs (this worker: {mine}; precision is "
-                f"an index into {'/'.join(config_lib.PRECISIONS)}): give every worker the same "
-                f"--model_dir on one shared file system, the same data and flags, and an "
-                f"explicit --precision")
+                f"the workers of this job see different runs ({', '.join(differing)} differ; this "
+                f"worker: {mine}; precision is an index into {'/'.join(config_lib.PRECISIONS)}): "
+                f"give every worker the same --model_dir on one shared file system, the same data "
+                f"and flags, and an explicit --precision")
 
     def train_dataset(self, split: data.ImageSplit, start_step: int):
         """The distributed training input from `start_step` to the last step."""
@@ -418,16 +434,30 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
     checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
                               **trainer.checkpointables)
+    # Before anything is read or written there: a user's file where a
+    # directory of the run belongs is refused now, not after training.
+    outputs.check_model_dir_layout(config.model_dir)
     checkpoints.check_identity()  # before anything is written into model_dir
     restored = checkpoints.restore_latest()  # the newest that reads back; None: a fresh run
     start_step = int(trainer.step.numpy())
-    finished = outputs.read_json(os.path.join(config.model_dir, "summary.json"))
+    previous_config, finished = {}, {}
+    if restored:
+        previous_config = outputs.read_json(
+            os.path.join(config.model_dir, "config.json"),
+            {"dataset": str, "seed": int, "resolved": dict},
+            remedy="it records the flags of the run that wrote the checkpoints: restore an intact "
+                   "copy, or remove it to resume without comparing them")
+    if restored and start_step >= plan.total_steps:  # else it is rewritten at the end
+        finished = outputs.read_json(
+            os.path.join(config.model_dir, "summary.json"), {"steps": int},
+            remedy="remove it, and the run evaluates again and writes a new one")
     is_finished = bool(restored and start_step >= plan.total_steps and finished)
     if plan.num_workers > 1:
         trainer.check_workers_agree({
             "start step": start_step, "finished": is_finished,
             "precision": config_lib.PRECISIONS.index(plan.policy),
-            "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch})
+            "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch},
+            config_lib.shared_flags(config))
     if is_finished:
         # A finished run started again: its results stay exactly as they are.
         if is_chief:
@@ -436,7 +466,14 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                   f"--train_steps.", flush=True)
         checkpoints.close()
         return finished
-    previous_config = outputs.read_json(os.path.join(config.model_dir, "config.json"))
+    # Resuming on other data or another seed would mix two runs in one model.
+    changed = [f"--{name}={previous_config[name]}" for name in ("dataset", "seed")
+               if previous_config and previous_config[name] != getattr(config, name)]
+    if changed:
+        checkpoints.close()
+        raise ConfigError(
+            f"--model_dir={config.model_dir} holds a run with {' '.join(changed)}, which this run "
+            f"changes: pass {' '.join(changed)} to resume it, or choose another --model_dir")
     reporter = Reporter(config.model_dir, is_chief, plan.total_steps, start_step, started)
     if is_chief:  # written first, so that even a run that crashes says what it was
         outputs.write_json(f"{config.model_dir}/config.json", {
@@ -459,14 +496,19 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                  f"({plan.steps_per_epoch} per epoch)")
     if restored:
         reporter.say(restored.describe())
-        planned = previous_config.get("resolved", {}).get("total_steps")
+        previous = previous_config.get("resolved", {})
+        planned = previous.get("total_steps")
         if planned and planned != plan.total_steps:
             reporter.say(f"the run was planned for {planned} steps and now has {plan.total_steps}: "
                          f"the learning-rate schedule is re-planned over the new length")
         previous_batch = int(trainer.trained_global_batch.numpy())
         if previous_batch != plan.global_batch_size:
-            reporter.say(f"the checkpoint was trained at global batch {previous_batch}; "
-                         f"continuing at global batch {plan.global_batch_size}")
+            previous_rate = previous.get("peak_learning_rate")
+            rate = f" (was {previous_rate:g})" if isinstance(previous_rate, (int, float)) else ""
+            reporter.say(f"the checkpoint was trained at global batch {previous_batch}; continuing "
+                         f"at global batch {plan.global_batch_size}: the peak learning rate is "
+                         f"rescaled to {plan.learning_rate:g}{rate} and the schedule re-planned "
+                         f"over {plan.total_steps} steps of {plan.steps_per_epoch} per epoch")
             trainer.trained_global_batch.assign(plan.global_batch_size)
 
     signals = StopSignals()
@@ -643,9 +685,10 @@ class _TrainingLoop:
                    "loss": interval.loss_sum / examples if examples else math.nan,
                    "accuracy": interval.correct / examples if examples else math.nan,
                    "learning_rate": float(optimizer.learning_rate),
-                   "loss_scale": precision.loss_scale(optimizer),
                    "examples_per_second": examples / seconds if seconds else 0.0,
                    "skipped_steps": round(interval.nonfinite_steps)}
+        if plan.loss_scaling:  # float32 and bfloat16 have no scale to show
+            metrics["loss_scale"] = precision.loss_scale(optimizer)
         eta = None
         if with_eta and examples and seconds:
             eta = (plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]

@@ -71,12 +71,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     assert "resuming from step 2" in line and "ckpt-3:" in line and "\n" not in line
 
 
-@pytest.mark.parametrize("index", ["garbage {{{\n", 'model_checkpoint_path: "ckpt-9"\n'])
+@pytest.mark.parametrize("index", [b"garbage {{{\n", b'model_checkpoint_path: "ckpt-9"\n',
+                                   b"\xff\xfe\x00binary", b""])
 def test_the_index_file_is_not_trusted(tmp_path, index):
     """A garbage index, or one naming a missing checkpoint, made the old code
-    start from step 0 over three good checkpoints."""
+    start from step 0 over three good checkpoints; binary garbage made it
+    raise UnicodeDecodeError."""
     _save_steps(tmp_path, [1, 2, 3])
-    Path(tmp_path, "checkpoints", "checkpoint").write_text(index)
+    Path(tmp_path, "checkpoints", "checkpoint").write_bytes(index)
     restorer, step = _checkpoints(tmp_path)
     assert restorer.restore_latest().step == 3 and int(step.numpy()) == 3
     # The index is repaired, so that the old checkpoints rotate out as usual.
@@ -133,6 +135,29 @@ def test_a_readable_checkpoint_of_other_state_is_still_refused(tmp_path):
         restorer.check_identity()
     with pytest.raises(CheckpointMismatchError, match="cannot restore"):
         restorer.restore_latest()
+
+
+def test_an_index_naming_no_checkpoint_on_disk_is_removed(tmp_path):
+    _save_steps(tmp_path, [1])
+    for path in Path(tmp_path, "checkpoints").glob("ckpt-1.*"):
+        path.unlink()
+    Path(tmp_path, "checkpoints", "checkpoint").write_bytes(b"\x80garbage")
+    restorer, step = _checkpoints(tmp_path)
+    assert restorer.restore_latest() is None
+    assert not Path(tmp_path, "checkpoints", "checkpoint").exists()
+    restorer.save(1)  # the manager starts from a clean state
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe garbage", b"", b"[1, 2]", b'{"model": 3}',
+                                     b"[" * 100_000])
+def test_a_damaged_model_json_is_one_error_naming_it(tmp_path, content):
+    _save_steps(tmp_path, [1])
+    Path(tmp_path, "checkpoints", "model.json").write_bytes(content)
+    with pytest.raises(UserError) as raised:
+        _checkpoints(tmp_path)[0].check_identity()
+    message = str(raised.value)
+    assert "model.json is damaged" in message and "\n" not in message
+    assert raised.value.exit_code == 2
 
 
 def test_checkpoints_without_an_index_file_still_count(tmp_path):
@@ -309,19 +334,6 @@ def test_checkpoints_restore_and_refuse_another_model(tmp_path):
     other, _ = _checkpoints(tmp_path, build_model("resnet9", width=4))
     with pytest.raises(CheckpointMismatchError, match="different model"):
         other.check_identity()
-
-
-def test_non_chief_scratch_directory_is_removed(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    import tempfile
-    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    worker, step = _checkpoints(tmp_path / "run", build_model("resnet9", width=4), worker="worker-1")
-    worker.save(1)
-    assert list((tmp_path / "tmp").iterdir()), "the worker saved into its scratch directory"
-    assert not (tmp_path / "run").exists(), "a non-chief never writes into model_dir"
-    worker.close()
-    assert not list((tmp_path / "tmp").iterdir())
 
 
 def test_checkpoints_of_another_precision_say_which_flag_to_pass(tmp_path):

@@ -91,3 +91,35 @@ def test_help_names_each_models_default(capsys):
     assert "at most half" in text, "the warmup cap is stated"
 
 
+
+
+def test_workers_must_agree_on_every_flag_that_changes_the_run(tmp_path):
+    from distributed_mpt.config import shared_flags
+
+    config = parse_config([f"--model_dir={tmp_path}", "--model=mlp"])
+    shared = shared_flags(config)
+    assert {"seed", "weight_decay", "label_smoothing", "learning_rate", "per_replica_batch_size",
+            "model", "epochs", "steps_per_loop"} <= set(shared)
+    assert shared["learning_rate"] == 0.05, "the per-model default, as resolved"
+    # Where each worker finds its files, and what each resolves from `auto`.
+    assert not {"model_dir", "data_dir", "download", "precision", "strategy"} & set(shared)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--nodownload=1"], "--nodownload=1 does not take an argument"),
+    (["--recipe=../../etc/x"], "not one of the shipped recipes"),
+    (["--recipe", "../mlp"], "not one of the shipped recipes"),
+])
+def test_flag_syntax_errors_are_one_config_error(tmp_path, args, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config([*args, f"--model_dir={tmp_path}"])
+
+
+def test_a_nested_flagfile_that_is_a_fifo_is_refused_unread(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    outer = tmp_path / "outer.flags"
+    outer.write_text(f"--model=mlp\n--flagfile={tmp_path / 'fifo'}\n")
+    with pytest.raises(ConfigError, match="fifo is not a regular file"):
+        parse_config([f"--flagfile={outer}", f"--model_dir={tmp_path}"])

@@ -231,15 +231,17 @@ def test_training_on_damaged_data_exits_with_one_error_line(cifar10_copy, tmp_pa
     assert not model_dir.exists()
 
 
-def test_missing_cifar10_without_download_names_the_remedies(tmp_path):
+def test_missing_cifar10_without_download_names_the_remedies(tmp_path, caplog):
     started = time.monotonic()
     with pytest.raises(DataUnavailableError) as error:
         data.load_cifar10(str(tmp_path), download=False)
     message = str(error.value)
     assert time.monotonic() - started < 60
-    for remedy in ("distributed-mpt-prepare-data", "cifar-10-binary.tar.gz",
-                   str(tmp_path / "downloads" / "manual"), "--dataset=synthetic"):
+    for remedy in ("cifar-10-batches-bin/", "distributed-mpt-prepare-data",
+                   "cifar-10-binary.tar.gz", str(tmp_path / "downloads" / "manual"),
+                   "--dataset=synthetic"):
         assert remedy in message
+    assert "Variant folder" not in caplog.text, "no warning about a folder that does not exist"
 
 
 def test_unreachable_download_host_fails_fast(tmp_path, monkeypatch):

@@ -43,10 +43,48 @@ def test_export_replaces_the_previous_export_whole(tmp_path):
                                np.asarray(model(images)), rtol=1e-5)
 
 
-def test_a_torn_last_metrics_line_is_dropped(tmp_path):
+@pytest.mark.parametrize("tail, damage", [
+    (b'{"ste', "its last line was cut short"),
+    (b'\xff\xfe\n{"step": 4}\n', "line 3 is damaged (not UTF-8 text)"),
+    (b"[3]\n", "line 3 is damaged (a JSON list, not an object)"),
+    (b'{"step": "3"}\n', "line 3 is damaged ('step' is a str)"),
+    (b'{"loss": 1}\n', "line 3 is damaged (no 'step')"),
+    (b"\n", "line 3 is damaged (not JSON"),
+])
+def test_metrics_are_read_up_to_the_first_damaged_line(tmp_path, tail, damage):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
-    assert outputs.read_jsonl(str(path)) == [{"step": 1}, {"step": 2}]
+    path.write_bytes(b'{"step": 1}\n{"step": 2}\n' + tail)
+    records, found = outputs.read_jsonl(str(path), {"step": int})
+    assert records == [{"step": 1}, {"step": 2}] and found.startswith(damage)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"\xff{}", "not UTF-8 text at byte 0"),
+    (b"", "not JSON"),
+    (b"[]", "a JSON list, not an object"),
+    (b'{"steps": true}', "'steps' is a bool"),
+    (b"[" * 100_000, "nested too deeply"),
+])
+def test_a_damaged_json_file_is_one_line_naming_it_and_the_remedy(tmp_path, content, problem):
+    path = tmp_path / "summary.json"
+    path.write_bytes(content)
+    with pytest.raises(outputs.DamagedFileError) as raised:
+        outputs.read_json(str(path), {"steps": int}, remedy="remove it")
+    assert str(raised.value).startswith(f"{path} is damaged ({problem}")
+    assert str(raised.value).endswith("; remove it") and "\n" not in str(raised.value)
+
+
+def test_json_that_is_not_there_is_empty_and_a_fifo_is_refused_unread(tmp_path):
+    assert outputs.read_json(str(tmp_path / "missing.json")) == {}
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(outputs.DamagedFileError, match="not a regular file"):
+        outputs.read_json(str(tmp_path / "fifo"))  # would block forever if opened
+
+
+def test_first_line():
+    assert outputs.first_line(ValueError("one\ntwo")) == "one"
+    assert outputs.first_line(KeyError()) == "KeyError", "an error without a message: its kind"
+    assert outputs.first_line("x" * 300, 10) == "x" * 10
 
 
 def test_written_files_follow_the_umask(tmp_path):

@@ -41,8 +41,10 @@ def test_synthetic_run_writes_every_output(model_dir):
     assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in records] == [
         (1, True, False), (10, True, False), (20, True, False), (20, False, True)], \
         "training, then the final evaluation"
-    assert {"loss", "accuracy", "learning_rate", "loss_scale", "examples_per_second",
+    assert {"loss", "accuracy", "learning_rate", "examples_per_second",
             "elapsed_seconds"} <= set(records[0])
+    assert "loss_scale" not in records[0] and "loss_scale" not in result.stdout, \
+        "no loss scale where the loss is not scaled (float32)"
     assert list((model_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (model_dir / "export" / "saved_model" / "saved_model.pb").exists()
     leftovers = [p.name for p in model_dir.rglob(".*") if p.name.startswith((".tmp-", ".export-"))]
@@ -98,8 +100,12 @@ def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig, uninterru
     assert f"resuming from step {saved}" in resumed.stdout
     summary = read_summary(interrupted)
     assert (summary["resumed_from_step"], summary["steps"]) == (saved, 60)
-    steps_logged = [json.loads(l)["step"] for l in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert "deprecat" not in (resumed.stdout + resumed.stderr).lower(), "no TensorFlow noise"
+    records = [json.loads(l) for l in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r["step"] for r in records]
     assert steps_logged == sorted(set(steps_logged)), "no step logged twice across both runs"
+    elapsed = [r["elapsed_seconds"] for r in records]
+    assert elapsed == sorted(set(elapsed)), "time goes on across the resume, it does not restart"
     every_interval = set(range(4, 61, 4))
     assert every_interval <= set(steps_logged) <= every_interval | {1, saved + 1}, \
         "every interval, and a line after the first call of each run"
@@ -164,6 +170,8 @@ def test_missing_cifar10_without_network_fails_fast_with_remedies(tmp_path):
     assert time.monotonic() - started < 60
     assert_one_error_line(result, "--dataset=synthetic")
     assert "distributed-mpt-prepare-data" in result.stderr and "downloads/manual" in result.stderr
+    assert "cifar-10-batches-bin/" in result.stderr, "the route without tensorflow-datasets"
+    assert "Variant folder" not in result.stdout + result.stderr, "no word of a missing folder"
 
 
 def test_the_official_binary_release_trains_offline_and_reports_time_to_accuracy(tmp_path):
@@ -235,3 +243,24 @@ def test_a_recipe_by_name_from_any_directory(tmp_path):
     summary = read_summary(tmp_path / "run")
     assert summary["model"] == "mlp", "the recipe's model"
     assert summary["examples_per_second"] > 0, "even a run of a single loop call has a throughput"
+
+
+def test_workers_started_with_different_flags_refuse_together_naming_them(tmp_path):
+    """Worker 1 with another seed and weight decay made both workers train
+    on and exit 0, the chief's config.json saying nothing of it."""
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    flags = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+             "--peer_timeout_seconds=60", "--train_steps=4", "--precision=float32"]
+    differing = [[], ["--seed=5", "--weight_decay=0.01"]]
+    workers = [WatchedProcess("distributed_mpt.train",
+                              [*flags, *extra, f"--model_dir={tmp_path / 'run'}"],
+                              env=subprocess_env(TF_CONFIG=tf_config))
+               for extra, tf_config in zip(differing, worker_tf_configs(free_ports(2)))]
+    for worker, mine in zip(workers, ["--seed=0 --weight_decay=0.0", "--seed=5 --weight_decay=0.01"]):
+        assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
+        errors = [line for line in worker.output().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in worker.output(), worker.output()[-3000:]
+        assert "different --weight_decay, --seed" in errors[0] and f"(this worker: " in errors[0]
+        assert all(flag in errors[0] for flag in mine.split()), errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"

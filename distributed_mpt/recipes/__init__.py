@@ -16,9 +16,10 @@ def names() -> list:
 
 
 def path(name: str) -> str:
-    """The flagfile of recipe `name`; ConfigError if there is none."""
-    flagfile = _DIRECTORY / f"{name}.flags"
-    if not flagfile.is_file():
+    """The flagfile of recipe `name`; ConfigError if there is none. Names
+    only: `../../x` names no recipe, it does not reach outside this
+    directory."""
+    if name not in names():
         raise ConfigError(f"--recipe={name} is not one of the shipped recipes: "
                           f"{', '.join(names())}")
-    return str(flagfile)
+    return str(_DIRECTORY / f"{name}.flags")
