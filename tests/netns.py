@@ -1,0 +1,110 @@
+"""Pods as processes: each in a network namespace of its own, joined to the
+others by a bridge, with the hostname and the DNS names its cluster gives it.
+
+`ip netns exec NAME` bind-mounts /etc/netns/NAME/hosts over /etc/hosts, so
+names resolve in each namespace as the cluster's DNS would answer them; a
+new UTS namespace (`unshare --uts`) carries the pod's hostname. Needs root;
+`unavailable()` says why not, for a test to skip with.
+"""
+
+import os
+import shutil
+import subprocess
+import uuid
+from typing import Dict, List, Optional, Sequence
+
+SUBNET = "10.231.{}.{}"  # a private /24 per network, far from common defaults
+
+
+def unavailable() -> Optional[str]:
+    """Why pods cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "unshare", "tc"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    probe = f"dmpt-probe-{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _ip(*args, netns: Optional[str] = None) -> None:
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, text=True)
+
+
+class Network:
+    """A bridge and one namespace per pod. Use as a context manager; every
+    namespace, link and hosts file is removed on exit."""
+
+    def __init__(self, hosts: Sequence[Sequence[str]]):
+        """`hosts[i]` are the DNS names of pod i (first: its hostname)."""
+        tag = uuid.uuid4().hex[:6]
+        self.bridge = f"dmptbr{tag}"
+        self.namespaces = [f"dmpt-{tag}-{i}" for i in range(len(hosts))]
+        self._veths = [f"dmpt{tag}v{i}" for i in range(len(hosts))]
+        self._subnet = 16 + int(tag, 16) % 200
+        self.addresses = [SUBNET.format(self._subnet, 10 + i) for i in range(len(hosts))]
+        self._hosts = [list(names) for names in hosts]
+
+    def __enter__(self):
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for i, netns in enumerate(self.namespaces):
+                _ip("netns", "add", netns)
+                _ip("link", "add", self._veths[i], "type", "veth", "peer", "name", "eth0", "netns", netns)
+                _ip("link", "set", self._veths[i], "master", self.bridge, "up")
+                _ip("addr", "add", f"{self.addresses[i]}/24", "dev", "eth0", netns=netns)
+                _ip("link", "set", "eth0", "up", netns=netns)
+                _ip("link", "set", "lo", "up", netns=netns)
+                os.makedirs(f"/etc/netns/{netns}", exist_ok=True)
+                with open(f"/etc/netns/{netns}/hosts", "w") as hosts:
+                    hosts.write("127.0.0.1 localhost\n")
+                    hosts.writelines(f"{address} {' '.join(names)}\n"
+                                     for address, names in zip(self.addresses, self._hosts))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for netns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{netns}", ignore_errors=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def popen(self, pod: int, command: List[str], env: Dict[str, str], **kwargs) -> subprocess.Popen:
+        """Starts `command` in pod `pod`'s namespace under its hostname."""
+        hostname = self._hosts[pod][0]
+        wrapper = ["ip", "netns", "exec", self.namespaces[pod], "unshare", "--uts", "sh", "-c",
+                   'hostname "$0" && exec "$@"', hostname]
+        return subprocess.Popen([*wrapper, *command], env={**env, "HOSTNAME": hostname}, **kwargs)
+
+    # -------------------------------------------------------------- faults
+
+    def cut(self, pod: int) -> None:
+        """Takes pod `pod`'s link down (a cable pulled, a node gone)."""
+        _ip("link", "set", self._veths[pod], "down")
+
+    def restore(self, pod: int) -> None:
+        """Brings pod `pod`'s link back and removes any shaping."""
+        _ip("link", "set", self._veths[pod], "up")
+        for command in self._tc(pod, "del"):
+            subprocess.run(command, capture_output=True)
+
+    def degrade(self, pod: int, delay_ms: int, loss_percent: float) -> None:
+        """Delays and drops pod `pod`'s packets both ways (tc netem on
+        both ends of its link)."""
+        for command in self._tc(pod, "replace", "netem", "delay", f"{delay_ms}ms",
+                                "loss", f"{loss_percent}%"):
+            subprocess.run(command, check=True, capture_output=True, text=True)
+
+    def _tc(self, pod: int, action: str, *qdisc) -> list:
+        """The tc commands for both ends of pod `pod`'s link."""
+        return [["tc", "qdisc", action, "dev", self._veths[pod], "root", *qdisc],
+                ["ip", "netns", "exec", self.namespaces[pod], "tc", "qdisc", action, "dev", "eth0",
+                 "root", *qdisc]]
