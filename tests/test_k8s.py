@@ -160,6 +160,9 @@ def test_the_trainer_accepts_the_flags_and_environment_it_is_given(variant):
         assert (config.strategy, config.download) == ("multi_worker", False), pod.hostname
         assert f"--data_dir={config.data_dir}" in container(prepare, "prepare-data")["command"], pod.hostname
         assert config.model_dir.startswith("/data/"), f"{pod.hostname}: --model_dir is not on the shared volume"
+        assert pod.command[1] == "--recipe=resnet9" or "--recipe=resnet9" in pod.command, \
+            f"{pod.hostname}: the recipe's batch and schedule"
+        assert not [a for a in pod.command if a.startswith(("--per_replica_batch_size", "--epochs"))], pod.hostname
     clusters = [resolve_cluster(pod.env) for pod in training]
     (addresses,) = {c.addresses for c in clusters}
     assert len(addresses) == len(clusters) == len(training), "every pod is a task, and every task a pod"
@@ -218,13 +221,15 @@ def test_training_waits_for_the_data_prepared_once(variant):
     for where, template in trainer_pods(docs):
         (wait,) = template["spec"]["initContainers"]
         # TFDS renames cifar10/incomplete.<id>_<version>/ to cifar10/<version>/
-        # when complete: wait for the latter only.
+        # when complete: wait for the latter only, or for the binary release.
         assert "/data/tfds/cifar10/[0-9]*/dataset_info.json" in " ".join(wait["command"]), where
+        assert "/data/tfds/cifar-10-batches-bin/test_batch.bin" in " ".join(wait["command"]), where
 
 
 # ------------------------------------------------------------- settings
 
-SETTINGS_EDITS = {"workers=2": "workers=5", "namespace: default": "namespace: ml-team", "gpusPerWorker=1": "gpusPerWorker=4",
+SETTINGS_EDITS = {"workers=2": "workers=5", "namespace: default": "namespace: ml-team",
+                  "dataClaim=distributed-mpt-data": "dataClaim=team-datasets", "gpusPerWorker=1": "gpusPerWorker=4",
                   "storageClass=nfs-client": "storageClass=cephfs",
                   # k8s/README.md: pin the image by digest.
                   'newTag: "0.1.0"': "digest: sha256:" + "ab" * 32}
@@ -237,11 +242,13 @@ def settings_in(docs) -> tuple:
     workers = [c.task_type for c in clusters].count("worker")
     (gpus,) = {container(t)["resources"]["limits"]["nvidia.com/gpu"] for _, t in trainer_pods(docs)}
     (claim,) = of_kind(docs, "PersistentVolumeClaim")
+    assert {v["persistentVolumeClaim"]["claimName"] for _, _, t in pods(docs) for v in t["spec"]["volumes"]
+            if "persistentVolumeClaim" in v} == {claim["metadata"]["name"]}
     (image,) = {c["image"] for _, _, t in pods(docs)
                 for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])}
     (namespace,) = {d["metadata"].get("namespace") for d in docs if d["kind"] != "ClusterTrainingRuntime"}
     assert all("namespace" not in d["metadata"] for d in of_kind(docs, "ClusterTrainingRuntime"))
-    return workers, gpus, claim["spec"]["storageClassName"], image, namespace
+    return workers, gpus, claim["spec"]["storageClassName"], claim["metadata"]["name"], image, namespace
 
 
 def test_the_settings_component_sets_every_variant_in_one_place(tmp_path):
@@ -249,9 +256,10 @@ def test_the_settings_component_sets_every_variant_in_one_place(tmp_path):
     edit(k8s / "settings" / "kustomization.yaml", SETTINGS_EDITS)
     image = "registry.example.com/ml/distributed-mpt"
     for variant in VARIANTS:
-        assert settings_in(render(variant)) == (2, 1, "nfs-client", f"{image}:0.1.0", "default"), variant
-        assert settings_in(render(variant, k8s)) == (5, 4, "cephfs", f"{image}@sha256:{'ab' * 32}", "ml-team"), \
-            variant
+        assert settings_in(render(variant)) == \
+            (2, 1, "nfs-client", "distributed-mpt-data", f"{image}:0.1.0", "default"), variant
+        assert settings_in(render(variant, k8s)) == \
+            (5, 4, "cephfs", "team-datasets", f"{image}@sha256:{'ab' * 32}", "ml-team"), variant
 
 
 # ------------------------------------------------------------- security

@@ -1,0 +1,156 @@
+"""The pods of every multi-worker variant, run: each rendered pod's container
+command starts as a process in a network namespace of its own, under the
+pod's hostname, with the environment its controllers give it and the job's
+DNS names in its hosts file (tests/k8s_pods.py, tests/netns.py). Two workers
+train on synthetic data until one is killed; the exit codes must be ones the
+manifest's failure policy retries, and the restarted group must resume from
+the checkpoint on the shared volume (here a host directory) and finish.
+
+The recipe's flags are overridden the way a user would, by flags appended
+to the command: a tiny MLP on synthetic data, on CPUs, for a few steps.
+Needs root (network namespaces); skipped elsewhere, with the reason.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import netns
+from distributed_mpt import errors
+from k8s_pods import render, training_job, training_pods
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+
+TRAIN_STEPS = 20
+CHECKPOINT_EVERY = 5
+PEER_TIMEOUT_SECONDS = 60
+
+
+def user_flags(model_dir) -> list:
+    """What a user appends to try the job on CPUs in a minute."""
+    return ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp", "--precision=float32",
+            "--communication=ring", "--per_replica_batch_size=16", "--learning_rate=0.1",
+            "--warmup_epochs=0", "--weight_decay=0", "--label_smoothing=0", f"--train_steps={TRAIN_STEPS}",
+            "--steps_per_loop=5", "--log_every_steps=5", f"--checkpoint_every_steps={CHECKPOINT_EVERY}",
+            "--noexport", f"--peer_timeout_seconds={PEER_TIMEOUT_SECONDS}", f"--model_dir={model_dir}"]
+
+
+class Group:
+    """One start of every pod of a job (what a JobSet restart, or the
+    operator recreating its pods, starts)."""
+
+    def __init__(self, network, pods, model_dir: Path, scratch: Path):
+        self.logs = []
+        self.processes = []
+        bin_dir = str(Path(sys.executable).parent)  # where distributed-mpt-train is installed
+        for i, pod in enumerate(pods):
+            # The pod's own emptyDirs: TMPDIR (non-chief checkpoints) and HOME.
+            tmp, home = scratch / pod.hostname / "tmp", scratch / pod.hostname / "home"
+            tmp.mkdir(parents=True, exist_ok=True)
+            home.mkdir(parents=True, exist_ok=True)
+            env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "TMPDIR": str(tmp), "HOME": str(home),
+                   **pod.env}
+            log = open(scratch / f"{pod.hostname}.log", "a")
+            self.logs.append(log.name)
+            self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir)], env,
+                                                stdout=log, stderr=subprocess.STDOUT))
+
+    def exit_codes(self, timeout: float) -> list:
+        """Each pod's exit code as Kubernetes reports it (a signal as 128 + n)."""
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.processes]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pods still running after {timeout} s:\n{self.output()}")
+        finally:
+            self.kill()
+        return [128 - code if code < 0 else code for code in codes]
+
+    def kill(self):
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    def output(self) -> str:
+        return "\n".join(f"--- {log}\n{Path(log).read_text()[-3000:]}" for log in self.logs)
+
+
+class Groups:
+    """Starts groups; leaves no process behind when the test ends, however."""
+
+    def __init__(self):
+        self._started = []
+
+    def start(self, *args) -> Group:
+        self._started.append(Group(*args))
+        return self._started[-1]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for group in self._started:
+            group.kill()
+
+
+def checkpointed_step(model_dir: Path) -> int:
+    """The step of the latest checkpoint in model_dir, 0 if none."""
+    state = model_dir / "checkpoints" / "checkpoint"
+    match = re.search(r'model_checkpoint_path: "ckpt-(\d+)"', state.read_text()) if state.exists() else None
+    return int(match.group(1)) if match else 0
+
+
+def listening_ports(network, pod: int) -> set:
+    ss = subprocess.run(["ip", "netns", "exec", network.namespaces[pod], "ss", "-Hltn"],
+                        capture_output=True, text=True, check=True)
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in ss.stdout.splitlines()}
+
+
+def admitted_ports(docs) -> set:
+    """The TCP ports the job's NetworkPolicy admits between its pods (the
+    port range as its first port: a stand-in for the range)."""
+    job = training_job(docs)
+    (policy,) = [p for p in docs if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == job["metadata"]["name"]]
+    return {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+
+@pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "jobset", "trainjob"])
+def test_pods_train_survive_a_lost_worker_and_resume(variant, tmp_path):
+    docs = render(variant)
+    pods = training_pods(docs)
+    assert len(pods) == 2, f"{variant}: the test expects the default 2 workers (k8s/settings)"
+    model_dir, scratch = tmp_path / "data" / "run", tmp_path / "pods"
+    with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
+        # A worker is lost once the run has a checkpoint to resume from.
+        group = groups.start(network, pods, model_dir, scratch)
+        deadline = time.monotonic() + 300
+        while checkpointed_step(model_dir) == 0:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in group.processes), \
+                f"no checkpoint:\n{group.output()}"
+            time.sleep(0.1)
+        for i in range(len(pods)):
+            # What each pod serves on must be a port its NetworkPolicy admits.
+            assert listening_ports(network, i) & admitted_ports(docs), f"{pods[i].hostname}:\n{group.output()}"
+        group.processes[1].send_signal(signal.SIGKILL)
+        codes = group.exit_codes(timeout=PEER_TIMEOUT_SECONDS + 60)
+        assert codes[1] == 128 + signal.SIGKILL
+        assert codes[0] in (errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT), group.output()
+        assert all(pod.retried(code) for pod, code in zip(pods, codes)), \
+            f"exit codes {codes} are not retried by the {variant} failure policy"
+        lost_at = checkpointed_step(model_dir)
+        assert 0 < lost_at < TRAIN_STEPS, "the run ended before a worker was lost"
+
+        # The controller's restart: the same pods, the same shared volume.
+        group = groups.start(network, pods, model_dir, scratch)
+        assert group.exit_codes(timeout=300) == [0, 0], group.output()
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert (summary["num_workers"], summary["steps"]) == (2, TRAIN_STEPS)
+    assert summary["resumed_from_step"] == lost_at
+    assert summary["eval_accuracy"] > 0.5
