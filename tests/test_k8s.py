@@ -374,6 +374,17 @@ def test_dockerfile_passes_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_image_installs_pinned_dependencies():
+    dockerfile = (K8S / "Dockerfile").read_text()
+    assert "pip install --constraint /src/constraints.txt /src" in dockerfile
+    pins = [line for line in (K8S / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[\w.]+", line) for line in pins), pins
+    pinned = {line.split("==")[0] for line in pins}
+    required = re.findall(r'^\s+"([A-Za-z0-9_-]+)[>=<"]', (REPO / "setup.py").read_text().split("extras_require")[0],
+                          re.MULTILINE)
+    assert required and {name.lower().replace("_", "-") for name in required} <= pinned
+
+
 def test_readme_names_only_paths_and_variants_that_exist():
     readme = (K8S / "README.md").read_text()
     for path in set(re.findall(r"\bk8s/[\w./-]*[\w-]", readme)):
