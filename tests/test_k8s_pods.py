@@ -12,100 +12,18 @@ Needs root (network namespaces); skipped elsewhere, with the reason.
 """
 
 import json
-import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import netns
 from distributed_mpt import errors
 from k8s_pods import render, training_job, training_pods
+from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
-
-TRAIN_STEPS = 20
-CHECKPOINT_EVERY = 5
-PEER_TIMEOUT_SECONDS = 60
-
-
-def user_flags(model_dir) -> list:
-    """What a user appends to try the job on CPUs in a minute."""
-    return ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp", "--precision=float32",
-            "--communication=ring", "--per_replica_batch_size=16", "--learning_rate=0.1",
-            "--warmup_epochs=0", "--weight_decay=0", "--label_smoothing=0", f"--train_steps={TRAIN_STEPS}",
-            "--steps_per_loop=5", "--log_every_steps=5", f"--checkpoint_every_steps={CHECKPOINT_EVERY}",
-            "--noexport", f"--peer_timeout_seconds={PEER_TIMEOUT_SECONDS}", f"--model_dir={model_dir}"]
-
-
-class Group:
-    """One start of every pod of a job (what a JobSet restart, or the
-    operator recreating its pods, starts)."""
-
-    def __init__(self, network, pods, model_dir: Path, scratch: Path):
-        self.logs = []
-        self.processes = []
-        bin_dir = str(Path(sys.executable).parent)  # where distributed-mpt-train is installed
-        for i, pod in enumerate(pods):
-            # The pod's own emptyDirs: TMPDIR (non-chief checkpoints) and HOME.
-            tmp, home = scratch / pod.hostname / "tmp", scratch / pod.hostname / "home"
-            tmp.mkdir(parents=True, exist_ok=True)
-            home.mkdir(parents=True, exist_ok=True)
-            env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "TMPDIR": str(tmp), "HOME": str(home),
-                   **pod.env}
-            log = open(scratch / f"{pod.hostname}.log", "a")
-            self.logs.append(log.name)
-            self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir)], env,
-                                                stdout=log, stderr=subprocess.STDOUT))
-
-    def exit_codes(self, timeout: float) -> list:
-        """Each pod's exit code as Kubernetes reports it (a signal as 128 + n)."""
-        deadline = time.monotonic() + timeout
-        try:
-            codes = [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.processes]
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"pods still running after {timeout} s:\n{self.output()}")
-        finally:
-            self.kill()
-        return [128 - code if code < 0 else code for code in codes]
-
-    def kill(self):
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-    def output(self) -> str:
-        return "\n".join(f"--- {log}\n{Path(log).read_text()[-3000:]}" for log in self.logs)
-
-
-class Groups:
-    """Starts groups; leaves no process behind when the test ends, however."""
-
-    def __init__(self):
-        self._started = []
-
-    def start(self, *args) -> Group:
-        self._started.append(Group(*args))
-        return self._started[-1]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for group in self._started:
-            group.kill()
-
-
-def checkpointed_step(model_dir: Path) -> int:
-    """The step of the latest checkpoint in model_dir, 0 if none."""
-    state = model_dir / "checkpoints" / "checkpoint"
-    match = re.search(r'model_checkpoint_path: "ckpt-(\d+)"', state.read_text()) if state.exists() else None
-    return int(match.group(1)) if match else 0
-
 
 def listening_ports(network, pod: int) -> set:
     ss = subprocess.run(["ip", "netns", "exec", network.namespaces[pod], "ss", "-Hltn"],
