@@ -39,6 +39,8 @@ def admitted_ports(docs) -> set:
     return {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
 
 
+# The timeouts below only bound a hung run: on a 2-core machine shared with
+# other training runs, one group of this test has taken several minutes.
 @pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "jobset", "trainjob"])
 def test_pods_train_survive_a_lost_worker_and_resume(variant, tmp_path):
     docs = render(variant)
@@ -48,7 +50,7 @@ def test_pods_train_survive_a_lost_worker_and_resume(variant, tmp_path):
     with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
         # A worker is lost once the run has a checkpoint to resume from.
         group = groups.start(network, pods, model_dir, scratch)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900
         while checkpointed_step(model_dir) == 0:
             assert time.monotonic() < deadline and all(p.poll() is None for p in group.processes), \
                 f"no checkpoint:\n{group.output()}"
@@ -67,7 +69,7 @@ def test_pods_train_survive_a_lost_worker_and_resume(variant, tmp_path):
 
         # The controller's restart: the same pods, the same shared volume.
         group = groups.start(network, pods, model_dir, scratch)
-        assert group.exit_codes(timeout=300) == [0, 0], group.output()
+        assert group.exit_codes(timeout=900) == [0, 0], group.output()
     summary = json.loads((model_dir / "summary.json").read_text())
     assert (summary["num_workers"], summary["steps"]) == (2, TRAIN_STEPS)
     assert summary["resumed_from_step"] == lost_at

@@ -41,7 +41,7 @@ def job(tmp_path):
         yield network, pods, groups, tmp_path / "data" / "run", tmp_path / "pods", SMALL_MODEL
 
 
-def wait_for_checkpoint(group, model_dir, after: int = 0, timeout: float = 300) -> int:
+def wait_for_checkpoint(group, model_dir, after: int = 0, timeout: float = 900) -> int:
     deadline = time.monotonic() + timeout
     while checkpointed_step(model_dir) <= after:
         assert time.monotonic() < deadline and all(p.poll() is None for p in group.processes), \
@@ -61,7 +61,7 @@ def test_a_slow_lossy_link_loses_nothing(job):
     network.degrade(1, delay_ms=100, loss_percent=2)
     wait_for_checkpoint(group, model_dir, after=step)  # trains on through it
     network.restore(1)
-    assert group.exit_codes(timeout=300) == [0, 0], group.output()
+    assert group.exit_codes(timeout=900) == [0, 0], group.output()
     assert (summary(model_dir)["steps"], summary(model_dir)["resumed_from_step"]) == (TRAIN_STEPS, 0)
 
 
@@ -79,6 +79,6 @@ def test_a_cut_link_ends_both_workers_retryably_and_the_group_resumes(job):
 
     network.restore(1)
     group = groups.start(network, pods, model_dir, scratch, flags)
-    assert group.exit_codes(timeout=300) == [0, 0], group.output()
+    assert group.exit_codes(timeout=900) == [0, 0], group.output()
     assert (summary(model_dir)["steps"], summary(model_dir)["resumed_from_step"]) == (TRAIN_STEPS, lost_at)
     print(f"both workers ended {ended_after:.1f} s after the cut, with {codes}")
