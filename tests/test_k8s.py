@@ -374,6 +374,14 @@ def test_dockerfile_passes_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_carried_crds_are_the_ones_their_readme_names():
+    import hashlib
+    readme = (K8S / "schemas" / "README.md").read_text()
+    for filename, _ in CRDS.values():
+        digest = hashlib.sha256((K8S / "schemas" / filename).read_bytes()).hexdigest()
+        assert re.search(rf"`{re.escape(filename)}` .*`{digest}`", readme), filename
+
+
 def test_the_image_installs_pinned_dependencies():
     dockerfile = (K8S / "Dockerfile").read_text()
     assert "pip install --constraint /src/constraints.txt /src" in dockerfile
