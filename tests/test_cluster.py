@@ -198,3 +198,20 @@ def test_the_largest_cluster_is_built_promptly():
                                "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"})
     assert cluster.num_workers == MAX_TASKS
     assert time.monotonic() - started < 5, "the duplicate check must not be quadratic"
+
+
+@pytest.mark.parametrize("environ", [
+    tf_config({"cluster": {"worker": ["a:٢٢٢٢", "b:1"]}, "task": {"type": "worker", "index": 0}}),
+    dict(SLURM, SLURM_PROCID="5"),
+    {"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "100000", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
+    jobset_pod("worker", 7),
+], ids=["tf_config-port", "slurm-rank", "indexed-job-count", "jobset-index"])
+def test_the_trainer_refuses_a_malformed_cluster_in_one_line(environ, tmp_path):
+    """What a user sees: one `error:` line, exit 2, nothing written (a
+    process of its own: the environment is the input)."""
+    from conftest import SMOKE_FLAGS, assert_one_error_line, subprocess_env, train
+
+    result = train([*SMOKE_FLAGS, "--train_steps=1", f"--model_dir={tmp_path / 'run'}"],
+                   env=subprocess_env(**environ))
+    assert_one_error_line(result, "")
+    assert not (tmp_path / "run").exists()
