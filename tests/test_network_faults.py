@@ -1,7 +1,7 @@
 """Faults between hosts: two workers of the indexed Job, each in a network
 namespace of its own, joined by a bridge (tests/netns.py), while they train.
 
-- A slow, lossy link (100 ms each way, 2% loss) slows training and loses
+- A slow, lossy link (50 ms each way, 1% loss) slows training and loses
   nothing: the run finishes without a restart.
 - A cut link ends both workers with a retryable code (141, a peer lost, or
   142, peers not up) within the documented deadline (docs/clusters.md:
@@ -58,7 +58,7 @@ def test_a_slow_lossy_link_loses_nothing(job):
     network, pods, groups, model_dir, scratch, flags = job
     group = groups.start(network, pods, model_dir, scratch, flags)
     step = wait_for_checkpoint(group, model_dir)
-    network.degrade(1, delay_ms=100, loss_percent=2)
+    network.degrade(1, delay_ms=50, loss_percent=1)
     wait_for_checkpoint(group, model_dir, after=step)  # trains on through it
     network.restore(1)
     assert group.exit_codes(timeout=900) == [0, 0], group.output()
