@@ -37,6 +37,18 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def netem_unavailable() -> Optional[str]:
+    """Why tc cannot add delay and loss here (no sch_netem in the kernel), or None."""
+    probe = f"dmptq{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "link", "add", probe, "type", "veth", "peer", "name", probe + "p"], check=True)
+    try:
+        tc = subprocess.run(["tc", "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms"],
+                            capture_output=True, text=True)
+        return None if tc.returncode == 0 else f"tc netem: {tc.stderr.strip()} (no sch_netem in this kernel)"
+    finally:
+        subprocess.run(["ip", "link", "del", probe], capture_output=True)
+
+
 def _ip(*args, netns: Optional[str] = None) -> None:
     prefix = ["ip", "netns", "exec", netns] if netns else []
     subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, text=True)
@@ -107,6 +119,13 @@ class Network:
         both ends of its link)."""
         for command in self._tc(pod, "replace", "netem", "delay", f"{delay_ms}ms",
                                 "loss", f"{loss_percent}%"):
+            subprocess.run(command, check=True, capture_output=True, text=True)
+
+    def throttle(self, pod: int, kbit_per_second: int) -> None:
+        """Limits pod `pod`'s link to a rate, both ways (tc tbf: a slow link
+        where netem is not available)."""
+        for command in self._tc(pod, "replace", "tbf", "rate", f"{kbit_per_second}kbit", "burst", "16kb",
+                                "latency", "500ms"):
             subprocess.run(command, check=True, capture_output=True, text=True)
 
     def _tc(self, pod: int, action: str, *qdisc) -> list:

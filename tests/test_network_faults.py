@@ -1,12 +1,12 @@
 """Faults between hosts: two workers of the indexed Job, each in a network
 namespace of its own, joined by a bridge (tests/netns.py), while they train.
 
-- A slow, lossy link (50 ms each way, 1% loss) slows training and loses
-  nothing: the run finishes without a restart.
+- A slow, lossy link (50 ms each way, 1% loss; tc netem, where the kernel
+  has it) and a narrow one (1 Mbit/s each way; tc tbf) slow training and
+  lose nothing: the run finishes without a restart.
 - A cut link ends both workers with a retryable code (141, a peer lost, or
   142, peers not up) within the documented deadline (docs/clusters.md:
-  about 10-20 s, from TensorFlow's 10-s coordination heartbeat; bounded
-  generously here), and the group restarted on the restored link resumes
+  about 20 s; bounded generously here), and the group restarted on the restored link resumes
   from the checkpoint and finishes with exactly the requested steps.
 
 The model is a narrow ResNet-9 (about 80 KB of gradients a step) rather
@@ -26,8 +26,8 @@ from netns import TRAIN_STEPS, Groups, checkpointed_step
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 
-# docs/clusters.md promises an end within about 20 s of a cut; a loaded CI
-# machine gets three times that.
+# docs/clusters.md promises an end within about 20 s of a cut (8 s measured
+# here); a loaded CI machine gets three times that.
 CUT_DEADLINE_SECONDS = 60
 RETRYABLE = (errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT)
 SMALL_MODEL = ["--model=resnet9", "--model_width=4"]
@@ -54,11 +54,17 @@ def summary(model_dir) -> dict:
     return json.loads((model_dir / "summary.json").read_text())
 
 
-def test_a_slow_lossy_link_loses_nothing(job):
+@pytest.mark.parametrize("fault", ["latency and loss", "narrow"])
+def test_a_slow_link_loses_nothing(job, fault):
+    if fault == "latency and loss" and netns.netem_unavailable():
+        pytest.skip(netns.netem_unavailable())
     network, pods, groups, model_dir, scratch, flags = job
     group = groups.start(network, pods, model_dir, scratch, flags)
     step = wait_for_checkpoint(group, model_dir)
-    network.degrade(1, delay_ms=50, loss_percent=1)
+    if fault == "narrow":
+        network.throttle(1, kbit_per_second=1000)
+    else:
+        network.degrade(1, delay_ms=50, loss_percent=1)
     wait_for_checkpoint(group, model_dir, after=step)  # trains on through it
     network.restore(1)
     assert group.exit_codes(timeout=900) == [0, 0], group.output()
