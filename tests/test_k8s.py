@@ -8,7 +8,6 @@ the rendered manifests: settings, locked-down pods, the NetworkPolicy.
 """
 
 import functools
-import json
 import re
 import shutil
 import subprocess
@@ -23,44 +22,36 @@ import yaml
 from distributed_mpt import errors
 from distributed_mpt.cluster import resolve_cluster
 from distributed_mpt.train import parse_config
+from k8s_pods import K8S, REPO, VARIANTS, main_container, of_kind, render, training_job, training_pods
 
-REPO = Path(__file__).resolve().parents[1]
-K8S = REPO / "k8s"
-VARIANTS = ("tfjob", "tfjob-chief", "indexed-job")
 # The oldest release the indexed Job supports as written, and the newest (catches removals).
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
-TRAINER = "tensorflow"  # the container name the training operator requires
 GRPC_PORT = 2222
 HOME = "/home/trainer"  # the image's HOME and user (k8s/Dockerfile)
 UID = 1000
+# The custom kinds, each with the CRD the tests validate it against (k8s/schemas/).
+CRDS = {"TFJob": ("kubeflow.org_tfjobs.yaml", "v1"),
+        "JobSet": ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2"),
+        "TrainJob": ("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"),
+        "ClusterTrainingRuntime": ("trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1")}
 
 
 # ---------------------------------------------------------------- rendering
 
-@functools.lru_cache(maxsize=None)
-def _render_text(directory: Path) -> str:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: the kustomize variants cannot be rendered")
-    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
-    return json.dumps([doc for doc in yaml.safe_load_all(result.stdout) if doc])
-
-
-def render(variant: str, k8s: Path = K8S) -> list:
-    """The documents `kubectl kustomize k8s/<variant>` renders (a fresh copy)."""
-    return json.loads(_render_text(k8s / variant))
-
-
-def of_kind(docs, kind: str) -> list:
-    return [d for d in docs if d["kind"] == kind]
+def job_templates(docs) -> list:
+    """(where, Job spec) of every Job that a JobSet (also a runtime's) makes."""
+    found = [(f"Job {job['metadata']['name']}", job["spec"]) for job in of_kind(docs, "Job")]
+    for jobset in of_kind(docs, "JobSet") + of_kind(docs, "ClusterTrainingRuntime"):
+        spec = jobset["spec"]["template"]["spec"] if jobset["kind"] == "ClusterTrainingRuntime" else jobset["spec"]
+        found += [(f"{jobset['kind']} {r['name']}", r["template"]["spec"]) for r in spec["replicatedJobs"]]
+    return found
 
 
 def pods(docs) -> list:
     """(where, component label, pod template) of every pod template."""
     found = [(f"TFJob {replica_type}", spec["template"])
              for tfjob in of_kind(docs, "TFJob") for replica_type, spec in tfjob["spec"]["tfReplicaSpecs"].items()]
-    found += [(f"Job {job['metadata']['name']}", job["spec"]["template"]) for job in of_kind(docs, "Job")]
+    found += [(where, spec["template"]) for where, spec in job_templates(docs)]
     return [(where, t["metadata"]["labels"]["app.kubernetes.io/component"], t) for where, t in found]
 
 
@@ -69,13 +60,9 @@ def trainer_pods(docs) -> list:
     return [(where, template) for where, component, template in pods(docs) if component == "trainer"]
 
 
-def training_job(docs) -> dict:
-    """The TFJob, or the indexed Job that trains."""
-    (job,) = of_kind(docs, "TFJob") or [j for j in of_kind(docs, "Job") if j["spec"].get("completionMode")]
-    return job
-
-
-def container(template, name: str = TRAINER) -> dict:
+def container(template, name=None) -> dict:
+    if name is None:
+        return main_container(template["spec"])
     return next(c for c in template["spec"]["containers"] if c["name"] == name)
 
 
@@ -99,12 +86,16 @@ def edit(path: Path, replacements: dict) -> None:
 def test_builtin_kinds_validate_strictly(variant, version):
     docs = render(variant)
     for doc in docs:
-        if not doc["apiVersion"].startswith("kubeflow.org/"):
+        if doc["kind"] not in CRDS:
             kubernetes_validate.validate(doc, version, strict=True)
-    # The TFJob's pod templates are PodTemplateSpecs: validate them as strictly.
+    # The CRDs embed built-in types without their schemas: validate the
+    # TFJob's pod templates and the JobSets' Job templates as strictly.
     for _, template in trainer_pods(of_kind(docs, "TFJob")):
         kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
                                       "template": template}, version, strict=True)
+    for _, spec in job_templates([d for d in docs if d["kind"] != "Job"]):
+        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "t"},
+                                      "spec": spec}, version, strict=True)
 
 
 def _strict(schema):
@@ -122,99 +113,104 @@ def _strict(schema):
 
 
 @functools.lru_cache(maxsize=None)
-def tfjob_validator() -> jsonschema.Draft7Validator:
-    crd = yaml.safe_load((K8S / "schemas" / "kubeflow.org_tfjobs.yaml").read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+def crd_validator(kind: str) -> jsonschema.Draft7Validator:
+    filename, version = CRDS[kind]
+    crd = yaml.safe_load((K8S / "schemas" / filename).read_text())
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return jsonschema.Draft7Validator(_strict(served["schema"]["openAPIV3Schema"]))
 
 
-@pytest.mark.parametrize("variant", ["tfjob", "tfjob-chief"])
-def test_tfjob_validates_against_the_operator_crd(variant):
-    (tfjob,) = of_kind(render(variant), "TFJob")
-    assert [e.message for e in tfjob_validator().iter_errors(tfjob)] == []
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_custom_kinds_validate_against_their_crds(variant):
+    custom = [doc for doc in render(variant) if doc["kind"] in CRDS]
+    assert custom or variant == "indexed-job"
+    for doc in custom:
+        assert doc["apiVersion"].endswith("/" + CRDS[doc["kind"]][1]), doc["apiVersion"]
+        assert [e.message for e in crd_validator(doc["kind"]).iter_errors(doc)] == [], doc["kind"]
 
 
-def test_the_crd_check_rejects_a_misspelt_field_and_a_wrong_type():
-    (tfjob,) = of_kind(render("tfjob"), "TFJob")
-    tfjob["spec"]["tfReplicaSpecs"]["Worker"]["restartpolicy"] = "ExitCode"
-    tfjob["spec"]["runPolicy"]["backoffLimit"] = "10"
-    assert len(list(tfjob_validator().iter_errors(tfjob))) == 2
+@pytest.mark.parametrize("variant, kind, path, number", [
+    ("tfjob", "TFJob", ["spec", "runPolicy"], "backoffLimit"),
+    ("jobset", "JobSet", ["spec", "failurePolicy"], "maxRestarts"),
+    ("trainjob", "TrainJob", ["spec", "trainer"], "numNodes"),
+    ("trainjob", "ClusterTrainingRuntime", ["spec", "mlPolicy"], "numNodes"),
+])
+def test_the_crd_check_rejects_a_misspelt_field_and_a_wrong_type(variant, kind, path, number):
+    (doc,) = of_kind(render(variant), kind)
+    target = doc
+    for key in path:
+        target = target[key]
+    target["misspeltField"] = 1
+    target[number] = str(target[number])
+    assert len(list(crd_validator(kind).iter_errors(doc))) == 2
 
 
 # ---------------------------------------------------- the trainer's view
 
-def tf_config(job, replica_type: str, index: int, namespace: str = "ml") -> str:
-    """The TF_CONFIG the training operator injects: every replica as
-    <job>-<type>-<index>.<namespace>.svc:<its tfjob-port>."""
-    cluster = {rtype.lower(): [f"{job['metadata']['name']}-{rtype.lower()}-{i}.{namespace}.svc:"
-                               f"{port_of(spec['template'], 'tfjob-port')}" for i in range(spec['replicas'])]
-               for rtype, spec in job["spec"]["tfReplicaSpecs"].items()}
-    return json.dumps({"cluster": cluster, "task": {"type": replica_type.lower(), "index": index}})
-
-
-def port_of(template, name: str) -> int:
-    return next(p["containerPort"] for p in container(template)["ports"] if p["name"] == name)
-
-
-def environments(docs) -> list:
-    """(where, environment) of every training process, with what the
-    operator or the Job controller adds to the manifest's env."""
-    job = training_job(docs)
-    if job["kind"] == "TFJob":
-        return [(f"{rtype} {i}", {**env(container(spec["template"])), "TF_CONFIG": tf_config(job, rtype, i)})
-                for rtype, spec in job["spec"]["tfReplicaSpecs"].items() for i in range(spec["replicas"])]
-    base = env(container(job["spec"]["template"]))
-    return [(f"index {i}", {**base, "JOB_COMPLETION_INDEX": str(i)}) for i in range(job["spec"]["completions"])]
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_trainer_accepts_the_flags_and_environment_it_is_given(variant):
+    """Every pod, with what its controllers give it, parses its command and
+    finds one cluster; every address names one pod, by a name that reaches it."""
     docs = render(variant)
     (prepare,) = [t for _, component, t in pods(docs) if component == "data"]
-    for where, template in trainer_pods(docs):
-        trainer = container(template)
-        assert trainer["command"][0] == "distributed-mpt-train", where
-        config = parse_config(trainer["command"][1:])
-        assert (config.strategy, config.download) == ("multi_worker", False), where
-        assert f"--data_dir={config.data_dir}" in container(prepare, "prepare-data")["command"], where
-        assert config.model_dir.startswith("/data/"), f"{where}: --model_dir is not on the shared volume"
-    clusters = [resolve_cluster(environ) for _, environ in environments(docs)]
+    training = training_pods(docs)
+    for pod in training:
+        assert pod.command[0] == "distributed-mpt-train", pod.hostname
+        config = parse_config(pod.command[1:])
+        assert (config.strategy, config.download) == ("multi_worker", False), pod.hostname
+        assert f"--data_dir={config.data_dir}" in container(prepare, "prepare-data")["command"], pod.hostname
+        assert config.model_dir.startswith("/data/"), f"{pod.hostname}: --model_dir is not on the shared volume"
+        assert pod.command[1] == "--recipe=resnet9" or "--recipe=resnet9" in pod.command, \
+            f"{pod.hostname}: the recipe's batch and schedule"
+        assert not [a for a in pod.command if a.startswith(("--per_replica_batch_size", "--epochs"))], pod.hostname
+    clusters = [resolve_cluster(pod.env) for pod in training]
     (addresses,) = {c.addresses for c in clusters}
-    assert len(addresses) == len(clusters), "every process is a task, and every task a process"
-    assert sorted(c.own_address for c in clusters) == sorted(addresses)
+    assert len(addresses) == len(clusters) == len(training), "every pod is a task, and every task a pod"
+    for pod, cluster in zip(training, clusters):
+        host, port = cluster.own_address.rsplit(":", 1)
+        assert host in pod.names, f"{pod.hostname} is reached as {pod.names}, not as {host}"
+        assert int(port) == GRPC_PORT
     assert [c.is_chief for c in clusters].count(True) == 1
-    assert {int(a.rsplit(":", 1)[1]) for a in addresses} == {GRPC_PORT}
 
 
 def test_indexed_job_pods_resolve_through_the_headless_service():
     docs = render("indexed-job")
     job = training_job(docs)
     template = job["spec"]["template"]
-    environ = env(container(template))
     (service,) = of_kind(docs, "Service")
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"], "MWMS needs every worker at once"
-    # Pod i is <job>-<i>.<subdomain>, which the trainer rebuilds from DMPT_*.
-    assert environ["DMPT_JOB_NAME"] == job["metadata"]["name"]
-    assert environ["DMPT_SERVICE_NAME"] == template["spec"]["subdomain"] == service["metadata"]["name"]
+    assert template["spec"]["subdomain"] == service["metadata"]["name"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
-    assert [p["targetPort"] for p in service["spec"]["ports"]] == [int(environ["DMPT_PORT"])]
-    assert int(environ["DMPT_PORT"]) == port_of(template, "tf-worker") == GRPC_PORT
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [GRPC_PORT]
+
+
+@pytest.mark.parametrize("variant", ["jobset", "jobset-chief", "trainjob"])
+def test_jobset_variants_start_the_group_at_once_and_queue_as_one(variant):
+    docs = render(variant)
+    job = training_job(docs)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+    jobset = job["spec"] if job["kind"] == "JobSet" else \
+        of_kind(docs, "ClusterTrainingRuntime")[0]["spec"]["template"]["spec"]
+    assert jobset["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
+    # Two pods never hold one hostname, and the old group is gone before the new starts.
+    assert jobset["failurePolicy"]["restartStrategy"] == "BlockingRecreate"
+    for where, spec in job_templates(docs):
+        if where.startswith(("JobSet", "ClusterTrainingRuntime")):
+            assert spec.get("parallelism", 1) == spec.get("completions", 1), where
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_permanent_exit_codes_are_not_retried(variant):
-    """Exit 2 (bad input) and 3 (diverged) end the job; a retry would fail alike."""
-    job = training_job(render(variant))
-    permanent = sorted({errors.EXIT_USAGE, errors.EXIT_DIVERGED})
-    if job["kind"] == "TFJob":
-        # ExitCode: the operator retries 128-255 (signals) and never 1-127.
-        assert {s["restartPolicy"] for s in job["spec"]["tfReplicaSpecs"].values()} == {"ExitCode"}
-        assert max(permanent) < 128 <= errors.EXIT_PREEMPTED
-    else:
-        (rule,) = [r for r in job["spec"]["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
-        assert rule["onExitCodes"] == {"containerName": TRAINER, "operator": "In", "values": permanent}
+def test_retryable_exit_codes_restart_the_group_and_permanent_ones_end_it(variant):
+    """Exit 2 (bad input) and 3 (diverged) end the job, as a retry would fail
+    alike; a stop, a lost peer, a late peer, a busy model_dir, a SIGKILL are
+    retried (distributed_mpt/errors.py)."""
+    retryable = [errors.EXIT_PREEMPTED, errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT,
+                 errors.EXIT_MODEL_DIR_BUSY, 128 + 9]
+    for pod in training_pods(render(variant)):
+        assert [pod.retried(code) for code in (errors.EXIT_USAGE, errors.EXIT_DIVERGED)] == [False, False]
+        assert all(pod.retried(code) for code in retryable), pod.hostname
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -225,32 +221,34 @@ def test_training_waits_for_the_data_prepared_once(variant):
     for where, template in trainer_pods(docs):
         (wait,) = template["spec"]["initContainers"]
         # TFDS renames cifar10/incomplete.<id>_<version>/ to cifar10/<version>/
-        # when complete: wait for the latter only.
+        # when complete: wait for the latter only, or for the binary release.
         assert "/data/tfds/cifar10/[0-9]*/dataset_info.json" in " ".join(wait["command"]), where
+        assert "/data/tfds/cifar-10-batches-bin/test_batch.bin" in " ".join(wait["command"]), where
 
 
 # ------------------------------------------------------------- settings
 
-SETTINGS_EDITS = {"workers=2": "workers=5", "gpusPerWorker=1": "gpusPerWorker=4",
+SETTINGS_EDITS = {"workers=2": "workers=5", "namespace: default": "namespace: ml-team",
+                  "dataClaim=distributed-mpt-data": "dataClaim=team-datasets", "gpusPerWorker=1": "gpusPerWorker=4",
                   "storageClass=nfs-client": "storageClass=cephfs",
                   # k8s/README.md: pin the image by digest.
                   'newTag: "0.1.0"': "digest: sha256:" + "ab" * 32}
 
 
 def settings_in(docs) -> tuple:
-    """(workers, GPUs per worker, storage class, image) as rendered, after
-    checking that every place that carries one of them agrees."""
-    job = training_job(docs)
-    if job["kind"] == "TFJob":
-        workers = job["spec"]["tfReplicaSpecs"]["Worker"]["replicas"]
-    else:
-        workers = job["spec"]["completions"]
-        assert job["spec"]["parallelism"] == int(env(container(job["spec"]["template"]))["DMPT_NUM_WORKERS"]) == workers
+    """(workers, GPUs per worker, storage class, image, namespace) as
+    rendered, after checking that every place that carries one agrees."""
+    clusters = [resolve_cluster(pod.env) for pod in training_pods(docs)]
+    workers = [c.task_type for c in clusters].count("worker")
     (gpus,) = {container(t)["resources"]["limits"]["nvidia.com/gpu"] for _, t in trainer_pods(docs)}
     (claim,) = of_kind(docs, "PersistentVolumeClaim")
+    assert {v["persistentVolumeClaim"]["claimName"] for _, _, t in pods(docs) for v in t["spec"]["volumes"]
+            if "persistentVolumeClaim" in v} == {claim["metadata"]["name"]}
     (image,) = {c["image"] for _, _, t in pods(docs)
                 for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])}
-    return workers, gpus, claim["spec"]["storageClassName"], image
+    (namespace,) = {d["metadata"].get("namespace") for d in docs if d["kind"] != "ClusterTrainingRuntime"}
+    assert all("namespace" not in d["metadata"] for d in of_kind(docs, "ClusterTrainingRuntime"))
+    return workers, gpus, claim["spec"]["storageClassName"], claim["metadata"]["name"], image, namespace
 
 
 def test_the_settings_component_sets_every_variant_in_one_place(tmp_path):
@@ -258,8 +256,10 @@ def test_the_settings_component_sets_every_variant_in_one_place(tmp_path):
     edit(k8s / "settings" / "kustomization.yaml", SETTINGS_EDITS)
     image = "registry.example.com/ml/distributed-mpt"
     for variant in VARIANTS:
-        assert settings_in(render(variant)) == (2, 1, "nfs-client", f"{image}:0.1.0"), variant
-        assert settings_in(render(variant, k8s)) == (5, 4, "cephfs", f"{image}@sha256:{'ab' * 32}"), variant
+        assert settings_in(render(variant)) == \
+            (2, 1, "nfs-client", "distributed-mpt-data", f"{image}:0.1.0", "default"), variant
+        assert settings_in(render(variant, k8s)) == \
+            (5, 4, "cephfs", "team-datasets", f"{image}@sha256:{'ab' * 32}", "ml-team"), variant
 
 
 # ------------------------------------------------------------- security
@@ -299,37 +299,69 @@ def test_networkpolicy_admits_only_this_job_on_the_training_ports(variant):
 
 def test_a_renamed_job_gets_its_own_networkpolicy(tmp_path):
     k8s = Path(shutil.copytree(K8S, tmp_path / "k8s"))
-    for path in ("tfjob/tfjob.yaml", "indexed-job/job.yaml", "indexed-job/kustomization.yaml"):
+    for path in ("tfjob/tfjob.yaml", "indexed-job/job.yaml", "indexed-job/kustomization.yaml",
+                 "jobset/jobset.yaml", "trainjob/trainjob.yaml"):
         edit(k8s / path, {"name: cifar10-resnet9\n": "name: cifar10-second\n"})
     for variant in VARIANTS:
         docs = render(variant, k8s)
         assert check_networkpolicy(docs) == "cifar10-second", variant
-        for where, environ in environments(docs):
-            assert all(a.startswith("cifar10-second-") for a in resolve_cluster(environ).addresses), \
-                f"{variant} {where}: the pods do not find each other under the new name"
+        for pod in training_pods(docs):
+            assert all(a.startswith("cifar10-second-") for a in resolve_cluster(pod.env).addresses), \
+                f"{variant} {pod.hostname}: the pods do not find each other under the new name"
+
+
+def job_label(docs) -> dict:
+    """The label that tells this job's pods from others': our instance label,
+    or, for a TrainJob (whose shared runtime cannot carry it), the JobSet
+    name that JobSet puts on every pod."""
+    job = training_job(docs)
+    key = "jobset.sigs.k8s.io/jobset-name" if job["kind"] == "TrainJob" else "app.kubernetes.io/instance"
+    return {key: job["metadata"]["name"]}
 
 
 def check_networkpolicy(docs) -> str:
-    """Asserts that one policy isolates the training pods and admits only
-    pods of the same job, on the gRPC port and the pods' pinned ephemeral
-    range (NCCL); returns the job instance it admits."""
+    """Asserts that one policy isolates the training pods: it admits only
+    pods of the same job, and lets them reach only each other and DNS, on
+    the gRPC port and the pods' pinned ephemeral range (NCCL); returns the
+    job it admits. The data pod has a policy of its own."""
     job = training_job(docs)
-    (policy,) = of_kind(docs, "NetworkPolicy")
+    (policy,) = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == job["metadata"]["name"]]
     selector = policy["spec"]["podSelector"]["matchLabels"]
-    assert selector["app.kubernetes.io/instance"] == policy["metadata"]["name"] == job["metadata"]["name"]
-    assert policy["spec"]["policyTypes"] == ["Ingress"] and not policy["spec"]["podSelector"].get("matchExpressions")
+    assert job_label(docs).items() <= selector.items(), selector
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert not policy["spec"]["podSelector"].get("matchExpressions")
     (rule,) = policy["spec"]["ingress"]
     assert rule["from"] == [{"podSelector": {"matchLabels": selector}}], "a peer other than this job's pods"
+    peers, dns = policy["spec"]["egress"]
+    assert peers == {"to": [{"podSelector": {"matchLabels": selector}}], "ports": rule["ports"]}
+    assert dns["to"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
+    assert {p["port"] for p in dns["ports"]} == {53}
+    runtime_labels = job_label(docs) if job["kind"] == "TrainJob" else {}
     for where, component, template in pods(docs):
-        selected = selector.items() <= template["metadata"]["labels"].items()
-        assert selected == (component == "trainer"), where
+        labels = {**template["metadata"]["labels"], **(runtime_labels if component == "trainer" else {})}
+        assert (selector.items() <= labels.items()) == (component == "trainer"), where
     (port_range,) = {next((s["value"] for s in t["spec"]["securityContext"].get("sysctls", [])
                            if s["name"] == "net.ipv4.ip_local_port_range"), None) for _, t in trainer_pods(docs)}
     low, high = map(int, port_range.split())
     assert low > GRPC_PORT
     assert rule["ports"] == [{"protocol": "TCP", "port": GRPC_PORT},
                              {"protocol": "TCP", "port": low, "endPort": high}]
-    return selector["app.kubernetes.io/instance"]
+    return job["metadata"]["name"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_pod_has_a_networkpolicy(variant):
+    docs = render(variant)
+    policies = of_kind(docs, "NetworkPolicy")
+    runtime_labels = job_label(docs)
+    for where, component, template in pods(docs):
+        labels = {**template["metadata"]["labels"], **(runtime_labels if component == "trainer" else {})}
+        covering = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert len(covering) == 1, where
+        assert covering[0]["spec"]["policyTypes"] == ["Ingress", "Egress"], where
+    (data,) = [p for p in policies if p["metadata"]["labels"]["app.kubernetes.io/component"] == "data"]
+    assert "ingress" not in data["spec"], "nothing connects to the data pod"
+    assert [p["port"] for rule in data["spec"]["egress"] for p in rule["ports"]] == [53, 53, 443]
 
 
 # ------------------------------------------------------- image and docs
@@ -340,6 +372,25 @@ def test_dockerfile_passes_hadolint():
     result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", str(K8S / "Dockerfile")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_carried_crds_are_the_ones_their_readme_names():
+    import hashlib
+    readme = (K8S / "schemas" / "README.md").read_text()
+    for filename, _ in CRDS.values():
+        digest = hashlib.sha256((K8S / "schemas" / filename).read_bytes()).hexdigest()
+        assert re.search(rf"`{re.escape(filename)}` .*`{digest}`", readme), filename
+
+
+def test_the_image_installs_pinned_dependencies():
+    dockerfile = (K8S / "Dockerfile").read_text()
+    assert "pip install --constraint /src/constraints.txt /src" in dockerfile
+    pins = [line for line in (K8S / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[\w.]+", line) for line in pins), pins
+    pinned = {line.split("==")[0] for line in pins}
+    required = re.findall(r'^\s+"([A-Za-z0-9_-]+)[>=<"]', (REPO / "setup.py").read_text().split("extras_require")[0],
+                          re.MULTILINE)
+    assert required and {name.lower().replace("_", "-") for name in required} <= pinned
 
 
 def test_readme_names_only_paths_and_variants_that_exist():

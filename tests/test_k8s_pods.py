@@ -1,0 +1,76 @@
+"""The pods of every multi-worker variant, run: each rendered pod's container
+command starts as a process in a network namespace of its own, under the
+pod's hostname, with the environment its controllers give it and the job's
+DNS names in its hosts file (tests/k8s_pods.py, tests/netns.py). Two workers
+train on synthetic data until one is killed; the exit codes must be ones the
+manifest's failure policy retries, and the restarted group must resume from
+the checkpoint on the shared volume (here a host directory) and finish.
+
+The recipe's flags are overridden the way a user would, by flags appended
+to the command: a tiny MLP on synthetic data, on CPUs, for a few steps.
+Needs root (network namespaces); skipped elsewhere, with the reason.
+"""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+import netns
+from distributed_mpt import errors
+from k8s_pods import render, training_job, training_pods
+from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+
+def listening_ports(network, pod: int) -> set:
+    ss = subprocess.run(["ip", "netns", "exec", network.namespaces[pod], "ss", "-Hltn"],
+                        capture_output=True, text=True, check=True)
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in ss.stdout.splitlines()}
+
+
+def admitted_ports(docs) -> set:
+    """The TCP ports the job's NetworkPolicy admits between its pods (the
+    port range as its first port: a stand-in for the range)."""
+    job = training_job(docs)
+    (policy,) = [p for p in docs if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == job["metadata"]["name"]]
+    return {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+
+# The timeouts below only bound a hung run: on a 2-core machine shared with
+# other training runs, one group of this test has taken several minutes.
+@pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "jobset", "trainjob"])
+def test_pods_train_survive_a_lost_worker_and_resume(variant, tmp_path):
+    docs = render(variant)
+    pods = training_pods(docs)
+    assert len(pods) == 2, f"{variant}: the test expects the default 2 workers (k8s/settings)"
+    model_dir, scratch = tmp_path / "data" / "run", tmp_path / "pods"
+    with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
+        # A worker is lost once the run has a checkpoint to resume from.
+        group = groups.start(network, pods, model_dir, scratch)
+        deadline = time.monotonic() + 900
+        while checkpointed_step(model_dir) == 0:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in group.processes), \
+                f"no checkpoint:\n{group.output()}"
+            time.sleep(0.1)
+        for i in range(len(pods)):
+            # What each pod serves on must be a port its NetworkPolicy admits.
+            assert listening_ports(network, i) & admitted_ports(docs), f"{pods[i].hostname}:\n{group.output()}"
+        group.processes[1].send_signal(signal.SIGKILL)
+        codes = group.exit_codes(timeout=PEER_TIMEOUT_SECONDS + 60)
+        assert codes[1] == 128 + signal.SIGKILL
+        assert codes[0] in (errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT), group.output()
+        assert all(pod.retried(code) for pod, code in zip(pods, codes)), \
+            f"exit codes {codes} are not retried by the {variant} failure policy"
+        lost_at = checkpointed_step(model_dir)
+        assert 0 < lost_at < TRAIN_STEPS, "the run ended before a worker was lost"
+
+        # The controller's restart: the same pods, the same shared volume.
+        group = groups.start(network, pods, model_dir, scratch)
+        assert group.exit_codes(timeout=900) == [0, 0], group.output()
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert (summary["num_workers"], summary["steps"]) == (2, TRAIN_STEPS)
+    assert summary["resumed_from_step"] == lost_at
+    assert summary["eval_accuracy"] > 0.5
