@@ -181,12 +181,12 @@ def test_the_official_binary_release_trains_offline_and_reports_time_to_accuracy
     model_dir = tmp_path / "run"
     result = train(["--model=airbench", "--model_width=4", f"--data_dir={tmp_path / 'data'}",
                     "--nodownload", "--per_replica_batch_size=64", "--train_steps=4",
-                    "--steps_per_loop=2", "--log_every_steps=2", "--eval_tta", "--noexport",
+                    "--steps_per_loop=2", "--log_every_steps=2", "--eval_tta=flip", "--noexport",
                     f"--model_dir={model_dir}"])
     assert_ok(result)
     summary = read_summary(model_dir)
     assert summary["dataset"] == "cifar10" and summary["eval_examples"] == 10_000
-    assert summary["eval_tta"] is True and 0 <= summary["eval_accuracy_without_tta"] <= 1
+    assert summary["eval_tta"] == "flip" and 0 <= summary["eval_accuracy_without_tta"] <= 1
     assert summary["wall_seconds"] > 0 and "cores" in summary["device"]
     assert summary["tensorflow_version"] and summary["keras_version"]
     # The final evaluation ends the accuracy curve, with the time it took to get there.
