@@ -326,14 +326,14 @@ def _main(argv) -> int:
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:
     """The flags' test split (by default the one the model was trained on:
     for synthetic data, the split of its own seed and size), evaluated."""
-    from distributed_mpt import data
+    from distributed_mpt import datasets
 
     trained = {k: v for k, v in classifier.info.items()
                if k in ("dataset", "seed", "synthetic_examples")}
     chosen = {k: v for k, v in (("dataset", fv.dataset),
                                 ("synthetic_examples", fv.synthetic_examples)) if v is not None}
     split = _checked_config({**trained, **chosen})
-    _, test = data.load_dataset(split.dataset, fv.data_dir, fv.download,
+    _, test = datasets.load_dataset(split.dataset, fv.data_dir, fv.download,
                                 split.synthetic_examples, split.seed)
     return {"dataset": split.dataset,
             **evaluate(classifier.probabilities, test.images, test.labels)}

@@ -27,9 +27,9 @@ def main(argv=None) -> int:
     except flags.Error as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    from distributed_mpt import data  # imports TensorFlow
+    from distributed_mpt import datasets  # imports TensorFlow
     try:
-        train, test = data.load_cifar10(fv.data_dir, download=True)
+        train, test = datasets.load_cifar10(fv.data_dir, download=True)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

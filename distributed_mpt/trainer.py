@@ -19,7 +19,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from distributed_mpt import data, distribution, optimization, outputs, precision
+from distributed_mpt import datasets, input_pipeline, distribution, optimization, outputs, precision
 from distributed_mpt.checkpointing import Checkpoints, model_identity
 from distributed_mpt.cluster import Cluster
 from distributed_mpt import config as config_lib
@@ -147,7 +147,7 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
     """Scales batch and learning rate to the replicas; raises ConfigError if
     the global batch does not fit the training split."""
     global_batch = config.per_replica_batch_size * num_replicas
-    epoch_steps = data.steps_per_epoch(num_train_examples, global_batch)
+    epoch_steps = input_pipeline.steps_per_epoch(num_train_examples, global_batch)
     if config.xla and num_replicas > 1 and synchronizes_replicas(config.model):
         raise ConfigError(
             f"--xla compiles each replica's forward and backward pass, which cannot hold "
@@ -178,7 +178,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
-                 train_split: data.ImageSplit):
+                 train_split: datasets.ImageSplit):
         self.config, self.plan, self._strategy = config, plan, strategy
         schedule = optimization.learning_rate_schedule(
             plan.learning_rate, plan.total_steps, plan.warmup_steps, config.lr_schedule)
@@ -273,12 +273,12 @@ class Trainer:
                 f"give every worker the same --model_dir on one shared file system, the same data "
                 f"and flags, and an explicit --precision")
 
-    def train_dataset(self, split: data.ImageSplit, start_step: int):
+    def train_dataset(self, split: datasets.ImageSplit, start_step: int):
         """The distributed training input from `start_step` to the last step."""
-        return self._strategy.distribute_datasets_from_function(data.train_input_fn(
+        return self._strategy.distribute_datasets_from_function(input_pipeline.train_input_fn(
             split, self.plan.global_batch_size, self.config.seed, start_step,
             self.plan.total_steps - start_step, images_on_device=self._device_split is not None,
-            augmentation=data.Augmentation(self.config.crop_padding, self.config.flip)))
+            augmentation=input_pipeline.Augmentation(self.config.crop_padding, self.config.flip)))
 
     def train(self, iterator, num_steps: int, stop_requested: bool = False,
               seconds_per_step: float = 0.0) -> LoopTotals:
@@ -290,16 +290,16 @@ class Trainer:
         totals = [float(x) for x in totals.numpy()]
         return LoopTotals(*totals[:5], seconds_per_step=totals[5] / self.plan.num_replicas)
 
-    def evaluate(self, split: data.ImageSplit) -> dict:
+    def evaluate(self, split: datasets.ImageSplit) -> dict:
         """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
         `split`, each example counted once across all workers. With test-time
         augmentation, also `eval_accuracy_without_tta`, so that every run
         shows what it buys."""
         batch = self.plan.global_batch_size
         iterator = iter(self._strategy.distribute_datasets_from_function(
-            data.eval_input_fn(split, batch)))
+            input_pipeline.eval_input_fn(split, batch)))
         loss_sum, correct, examples, plain_correct = (float(x) for x in self._eval_loop(
-            iterator, tf.constant(data.eval_steps(len(split), batch))).numpy())
+            iterator, tf.constant(input_pipeline.eval_steps(len(split), batch))).numpy())
         result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
                   "eval_examples": int(round(examples))}
         if self.config.eval_tta != "none":
@@ -307,7 +307,7 @@ class Trainer:
         return result
 
     def _per_example_loss(self, loss_fn, labels, probabilities):
-        return loss_fn(tf.one_hot(labels, data.NUM_CLASSES), probabilities)
+        return loss_fn(tf.one_hot(labels, datasets.NUM_CLASSES), probabilities)
 
     def _compute_gradients(self, images, labels):
         model = self.model
@@ -325,7 +325,7 @@ class Trainer:
 
     def _train_step(self, *batch):
         if self._device_split is not None:  # batch: indices, crop offsets, flips
-            images, labels = data.gather_and_augment(*self._device_split, *batch,
+            images, labels = input_pipeline.gather_and_augment(*self._device_split, *batch,
                                                      self.config.crop_padding)
         else:
             images, labels = batch
@@ -374,7 +374,7 @@ class Trainer:
         # CIFAR-10's classes are symmetric under a horizontal flip and small
         # shifts, and the model was trained on such views: averaging their
         # logits removes part of the model's variance.
-        views = data.test_time_views(images, self.config.eval_tta)
+        views = input_pipeline.test_time_views(images, self.config.eval_tta)
         view_logits = [tf.cast(self._logits(view, training=False), tf.float32) for _, view in views]
         logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
         probabilities = tf.nn.softmax(logits)
@@ -423,7 +423,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     """
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
-    train_split, test_split = data.load_dataset(
+    train_split, test_split = datasets.load_dataset(
         config.dataset, config.data_dir, config.download, config.synthetic_examples, config.seed)
     plan = plan_run(config, strategy.num_replicas_in_sync,
                     cluster.num_workers if cluster else 1, len(train_split))

@@ -6,12 +6,11 @@ import signal
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
-from conftest import (SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights, read_summary,
+from conftest import (WatchedProcess, assert_ok, checkpoint_weights, read_summary,
                       subprocess_env, train)
-from distributed_mpt import data, models, optimization
+from distributed_mpt import datasets, input_pipeline, models, optimization
 
 # A tiny airbench with every part of the recipe on, on synthetic data.
 AIRBENCH94 = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
@@ -29,13 +28,13 @@ def _images(count=4, size=6):
 def test_test_time_views_are_the_ones_named():
     images = _images()
     mirror = images[:, :, ::-1]
-    assert [w for w, _ in data.test_time_views(images, "none")] == [1.0]
-    flip = data.test_time_views(images, "flip")
+    assert [w for w, _ in input_pipeline.test_time_views(images, "none")] == [1.0]
+    flip = input_pipeline.test_time_views(images, "flip")
     assert [w for w, _ in flip] == [0.5, 0.5]
     np.testing.assert_array_equal(flip[0][1], images)
     np.testing.assert_array_equal(flip[1][1], mirror)
 
-    six = data.test_time_views(images, "flip_translate")
+    six = input_pipeline.test_time_views(images, "flip_translate")
     assert [w for w, _ in six] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
     padded = np.pad(images.numpy(), [(0, 0), (1, 1), (1, 1), (0, 0)], mode="reflect")
     down_right, up_left = padded[:, :-2, :-2], padded[:, 2:, 2:]
@@ -52,10 +51,10 @@ def test_alternating_flips_show_each_image_both_ways_in_two_epochs():
     count = 64
     images = np.zeros((count, 32, 32, 3), np.uint8)
     images[:, :, 0] = 1
-    split = data.ImageSplit(images, np.arange(count, dtype=np.int32))
-    dataset_fn = data.train_input_fn(split, global_batch_size=16, seed=5, start_step=0,
+    split = datasets.ImageSplit(images, np.arange(count, dtype=np.int32))
+    dataset_fn = input_pipeline.train_input_fn(split, global_batch_size=16, seed=5, start_step=0,
                                      num_steps=3 * count // 16,
-                                     augmentation=data.Augmentation(0, "alternating"))
+                                     augmentation=input_pipeline.Augmentation(0, "alternating"))
     context = tf.distribute.InputContext()
     flipped = [{}, {}, {}]  # per epoch: image -> flipped?
     for step, (batch, labels) in enumerate(dataset_fn(context)):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from distributed_mpt.checkpointing import model_identity
-from distributed_mpt import data, models
+from distributed_mpt import datasets, models
 from distributed_mpt.models import build_model
 
 
@@ -48,7 +48,7 @@ def test_identity_tells_models_and_precisions_apart():
 
 
 def test_airbench_whitening_layer_whitens_image_patches():
-    train, _ = data.make_synthetic(num_train=600, num_test=1, seed=0)
+    train, _ = datasets.make_synthetic(num_train=600, num_test=1, seed=0)
     model = build_model("airbench", width=8)
     models.initialize_from_data(model, train.images)
     whiten = model.get_layer("whiten")
@@ -57,7 +57,7 @@ def test_airbench_whitening_layer_whitens_image_patches():
     np.testing.assert_array_equal(whiten.get_weights()[0], models.whitening_filters(train.images))
     # The first half of the filters maps 2x2 patches of normalized images to
     # uncorrelated unit-variance outputs; the second half is its negative.
-    normalized = (train.images - np.float32(data.CIFAR10_MEAN)) / np.float32(data.CIFAR10_STD)
+    normalized = (train.images - np.float32(datasets.CIFAR10_MEAN)) / np.float32(datasets.CIFAR10_STD)
     outputs = np.asarray(keras.ops.conv(normalized, whiten.get_weights()[0][..., :12]))
     outputs = outputs.reshape(-1, 12).astype(np.float64)
     np.testing.assert_allclose(outputs.T @ outputs / len(outputs), np.eye(12), atol=0.02)

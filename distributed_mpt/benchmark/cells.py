@@ -56,7 +56,7 @@ def measure(cell: Cell) -> dict:
     and the FLOPs one example's training step takes."""
     import tensorflow as tf
 
-    from distributed_mpt import cluster, config, data, distribution, precision, trainer
+    from distributed_mpt import cluster, config, datasets, distribution, precision, trainer
 
     gpus = tf.config.list_physical_devices("GPU")
     workers = cluster.resolve_cluster() if cell.strategy == "multi_worker" else None
@@ -73,7 +73,7 @@ def measure(cell: Cell) -> dict:
         per_replica_batch_size=cell.batch_size // replicas,
         train_steps=WARMUP_STEPS + 2 + cell.repeats * (cell.steps or MAX_STEPS),
         evaluate=False, export=False)
-    split, _ = data.make_synthetic(cell.examples, 1, seed=0)
+    split, _ = datasets.make_synthetic(cell.examples, 1, seed=0)
     plan = trainer.plan_run(train_config, replicas, workers.num_workers if workers else 1,
                             len(split))
     precision.set_precision(plan.policy)

@@ -194,14 +194,14 @@ def _compute_dtype(policy: str) -> str:
 
 
 def pipeline_images_per_second(batch_size: int, options: Options) -> float:
-    """Images/s of the trainer's input pipeline (`data.train_input_fn`, one
+    """Images/s of the trainer's input pipeline (`input_pipeline.train_input_fn`, one
     host) with nothing consuming them: the best of `repeats` windows."""
     import tensorflow as tf
 
-    from distributed_mpt import data
+    from distributed_mpt import datasets, input_pipeline
 
-    split, _ = data.make_synthetic(options.examples, 1, seed=0)
-    batches = iter(data.train_input_fn(split, batch_size, 0, 0, 10**9)(tf.distribute.InputContext()))
+    split, _ = datasets.make_synthetic(options.examples, 1, seed=0)
+    batches = iter(input_pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(tf.distribute.InputContext()))
     next(batches)  # builds the pipeline
     rates = []
     for _ in range(options.repeats):

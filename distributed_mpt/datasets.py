@@ -1,14 +1,9 @@
-"""CIFAR-10 (or CIFAR-shaped synthetic data) as uint8 arrays, and the tf.data
-pipelines that feed them to every replica.
+"""CIFAR-10 (or CIFAR-shaped synthetic data) as uint8 arrays in host memory:
+read from the official binary release or tensorflow-datasets, with a
+diagnosis of damaged or missing files that says how to get them back.
 
-The whole split stays in host memory as uint8 (150 MB for CIFAR-10's train
-split). Each epoch is a seeded permutation of indices; batches of indices are
-gathered, augmented as whole batches, and travel to the device as uint8, where
-the model casts and normalizes them. Which images form global batch k of epoch
-e, and how each is augmented, depends only on (seed, e, k): never on how many
-workers or replicas share the work. That is what makes N replicas at batch b
-train exactly like one replica at batch N*b, and a resumed run continue with
-the very batches it would have seen.
+The input pipeline that feeds the arrays to the replicas is
+input_pipeline.py.
 """
 
 import dataclasses
@@ -16,7 +11,7 @@ import os
 import re
 import socket
 import threading
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -42,21 +37,6 @@ _CIFAR10_HOST = ("www.cs.toronto.edu", 443)
 # tensorflow-datasets retries an unreachable host for minutes; a plain TCP
 # connect answers the question "is there network?" in seconds.
 _NETWORK_PROBE_SECONDS = 15
-# Padded-crop augmentation: pad 4 pixels on each side, crop back to 32x32.
-CROP_PADDING = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Augmentation:
-    """How training images are augmented: a random translation by up to
-    `crop_padding` pixels (a crop of the reflect-padded image), and
-    horizontal flips (`flip`: random, alternating or none; see
-    config.TrainConfig.flip)."""
-
-    crop_padding: int = CROP_PADDING
-    flip: str = "random"
-
-
 @dataclasses.dataclass(frozen=True)
 class ImageSplit:
     """A split held in memory: uint8 images [N, 32, 32, 3] and int32 labels [N]."""
@@ -330,176 +310,3 @@ def make_synthetic(num_train: int, num_test: int, seed: int) -> Tuple[ImageSplit
         return ImageSplit(images, labels)
 
     return split(num_train), split(num_test)
-
-
-def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
-    """Full global batches per epoch (training drops the ragged remainder)."""
-    return num_examples // global_batch_size
-
-
-def gather_and_augment(images, labels, indices, offsets, flips, crop_padding=CROP_PADDING):
-    """The augmented training batch at `indices` of `images` and `labels`:
-    a padded random crop and a horizontal flip of each image.
-
-    images: uint8 [N, H, W, C]; labels: int32 [N]; indices: int32 [B];
-    offsets: int32 [B, 2] in [0, 2*crop_padding], the crop's corner in the
-    reflect-padded image; flips: bool [B]. Returns uint8 [B, H, W, C] images
-    and their labels.
-
-    Padding, cropping and flipping only decide which source pixel lands
-    where, so the source pixel's index is computed and the whole batch is
-    read with a single gather of uint8 pixels: no padded copy, no float
-    copy, no separate flip.
-    """
-    _, height, width, channels = images.shape
-    rows = _reflect(offsets[:, :1] - crop_padding + tf.range(height)[None, :], height)   # [B, H]
-    columns = tf.where(flips[:, None], tf.range(width - 1, -1, -1)[None, :], tf.range(width)[None, :])
-    columns = _reflect(offsets[:, 1:] - crop_padding + columns, width)                   # [B, W]
-    pixel = (indices[:, None, None] * height + rows[:, :, None]) * width + columns[:, None, :]
-    augmented = tf.gather(tf.reshape(images, [-1, channels]), pixel)                     # [B, H, W, C]
-    return augmented, tf.gather(labels, indices)
-
-
-def _reflect(position: tf.Tensor, size: int) -> tf.Tensor:
-    """Maps positions up to size - 1 outside [0, size) back inside, as
-    tf.pad's REFLECT mode does (-1 -> 1, size -> size - 2)."""
-    position = tf.abs(position)
-    return tf.where(position >= size, 2 * (size - 1) - position, position)
-
-
-def _pipeline_share(values: tf.Tensor, steps: int, context: tf.distribute.InputContext,
-                    replica_batch_size: int) -> tf.Tensor:
-    """This input pipeline's part of each global batch, as per-replica batches.
-
-    `values` holds `steps` global batches back to back. Pipeline p takes the
-    p-th contiguous slice of each, cut into per-replica batches in the order
-    the strategy hands them to its local replicas.
-    """
-    trailing = values.shape[1:]
-    per_step = tf.reshape(values, [steps, context.num_input_pipelines, -1, *trailing])
-    mine = per_step[:, context.input_pipeline_id]
-    return tf.reshape(mine, [-1, replica_batch_size, *trailing])
-
-
-def _host_tensors(split: ImageSplit):
-    """The split as tensors in host memory, where tf.data runs (an eager
-    constant would otherwise land on the GPU and be copied back)."""
-    with tf.device("/cpu:0"):
-        return tf.constant(split.images), tf.constant(split.labels)
-
-
-def _options() -> tf.data.Options:
-    options = tf.data.Options()
-    options.deterministic = True
-    # Sharding is done explicitly above; file-based auto-sharding would be
-    # wrong (CIFAR-10 is a single file) and data-based would waste work.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return options
-
-
-def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,
-                   num_steps: int, images_on_device: bool = False,
-                   augmentation: Augmentation = Augmentation()
-                   ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
-    """A `dataset_fn` for `distribute_datasets_from_function` yielding
-    `(uint8 images, int32 labels)` per-replica batches for steps
-    `start_step .. start_step + num_steps - 1`, each epoch shuffled and
-    augmented by `seed`, as `augmentation` says.
-
-    With `images_on_device`, it yields `(indices, offsets, flips)` instead:
-    the caller keeps the split on the device and applies `gather_and_augment`
-    there, so only a few bytes per image cross from the host each step.
-
-    The global batch must fit the split at least once; `trainer.plan_run`
-    checks that, with the flags to change, before any pipeline is built.
-    """
-    num_examples = len(split)
-    epoch_steps = steps_per_epoch(num_examples, global_batch_size)
-    first_epoch, skip_steps = divmod(start_step, epoch_steps)
-    last_epoch = (start_step + num_steps + epoch_steps - 1) // epoch_steps
-
-    padding = augmentation.crop_padding
-    # One coin per image for alternating flips, the same in every epoch.
-    image_flips = tf.random.stateless_uniform([num_examples], seed=[seed + 3, 0]) < 0.5
-
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        replica_batch = context.get_per_replica_batch_size(global_batch_size)
-        local_replicas = global_batch_size // context.num_input_pipelines // replica_batch
-        used = epoch_steps * global_batch_size
-
-        def epoch(e):
-            e = tf.cast(e, tf.int32)
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(num_examples), seed=tf.stack([seed, e]))[:used]
-            # Augmentation is keyed by position in the epoch, like the order,
-            # so it does not depend on how the batch is split.
-            offsets = tf.random.stateless_uniform([used, 2], seed=tf.stack([seed + 1, e]),
-                                                  maxval=2 * padding + 1, dtype=tf.int32)
-            if augmentation.flip == "random":
-                flips = tf.random.stateless_uniform([used], seed=tf.stack([seed + 2, e])) < 0.5
-            elif augmentation.flip == "alternating":
-                # Every image is seen both ways in any two epochs: less
-                # repetition than independent coins (airbench).
-                flips = tf.not_equal(tf.gather(image_flips, order), e % 2 == 1)
-            else:
-                flips = tf.zeros([used], tf.bool)
-            share = lambda x: _pipeline_share(x, epoch_steps, context, replica_batch)
-            return tf.data.Dataset.from_tensor_slices((share(order), share(offsets), share(flips)))
-
-        batches = (tf.data.Dataset.range(first_epoch, last_epoch)
-                   .flat_map(epoch)
-                   .skip(skip_steps * local_replicas)
-                   .take(num_steps * local_replicas))
-        if not images_on_device:
-            images, labels = _host_tensors(split)
-            batches = batches.map(lambda *batch: gather_and_augment(images, labels, *batch, padding),
-                                  num_parallel_calls=tf.data.AUTOTUNE)
-        return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
-
-    return dataset_fn
-
-
-def test_time_views(images: tf.Tensor, views: str) -> list:
-    """The views of a batch of test `images` (uint8 [B, H, W, C]) that
-    test-time augmentation averages, as (weight, images) pairs whose weights
-    sum to 1. `views` (config.TTA_VIEWS): none, flip (the image and its
-    mirror image, 1/2 each), or flip_translate (airbench94's six: those two at
-    1/4 each, and both again shifted one pixel up-left and one pixel
-    down-right, reflect-padded, at 1/8 each)."""
-    if views == "none":
-        return [(1.0, images)]
-    pairs = [(1.0, images)]  # (weight of the view and its mirror image, the view)
-    if views == "flip_translate":
-        height, width = images.shape[1:3]
-        padded = tf.pad(images, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
-        pairs = [(0.5, images), (0.25, padded[:, :height, :width]), (0.25, padded[:, 2:, 2:])]
-    return [(weight / 2, view) for weight, image in pairs
-            for view in (image, tf.reverse(image, axis=[2]))]
-
-
-def eval_steps(num_examples: int, global_batch_size: int) -> int:
-    """Global batches needed to cover every example (the last one padded)."""
-    return -(-num_examples // global_batch_size)
-
-
-def eval_input_fn(split: ImageSplit, global_batch_size: int
-                  ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
-    """A `dataset_fn` yielding `(images, labels, weights)` per-replica batches
-    that cover every example exactly once across all pipelines; padding
-    examples carry weight 0, so no image is dropped or counted twice."""
-    num_examples = len(split)
-    steps = eval_steps(num_examples, global_batch_size)
-
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        replica_batch = context.get_per_replica_batch_size(global_batch_size)
-        images, labels = _host_tensors(split)
-        positions = tf.range(steps * global_batch_size)
-        share = lambda x: _pipeline_share(x, steps, context, replica_batch)
-        indices = share(tf.minimum(positions, num_examples - 1))
-        weights = share(tf.cast(positions < num_examples, tf.float32))
-        return (tf.data.Dataset.from_tensor_slices((indices, weights))
-                .map(lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w))
-                .prefetch(tf.data.AUTOTUNE)
-                .with_options(_options()))
-
-    return dataset_fn

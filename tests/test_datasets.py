@@ -1,7 +1,6 @@
-"""The input pipeline: augmentation, sharding, resumption, evaluation coverage,
-synthetic data, and CIFAR-10 loading up to the network boundary."""
+"""Where the data comes from: synthetic data, the official binary release,
+tensorflow-datasets up to the network boundary, and damaged or missing files."""
 
-import collections
 import subprocess
 import sys
 import time
@@ -11,91 +10,12 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, assert_one_error_line, subprocess_env
-from distributed_mpt import data
+from distributed_mpt import datasets
 from distributed_mpt.errors import DataUnavailableError
 
 
-def _context(pipelines=1, pipeline_id=0, replicas=1):
-    return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
-                                      num_replicas_in_sync=replicas)
-
-
-def _collect(dataset):
-    return [tuple(np.asarray(t) for t in element) for element in dataset]
-
-
-@pytest.fixture(scope="module")
-def split():
-    train, _ = data.make_synthetic(num_train=200, num_test=40, seed=3)
-    return train
-
-
-def test_augmentation_keeps_shape_dtype_and_pixels():
-    images = tf.constant(np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3), dtype=np.uint8))
-    labels, indices = tf.range(6), tf.range(6)
-    offsets = tf.constant([[4, 4], [0, 0], [8, 8], [4, 4], [0, 8], [2, 6]], tf.int32)
-    flips = tf.constant([False, False, False, True, False, True])
-    eager, _ = data.gather_and_augment(images, labels, indices, offsets, flips)
-    # In a tf.data map, as train_input_fn applies it.
-    in_graph, _ = next(iter(tf.data.Dataset.from_tensors((indices, offsets, flips))
-                            .map(lambda *batch: data.gather_and_augment(images, labels, *batch))))
-    for out in (eager, in_graph):
-        assert out.dtype == tf.uint8 and out.shape == (6, 32, 32, 3)
-    np.testing.assert_array_equal(eager, in_graph)
-    np.testing.assert_array_equal(eager[0], images[0])            # centre crop: unchanged
-    np.testing.assert_array_equal(eager[3], images[3][:, ::-1])   # centre crop, flipped
-    np.testing.assert_array_equal(eager[1][4:, 4:], images[1][:-4, :-4])  # shifted by the pad
-
-
-def test_training_epoch_is_a_shuffled_permutation(split):
-    dataset_fn = data.train_input_fn(split, global_batch_size=50, seed=1, start_step=0, num_steps=8)
-    batches = _collect(dataset_fn(_context()))
-    assert len(batches) == 8 and all(b[0].shape == (50, 32, 32, 3) for b in batches)
-    labels = np.concatenate([b[1] for b in batches[:4]])
-    # One epoch uses every example once: the label multiset matches the split.
-    assert collections.Counter(labels) == collections.Counter(split.labels)
-    second_epoch = np.concatenate([b[1] for b in batches[4:]])
-    assert not np.array_equal(labels, second_epoch), "each epoch must be shuffled anew"
-
-
-def test_shares_of_pipelines_and_replicas_make_the_same_global_batches(split):
-    kwargs = dict(global_batch_size=40, seed=7, start_step=0, num_steps=5)
-    whole = _collect(data.train_input_fn(split, **kwargs)(_context()))
-    # Two workers, each with two local replicas: per-replica batches of 10.
-    shares = [_collect(data.train_input_fn(split, **kwargs)(_context(2, p, 4))) for p in (0, 1)]
-    for step, (images, labels) in enumerate(whole):
-        parts = [shares[p][2 * step + r] for p in (0, 1) for r in (0, 1)]
-        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), images)
-        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), labels)
-
-
-def test_resuming_yields_the_remaining_batches(split):
-    full = _collect(data.train_input_fn(split, 50, seed=2, start_step=0, num_steps=10)(_context()))
-    resumed = _collect(data.train_input_fn(split, 50, seed=2, start_step=6, num_steps=4)(_context()))
-    assert len(resumed) == 4
-    for a, b in zip(full[6:], resumed):
-        np.testing.assert_array_equal(a[0], b[0])
-        np.testing.assert_array_equal(a[1], b[1])
-
-
-@pytest.mark.parametrize("pipelines, replicas", [(1, 1), (1, 3), (3, 3)])
-def test_evaluation_covers_every_example_exactly_once(pipelines, replicas):
-    _, test = data.make_synthetic(num_train=10, num_test=103, seed=0)
-    seen = collections.Counter()
-    total_weight = 0.0
-    for p in range(pipelines):
-        for images, labels, weights in _collect(
-                data.eval_input_fn(test, 24)(_context(pipelines, p, replicas))):
-            for image, w in zip(images, weights):
-                if w:
-                    seen[image.tobytes()] += 1
-            total_weight += weights.sum()
-    assert total_weight == 103
-    assert sorted(seen.values()) == [1] * 103
-
-
 def test_synthetic_labels_follow_from_images():
-    train, test = data.make_synthetic(num_train=500, num_test=100, seed=0)
+    train, test = datasets.make_synthetic(num_train=500, num_test=100, seed=0)
     assert train.images.dtype == np.uint8 and train.images.shape == (500, 32, 32, 3)
     assert set(np.unique(train.labels)) == set(range(10))
     # A nearest-class-mean classifier fit on train labels test images well:
@@ -103,7 +23,7 @@ def test_synthetic_labels_follow_from_images():
     means = np.stack([train.images[train.labels == c].reshape(-1, 3072).mean(0) for c in range(10)])
     distances = ((test.images.reshape(-1, 1, 3072) - means[None]) ** 2).sum(-1)
     assert (distances.argmin(1) == test.labels).mean() > 0.9
-    again, _ = data.make_synthetic(num_train=500, num_test=100, seed=0)
+    again, _ = datasets.make_synthetic(num_train=500, num_test=100, seed=0)
     np.testing.assert_array_equal(again.images, train.images)
 
 
@@ -145,7 +65,7 @@ def cifar10_copy(prepared_cifar10, tmp_path):
 
 
 def test_prepared_cifar10_loads_through_tensorflow_datasets(cifar10_copy):
-    train, test = data.load_dataset("cifar10", str(cifar10_copy), download=False,
+    train, test = datasets.load_dataset("cifar10", str(cifar10_copy), download=False,
                                     synthetic_examples=0, seed=0)
     assert train.images.shape == (5 * _RECORDS_PER_FILE, 32, 32, 3) and train.images.dtype == np.uint8
     assert train.labels.dtype == np.int32 and len(test) == _RECORDS_PER_FILE
@@ -196,7 +116,7 @@ def test_damaged_prepared_cifar10_is_one_error_naming_the_file(cifar10_copy, dam
     dataset_dir = cifar10_copy / "cifar10" / "3.0.2"
     damage(dataset_dir / damaged)
     with pytest.raises(DataUnavailableError) as error:
-        data.load_dataset("cifar10", str(cifar10_copy), download=False, synthetic_examples=0, seed=0)
+        datasets.load_dataset("cifar10", str(cifar10_copy), download=False, synthetic_examples=0, seed=0)
     message = str(error.value)
     assert "\n" not in message
     named = dataset_dir if damaged == "." else dataset_dir / damaged
@@ -234,7 +154,7 @@ def test_training_on_damaged_data_exits_with_one_error_line(cifar10_copy, tmp_pa
 def test_missing_cifar10_without_download_names_the_remedies(tmp_path, caplog):
     started = time.monotonic()
     with pytest.raises(DataUnavailableError) as error:
-        data.load_cifar10(str(tmp_path), download=False)
+        datasets.load_cifar10(str(tmp_path), download=False)
     message = str(error.value)
     assert time.monotonic() - started < 60
     for remedy in ("cifar-10-batches-bin/", "distributed-mpt-prepare-data",
@@ -246,39 +166,21 @@ def test_missing_cifar10_without_download_names_the_remedies(tmp_path, caplog):
 
 def test_unreachable_download_host_fails_fast(tmp_path, monkeypatch):
     # What a machine without network sees, whatever this machine has.
-    monkeypatch.setattr(data, "_CIFAR10_HOST", ("unreachable.invalid", 443))
+    monkeypatch.setattr(datasets, "_CIFAR10_HOST", ("unreachable.invalid", 443))
     started = time.monotonic()
     with pytest.raises(DataUnavailableError, match="cannot be reached"):
-        data.load_cifar10(str(tmp_path), download=True)
+        datasets.load_cifar10(str(tmp_path), download=True)
     assert time.monotonic() - started < 60
-
-
-def test_augmentation_matches_reflect_pad_crop_and_flip():
-    """The single-gather implementation against the plain definition."""
-    rng = np.random.default_rng(1)
-    images = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
-    offsets = rng.integers(0, 2 * data.CROP_PADDING + 1, (64, 2)).astype(np.int32)
-    flips = rng.random(64) < 0.5
-    padded = np.pad(images, [(0, 0), (4, 4), (4, 4), (0, 0)], mode="reflect")
-    expected = np.stack([padded[i, y:y + 32, x:x + 32][:, ::-1 if f else 1]
-                         for i, ((y, x), f) in enumerate(zip(offsets, flips))])
-    augmented, _ = data.gather_and_augment(images, np.arange(64), tf.range(64), offsets, flips)
-    np.testing.assert_array_equal(augmented, expected)
-    indices = tf.constant([5, 0, 63])
-    augmented, labels = data.gather_and_augment(images, np.arange(64), indices,
-                                                offsets[[5, 0, 63]], flips[[5, 0, 63]])
-    np.testing.assert_array_equal(augmented, expected[[5, 0, 63]])
-    np.testing.assert_array_equal(labels, [5, 0, 63])
 
 
 def test_archive_in_the_manual_directory_is_used_and_checked(tmp_path, monkeypatch):
     # No network needed: the archive is taken from <data_dir>/downloads/manual.
-    monkeypatch.setattr(data, "_CIFAR10_HOST", ("unreachable.invalid", 443))
+    monkeypatch.setattr(datasets, "_CIFAR10_HOST", ("unreachable.invalid", 443))
     manual = tmp_path / "downloads" / "manual"
     manual.mkdir(parents=True)
-    (manual / data.CIFAR10_ARCHIVE).write_bytes(b"not the real archive")
+    (manual / datasets.CIFAR10_ARCHIVE).write_bytes(b"not the real archive")
     with pytest.raises(DataUnavailableError, match="checksum does not match"):
-        data.load_cifar10(str(tmp_path), download=False)
+        datasets.load_cifar10(str(tmp_path), download=False)
 
 
 def test_unwritable_data_dir_is_one_clear_error(tmp_path, monkeypatch):
@@ -286,10 +188,10 @@ def test_unwritable_data_dir_is_one_clear_error(tmp_path, monkeypatch):
 
     # As if there were network: preparing would start, and must first find
     # that it cannot write.
-    monkeypatch.setattr(data, "_reachable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(datasets, "_reachable", lambda *args, **kwargs: True)
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="--data_dir=.* is not writable"):
-        data.load_cifar10(str(tmp_path / "file" / "tfds"), download=True)
+        datasets.load_cifar10(str(tmp_path / "file" / "tfds"), download=True)
 
 
 def test_the_official_binary_release_is_read_directly(tmp_path):
@@ -298,7 +200,7 @@ def test_the_official_binary_release_is_read_directly(tmp_path):
     write_cifar10_binary(tmp_path)
     # No tensorflow-datasets preparation, no download: nothing is written.
     before = sorted(p for p in tmp_path.rglob("*"))
-    train, test = data.load_dataset("cifar10", str(tmp_path), download=False,
+    train, test = datasets.load_dataset("cifar10", str(tmp_path), download=False,
                                     synthetic_examples=0, seed=0)
     assert sorted(p for p in tmp_path.rglob("*")) == before
     assert train.images.shape == (50_000, 32, 32, 3) and len(test) == 10_000
@@ -307,7 +209,7 @@ def test_the_official_binary_release_is_read_directly(tmp_path):
     # Planes become channels: R and B are the label, G is 100, at every pixel.
     np.testing.assert_array_equal(train.images[7, 5, 9], [7, 100, 7])
     # The directory itself may be given, too.
-    again, _ = data.load_dataset("cifar10", str(tmp_path / data.CIFAR10_BINARY_DIR), False, 0, 0)
+    again, _ = datasets.load_dataset("cifar10", str(tmp_path / datasets.CIFAR10_BINARY_DIR), False, 0, 0)
     np.testing.assert_array_equal(again.images[:100], train.images[:100])
 
 
@@ -323,7 +225,7 @@ def test_a_damaged_binary_release_is_one_clear_error(tmp_path, damage, message):
 
     damage(write_cifar10_binary(tmp_path))
     with pytest.raises(DataUnavailableError) as error:
-        data.load_dataset("cifar10", str(tmp_path), download=False, synthetic_examples=0, seed=0)
+        datasets.load_dataset("cifar10", str(tmp_path), download=False, synthetic_examples=0, seed=0)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert "extract the archive" in str(error.value)
 
