@@ -224,13 +224,15 @@ def exit_now(code: int) -> None:
 
 
 def _say_now(message: str) -> None:
-    """Writes a line to stderr from the watching thread: os.write, as the
-    main thread may be inside a print. On a terminal, the status line
-    (stdout's, see reporting.Reporter) is cleared first, so that the line
-    starts at the left margin and not after `step 20/679`."""
+    """Writes a line from the watching thread, with one os.write (the main
+    thread may be inside a print). On a terminal it goes where the status
+    line is (stdout, see reporting.Reporter), clearing it first, so that the
+    line starts at the left margin and not after `step 20/679`; elsewhere,
+    to stderr."""
     try:
         if os.isatty(1):
-            os.write(1, b"\r\x1b[K")
-        os.write(2, message.encode() + b"\n")
+            os.write(1, b"\r\x1b[K" + message.encode() + b"\n")
+        else:
+            os.write(2, message.encode() + b"\n")
     except OSError:
         pass  # nobody reads any more: the stop still happens
