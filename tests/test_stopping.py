@@ -76,12 +76,30 @@ def test_a_stop_before_training_exits_at_once_having_trained_nothing(tmp_path):
     model_dir = tmp_path / "run"
     run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=100",
                                                    f"--model_dir={model_dir}"])
-    time.sleep(1)  # importing TensorFlow, or before
+    # The log filter starts just before the stop owner, and before TensorFlow.
+    deadline = time.monotonic() + 120
+    while not _children(run.process.pid, "distributed_mpt.log_filter"):
+        assert time.monotonic() < deadline and run.process.poll() is None, run.output()
+        time.sleep(0.05)
+    time.sleep(0.5)
     run.process.send_signal(signal.SIGTERM)
     assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
     assert "SIGTERM before training started" in run.output()
     assert "Traceback" not in run.output()
     assert not (model_dir / "checkpoints").exists()
+
+
+def _children(pid: int, command: str) -> list:
+    """The child processes of `pid` whose command line holds `command`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and command in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 PLANTED = """import pathlib
