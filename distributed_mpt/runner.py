@@ -66,6 +66,9 @@ def _run(config: TrainConfig) -> int:
         return e.exit_code
     except Preempted as e:
         print(f"{e}; exiting with {e.exit_code:d} so that a restart resumes", file=sys.stderr)
+        # Its traceback holds the training's TensorFlow objects: freeing them
+        # is the teardown that stopping.exit_now skips.
+        stopping.keep_until_exit(e)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
         from distributed_mpt import outputs

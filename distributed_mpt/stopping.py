@@ -215,6 +215,14 @@ def requested() -> bool:
     return _owner is not None and _owner.requested
 
 
+_kept_until_exit = []
+
+
+def keep_until_exit(anything) -> None:
+    """Keeps `anything` from being freed before `exit_now`."""
+    _kept_until_exit.append(anything)
+
+
 def exit_now(code: int) -> None:
     """Ends the process with `code` at once, skipping the interpreter's
     teardown; for a process whose every output is written and closed."""
