@@ -29,7 +29,7 @@ from typing import Collection, List, Optional
 
 from absl import flags
 
-from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, UserError,
+from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, ExitCode, UserError,
                                     status_of_signal)
 from distributed_mpt.stopping import STOP_SIGNALS, helper_command
 
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     _define_flags(fv)
     if {"-h", "--help"} & set(own):
         _say(__doc__ + "\nFlags:\n" + fv.get_help())
-        return 0
+        return ExitCode.OK
     try:
         rest = fv(["distributed-mpt-launch", *own])
         if len(rest) > 1:

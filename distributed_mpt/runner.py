@@ -8,7 +8,7 @@ import sys
 
 from distributed_mpt import log_filter, stopping
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, Preempted, UserError
+from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError
 
 
 def run(config: TrainConfig) -> int:
@@ -85,7 +85,7 @@ def _run(config: TrainConfig) -> int:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
             lock.release(remove_model_dir_if_unused=bool(new_model_dir))
-    return 0
+    return ExitCode.OK
 
 
 def _lost_a_peer(error: Exception, cluster) -> int:
