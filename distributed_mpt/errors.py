@@ -1,34 +1,84 @@
 """Errors a user can fix, and the exit codes the launchers and Kubernetes act on.
 
-Exit codes follow the convention of Kubeflow's `restartPolicy: ExitCode`:
-1-127 are permanent (restarting cannot help), 128-255 are retryable.
+Every exit code of the package is declared here, once, with what it tells a
+restart policy. They follow the convention of Kubeflow's
+`restartPolicy: ExitCode`: 1-127 are permanent (restarting cannot help),
+128-255 are retryable. A code 128 + N is what a shell and Kubernetes report
+for a process that signal N ended, and the codes above 128 are chosen so
+that a process killed by that signal and one exiting on purpose say the
+same thing.
 """
 
-# Bad flags, bad cluster spec, missing data, mismatched checkpoint: a restart
-# would fail the same way, so the code must be permanent.
-EXIT_USAGE = 2
-# The loss diverged; the last good checkpoint is kept. Permanent: retrying at
-# the same learning rate diverges again.
-EXIT_DIVERGED = 3
-# Stopped by SIGTERM/SIGINT after saving a checkpoint (128 + SIGTERM). A
-# restart resumes from that checkpoint, so the code must be retryable.
-EXIT_PREEMPTED = 143
-# A peer of a multi-worker job was lost mid-training (128 + SIGPIPE: the
-# connection broke). Retryable: the group restarts from the last checkpoint.
-EXIT_PEER_LOST = 141
-# Peers of a multi-worker job did not come up in time: peer_watchdog ends
-# the worker with SIGALRM (a shell and Kubernetes see 128 + 14). Retryable: the peers may
-# still be scheduled.
-EXIT_PEER_TIMEOUT = 142
-# Ctrl-C pressed twice: aborted at once, without a checkpoint (128 + SIGINT,
-# as a shell reports a process that Ctrl-C ended).
-EXIT_ABORTED = 130
-# A multi-worker worker signalled while it waited for its peers is ended by
-# peer_watchdog with SIGKILL (128 + 9): retryable, nothing was trained yet.
-# Another run holds --model_dir. Retryable: on Kubernetes this is a
-# replacement chief waiting for a lost node's NFS lock to expire (about
-# 90 s), and a restart with backoff gets the directory once it has.
-EXIT_MODEL_DIR_BUSY = 144
+import enum
+import signal
+
+
+def status_of_signal(signum: int) -> int:
+    """The exit status a shell and Kubernetes report for a process that
+    signal `signum` ended."""
+    return 128 + signum
+
+
+class ExitCode(enum.IntEnum):
+    """An exit status, whether a restart can help (`retryable`), and why."""
+
+    def __new__(cls, code: int, meaning: str):
+        member = int.__new__(cls, code)
+        member._value_ = code
+        member.meaning = meaning
+        return member
+
+    @property
+    def retryable(self) -> bool:
+        """Whether a restart policy should start the process again."""
+        return self >= 128
+
+    OK = 0, "training finished (or a finished run was found): nothing to do"
+    CRASHED = 1, ("an unforeseen error, with a traceback (Python's own status); a restart "
+                  "would meet it again, though the local launcher retries it")
+    USAGE = 2, ("bad flags, cluster description, data or --model_dir contents, or a full disk: "
+                "one `error:` line says what to fix; a restart would fail the same way")
+    DIVERGED = 3, ("the loss became NaN or infinite; the last good checkpoint is kept; "
+                   "retrying at the same learning rate diverges again")
+    ABORTED = status_of_signal(signal.SIGINT), (
+        "Ctrl-C pressed twice: aborted at once, without a checkpoint (a shell reports Ctrl-C "
+        "so); a restart resumes from the latest checkpoint")
+    KILLED = status_of_signal(signal.SIGKILL), (
+        "SIGKILL: a worker stopped while it waited for its peers (the peer watchdog ends it so, "
+        "nothing was trained yet), or the OOM killer, or Kubernetes after the grace period")
+    PEER_LOST = status_of_signal(signal.SIGPIPE), (
+        "a peer of a multi-worker job was lost mid-run (the connection broke); the group "
+        "restarts from the latest checkpoint")
+    PEER_TIMEOUT = status_of_signal(signal.SIGALRM), (
+        "the peers of a multi-worker job were not all up within --peer_timeout_seconds; "
+        "they may still be scheduled")
+    PREEMPTED = status_of_signal(signal.SIGTERM), (
+        "stopped by SIGTERM or Ctrl-C after saving a checkpoint at the step reached, or before "
+        "training started; a restart resumes from that step")
+    MODEL_DIR_BUSY = 144, (
+        "another run holds --model_dir; on Kubernetes a replacement chief waiting for a lost "
+        "node's NFS lock to expire (about 90 s): a restart with backoff gets it")
+
+
+# The names the rest of the package imports.
+EXIT_USAGE = ExitCode.USAGE
+EXIT_DIVERGED = ExitCode.DIVERGED
+EXIT_PREEMPTED = ExitCode.PREEMPTED
+EXIT_PEER_LOST = ExitCode.PEER_LOST
+EXIT_PEER_TIMEOUT = ExitCode.PEER_TIMEOUT
+EXIT_ABORTED = ExitCode.ABORTED
+EXIT_KILLED = ExitCode.KILLED
+EXIT_MODEL_DIR_BUSY = ExitCode.MODEL_DIR_BUSY
+
+
+def exit_code_table() -> str:
+    """The exit codes as a Markdown table (docs/reliability.md holds a copy,
+    which a test keeps equal)."""
+    rows = ["| code | name | a restart policy | meaning |", "| --- | --- | --- | --- |"]
+    for code in ExitCode:
+        policy = "—" if code == ExitCode.OK else "retry" if code.retryable else "do not retry"
+        rows.append(f"| {int(code)} | `{code.name}` | {policy} | {code.meaning} |")
+    return "\n".join(rows) + "\n"
 
 
 class UserError(Exception):

@@ -4,14 +4,14 @@ group when one dies.
     distributed-mpt-launch --num_workers=2 --max_restarts=3 -- \\
         --dataset=synthetic --model=mlp --train_steps=200 --model_dir=runs/mw
 
-Each worker is `python -m distributed_mpt.train <train flags>` with its own
+Each worker is `python -P -m distributed_mpt.train <train flags>` with its own
 TF_CONFIG on 127.0.0.1 and a port free on every address of this host; its
 output is prefixed with `[worker i]`. Ctrl-C and SIGTERM are forwarded to
 every worker (which save a checkpoint and stop). MultiWorkerMirroredStrategy
 cannot go on without a peer, so when a worker dies the others are stopped and
 the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
-(diverged) are not retried. The launcher exits with the chief's (worker 0's)
+(diverged) are not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's)
 status; with 2 and one `error:` line when this host has no free port left.
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
@@ -29,9 +29,12 @@ from typing import Collection, List, Optional
 
 from absl import flags
 
-from distributed_mpt.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, ExitCode, UserError,
+                                    status_of_signal)
+from distributed_mpt.stopping import STOP_SIGNALS, helper_command
 
-# Exit codes a restart cannot fix (see errors.py): bad input, divergence.
+# Exit codes that say a restart cannot help (see errors.py): bad input,
+# divergence. Any other failure, a crash included, restarts the group.
 _PERMANENT = (EXIT_USAGE, EXIT_DIVERGED)
 # What TensorFlow prints when a worker cannot listen on its TF_CONFIG port.
 _GRPC_BIND_FAILURE = "Could not start gRPC server"
@@ -95,7 +98,7 @@ class _Group:
         for index, tf_config in enumerate(worker_tf_configs(ports)):
             env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
             process = subprocess.Popen(
-                [sys.executable, "-m", "distributed_mpt.train", *train_flags], env=env,
+                helper_command("distributed_mpt.train", *train_flags), env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                 start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
             self.processes.append(process)
@@ -171,7 +174,7 @@ def _say(line: str, stream=None) -> None:
 
 def exit_status(returncode: int) -> int:
     """A process's return code as a shell reports it (killed by signal n: 128 + n)."""
-    return 128 - returncode if returncode < 0 else returncode
+    return status_of_signal(-returncode) if returncode < 0 else returncode
 
 
 def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
@@ -186,7 +189,7 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
         if groups:
             groups[-1].signal(signum)
 
-    previous_handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_handlers = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         used_ports = set()
         restarts = 0
@@ -246,7 +249,7 @@ def main(argv=None) -> int:
     _define_flags(fv)
     if {"-h", "--help"} & set(own):
         _say(__doc__ + "\nFlags:\n" + fv.get_help())
-        return 0
+        return ExitCode.OK
     try:
         rest = fv(["distributed-mpt-launch", *own])
         if len(rest) > 1:

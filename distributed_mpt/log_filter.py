@@ -10,16 +10,18 @@ DMPT_VERBOSE=1 keeps them all.
 
 The filter is a process, not a thread: TensorFlow holds the GIL while it
 waits for multi-worker peers, and a thread could not drain the pipe then. It
-ignores SIGINT and SIGTERM and ends when every writer has closed the pipe,
-so the last lines of a process that is killed or aborts still arrive.
+ignores SIGINT and SIGTERM (stopping.ignore_stop_signals) and ends when every
+writer has closed the pipe, so the last lines of a process that is killed or
+aborts still arrive.
 """
 
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
+
+from distributed_mpt import stopping
 
 VERBOSE_ENV = "DMPT_VERBOSE"
 
@@ -62,7 +64,7 @@ def start() -> None:
     sys.stderr.flush()
     try:
         _filter_process = subprocess.Popen(
-            [sys.executable, "-m", "distributed_mpt.log_filter"], stdin=subprocess.PIPE,
+            stopping.helper_command("distributed_mpt.log_filter"), stdin=subprocess.PIPE,
             stdout=2, stderr=subprocess.DEVNULL)
     except OSError:
         return  # no filter: the lines are noise, never a reason to fail
@@ -127,6 +129,5 @@ def _write(sink, piece: bytes) -> bool:
 if __name__ == "__main__":
     # Ctrl-C reaches the whole process group: the filter keeps passing lines
     # on until its writers are gone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stopping.ignore_stop_signals()
     _filter(sys.stdin.buffer, sys.stdout.buffer)

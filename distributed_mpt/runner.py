@@ -1,51 +1,62 @@
 """One training process from a validated config to its exit code: the
 cluster, the lock on --model_dir, the strategy, the training, and what each
-way of ending means to a launcher or to Kubernetes (see errors.py)."""
+way of ending means to a launcher or to Kubernetes (see errors.py). How a
+signal stops it, in each phase, is stopping.py's."""
 
 import os
 import sys
 
-from distributed_mpt import log_filter
-from distributed_mpt.peer_watchdog import hold_stop_signals
+from distributed_mpt import log_filter, stopping
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_ABORTED, EXIT_PEER_LOST, EXIT_USAGE, Preempted, UserError
+from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError
 
 
 def run(config: TrainConfig) -> int:
     """Trains as `config` says, in this process; returns the exit code."""
     with log_filter.filtering():
-        return _run(config)
+        with stopping.owning_stops():
+            code = _run(config)
+            stopped = stopping.requested()
+    if stopped:
+        # Saved, flushed and unlocked: all a stop asked for is done, and
+        # TensorFlow's teardown at the interpreter's exit would only delay
+        # the exit (by a minute, on a loaded machine).
+        stopping.exit_now(code)
+    return code
 
 
 def _run(config: TrainConfig) -> int:
     lock, new_model_dir = None, None
     try:
-        # Until the strategy exists, stop signals wait (see hold_stop_signals):
-        # held before TensorFlow's first thread starts.
-        with hold_stop_signals():
-            from distributed_mpt.cluster import resolve_cluster
-            cluster = resolve_cluster(os.environ)
-            # TensorFlow is imported only now, behind the log filter, and
-            # after the cheap checks.
-            from distributed_mpt import distribution, outputs, run_lock, trainer
+        # The cheap checks first, without TensorFlow.
+        from distributed_mpt.cluster import resolve_cluster
+        from distributed_mpt import outputs, run_lock
+        cluster = resolve_cluster(os.environ)
+        if cluster is None or cluster.is_chief:
+            if not os.path.exists(config.model_dir):
+                new_model_dir = config.model_dir
+            # One run per model_dir, held until the end (the OS drops it if
+            # the process dies); only the holder may clear debris.
+            outputs.check_writable(config.model_dir)
+            lock = run_lock.RunLock(config.model_dir)
+            removed = lock.remove_debris()
+            if removed:
+                print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
+        # Only TensorFlow's start-up runs with the stop signals held: it is
+        # bounded (the peer watchdog ends a wait for peers), and it is the
+        # part no handler of ours could interrupt.
+        with stopping.tensorflow_starting():
+            # TensorFlow is imported only now, behind the log filter.
+            from distributed_mpt import distribution, trainer
             strategy_name = distribution.resolve_strategy_name(
                 config.strategy, cluster, config.cpu_replicas)
-            if cluster is None or cluster.is_chief:
-                if not os.path.exists(config.model_dir):
-                    new_model_dir = config.model_dir
-                # One run per model_dir, held until the end (the OS drops it
-                # if the process dies); only the holder may clear debris.
-                outputs.check_writable(config.model_dir)
-                lock = run_lock.RunLock(config.model_dir)
-                removed = lock.remove_debris()
-                if removed:
-                    print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
             try:
                 strategy = distribution.create_strategy(
                     strategy_name, config.cpu_replicas, config.communication, cluster,
                     config.peer_timeout_seconds)
             except distribution.PEER_ERRORS as e:
                 return _lost_a_peer(e, cluster)
+        stopping.enter(stopping.Phase.PREPARING)
         try:
             trainer.train_and_evaluate(config, strategy, strategy_name, cluster)
         except distribution.PEER_ERRORS as e:
@@ -54,13 +65,11 @@ def _run(config: TrainConfig) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except Preempted as e:
-        print(f"{e}; exiting with {e.exit_code} so that a restart resumes", file=sys.stderr)
+        print(f"{e}; exiting with {e.exit_code:d} so that a restart resumes", file=sys.stderr)
+        # Its traceback holds the training's TensorFlow objects: freeing them
+        # is the teardown that stopping.exit_now skips.
+        stopping.keep_until_exit(e)
         return e.exit_code
-    except KeyboardInterrupt:
-        # During training Ctrl-C stops after a checkpoint (trainer.StopSignals);
-        # this is before training started, or after the run was complete.
-        print("interrupted: no training step was lost", file=sys.stderr)
-        return EXIT_ABORTED
     except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
         from distributed_mpt import outputs
         if not outputs.is_disk_full(e):
@@ -76,7 +85,7 @@ def _run(config: TrainConfig) -> int:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
             lock.release(remove_model_dir_if_unused=bool(new_model_dir))
-    return 0
+    return ExitCode.OK
 
 
 def _lost_a_peer(error: Exception, cluster) -> int:
@@ -87,6 +96,6 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     if cluster is None:
         raise error
     print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
-          f"{str(error).splitlines()[0][:200]}); exiting with {EXIT_PEER_LOST} so that "
+          f"{str(error).splitlines()[0][:200]}); exiting with {EXIT_PEER_LOST:d} so that "
           f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
     return EXIT_PEER_LOST

@@ -11,20 +11,18 @@ import dataclasses
 import hashlib
 import math
 import os
-import signal
-import threading
 import time
 from typing import Optional
 
 import keras
 import tensorflow as tf
 
-from distributed_mpt import datasets, input_pipeline, distribution, optimization, outputs, precision
+from distributed_mpt import datasets, distribution, input_pipeline, optimization, outputs, precision, stopping
 from distributed_mpt.checkpointing import Checkpoints, model_identity
 from distributed_mpt.cluster import Cluster
 from distributed_mpt import config as config_lib
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_ABORTED, ClusterError, ConfigError, DivergedError, Preempted
+from distributed_mpt.errors import ClusterError, ConfigError, DivergedError, Preempted
 from distributed_mpt.models import (batch_norm_shifts, build_model, convolution_filters,
                                    initialize_from_data, synchronizes_replicas, whitening_bias)
 from distributed_mpt.reporting import Reporter
@@ -32,65 +30,6 @@ from distributed_mpt.reporting import Reporter
 # With dynamic loss scaling, overflowing steps are skipped and the scale
 # halves; this many in a row means the loss itself is not finite.
 _NONFINITE_STEPS_WITH_LOSS_SCALING = 100
-
-
-class StopSignals:
-    """Turns SIGTERM/SIGINT into a request to checkpoint and stop, answered at
-    once.
-
-    A Python signal handler runs only when the main thread gets back from
-    TensorFlow, which may take a loop call; the C-level handler writes the
-    signal to a wakeup pipe at once, though, and a thread reading it prints
-    the acknowledgement within milliseconds. The request itself is
-    all-reduced with the metrics, so every worker stops after the same step.
-    A second Ctrl-C aborts at once (EXIT_ABORTED), without a checkpoint.
-    """
-
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = False
-        self.stopping = "after the steps under way, with a checkpoint"  # what a stop means now
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)
-        self._previous = {sig: signal.signal(sig, lambda *_: None) for sig in self._SIGNALS}
-        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
-        threading.Thread(target=self._watch, daemon=True, name="stop-signals").start()
-
-    def _watch(self):
-        while True:
-            received = os.read(self._read_fd, 64)
-            if not received:  # restore() closed the pipe
-                os.close(self._read_fd)
-                return
-            for signum in received:
-                # Every signal with a Python handler comes through this pipe.
-                if signum in self._SIGNALS:
-                    self._handle(signal.Signals(signum))
-
-    def _handle(self, sig):
-        if self.requested and sig == signal.SIGINT:
-            _say_now(b"second Ctrl-C: aborting without a checkpoint (exit %d)" % EXIT_ABORTED)
-            os._exit(EXIT_ABORTED)
-        if not self.requested:
-            self.requested = True  # before anything that can fail
-            _say_now(f"{sig.name}: stopping {self.stopping}; Ctrl-C again to abort "
-                     f"(exit {EXIT_ABORTED})".encode())
-
-    def restore(self):
-        signal.set_wakeup_fd(self._previous_wakeup_fd)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        os.close(self._write_fd)  # ends the watching thread
-
-
-def _say_now(message: bytes) -> None:
-    """Writes a line to stderr from a signal watcher: os.write, as the main
-    thread may be inside a print; on a terminal, over the status line."""
-    try:
-        os.write(2, (b"\r\x1b[K" if os.isatty(2) else b"") + message + b"\n")
-    except OSError:
-        pass  # nobody reads stderr any more: the stop still happens
 
 
 def _sum_accumulator(size: int) -> tf.Variable:
@@ -108,12 +47,12 @@ class LoopTotals:
     correct: float
     examples: float
     nonfinite_steps: float   # fractional when only some replicas saw one
-    stop_requests: float     # > 0: some worker was signalled; all stop now
+    stop_requests: float     # > 0: the call stopped early, on every worker alike
     seconds_per_step: float  # the previous call's, averaged over the replicas
 
     def __add__(self, other: "LoopTotals") -> "LoopTotals":
-        """The sums of both; what travels (stop requests, pace) is `other`'s,
-        the newer call's."""
+        """The sums of both; the stop and the pace are `other`'s, the newer
+        call's."""
         return LoopTotals(self.loss_sum + other.loss_sum, self.correct + other.correct,
                           self.examples + other.examples,
                           self.nonfinite_steps + other.nonfinite_steps,
@@ -223,6 +162,9 @@ class Trainer:
         self._whiten_bias_index = next((i for i, v in enumerate(self.model.trainable_variables)
                                         if v is bias), None)
         self._whiten_bias_steps = round(config.whiten_bias_epochs * plan.steps_per_epoch)
+        # Set from the stop-signal thread while a loop call runs (see
+        # request_stop); outside the strategy's scope: one value per process.
+        self._stop_requested = tf.Variable(False, trainable=False, name="stop_requested")
         self._train_loop = tf.function(self._train_loop_fn)
         self._eval_loop = tf.function(self._eval_loop_fn)
 
@@ -280,13 +222,17 @@ class Trainer:
             self.plan.total_steps - start_step, images_on_device=self._device_split is not None,
             augmentation=input_pipeline.Augmentation(self.config.crop_padding, self.config.flip)))
 
-    def train(self, iterator, num_steps: int, stop_requested: bool = False,
-              seconds_per_step: float = 0.0) -> LoopTotals:
-        """Runs `num_steps` optimizer steps. `stop_requested` and this
-        worker's `seconds_per_step` in the previous call travel with the
-        metrics, so that every worker gets the same totals back."""
-        totals = self._train_loop(iterator, tf.constant(num_steps),
-                                  tf.constant([float(stop_requested), seconds_per_step]))
+    def request_stop(self) -> None:
+        """Makes the loop call under way, or the next, stop at the next step
+        boundary (every worker at the same one). Safe from any thread."""
+        self._stop_requested.assign(True)
+
+    def train(self, iterator, num_steps: int, seconds_per_step: float = 0.0) -> LoopTotals:
+        """Runs `num_steps` optimizer steps, fewer if a stop was requested
+        (`stop_requests` > 0; `step` says where it stopped). This worker's
+        `seconds_per_step` in the previous call travels with the metrics, so
+        that every worker gets the same totals back."""
+        totals = self._train_loop(iterator, tf.constant(num_steps), tf.constant(seconds_per_step))
         totals = [float(x) for x in totals.numpy()]
         return LoopTotals(*totals[:5], seconds_per_step=totals[5] / self.plan.num_replicas)
 
@@ -359,16 +305,32 @@ class Trainer:
         skipped = nonfinite / context.num_replicas_in_sync
         self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
 
-    def _train_loop_fn(self, iterator, num_steps, travelling):
+    def _train_loop_fn(self, iterator, num_steps, seconds_per_step):
+        stop = tf.constant(False)
         for _ in tf.range(num_steps):
+            # Looked at before every step, so that a stop waits for the step
+            # under way only, however slow a step is.
+            stop = self._stop_agreed()
+            if stop:
+                break
             self._strategy.run(self._train_step, args=next(iterator))
             self.step.assign_add(1)
             if self._lookahead:
                 self._lookahead.after_step(self.step)
-        # The stop request travels with the metrics: if any worker was
-        # signalled, all of them learn it after this same step.
+        travelling = tf.stack([tf.cast(stop, tf.float32), seconds_per_step])
         totals = self._strategy.run(_drain, args=(self._train_sums, travelling))
         return self._strategy.reduce("SUM", totals, axis=None)
+
+    def _stop_agreed(self):
+        """Whether any worker was asked to stop. Workers are signalled at
+        different moments (or only one is), but must leave the loop at the
+        same step: the next collective would wait forever for the one that
+        left. Within one process a variable read is enough; across workers
+        it costs one all-reduce of a scalar per step."""
+        if self.plan.num_workers == 1:
+            return self._stop_requested.read_value()
+        requests = self._strategy.run(lambda: tf.cast(self._stop_requested, tf.float32))
+        return self._strategy.reduce("SUM", requests, axis=None) > 0
 
     def _eval_step(self, images, labels, weights):
         # CIFAR-10's classes are symmetric under a horizontal flip and small
@@ -511,20 +473,19 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                          f"over {plan.total_steps} steps of {plan.steps_per_epoch} per epoch")
             trainer.trained_global_batch.assign(plan.global_batch_size)
 
-    signals = StopSignals()
+    stopping.enter(stopping.Phase.TRAINING, on_request=trainer.request_stop)
     try:
-        loop = _TrainingLoop(trainer, checkpoints, reporter, signals)
+        loop = _TrainingLoop(trainer, checkpoints, reporter)
         train_metrics, throughput = loop.run(train_split, test_split, start_step)
         # A stop requested from here on lets the run finish: what is left
         # (evaluation, export) is what makes it complete.
-        signals.stopping = "once the run is complete: evaluating and exporting first"
+        stopping.enter(stopping.Phase.FINISHING)
         summary = _summary(trainer, strategy_name, start_step, train_metrics, throughput)
         _evaluate_and_export(trainer, test_split, reporter, summary, export=is_chief)
         summary["wall_seconds"] = time.monotonic() - started  # the export included
         if is_chief:
             outputs.write_json(f"{config.model_dir}/summary.json", summary)
     finally:
-        signals.restore()
         checkpoints.close()  # a non-chief's scratch directory goes, even on a stop
         reporter.close()
     return summary
@@ -570,8 +531,8 @@ def _evaluate_and_export(trainer: Trainer, test_split, reporter: Reporter, summa
         reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir, info)}")
 
 
-# A loop call's target length: a stop request or a progress line waits for
-# the call under way, so calls are kept this short (up to --steps_per_loop
+# A loop call's target length: a progress line waits for the call under way
+# (a stop request only for the step under way), so calls are kept this short (up to --steps_per_loop
 # steps each), whatever the model or device.
 _CALL_SECONDS = 1.0
 
@@ -581,10 +542,8 @@ class _TrainingLoop:
     `eval_every_epochs`, checkpointing, and watching for divergence and
     stop requests."""
 
-    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, reporter: Reporter,
-                 signals: StopSignals):
-        self._trainer, self._checkpoints = trainer, checkpoints
-        self._reporter, self._signals = reporter, signals
+    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, reporter: Reporter):
+        self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
 
     def run(self, train_split, test_split, start_step: int):
         """Returns the last interval's metrics and the throughput in examples
@@ -614,7 +573,9 @@ class _TrainingLoop:
                                                                         config.steps_per_loop),
                             *(_next_multiple(current, b) for b in boundaries)) - current
             call_started = time.perf_counter()
-            totals = trainer.train(iterator, num_steps, self._signals.requested, seconds_per_step)
+            totals = trainer.train(iterator, num_steps, seconds_per_step)
+            if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
+                self._stop(totals, int(trainer.step.numpy()), current)
             call_seconds = time.perf_counter() - call_started
             seconds_per_step = call_seconds / num_steps
             agreed_seconds_per_step = totals.seconds_per_step
@@ -646,20 +607,24 @@ class _TrainingLoop:
                                              **trainer.evaluate(test_split)})
                 interval_start += time.perf_counter() - eval_started  # not training time
 
-            # A stop agreed on the last call lets the run complete instead.
-            stop = totals.stop_requests > 0 and current < plan.total_steps
-            if current % config.checkpoint_every_steps == 0 or current == plan.total_steps or stop:
+            if current % config.checkpoint_every_steps == 0 or current == plan.total_steps:
                 save_started = time.perf_counter()
                 self._checkpoints.save(current)
                 self._last_saved = current
                 interval_start += time.perf_counter() - save_started  # not training time
-            if stop:
-                self._reporter.say(f"stopped by a signal at step {current}; checkpoint saved: "
-                                   f"run the same command again to resume")
-                raise Preempted(f"stopped at step {current} after a checkpoint")
         if not timed_seconds:
             timed_examples, timed_seconds = first_call
         return metrics, timed_examples / timed_seconds
+
+    def _stop(self, totals: LoopTotals, reached: int, call_start: int) -> None:
+        """Saves the step `reached` (a stop cut the call that began at
+        `call_start` short) and raises Preempted. The steps since the last
+        progress line go unlogged; the resumed run logs from `reached` on."""
+        self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
+        self._checkpoints.save(reached)
+        self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
+                           f"run the same command again to resume")
+        raise Preempted(f"stopped at step {reached} after a checkpoint")
 
     def _check_finite(self, totals: LoopTotals, num_steps: int, current: int) -> None:
         """Raises DivergedError on a non-finite loss (without loss scaling) or

@@ -1,0 +1,246 @@
+"""How a training process stops: the one owner of its stop signals.
+
+SIGTERM (what Kubernetes, SLURM and the launcher send) and SIGINT (Ctrl-C)
+mean "stop, keeping what was done". What that takes depends on the phase
+the process is in:
+
+- STARTING, before TensorFlow: nothing is trained, so a stop exits at once
+  with ExitCode.PREEMPTED (retryable).
+- WAITING FOR TENSORFLOW (its import and the strategy, which for
+  MultiWorkerMirroredStrategy means waiting for the peers): TensorFlow's C++
+  code holds the GIL, so no Python handler or thread of this process runs,
+  and its coordination service installs a SIGTERM handler that only records
+  the signal. So the signals are blocked in every thread (`tensorflow_starting`)
+  and stay pending; the peer watchdog, a separate process, sees them in /proc
+  and ends the worker with the signal `WAITING_WORKER_STOP_SIGNAL` (exit
+  ExitCode.KILLED, retryable). A single process acts on them as STARTING
+  does, once the strategy exists.
+- PREPARING (data, model, restore): as STARTING.
+- TRAINING: the first signal is a request; the training loop looks at it at
+  every step boundary (`requested`, or the `on_request` callback that the
+  trainer uses to set a flag inside its compiled loop), saves a checkpoint
+  and exits with ExitCode.PREEMPTED. A second Ctrl-C aborts at once
+  (ExitCode.ABORTED).
+- FINISHING (final evaluation and export): what is left makes the run
+  complete, so a request lets it finish (exit 0); a second Ctrl-C aborts.
+
+A Python signal handler runs only when the main thread gets back from
+TensorFlow, which may take a whole step. Python's C-level handler writes the
+signal number to a wakeup pipe at once, though, and a thread reading it
+acts within milliseconds, whatever the main thread is doing.
+
+The helper processes a run starts (the log filter, the peer watchdog) ignore
+the stop signals (`ignore_stop_signals`): a Ctrl-C reaches the whole process
+group, and they must outlive the process they serve. They are started with
+`helper_command`, which never imports from the working directory.
+"""
+
+import contextlib
+import enum
+import os
+import signal
+import sys
+import threading
+from typing import Callable, List, Optional
+
+from distributed_mpt.errors import EXIT_ABORTED, EXIT_KILLED, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# How the peer watchdog ends a worker that TensorFlow holds while it waits
+# for its peers: signals it cannot block or swallow (SIGALRM is never
+# blocked here and TensorFlow leaves it alone), whose default action gives
+# the exit status that says why.
+WAITING_WORKER_STOP_SIGNAL = signal.Signals(EXIT_KILLED - 128)        # SIGKILL
+PEER_TIMEOUT_SIGNAL = signal.Signals(EXIT_PEER_TIMEOUT - 128)          # SIGALRM
+
+
+class Phase(enum.Enum):
+    """Where a training process is, as far as stopping goes (see above)."""
+
+    STARTING = "starting"
+    PREPARING = "preparing"
+    TRAINING = "training"
+    FINISHING = "finishing"
+
+
+def helper_command(module: str, *args: str) -> List[str]:
+    """The command that runs `module` of this package as a helper process.
+
+    `python -m` puts the working directory first on sys.path, so a
+    `./distributed_mpt/` there would run instead of the installed package:
+    -P (Python 3.11+) leaves it out; before 3.11, -I does, and also ignores
+    PYTHON* variables and the user's site-packages.
+    """
+    isolation = "-P" if sys.version_info >= (3, 11) else "-I"
+    return [sys.executable, isolation, "-m", module, *args]
+
+
+def ignore_stop_signals() -> None:
+    """For a helper process: a stop meant for the process group leaves it
+    running, so that it can still serve the process that is stopping."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def pending_stop_signal(pid: int) -> Optional[signal.Signals]:
+    """SIGTERM or SIGINT if one is pending (blocked) in process `pid`; None
+    also where there is no /proc (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f
+                     if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return None
+    pending = 0
+    for mask in masks:
+        pending |= mask
+    return next((s for s in STOP_SIGNALS if pending & (1 << (s - 1))), None)
+
+
+class _Owner:
+    """The stop state of this process while `owning_stops` runs."""
+
+    def __init__(self):
+        self.phase = Phase.STARTING
+        self.requested = False
+        self._on_request: Optional[Callable[[], None]] = None
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        # Python's C-level handler writes the signal to the pipe; the
+        # Python-level one (run later, in the main thread) has nothing to do.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _nothing)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
+        # Started with the signals blocked, so that this thread is never the
+        # one they are delivered to while TensorFlow starts (see
+        # tensorflow_starting); it only reads the pipe.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            threading.Thread(target=self._watch, daemon=True, name="stop-signals").start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    def enter(self, phase: Phase, on_request: Optional[Callable[[], None]]) -> None:
+        self.phase = phase
+        if on_request is not None:
+            self._on_request = on_request
+
+    def _watch(self) -> None:
+        while True:
+            received = os.read(self._read_fd, 64)
+            if not received:  # close() closed the pipe
+                os.close(self._read_fd)
+                return
+            for signum in received:  # every signal with a Python handler comes here
+                if signum in STOP_SIGNALS:
+                    self._handle(signal.Signals(signum))
+
+    def _handle(self, sig: signal.Signals) -> None:
+        if self.phase in (Phase.STARTING, Phase.PREPARING):
+            # At once, whatever the main thread is doing (TensorFlow may hold
+            # it): everything written so far was written whole, the OS drops
+            # the lock, and the next run removes what is left.
+            _say_now(f"{sig.name} before training started: exiting with {EXIT_PREEMPTED:d} "
+                     f"(retryable); nothing was trained yet")
+            os._exit(EXIT_PREEMPTED)
+        if self.requested:
+            if sig == signal.SIGINT:
+                _say_now(f"second Ctrl-C: aborting without a checkpoint (exit {EXIT_ABORTED:d})")
+                os._exit(EXIT_ABORTED)
+            return
+        self.requested = True  # before anything that can fail
+        if self._on_request is not None:
+            self._on_request()
+        what = ("after the steps under way, with a checkpoint"
+                if self.phase == Phase.TRAINING else
+                "once the run is complete: evaluating and exporting first")
+        _say_now(f"{sig.name}: stopping {what}; Ctrl-C again to abort (exit {EXIT_ABORTED:d})")
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        os.close(self._write_fd)  # ends the watching thread
+
+
+def _nothing(signum, frame) -> None:
+    """The Python-level handler: the watching thread has acted already."""
+
+
+_owner: Optional[_Owner] = None
+
+
+@contextlib.contextmanager
+def owning_stops():
+    """Owns this process's stop signals for the block (an entry point's
+    whole run), starting in Phase.STARTING; puts back what it found."""
+    global _owner
+    _owner = _Owner()
+    try:
+        yield
+    finally:
+        _owner.close()
+        _owner = None
+
+
+@contextlib.contextmanager
+def tensorflow_starting():
+    """Holds the stop signals blocked while TensorFlow starts (see the
+    module's docstring). Enter it before TensorFlow starts any thread, as
+    threads inherit the mask. On exit, the owner's handlers replace whatever
+    TensorFlow installed before the signals are unblocked: one that came
+    meanwhile is acted on then, as Phase.STARTING says."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        for sig in STOP_SIGNALS:
+            # Replaces TensorFlow's handler with the owner's (or the default).
+            signal.signal(sig, _nothing if _owner is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None:
+    """Moves this process to `phase`; in Phase.TRAINING, `on_request` is
+    called (from another thread) when a stop is requested. Without an owner
+    (a library caller, a test) there is nothing to do."""
+    if _owner is not None:
+        _owner.enter(phase, on_request)
+
+
+def requested() -> bool:
+    """Whether a stop was requested during training."""
+    return _owner is not None and _owner.requested
+
+
+_kept_until_exit = []
+
+
+def keep_until_exit(anything) -> None:
+    """Keeps `anything` from being freed before `exit_now`."""
+    _kept_until_exit.append(anything)
+
+
+def exit_now(code: int) -> None:
+    """Ends the process with `code` at once, skipping the interpreter's
+    teardown; for a process whose every output is written and closed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _say_now(message: str) -> None:
+    """Writes a line from the watching thread, with one os.write (the main
+    thread may be inside a print). On a terminal it goes where the status
+    line is (stdout, see reporting.Reporter), clearing it first, so that the
+    line starts at the left margin and not after `step 20/679`; elsewhere,
+    to stderr."""
+    try:
+        if os.isatty(1):
+            os.write(1, b"\r\x1b[K" + message.encode() + b"\n")
+        else:
+            os.write(2, message.encode() + b"\n")
+    except OSError:
+        pass  # nobody reads any more: the stop still happens
