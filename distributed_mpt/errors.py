@@ -34,8 +34,9 @@ class ExitCode(enum.IntEnum):
         return self >= 128
 
     OK = 0, "training finished (or a finished run was found): nothing to do"
-    CRASHED = 1, ("an unforeseen error, with a traceback (Python's own status); a restart "
-                  "would meet it again, though the local launcher retries it")
+    CRASHED = 1, ("an unforeseen error, with a traceback (Python's own status), or a benchmark "
+                  "section that failed (the report says which and why); a restart would meet it "
+                  "again, though the local launcher retries it")
     USAGE = 2, ("bad flags, cluster description, data or --model_dir contents, or a full disk: "
                 "one `error:` line says what to fix; a restart would fail the same way")
     DIVERGED = 3, ("the loss became NaN or infinite; the last good checkpoint is kept; "

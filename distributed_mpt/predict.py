@@ -34,7 +34,7 @@ from absl import flags
 
 from distributed_mpt import log_filter
 from distributed_mpt.config import DATASETS, TrainConfig
-from distributed_mpt.errors import CheckpointMismatchError, ConfigError, UserError
+from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError
 from distributed_mpt.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                      model_info, read_json)
 
@@ -280,7 +280,7 @@ def _main(argv) -> int:
     fv = _flag_values()
     if {"-h", "--help", "--helpfull"} & set(argv):
         print(__doc__ + "\nFlags:\n" + fv.get_help())
-        return 0
+        return ExitCode.OK
     try:
         try:
             files = fv(["distributed-mpt-predict", *argv])[1:]
@@ -312,7 +312,7 @@ def _main(argv) -> int:
         return e.exit_code
     if fv.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return ExitCode.OK
     if "evaluation" in result:
         e = result["evaluation"]
         print(f"{e['dataset']} test: loss {e['loss']:.4f}, accuracy {e['accuracy']:.4f} "
@@ -320,7 +320,7 @@ def _main(argv) -> int:
     for prediction in result.get("predictions", []):
         print(f"{prediction['file']}: " + ", ".join(
             f"{t['class']} {t['probability']:.3f}" for t in prediction["top"]))
-    return 0
+    return ExitCode.OK
 
 
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:

@@ -11,7 +11,7 @@ import sys
 
 from absl import flags
 
-from distributed_mpt.errors import UserError
+from distributed_mpt.errors import ExitCode, UserError
 
 
 def main(argv=None) -> int:
@@ -21,12 +21,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print(__doc__ + "\nFlags:\n" + fv.get_help())
-        return 0
+        return ExitCode.OK
     try:
         fv(["distributed-mpt-prepare-data", *argv])
     except flags.Error as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     from distributed_mpt import datasets  # imports TensorFlow
     try:
         train, test = datasets.load_cifar10(fv.data_dir, download=True)
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         return e.exit_code
     print(f"CIFAR-10 ready in {fv.data_dir or '~/tensorflow_datasets'}: "
           f"{len(train)} train and {len(test)} test images")
-    return 0
+    return ExitCode.OK
 
 
 def run() -> None:

@@ -32,6 +32,12 @@ def _run(config: TrainConfig) -> int:
         from distributed_mpt.cluster import resolve_cluster
         from distributed_mpt import outputs, run_lock
         cluster = resolve_cluster(os.environ)
+        # A user's file where the run keeps a directory of its own (or the
+        # reverse), or a user's `export` that an export would replace, is
+        # refused now, not after hours of training; nothing of it is touched.
+        outputs.check_model_dir_layout(config.model_dir)
+        if config.export:
+            outputs.check_export_destination(config.model_dir)
         if cluster is None or cluster.is_chief:
             if not os.path.exists(config.model_dir):
                 new_model_dir = config.model_dir

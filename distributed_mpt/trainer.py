@@ -396,9 +396,6 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
     checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
                               **trainer.checkpointables)
-    # Before anything is read or written there: a user's file where a
-    # directory of the run belongs is refused now, not after training.
-    outputs.check_model_dir_layout(config.model_dir)
     checkpoints.check_identity()  # before anything is written into model_dir
     restored = checkpoints.restore_latest()  # the newest that reads back; None: a fresh run
     start_step = int(trainer.step.numpy())
@@ -446,16 +443,18 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                          "global_batch_size": plan.global_batch_size,
                          "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
                          "warmup_steps": plan.warmup_steps}})
-    rate_rule = f"{config.learning_rate:g} x {plan.global_batch_size}/{optimization.REFERENCE_BATCH_SIZE}"
-    if plan.learning_rate < optimization.scaled_learning_rate(config.learning_rate,
-                                                              plan.global_batch_size):
-        rate_rule = f"--max_learning_rate, below {rate_rule}"
-    reporter.say(f"{config.model} on {config.dataset}: {plan.policy}, {strategy_name} strategy, "
-                 f"{plan.num_workers} worker(s), {plan.num_replicas} replica(s); global batch "
-                 f"{plan.global_batch_size} = {config.per_replica_batch_size} per replica x "
-                 f"{plan.num_replicas}; learning rate {plan.learning_rate:g} = {rate_rule}; "
-                 f"{plan.total_steps} steps "
-                 f"({plan.steps_per_epoch} per epoch)")
+    scaled = optimization.scaled_learning_rate(config.learning_rate, plan.global_batch_size)
+    rate_rule = (f"{config.learning_rate:g} x {plan.global_batch_size}/"
+                 f"{optimization.REFERENCE_BATCH_SIZE}")
+    if plan.learning_rate < scaled:
+        rate_rule += f" = {scaled:g}, capped at --max_learning_rate={config.max_learning_rate:g}"
+    reporter.say(f"{config.model} on {config.dataset}: "
+                 f"{precision.describe_precision_choice(config.precision)}; {strategy_name} "
+                 f"strategy, {plan.num_workers} worker(s), {plan.num_replicas} replica(s); global "
+                 f"batch {plan.global_batch_size} = {config.per_replica_batch_size} per replica x "
+                 f"{plan.num_replicas}; peak learning rate {plan.learning_rate:g} = {rate_rule}, "
+                 f"{config.lr_schedule} schedule with {plan.warmup_steps} warmup steps; "
+                 f"{plan.total_steps} steps ({plan.steps_per_epoch} per epoch)")
     if restored:
         reporter.say(restored.describe())
         previous = previous_config.get("resolved", {})

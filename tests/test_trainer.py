@@ -71,7 +71,7 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
                          log_every_steps=1000, checkpoint_every_steps=1000)
     sizes, logged, paces = [], [], iter(pace_of_all_workers)
 
-    def train(iterator, num_steps, stop_requested, seconds_per_step):
+    def train(iterator, num_steps, seconds_per_step):
         sizes.append(num_steps)
         return LoopTotals(1.0, 1.0, 1.0, 0.0, 0.0, next(paces))
 
@@ -83,8 +83,7 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
     monkeypatch.setattr(trainer_module.precision, "loss_scale", lambda optimizer: 1.0)
     quiet = SimpleNamespace(log=lambda step, *a, **k: logged.append(step), live=lambda step: None,
                             say=print)
-    loop = _TrainingLoop(fake, SimpleNamespace(save=lambda step: None), quiet,
-                         SimpleNamespace(requested=False))
+    loop = _TrainingLoop(fake, SimpleNamespace(save=lambda step: None), quiet)
     loop.run(None, None, start_step=0)
     return sizes, logged
 

@@ -18,6 +18,7 @@ import time
 
 from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
 from distributed_mpt.benchmark import roof
+from distributed_mpt.errors import ExitCode
 
 # Steps of the first loop call, which traces the loop: never timed.
 WARMUP_STEPS = 2
@@ -155,7 +156,7 @@ def main() -> None:
         figures = measure_cell(kind(**json.loads(sys.argv[2])))
     except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report
         print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(ExitCode.CRASHED)
     print(json.dumps(figures), flush=True)
 
 

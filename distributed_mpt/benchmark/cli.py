@@ -11,14 +11,12 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
-from distributed_mpt.errors import EXIT_ABORTED, ConfigError, UserError
+from distributed_mpt.errors import EXIT_ABORTED, ConfigError, ExitCode, UserError
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 _TINY = dict(models=("mlp",), batch_sizes=(32,), model_width=8, repeats=1, seconds=0.05,
              examples=1024, roof_batch_size=8)
 _PRECISIONS = ("float32", "mixed", "mixed_float16", "mixed_bfloat16")
-# The exit status when a section failed: the report is complete but for it.
-EXIT_SECTION_FAILED = 1
 
 
 def _flag_values() -> flags.FlagValues:
@@ -98,7 +96,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help", "--helpfull"} & set(argv):
         print(help_text())
-        return 0
+        return ExitCode.OK
     try:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
@@ -117,7 +115,7 @@ def main(argv=None) -> int:
     for name in failed_sections(results):
         print(f"error: section {name} FAILED: {results['sections'][name]['failed']}",
               file=sys.stderr)
-    return EXIT_SECTION_FAILED if failed_sections(results) else 0
+    return ExitCode.CRASHED if failed_sections(results) else ExitCode.OK
 
 
 def run() -> None:
