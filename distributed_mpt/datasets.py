@@ -123,9 +123,7 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
 
     _check_dataset_info(data_dir)  # tfds.builder reads it, with tracebacks
     builder = tfds.builder("cifar10", data_dir=data_dir)
-    # is_prepared() logs a warning about the missing dataset_info.json of a
-    # folder that does not exist: a misleading first line for a new user.
-    if not (os.path.isdir(builder.data_dir) and builder.is_prepared()):
+    if not builder.is_prepared():
         _prepare_cifar10(builder, download)
     return _read_prepared_split(builder, "train"), _read_prepared_split(builder, "test")
 
