@@ -31,7 +31,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import outputs
-from distributed_mpt.errors import CheckpointMismatchError, UserError
+from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line
 from distributed_mpt.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
 
 MAX_TO_KEEP = 3
@@ -168,7 +168,7 @@ class Checkpoints:
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 # It reads back whole, so it is not damaged: it holds other state.
                 raise CheckpointMismatchError(
-                    f"cannot restore {prefix} ({outputs.first_line(e)}); use another "
+                    f"cannot restore {prefix} ({first_line(e)}); use another "
                     f"--model_dir, or the flags of the run that wrote it") from None
             if self._is_chief:
                 self._damaged = [(_number(p), p) for p, _ in skipped]
@@ -307,7 +307,7 @@ def why_unreadable(prefix: str) -> Optional[str]:
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
     except Exception as e:  # noqa: BLE001 - a damaged file raises OpError, IndexError, ...
-        return outputs.first_line(e, 160)
+        return first_line(e, 160)
     return None
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from distributed_mpt import outputs
-from distributed_mpt.errors import DataUnavailableError
+from distributed_mpt.errors import DataUnavailableError, first_line
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
@@ -198,7 +198,7 @@ def _check_dataset_info(data_dir: Optional[str]) -> None:
     try:
         info = tfds.core.dataset_info.read_from_json(path)
     except (OSError, UnicodeDecodeError, json_format.ParseError) as e:
-        problem = f"cannot be read as a dataset description ({outputs.first_line(e).rstrip('.')})"
+        problem = f"cannot be read as a dataset description ({first_line(e).rstrip('.')})"
     else:
         split_sizes = {split.name: sum(split.shard_lengths) for split in info.splits}
         if (info.name, info.version) == (builder_class.name, str(builder_class.VERSION)) \
@@ -259,7 +259,7 @@ def _find_damaged_record_file(split_info) -> Tuple[Optional[str], Optional[str]]
 def _tf_message(error: tf.errors.OpError) -> str:
     """A TensorFlow error's message without the op and function names."""
     message = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)
-    return outputs.first_line(message).rstrip(".") or type(error).__name__
+    return first_line(message).rstrip(".") or type(error).__name__
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:

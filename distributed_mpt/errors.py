@@ -82,6 +82,14 @@ def exit_code_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def first_line(error, limit: int = 200) -> str:
+    """The first line of an error or message, at most `limit` characters:
+    what fits into one `error:` line (TensorFlow's messages run to pages)."""
+    text = str(error)
+    return (text.splitlines() or [type(error).__name__ if isinstance(error, BaseException)
+                                  else ""])[0][:limit]
+
+
 class UserError(Exception):
     """An error caused by input the user controls; printed as one line."""
 

@@ -29,8 +29,8 @@ from typing import Collection, List, Optional
 
 from absl import flags
 
-from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, ExitCode, UserError,
-                                    status_of_signal)
+from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, ExitCode,
+                                    UserError, status_of_signal, first_line)
 from distributed_mpt.stopping import STOP_SIGNALS, helper_command
 
 # Exit codes that say a restart cannot help (see errors.py): bad input,
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
         if len(rest) > 1:
             raise flags.Error(f"unexpected argument(s) {' '.join(rest[1:])}; put training flags after --")
     except flags.Error as e:
-        _say(f"error: {str(e).splitlines()[0]}", sys.stderr)
+        _say(f"error: {first_line(e)}", sys.stderr)
         return EXIT_USAGE
     if not train_flags:
         _say("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",

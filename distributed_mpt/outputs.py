@@ -15,7 +15,7 @@ import tempfile
 import uuid
 from typing import List, Optional, Tuple
 
-from distributed_mpt.errors import ConfigError, UserError
+from distributed_mpt.errors import ConfigError, UserError, first_line
 
 # Prefixes of the temporary names this module writes under; run_lock.py
 # clears what a killed run left with them.
@@ -42,14 +42,6 @@ class DamagedFileError(UserError):
 def warn(message: str) -> None:
     """One `warning:` line on stderr: something was repaired, the run goes on."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def first_line(error, limit: int = 200) -> str:
-    """The first line of an error or message, at most `limit` characters:
-    what fits into one `error:` line (TensorFlow's messages run to pages)."""
-    text = str(error)
-    return (text.splitlines() or [type(error).__name__ if isinstance(error, BaseException)
-                                  else ""])[0][:limit]
 
 
 def check_writable(directory: str, flag: str = "--model_dir") -> None:
@@ -277,7 +269,7 @@ def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> s
     """
     check_export_destination(model_dir)
     final = os.path.join(model_dir, "export")
-    staging = os.path.join(model_dir, f".export-{uuid.uuid4().hex[:8]}")
+    staging = os.path.join(model_dir, f"{EXPORT_STAGING_PREFIX}{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:
         _export_saved_model(model, os.path.join(staging, "saved_model"), class_names)

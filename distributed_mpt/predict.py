@@ -34,7 +34,7 @@ from absl import flags
 
 from distributed_mpt import log_filter
 from distributed_mpt.config import DATASETS, TrainConfig
-from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError
+from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError, first_line
 from distributed_mpt.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                      model_info, read_json)
 
@@ -285,7 +285,7 @@ def _main(argv) -> int:
         try:
             files = fv(["distributed-mpt-predict", *argv])[1:]
         except flags.Error as e:
-            raise ConfigError(str(e).splitlines()[0]) from None
+            raise ConfigError(first_line(e)) from None
         if not fv.model_dir:
             raise ConfigError("--model_dir is required: a training run's directory or its export/")
         if not files and not fv.evaluate:

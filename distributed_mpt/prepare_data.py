@@ -11,7 +11,7 @@ import sys
 
 from absl import flags
 
-from distributed_mpt.errors import ExitCode, UserError
+from distributed_mpt.errors import ExitCode, UserError, first_line
 
 
 def main(argv=None) -> int:
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     try:
         fv(["distributed-mpt-prepare-data", *argv])
     except flags.Error as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return ExitCode.USAGE
     from distributed_mpt import datasets  # imports TensorFlow
     try:

@@ -35,12 +35,13 @@ import socket
 import time
 
 from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError
+from distributed_mpt.outputs import EXPORT_STAGING_PREFIX, TEMPORARY_PREFIX, WRITE_TEST_PREFIX
 
 LOCK_NAME = ".lock"
 
 # What a save cut short leaves in a checkpoint directory.
 CHECKPOINT_TEMPORARIES = (
-    ".tmp-*",              # model.json, written by outputs.write_json
+    f"{TEMPORARY_PREFIX}*",  # model.json, written by outputs.write_json
     "ckpt-*_temp*",        # TF SaveV2 writes shards here, then merges them
     "ckpt-*.tempstate*",   # TF: a checkpoint file not yet renamed into place
     "checkpoint.tmp*",     # TF: the index file not yet renamed into place
@@ -48,9 +49,9 @@ CHECKPOINT_TEMPORARIES = (
 # What a killed run of this project can leave in --model_dir, and who writes
 # it. Nothing else is touched: the directory may hold the user's own files.
 DEBRIS = (
-    ".tmp-*",              # outputs.write_text before its rename
-    ".write-test-*",       # outputs.check_writable
-    ".export-*",           # outputs.export_model: staging, retired export
+    f"{TEMPORARY_PREFIX}*",       # outputs.write_text before its rename
+    f"{WRITE_TEST_PREFIX}*",      # outputs.check_writable
+    f"{EXPORT_STAGING_PREFIX}*",  # outputs.export_model: staging, retired export
     *(f"checkpoints/{pattern}" for pattern in CHECKPOINT_TEMPORARIES),
 )
 

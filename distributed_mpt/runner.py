@@ -8,7 +8,7 @@ import sys
 
 from distributed_mpt import log_filter, stopping
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError
+from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError, first_line
 
 
 def run(config: TrainConfig) -> int:
@@ -102,6 +102,6 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     if cluster is None:
         raise error
     print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
-          f"{str(error).splitlines()[0][:200]}); exiting with {EXIT_PEER_LOST:d} so that "
+          f"{first_line(error)}); exiting with {EXIT_PEER_LOST:d} so that "
           f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
     return EXIT_PEER_LOST

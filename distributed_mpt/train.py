@@ -21,7 +21,7 @@ from absl import flags
 
 from distributed_mpt import config as config_lib
 from distributed_mpt import outputs, recipes
-from distributed_mpt.errors import ConfigError, ExitCode
+from distributed_mpt.errors import ConfigError, ExitCode, first_line
 
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
            str: flags.DEFINE_string}
@@ -105,7 +105,7 @@ def parse_config(argv) -> config_lib.TrainConfig:
     try:
         rest = fv(["distributed-mpt-train", *args])
     except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
-        raise ConfigError(outputs.first_line(e).removeprefix("ERROR:: ")) from None
+        raise ConfigError(first_line(e).removeprefix("ERROR:: ")) from None
     if len(rest) > 1:
         raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
     if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it

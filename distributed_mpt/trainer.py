@@ -558,6 +558,9 @@ class _TrainingLoop:
         self._nonfinite_run, self._last_saved = 0, start_step
         interval, interval_start = NO_TOTALS, time.perf_counter()
         timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
+        # The wall clock of the last line, evaluations and checkpoints
+        # included: the promise of a line every PROGRESS_SECONDS is kept in it.
+        last_line = time.perf_counter()
         # This worker's pace in the last call, sent with the next one; and
         # every worker's mean, which comes back the same to all of them.
         seconds_per_step = agreed_seconds_per_step = 0.0
@@ -588,14 +591,17 @@ class _TrainingLoop:
             self._check_finite(totals, num_steps, current)
 
             interval_seconds = time.perf_counter() - interval_start
+            # A line now if the next call, about as long as this one, would
+            # end past the promised interval.
+            due = time.perf_counter() - last_line + call_seconds >= config_lib.PROGRESS_SECONDS
             if (current % config.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
-                    current == plan.total_steps or interval_seconds >= config_lib.PROGRESS_SECONDS
-                    or not lines):
+                    current == plan.total_steps or due or not lines):
                 # The first line comes after the first call, so that a slow
                 # start (tracing) shows; it has no ETA, as tracing is in it.
                 metrics = self._log(current, interval, interval_seconds, with_eta=lines > 0)
                 lines += 1
                 interval, interval_start = NO_TOTALS, time.perf_counter()
+                last_line = interval_start
             else:
                 self._reporter.live(current)
 

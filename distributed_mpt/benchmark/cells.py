@@ -18,7 +18,7 @@ import time
 
 from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
 from distributed_mpt.benchmark import roof
-from distributed_mpt.errors import ExitCode
+from distributed_mpt.errors import ExitCode, first_line
 
 # Steps of the first loop call, which traces the loop: never timed.
 WARMUP_STEPS = 2
@@ -155,7 +155,7 @@ def main() -> None:
     try:
         figures = measure_cell(kind(**json.loads(sys.argv[2])))
     except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report
-        print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        print(f"error: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
         sys.exit(ExitCode.CRASHED)
     print(json.dumps(figures), flush=True)
 

@@ -11,7 +11,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
-from distributed_mpt.errors import EXIT_ABORTED, ConfigError, ExitCode, UserError
+from distributed_mpt.errors import ConfigError, EXIT_ABORTED, ExitCode, UserError, first_line
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 _TINY = dict(models=("mlp",), batch_sizes=(32,), model_width=8, repeats=1, seconds=0.05,
@@ -56,7 +56,7 @@ def parse_options(argv) -> Options:
     try:
         rest = fv(["distributed-mpt-benchmark", *argv])
     except flags.Error as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(first_line(e)) from None
     if len(rest) > 1:
         raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
     try:
