@@ -53,7 +53,8 @@ def _run(config: TrainConfig) -> int:
         # part no handler of ours could interrupt.
         with stopping.tensorflow_starting():
             # TensorFlow is imported only now, behind the log filter.
-            from distributed_mpt import distribution, trainer
+            from distributed_mpt import distribution
+            from distributed_mpt.run import train_and_evaluate
             strategy_name = distribution.resolve_strategy_name(
                 config.strategy, cluster, config.cpu_replicas)
             try:
@@ -64,7 +65,7 @@ def _run(config: TrainConfig) -> int:
                 return _lost_a_peer(e, cluster)
         stopping.enter(stopping.Phase.PREPARING)
         try:
-            trainer.train_and_evaluate(config, strategy, strategy_name, cluster)
+            train_and_evaluate(config, strategy, strategy_name, cluster)
         except distribution.PEER_ERRORS as e:
             return _lost_a_peer(e, cluster)
     except UserError as e:

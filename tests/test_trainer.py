@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
                       read_summary, subprocess_env, train)
-from distributed_mpt.trainer import _steps_per_call
+from distributed_mpt.loop import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
 # take about a second on 2 CPU cores, on synthetic data.
@@ -63,9 +63,11 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
     `pace_of_all_workers`, call by call."""
     from types import SimpleNamespace
 
-    from distributed_mpt import trainer as trainer_module
+    from distributed_mpt import loop as loop_module
     from distributed_mpt.config import TrainConfig
-    from distributed_mpt.trainer import LoopTotals, _TrainingLoop, plan_run
+    from distributed_mpt.loop import TrainingLoop
+    from distributed_mpt.plan import plan_run
+    from distributed_mpt.trainer import LoopTotals
 
     config = TrainConfig(model_dir="unused", train_steps=200, precision="float32",
                          log_every_steps=1000, checkpoint_every_steps=1000)
@@ -79,11 +81,11 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
                            train_dataset=lambda split, start: [],
                            optimizer=SimpleNamespace(learning_rate=0.1))
     ticks = iter(range(0, 10**6, local_clock))
-    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: next(ticks))
-    monkeypatch.setattr(trainer_module.precision, "loss_scale", lambda optimizer: 1.0)
+    monkeypatch.setattr(loop_module.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(loop_module.precision, "loss_scale", lambda optimizer: 1.0)
     quiet = SimpleNamespace(log=lambda step, *a, **k: logged.append(step), live=lambda step: None,
                             say=print)
-    loop = _TrainingLoop(fake, SimpleNamespace(save=lambda step: None), quiet)
+    loop = TrainingLoop(fake, SimpleNamespace(save=lambda step: None), quiet)
     loop.run(None, None, start_step=0)
     return sizes, logged
 
@@ -271,7 +273,7 @@ def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, m
     import tensorflow as tf
 
     from distributed_mpt.config import TrainConfig
-    from distributed_mpt.trainer import train_and_evaluate
+    from distributed_mpt.run import train_and_evaluate
 
     config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=2048,
                          model=model, model_width=8, per_replica_batch_size=batch,

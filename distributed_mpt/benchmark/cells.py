@@ -58,6 +58,7 @@ def measure(cell: Cell) -> dict:
     import tensorflow as tf
 
     from distributed_mpt import cluster, config, datasets, distribution, precision, trainer
+    from distributed_mpt.plan import plan_run
 
     gpus = tf.config.list_physical_devices("GPU")
     workers = cluster.resolve_cluster() if cell.strategy == "multi_worker" else None
@@ -75,8 +76,7 @@ def measure(cell: Cell) -> dict:
         train_steps=WARMUP_STEPS + 2 + cell.repeats * (cell.steps or MAX_STEPS),
         evaluate=False, export=False)
     split, _ = datasets.make_synthetic(cell.examples, 1, seed=0)
-    plan = trainer.plan_run(train_config, replicas, workers.num_workers if workers else 1,
-                            len(split))
+    plan = plan_run(train_config, replicas, workers.num_workers if workers else 1, len(split))
     precision.set_precision(plan.policy)
     loop = trainer.Trainer(train_config, plan, strategy, split)
     iterator = iter(loop.train_dataset(split, 0))

@@ -1,0 +1,165 @@
+"""The paced training loop: calls of the compiled steps, each about a second
+long, with progress lines, evaluations, checkpoints, divergence checks and
+stops between them, on every worker alike."""
+
+import math
+import time
+
+from distributed_mpt import config as config_lib
+from distributed_mpt import optimization, precision
+from distributed_mpt.checkpointing import Checkpoints
+from distributed_mpt.errors import DivergedError, Preempted
+from distributed_mpt.reporting import Reporter
+from distributed_mpt.trainer import NO_TOTALS, LoopTotals, Trainer
+
+# With dynamic loss scaling, overflowing steps are skipped and the scale
+# halves; this many in a row means the loss itself is not finite.
+_NONFINITE_STEPS_WITH_LOSS_SCALING = 100
+
+# A loop call's target length: a progress line waits for the call under way
+# (a stop request only for the step under way), so calls are kept this short (up to --steps_per_loop
+# steps each), whatever the model or device.
+_CALL_SECONDS = 1.0
+
+
+class TrainingLoop:
+    """Trains from a step to the last one: logging, evaluating every
+    `eval_every_epochs`, checkpointing, and watching for divergence and
+    stop requests."""
+
+    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, reporter: Reporter):
+        self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
+
+    def run(self, train_split, test_split, start_step: int):
+        """Returns the last interval's metrics and the throughput in examples
+        per second (the first call excluded, as it includes tracing, unless
+        it was the only one)."""
+        trainer, config, plan = self._trainer, self._trainer.config, self._trainer.plan
+        if start_step >= plan.total_steps:
+            # Trained before, but stopped before its summary was written
+            # (SIGKILL during the export): the log has the training figures.
+            last = self._reporter.last_logged("loss")
+            return last, last.get("examples_per_second")
+        iterator = iter(trainer.train_dataset(train_split, start_step))
+        self._nonfinite_run, self._last_saved = 0, start_step
+        interval, interval_start = NO_TOTALS, time.perf_counter()
+        timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
+        # The wall clock of the last line, evaluations and checkpoints
+        # included: the promise of a line every PROGRESS_SECONDS is kept in it.
+        last_line = time.perf_counter()
+        # This worker's pace in the last call, sent with the next one; and
+        # every worker's mean, which comes back the same to all of them.
+        seconds_per_step = agreed_seconds_per_step = 0.0
+        current = start_step
+        # Evaluation at the end is train_and_evaluate's; this is for the curve.
+        eval_every_steps = config.eval_every_epochs * plan.steps_per_epoch or plan.total_steps
+        boundaries = (config.log_every_steps, config.checkpoint_every_steps, eval_every_steps,
+                      plan.steps_per_epoch)
+        first_call = None
+        while current < plan.total_steps:
+            num_steps = min(plan.total_steps, current + _steps_per_call(agreed_seconds_per_step,
+                                                                        config.steps_per_loop),
+                            *(_next_multiple(current, b) for b in boundaries)) - current
+            call_started = time.perf_counter()
+            totals = trainer.train(iterator, num_steps, seconds_per_step)
+            if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
+                self._stop(totals, int(trainer.step.numpy()), current)
+            call_seconds = time.perf_counter() - call_started
+            seconds_per_step = call_seconds / num_steps
+            agreed_seconds_per_step = totals.seconds_per_step
+            if first_call is None:
+                first_call = (num_steps * plan.global_batch_size, call_seconds)
+            else:
+                timed_examples += num_steps * plan.global_batch_size
+                timed_seconds += call_seconds
+            current += num_steps
+            interval += totals
+            self._check_finite(totals, num_steps, current)
+
+            interval_seconds = time.perf_counter() - interval_start
+            # A line now if the next call, about as long as this one, would
+            # end past the promised interval.
+            due = time.perf_counter() - last_line + call_seconds >= config_lib.PROGRESS_SECONDS
+            if (current % config.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
+                    current == plan.total_steps or due or not lines):
+                # The first line comes after the first call, so that a slow
+                # start (tracing) shows; it has no ETA, as tracing is in it.
+                metrics = self._log(current, interval, interval_seconds, with_eta=lines > 0)
+                lines += 1
+                interval, interval_start = NO_TOTALS, time.perf_counter()
+                last_line = interval_start
+            else:
+                self._reporter.live(current)
+
+            if current % eval_every_steps == 0 and current < plan.total_steps:
+                eval_started = time.perf_counter()
+                self._reporter.say(f"evaluating on the {len(test_split)} test images")
+                self._reporter.log(current, {"epoch": current / plan.steps_per_epoch,
+                                             **trainer.evaluate(test_split)})
+                interval_start += time.perf_counter() - eval_started  # not training time
+
+            if current % config.checkpoint_every_steps == 0 or current == plan.total_steps:
+                save_started = time.perf_counter()
+                self._checkpoints.save(current)
+                self._last_saved = current
+                interval_start += time.perf_counter() - save_started  # not training time
+        if not timed_seconds:
+            timed_examples, timed_seconds = first_call
+        return metrics, timed_examples / timed_seconds
+
+    def _stop(self, totals: LoopTotals, reached: int, call_start: int) -> None:
+        """Saves the step `reached` (a stop cut the call that began at
+        `call_start` short) and raises Preempted. The steps since the last
+        progress line go unlogged; the resumed run logs from `reached` on."""
+        self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
+        self._checkpoints.save(reached)
+        self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
+                           f"run the same command again to resume")
+        raise Preempted(f"stopped at step {reached} after a checkpoint")
+
+    def _check_finite(self, totals: LoopTotals, num_steps: int, current: int) -> None:
+        """Raises DivergedError on a non-finite loss (without loss scaling) or
+        too many skipped steps in a row (with it)."""
+        plan = self._trainer.plan
+        self._nonfinite_run = (self._nonfinite_run + num_steps
+                               if round(totals.nonfinite_steps) == num_steps else 0)
+        if (totals.nonfinite_steps > 0 and not plan.loss_scaling) or \
+                self._nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
+            kept = (f"kept the last good checkpoint (step {self._last_saved}) untouched"
+                    if self._last_saved else "no checkpoint had been written yet")
+            remedy = (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
+                      f"scaled by the global batch/{optimization.REFERENCE_BATCH_SIZE}; or set "
+                      f"--max_learning_rate)" +
+                      (" or use --precision=float32" if plan.policy != "float32" else ""))
+            raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
+
+    def _log(self, step: int, interval: LoopTotals, seconds: float, with_eta: bool) -> dict:
+        """Reports the interval's metrics; returns them."""
+        plan, optimizer = self._trainer.plan, self._trainer.optimizer
+        examples = interval.examples
+        metrics = {"epoch": step / plan.steps_per_epoch,
+                   "loss": interval.loss_sum / examples if examples else math.nan,
+                   "accuracy": interval.correct / examples if examples else math.nan,
+                   "learning_rate": float(optimizer.learning_rate),
+                   "examples_per_second": examples / seconds if seconds else 0.0,
+                   "skipped_steps": round(interval.nonfinite_steps)}
+        if plan.loss_scaling:  # float32 and bfloat16 have no scale to show
+            metrics["loss_scale"] = precision.loss_scale(optimizer)
+        eta = None
+        if with_eta and examples and seconds:
+            eta = (plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]
+        self._reporter.log(step, metrics, eta_seconds=eta)
+        return metrics
+
+
+def _steps_per_call(seconds_per_step: float, steps_per_loop: int) -> int:
+    """Steps for a call of about _CALL_SECONDS at `seconds_per_step` (the
+    same on every worker, so that they all call the loop alike); one while
+    the pace is not known yet."""
+    if seconds_per_step <= 0:
+        return 1
+    return max(1, min(steps_per_loop, int(_CALL_SECONDS / seconds_per_step)))
+
+
+def _next_multiple(value: int, multiple: int) -> int:
+    return (value // multiple + 1) * multiple

@@ -1,0 +1,57 @@
+"""The numbers a run derives from its config, data and strategy: the global
+batch, the steps, the peak learning rate and its warmup, the precision."""
+
+import dataclasses
+import math
+
+from distributed_mpt import input_pipeline, optimization, precision
+from distributed_mpt.config import TrainConfig
+from distributed_mpt.errors import ConfigError
+from distributed_mpt.models import synchronizes_replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """The numbers a run derives from its config, data and strategy."""
+
+    policy: str
+    num_workers: int
+    num_replicas: int
+    global_batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    learning_rate: float  # the peak, scaled to the global batch
+    warmup_steps: int
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Dynamic loss scaling: float16 underflows small gradients."""
+        return self.policy == "mixed_float16"
+
+
+def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
+             num_train_examples: int) -> RunPlan:
+    """Scales batch and learning rate to the replicas; raises ConfigError if
+    the global batch does not fit the training split."""
+    global_batch = config.per_replica_batch_size * num_replicas
+    epoch_steps = input_pipeline.steps_per_epoch(num_train_examples, global_batch)
+    if config.xla and num_replicas > 1 and synchronizes_replicas(config.model):
+        raise ConfigError(
+            f"--xla compiles each replica's forward and backward pass, which cannot hold "
+            f"{config.model}'s batch norm synchronized over {num_replicas} replicas: drop --xla, "
+            f"or use it with one replica")
+    if epoch_steps == 0:
+        raise ConfigError(
+            f"the global batch of {global_batch} ({config.per_replica_batch_size} x {num_replicas} "
+            f"replicas) exceeds the {num_train_examples} training examples; "
+            f"lower --per_replica_batch_size")
+    # A fraction of an epoch counts its steps, rounded up (airbench's 9.9).
+    total_steps = config.train_steps or math.ceil(round(config.epochs * epoch_steps, 6))
+    return RunPlan(
+        policy=precision.resolve_precision(config.precision), num_workers=num_workers,
+        num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
+        total_steps=total_steps,
+        learning_rate=optimization.scaled_learning_rate(config.learning_rate, global_batch,
+                                                        config.max_learning_rate),
+        # Capped here as the schedule caps it, so that config.json says what ran.
+        warmup_steps=min(round(config.warmup_epochs * epoch_steps), total_steps // 2))

@@ -1,0 +1,94 @@
+"""Resuming a run from its --model_dir: what the checkpoints and the files
+beside them say of the run before, whether it is finished, and what this
+run may change of it (its length and batch, not its data or seed)."""
+
+import dataclasses
+import os
+from typing import List, Optional
+
+from distributed_mpt import config as config_lib
+from distributed_mpt import outputs
+from distributed_mpt.checkpointing import Checkpoints, Restored
+from distributed_mpt.config import TrainConfig
+from distributed_mpt.errors import ConfigError
+from distributed_mpt.plan import RunPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumption:
+    """Where a run starts: step 0 of a fresh run, or the step of the
+    checkpoint `restored` (None: a fresh run), with the config.json of the
+    run that wrote it and, if that run finished, its summary.json."""
+
+    start_step: int
+    restored: Optional[Restored] = None
+    previous_config: dict = dataclasses.field(default_factory=dict)
+    finished_summary: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        """The run was trained to its last step and summarized: nothing to do."""
+        return bool(self.finished_summary)
+
+    def agreement(self, plan: RunPlan) -> dict:
+        """The numbers every worker of a job must agree on before training."""
+        return {"start step": self.start_step, "finished": self.finished,
+                "precision": config_lib.PRECISIONS.index(plan.policy),
+                "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch}
+
+
+def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> Resumption:
+    """Restores the newest checkpoint that reads back (into the variables
+    `checkpoints` holds; `step` is the step variable among them) and reads
+    what the run before wrote beside it."""
+    checkpoints.check_identity()  # before anything is written into model_dir
+    restored = checkpoints.restore_latest()
+    if not restored:
+        return Resumption(start_step=0)
+    start_step = int(step.numpy())
+    previous_config = outputs.read_json(
+        os.path.join(model_dir, "config.json"), {"dataset": str, "seed": int, "resolved": dict},
+        remedy="it records the flags of the run that wrote the checkpoints: restore an intact "
+               "copy, or remove it to resume without comparing them")
+    finished = {}
+    if start_step >= total_steps:  # else summary.json is rewritten at the end
+        finished = outputs.read_json(
+            os.path.join(model_dir, "summary.json"), {"steps": int},
+            remedy="remove it, and the run evaluates again and writes a new one")
+    return Resumption(start_step, restored, previous_config, finished)
+
+
+def refuse_other_data(resumption: Resumption, config: TrainConfig) -> None:
+    """Raises ConfigError if this run would continue the checkpoints on other
+    data or with another seed: two runs mixed into one model, silently."""
+    previous = resumption.previous_config
+    changed = [f"--{name}={previous[name]}" for name in ("dataset", "seed")
+               if previous and previous[name] != getattr(config, name)]
+    if changed:
+        raise ConfigError(
+            f"--model_dir={config.model_dir} holds a run with {' '.join(changed)}, which this run "
+            f"changes: pass {' '.join(changed)} to resume it, or choose another --model_dir")
+
+
+def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -> List[str]:
+    """Adopts this run's plan for the restored checkpoint (the global batch
+    it trains at, in `trained_global_batch`); returns what a user must be
+    told of it: where it resumes, and what changed."""
+    if not resumption.restored:
+        return []
+    notes = [resumption.restored.describe()]
+    previous = resumption.previous_config.get("resolved", {})
+    planned = previous.get("total_steps")
+    if planned and planned != plan.total_steps:
+        notes.append(f"the run was planned for {planned} steps and now has {plan.total_steps}: "
+                     f"the learning-rate schedule is re-planned over the new length")
+    previous_batch = int(trained_global_batch.numpy())
+    if previous_batch != plan.global_batch_size:
+        previous_rate = previous.get("peak_learning_rate")
+        rate = f" (was {previous_rate:g})" if isinstance(previous_rate, (int, float)) else ""
+        notes.append(f"the checkpoint was trained at global batch {previous_batch}; continuing at "
+                     f"global batch {plan.global_batch_size}: the peak learning rate is rescaled "
+                     f"to {plan.learning_rate:g}{rate} and the schedule re-planned over "
+                     f"{plan.total_steps} steps of {plan.steps_per_epoch} per epoch")
+        trained_global_batch.assign(plan.global_batch_size)
+    return notes
