@@ -31,7 +31,7 @@ from absl import flags
 
 from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, ExitCode,
                                     UserError, status_of_signal, first_line)
-from distributed_mpt.stopping import STOP_SIGNALS, helper_command
+from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
 
 # Exit codes that say a restart cannot help (see errors.py): bad input,
 # divergence. Any other failure, a crash included, restarts the group.

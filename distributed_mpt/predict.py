@@ -32,10 +32,10 @@ from typing import Callable, Optional
 import numpy as np
 from absl import flags
 
-from distributed_mpt import log_filter
+from distributed_mpt.process import log_filter
 from distributed_mpt.config import DATASETS, TrainConfig
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError, first_line
-from distributed_mpt.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
+from distributed_mpt.training.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                      model_info, read_json)
 
 # Images per call when evaluating: bounds memory, not accuracy.
@@ -130,8 +130,8 @@ def _load_export(export_dir: str) -> Classifier:
 def _load_checkpoint(model_dir: str) -> Classifier:
     import tensorflow as tf
 
-    from distributed_mpt import checkpointing
-    from distributed_mpt.models import build_model
+    from distributed_mpt.training import checkpointing
+    from distributed_mpt.training.models import build_model
 
     # The newest checkpoint that reads back whole, as training resumes from;
     # the `checkpoint` index file may be damaged or point at a missing one.
@@ -326,7 +326,7 @@ def _main(argv) -> int:
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:
     """The flags' test split (by default the one the model was trained on:
     for synthetic data, the split of its own seed and size), evaluated."""
-    from distributed_mpt import datasets
+    from distributed_mpt.training import datasets
 
     trained = {k: v for k, v in classifier.info.items()
                if k in ("dataset", "seed", "synthetic_examples")}

@@ -20,7 +20,8 @@ import typing
 from absl import flags
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import outputs, recipes
+from distributed_mpt.training import outputs
+from distributed_mpt import recipes
 from distributed_mpt.errors import ConfigError, ExitCode, first_line
 
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     # Imported only now, so that bad flags are answered without TensorFlow.
-    from distributed_mpt import runner
+    from distributed_mpt.process import runner
     return runner.run(config)
 
 
@@ -136,7 +137,7 @@ def run() -> None:
     """Console-script entry point. Ends the process at once when training
     is over, every output written: TensorFlow's teardown at interpreter exit
     takes up to a minute on a loaded machine and does nothing of use."""
-    from distributed_mpt import stopping
+    from distributed_mpt.process import stopping
     stopping.exit_now(main())
 
 

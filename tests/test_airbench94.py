@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import (WatchedProcess, assert_ok, checkpoint_weights, read_summary,
                       subprocess_env, train)
-from distributed_mpt import datasets, input_pipeline, models, optimization
+from distributed_mpt.training import datasets, input_pipeline, models, optimization
 
 # A tiny airbench with every part of the recipe on, on synthetic data.
 AIRBENCH94 = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",

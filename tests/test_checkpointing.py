@@ -12,11 +12,12 @@ import pytest
 import tensorflow as tf
 
 from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
-from distributed_mpt import checkpointing, run_lock
-from distributed_mpt.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
+from distributed_mpt.training import checkpointing
+from distributed_mpt.process import run_lock
+from distributed_mpt.training.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
                                            DiskFullError, model_identity)
 from distributed_mpt.errors import CheckpointMismatchError, UserError
-from distributed_mpt.models import build_model
+from distributed_mpt.training.models import build_model
 
 
 def _checkpoints(model_dir, model=None, worker=None):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, assert_one_error_line, subprocess_env
-from distributed_mpt import datasets
+from distributed_mpt.training import datasets
 from distributed_mpt.errors import DataUnavailableError
 
 

@@ -5,7 +5,8 @@ process say the same as the codes it would exit with."""
 import re
 from pathlib import Path
 
-from distributed_mpt import errors, launch, stopping
+from distributed_mpt import errors, launch
+from distributed_mpt.process import stopping
 from distributed_mpt.errors import ExitCode
 
 RELIABILITY = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"

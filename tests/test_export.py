@@ -4,9 +4,9 @@ directory named `export` in --model_dir is refused, and kept as it was."""
 import pytest
 
 from conftest import SMOKE_FLAGS, assert_one_error_line, train
-from distributed_mpt import outputs
+from distributed_mpt.training import outputs
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.models import build_model
+from distributed_mpt.training.models import build_model
 
 
 def _file(path):

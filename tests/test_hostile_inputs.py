@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, train
-from distributed_mpt.run_lock import LOCK_NAME
+from distributed_mpt.process.run_lock import LOCK_NAME
 
 FLAGS = [*SMOKE_FLAGS, "--train_steps=4", "--noevaluate"]
 

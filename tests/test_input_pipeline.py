@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distributed_mpt import datasets, input_pipeline
+from distributed_mpt.training import datasets, input_pipeline
 
 def _context(pipelines=1, pipeline_id=0, replicas=1):
     return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from distributed_mpt import errors
-from distributed_mpt.cluster import resolve_cluster
+from distributed_mpt.process.cluster import resolve_cluster
 from distributed_mpt.train import parse_config
 from k8s_pods import K8S, REPO, VARIANTS, main_container, of_kind, render, training_job, training_pods
 

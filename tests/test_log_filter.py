@@ -2,7 +2,7 @@
 
 import io
 
-from distributed_mpt.log_filter import _filter
+from distributed_mpt.process.log_filter import _filter
 
 TENSORFLOW_LINES = [
     b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",

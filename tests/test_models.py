@@ -4,9 +4,9 @@ import keras
 import numpy as np
 import pytest
 
-from distributed_mpt.checkpointing import model_identity
-from distributed_mpt import datasets, models
-from distributed_mpt.models import build_model
+from distributed_mpt.training.checkpointing import model_identity
+from distributed_mpt.training import datasets, models
+from distributed_mpt.training.models import build_model
 
 
 @pytest.fixture(autouse=True)

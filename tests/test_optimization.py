@@ -3,10 +3,10 @@
 import keras
 import pytest
 
-from distributed_mpt import optimization
+from distributed_mpt.training import optimization
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.plan import plan_run
+from distributed_mpt.training.plan import plan_run
 
 
 def test_learning_rate_scales_linearly_with_the_global_batch():

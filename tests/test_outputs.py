@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
-from distributed_mpt import outputs
+from distributed_mpt.training import outputs
 from distributed_mpt.errors import ConfigError, first_line
-from distributed_mpt.models import build_model
+from distributed_mpt.training.models import build_model
 
 
 def test_write_json_is_atomic_and_leaves_no_temporary_file(tmp_path):

@@ -3,7 +3,7 @@ their bfloat16 instructions; and a run can say which decided it."""
 
 import pytest
 
-from distributed_mpt import precision
+from distributed_mpt.training import precision
 
 
 @pytest.fixture

@@ -17,8 +17,9 @@ from PIL import Image
 
 from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
                       run_in_process, run_module, subprocess_env, train)
-from distributed_mpt import outputs, predict as predict_module
-from distributed_mpt.models import build_model
+from distributed_mpt.training import outputs
+from distributed_mpt import predict as predict_module
+from distributed_mpt.training.models import build_model
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMOKE_FLAGS, assert_ok, subprocess_env, train
-from distributed_mpt import checkpointing, run_lock
+from distributed_mpt.training import checkpointing
+from distributed_mpt.process import run_lock
 from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError
-from distributed_mpt.run_lock import ModelDirBusyError, RunLock
+from distributed_mpt.process.run_lock import ModelDirBusyError, RunLock
 
 E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
 
 
 _HOLDER = """
 import sys, time
-from distributed_mpt.run_lock import RunLock
+from distributed_mpt.process.run_lock import RunLock
 lock = RunLock(sys.argv[1])
 print("held", flush=True)
 time.sleep(600)
@@ -146,7 +147,7 @@ def test_a_run_after_a_killed_run_removes_its_debris(model_dir):
 _SAVER = """
 import sys
 import tensorflow as tf
-from distributed_mpt.models import build_model
+from distributed_mpt.training.models import build_model
 manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=build_model("mlp")), sys.argv[1],
                                      max_to_keep=3)
 print("saving", flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMOKE_FLAGS, WatchedProcess, subprocess_env
-from distributed_mpt import stopping
+from distributed_mpt.process import stopping
 from distributed_mpt.errors import EXIT_PREEMPTED, EXIT_USAGE
 
 # Steps of several seconds each on 2 CPU cores (the notebook's MLP at a
@@ -80,7 +80,7 @@ def test_a_stop_before_training_exits_at_once_having_trained_nothing(tmp_path):
                                                    f"--model_dir={model_dir}"])
     # The log filter starts just before the stop owner, and before TensorFlow.
     deadline = time.monotonic() + 120
-    while not _children(run.process.pid, "distributed_mpt.log_filter"):
+    while not _children(run.process.pid, "distributed_mpt.process.log_filter"):
         assert time.monotonic() < deadline and run.process.poll() is None, run.output()
         time.sleep(0.05)
     time.sleep(0.5)
@@ -122,7 +122,7 @@ def planted(tmp_path):
 
 def test_the_planted_package_would_run_under_plain_python_m(planted):
     cwd, marker = planted
-    subprocess.run([sys.executable, "-m", "distributed_mpt.log_filter"], cwd=cwd, input=b"",
+    subprocess.run([sys.executable, "-m", "distributed_mpt.process.log_filter"], cwd=cwd, input=b"",
                    capture_output=True, timeout=60)
     assert marker.exists(), "the fixture plants what `python -m` picks up"
 
@@ -139,7 +139,7 @@ def test_helper_processes_never_import_from_the_working_directory(planted, tmp_p
     assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
     assert "is not writable" in result.stderr
     # The peer watchdog: its deadline ends the shell that started it.
-    watchdog = shlex.join(stopping.helper_command("distributed_mpt.peer_watchdog"))
+    watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.peer_watchdog"))
     shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5; sleep 60"], cwd=cwd,
                            capture_output=True, text=True, timeout=60)
     assert shell.returncode == -stopping.PEER_TIMEOUT_SIGNAL, shell.stderr

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
                       read_summary, subprocess_env, train)
-from distributed_mpt.loop import _steps_per_call
+from distributed_mpt.training.loop import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
 # take about a second on 2 CPU cores, on synthetic data.
@@ -63,11 +63,11 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
     `pace_of_all_workers`, call by call."""
     from types import SimpleNamespace
 
-    from distributed_mpt import loop as loop_module
+    from distributed_mpt.training import loop as loop_module
     from distributed_mpt.config import TrainConfig
-    from distributed_mpt.loop import TrainingLoop
-    from distributed_mpt.plan import plan_run
-    from distributed_mpt.trainer import LoopTotals
+    from distributed_mpt.training.loop import TrainingLoop
+    from distributed_mpt.training.plan import plan_run
+    from distributed_mpt.training.trainer import LoopTotals
 
     config = TrainConfig(model_dir="unused", train_steps=200, precision="float32",
                          log_every_steps=1000, checkpoint_every_steps=1000)
@@ -273,7 +273,7 @@ def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, m
     import tensorflow as tf
 
     from distributed_mpt.config import TrainConfig
-    from distributed_mpt.run import train_and_evaluate
+    from distributed_mpt.training.run import train_and_evaluate
 
     config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=2048,
                          model=model, model_width=8, per_replica_batch_size=batch,

@@ -57,8 +57,10 @@ def measure(cell: Cell) -> dict:
     and the FLOPs one example's training step takes."""
     import tensorflow as tf
 
-    from distributed_mpt import cluster, config, datasets, distribution, precision, trainer
-    from distributed_mpt.plan import plan_run
+    from distributed_mpt.process import cluster
+    from distributed_mpt import config
+    from distributed_mpt.training import datasets, distribution, precision, trainer
+    from distributed_mpt.training.plan import plan_run
 
     gpus = tf.config.list_physical_devices("GPU")
     workers = cluster.resolve_cluster() if cell.strategy == "multi_worker" else None

@@ -8,7 +8,7 @@ import textwrap
 from absl import flags
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import outputs
+from distributed_mpt.training import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import ConfigError, EXIT_ABORTED, ExitCode, UserError, first_line

@@ -198,7 +198,7 @@ def pipeline_images_per_second(batch_size: int, options: Options) -> float:
     host) with nothing consuming them: the best of `repeats` windows."""
     import tensorflow as tf
 
-    from distributed_mpt import datasets, input_pipeline
+    from distributed_mpt.training import datasets, input_pipeline
 
     split, _ = datasets.make_synthetic(options.examples, 1, seed=0)
     batches = iter(input_pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(tf.distribute.InputContext()))
@@ -219,7 +219,7 @@ def run_benchmark(options: Options) -> dict:
     import keras
     import tensorflow as tf
 
-    from distributed_mpt import distribution
+    from distributed_mpt.training import distribution
 
     started = time.perf_counter()
     benchmark = Benchmark(options)

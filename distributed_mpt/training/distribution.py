@@ -10,9 +10,9 @@ from typing import Optional
 
 import tensorflow as tf
 
-from distributed_mpt.cluster import Cluster
+from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.errors import ClusterError, ConfigError
-from distributed_mpt.peer_watchdog import PeerWatchdog
+from distributed_mpt.process.peer_watchdog import PeerWatchdog
 
 # What TensorFlow raises on the survivors when a peer of a multi-worker job
 # is lost.

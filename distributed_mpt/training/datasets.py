@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from distributed_mpt import outputs
+from distributed_mpt.training import outputs
 from distributed_mpt.errors import DataUnavailableError, first_line
 
 NUM_CLASSES = 10

@@ -35,7 +35,7 @@ import socket
 import time
 
 from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError
-from distributed_mpt.outputs import EXPORT_STAGING_PREFIX, TEMPORARY_PREFIX, WRITE_TEST_PREFIX
+from distributed_mpt.training.outputs import EXPORT_STAGING_PREFIX, TEMPORARY_PREFIX, WRITE_TEST_PREFIX
 
 LOCK_NAME = ".lock"
 

@@ -4,10 +4,10 @@ batch, the steps, the peak learning rate and its warmup, the precision."""
 import dataclasses
 import math
 
-from distributed_mpt import input_pipeline, optimization, precision
+from distributed_mpt.training import input_pipeline, optimization, precision
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.models import synchronizes_replicas
+from distributed_mpt.training.models import synchronizes_replicas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,9 +30,9 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
-from distributed_mpt import outputs
+from distributed_mpt.training import outputs
 from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line
-from distributed_mpt.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
+from distributed_mpt.process.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
 
 MAX_TO_KEEP = 3
 

@@ -6,7 +6,7 @@ signal stops it, in each phase, is stopping.py's."""
 import os
 import sys
 
-from distributed_mpt import log_filter, stopping
+from distributed_mpt.process import log_filter, stopping
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError, first_line
 
@@ -29,8 +29,9 @@ def _run(config: TrainConfig) -> int:
     lock, new_model_dir = None, None
     try:
         # The cheap checks first, without TensorFlow.
-        from distributed_mpt.cluster import resolve_cluster
-        from distributed_mpt import outputs, run_lock
+        from distributed_mpt.process.cluster import resolve_cluster
+        from distributed_mpt.training import outputs
+        from distributed_mpt.process import run_lock
         cluster = resolve_cluster(os.environ)
         # A user's file where the run keeps a directory of its own (or the
         # reverse), or a user's `export` that an export would replace, is
@@ -53,8 +54,8 @@ def _run(config: TrainConfig) -> int:
         # part no handler of ours could interrupt.
         with stopping.tensorflow_starting():
             # TensorFlow is imported only now, behind the log filter.
-            from distributed_mpt import distribution
-            from distributed_mpt.run import train_and_evaluate
+            from distributed_mpt.training import distribution
+            from distributed_mpt.training.run import train_and_evaluate
             strategy_name = distribution.resolve_strategy_name(
                 config.strategy, cluster, config.cpu_replicas)
             try:
@@ -78,7 +79,7 @@ def _run(config: TrainConfig) -> int:
         stopping.keep_until_exit(e)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
-        from distributed_mpt import outputs
+        from distributed_mpt.training import outputs
         if not outputs.is_disk_full(e):
             raise
         # Checkpoints say this themselves; this is for the other files

@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 
-from distributed_mpt import stopping
+from distributed_mpt.process import stopping
 
 VERBOSE_ENV = "DMPT_VERBOSE"
 
@@ -64,7 +64,7 @@ def start() -> None:
     sys.stderr.flush()
     try:
         _filter_process = subprocess.Popen(
-            stopping.helper_command("distributed_mpt.log_filter"), stdin=subprocess.PIPE,
+            stopping.helper_command("distributed_mpt.process.log_filter"), stdin=subprocess.PIPE,
             stdout=2, stderr=subprocess.DEVNULL)
     except OSError:
         return  # no filter: the lines are noise, never a reason to fail

@@ -6,11 +6,11 @@ import math
 import time
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import optimization, precision
-from distributed_mpt.checkpointing import Checkpoints
+from distributed_mpt.training import optimization, precision
+from distributed_mpt.training.checkpointing import Checkpoints
 from distributed_mpt.errors import DivergedError, Preempted
-from distributed_mpt.reporting import Reporter
-from distributed_mpt.trainer import NO_TOTALS, LoopTotals, Trainer
+from distributed_mpt.training.reporting import Reporter
+from distributed_mpt.training.trainer import NO_TOTALS, LoopTotals, Trainer
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
 # halves; this many in a row means the loss itself is not finite.

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from distributed_mpt import stopping
+from distributed_mpt.process import stopping
 from distributed_mpt.errors import status_of_signal
 
 _POLL_SECONDS = 0.2
@@ -27,7 +27,7 @@ class PeerWatchdog:
 
     def __init__(self, timeout_seconds: float, peers):
         self._command = stopping.helper_command(
-            "distributed_mpt.peer_watchdog", str(os.getpid()), str(timeout_seconds), *peers)
+            "distributed_mpt.process.peer_watchdog", str(os.getpid()), str(timeout_seconds), *peers)
 
     def __enter__(self):
         self._process = subprocess.Popen(self._command)

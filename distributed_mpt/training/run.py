@@ -10,15 +10,16 @@ import keras
 import tensorflow as tf
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import datasets, distribution, optimization, outputs, precision, stopping
-from distributed_mpt.checkpointing import Checkpoints, model_identity
-from distributed_mpt.cluster import Cluster
+from distributed_mpt.training import datasets, distribution, optimization, outputs, precision
+from distributed_mpt.process import stopping
+from distributed_mpt.training.checkpointing import Checkpoints, model_identity
+from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.loop import TrainingLoop
-from distributed_mpt.plan import RunPlan, plan_run
-from distributed_mpt.reporting import Reporter
-from distributed_mpt.resumption import continue_with, refuse_other_data, resume
-from distributed_mpt.trainer import Trainer
+from distributed_mpt.training.loop import TrainingLoop
+from distributed_mpt.training.plan import RunPlan, plan_run
+from distributed_mpt.training.reporting import Reporter
+from distributed_mpt.training.resumption import continue_with, refuse_other_data, resume
+from distributed_mpt.training.trainer import Trainer
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,

@@ -12,7 +12,7 @@ from typing import Optional
 import keras
 import numpy as np
 
-from distributed_mpt.datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGE_SHAPE, NUM_CLASSES
+from distributed_mpt.training.datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGE_SHAPE, NUM_CLASSES
 
 
 def build_model(name: str, width: int = 64, weight_decay: float = 0.0,

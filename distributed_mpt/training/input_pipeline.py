@@ -16,7 +16,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from distributed_mpt.datasets import ImageSplit
+from distributed_mpt.training.datasets import ImageSplit
 
 # Padded-crop augmentation: pad 4 pixels on each side, crop back to 32x32.
 CROP_PADDING = 4

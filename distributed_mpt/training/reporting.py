@@ -9,7 +9,7 @@ import time
 
 import tensorflow as tf
 
-from distributed_mpt import outputs
+from distributed_mpt.training import outputs
 
 
 # What every record of metrics.jsonl holds; a line without them is damaged.

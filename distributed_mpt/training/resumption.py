@@ -7,11 +7,11 @@ import os
 from typing import List, Optional
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import outputs
-from distributed_mpt.checkpointing import Checkpoints, Restored
+from distributed_mpt.training import outputs
+from distributed_mpt.training.checkpointing import Checkpoints, Restored
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.plan import RunPlan
+from distributed_mpt.training.plan import RunPlan
 
 
 @dataclasses.dataclass(frozen=True)

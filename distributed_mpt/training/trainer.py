@@ -16,12 +16,12 @@ import keras
 import tensorflow as tf
 
 from distributed_mpt import config as config_lib
-from distributed_mpt import datasets, input_pipeline, optimization
+from distributed_mpt.training import datasets, input_pipeline, optimization
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ClusterError
-from distributed_mpt.models import (batch_norm_shifts, build_model, convolution_filters,
+from distributed_mpt.training.models import (batch_norm_shifts, build_model, convolution_filters,
                                    initialize_from_data, whitening_bias)
-from distributed_mpt.plan import RunPlan
+from distributed_mpt.training.plan import RunPlan
 
 
 def _sum_accumulator(size: int) -> tf.Variable:
