@@ -95,7 +95,7 @@ CASES = {
                                             "is not a directory"),
         "file where tensorboard/ belongs": (_entry("tensorboard", "file"), [], {},
                                             "is not a directory"),
-        "file where export/ belongs": (_entry("export", "file"), [], {}, "is not a directory"),
+        "file where export/ belongs": (_entry("export", "file"), [], {}, "not an export of this program"),
         "directory where metrics.jsonl belongs": (_entry("metrics.jsonl", "directory"), [], {},
                                                   "is not a regular file"),
         "directory where config.json belongs": (_entry("config.json", "directory"), [], {},

@@ -85,7 +85,7 @@ def measure(cell: Cell) -> dict:
 
     def seconds_of(steps: int) -> float:
         started = time.perf_counter()
-        loop.train(iterator, steps, False)  # returns the totals: the steps are done
+        loop.train(iterator, steps)  # returns the totals: the steps are done
         return time.perf_counter() - started
 
     seconds_of(WARMUP_STEPS)

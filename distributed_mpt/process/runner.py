@@ -36,9 +36,7 @@ def _run(config: TrainConfig) -> int:
         # A user's file where the run keeps a directory of its own (or the
         # reverse), or a user's `export` that an export would replace, is
         # refused now, not after hours of training; nothing of it is touched.
-        outputs.check_model_dir_layout(config.model_dir)
-        if config.export:
-            outputs.check_export_destination(config.model_dir)
+        outputs.check_model_dir_layout(config.model_dir, export=config.export)
         if cluster is None or cluster.is_chief:
             if not os.path.exists(config.model_dir):
                 new_model_dir = config.model_dir

@@ -175,7 +175,7 @@ def _airbench(width: int, regularizer, shift_regularizer) -> keras.Model:
 
     def conv(channels, **kwargs):
         return keras.layers.Conv2D(channels, 3, padding="same", use_bias=False,
-                                   kernel_initializer=_TORCH_INIT, kernel_regularizer=regularizer,
+                                   kernel_initializer=_torch_init(), kernel_regularizer=regularizer,
                                    **kwargs)
 
     def conv_bn_gelu(x, channels, pool):
@@ -199,17 +199,19 @@ def _airbench(width: int, regularizer, shift_regularizer) -> keras.Model:
         x = conv_bn_gelu(conv_bn_gelu(x, channels, pool=True), channels, pool=False)
     x = keras.layers.GlobalMaxPooling2D()(x)  # the 3x3 map left: airbench's MaxPool2d(3)
     x = keras.layers.Rescaling(1 / 9)(x)
-    model = keras.Model(images, _classifier(x, regularizer, use_bias=False, initializer=_TORCH_INIT),
+    model = keras.Model(images, _classifier(x, regularizer, use_bias=False, initializer=_torch_init()),
                         name="airbench")
     _identity_init(model)
     return model
 
 
-# PyTorch's default for Conv2d and Linear weights, U(+-1/sqrt(fan_in)), which
-# airbench's hyperparameters were tuned with (Keras' Glorot is 1.7x larger
-# for a 256-channel 3x3 convolution: a smaller effective learning rate under
-# batch norm).
-_TORCH_INIT = keras.initializers.VarianceScaling(1 / 3, mode="fan_in", distribution="uniform")
+def _torch_init() -> keras.initializers.Initializer:
+    """PyTorch's default for Conv2d and Linear weights, U(+-1/sqrt(fan_in)),
+    which airbench's hyperparameters were tuned with (Keras' Glorot is 1.7x
+    larger for a 256-channel 3x3 convolution: a smaller effective learning
+    rate under batch norm). A new one per layer, made after --seed is set:
+    an unseeded initializer draws its seed when it is made."""
+    return keras.initializers.VarianceScaling(1 / 3, mode="fan_in", distribution="uniform")
 
 
 def _identity_init(model: keras.Model) -> None:

@@ -26,7 +26,7 @@ EXPORT_STAGING_PREFIX = ".export-"  # export_model: staging, retired export
 # What a run keeps in --model_dir, by kind. Each is checked before training
 # (check_model_dir_layout): a user's file named `export`, or a directory
 # named `summary.json`, is refused then, not found after hours of training.
-MODEL_DIR_DIRECTORIES = ("checkpoints", "tensorboard", "export")
+MODEL_DIR_DIRECTORIES = ("checkpoints", "tensorboard")  # and export/: check_export_destination
 MODEL_DIR_FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints/model.json",
                    "checkpoints/checkpoint")
 
@@ -94,11 +94,14 @@ def write_text(path: str, text: str) -> None:
     os.replace(f.name, path)
 
 
-def check_model_dir_layout(model_dir: str) -> None:
+def check_model_dir_layout(model_dir: str, export: bool = True) -> None:
     """Raises ConfigError if something in `model_dir` is not the kind of
     thing a run keeps under its name (a file where a directory belongs, a
-    directory or a FIFO where a file belongs). Nothing is moved or deleted:
-    it may be the user's."""
+    directory or a FIFO where a file belongs, and with `export` anything at
+    export/ that is not an export of this program). Nothing is moved or
+    deleted: it may be the user's."""
+    if export:
+        check_export_destination(model_dir)
     for name in MODEL_DIR_DIRECTORIES:
         path = os.path.join(model_dir, name)
         if os.path.lexists(path) and not os.path.isdir(path):
