@@ -125,6 +125,23 @@ def run_in_process(main, args) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(args, code, out.read().decode(), err.read().decode())
 
 
+def read_terminal(controller: int, on_output=None) -> bytes:
+    """All that a process writes to the pseudo-terminal `controller` until it
+    closes it; `on_output(everything so far)` is called after each chunk."""
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+        if on_output:
+            on_output(shown)
+    return shown
+
+
 def read_summary(model_dir) -> dict:
     return json.loads((Path(model_dir) / "summary.json").read_text())
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, WatchedProcess, subprocess_env
+from conftest import REPO, SMOKE_FLAGS, WatchedProcess, read_terminal, subprocess_env
 from distributed_mpt.process import stopping
 from distributed_mpt.errors import EXIT_PREEMPTED, EXIT_USAGE
 
@@ -57,18 +57,14 @@ def test_the_acknowledgement_starts_a_line_of_its_own_on_a_terminal(tmp_path):
          "--log_every_steps=100000", f"--model_dir={tmp_path / 'run'}"],
         stdout=terminal, stderr=terminal, cwd=REPO, env=subprocess_env())
     os.close(terminal)
-    shown, signalled = b"", False
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
+    signalled = []
+
+    def interrupt_once_steps_show(shown):
         if not signalled and len(re.findall(rb"\r\x1b\[Kstep \d+", shown)) >= 3:
             process.send_signal(signal.SIGINT)  # while the status line shows a step
-            signalled = True
+            signalled.append(True)
+
+    shown = read_terminal(controller, interrupt_once_steps_show)
     assert process.wait(timeout=120) == EXIT_PREEMPTED, shown[-2000:]
     acknowledged = shown.index(b"SIGINT: stopping")
     assert shown[:acknowledged].endswith((b"\r\x1b[K", b"\n")), shown[acknowledged - 80:]

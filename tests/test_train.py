@@ -260,6 +260,6 @@ def test_workers_started_with_different_flags_refuse_together_naming_them(tmp_pa
         assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
         errors = [line for line in worker.output().splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in worker.output(), worker.output()[-3000:]
-        assert "different --weight_decay, --seed" in errors[0] and f"(this worker: " in errors[0]
+        assert "different --weight_decay, --seed" in errors[0] and "(this worker: " in errors[0]
         assert all(flag in errors[0] for flag in mine.split()), errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
-                      read_summary, subprocess_env, train)
+                      read_summary, read_terminal, subprocess_env, train)
 from distributed_mpt.training.loop import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
@@ -99,15 +99,7 @@ def test_a_terminal_gets_a_status_line(tmp_path):
         [sys.executable, "-m", "distributed_mpt.train", *args, f"--model_dir={tmp_path / 'tty'}"],
         stdout=terminal, stderr=subprocess.DEVNULL, cwd=REPO, env=subprocess_env())
     os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
+    shown = read_terminal(controller)
     assert process.wait(timeout=60) == 0
     assert b"\r\x1b[Kstep " in shown, "steps counted on the status line between progress lines"
     # A log gets whole lines only: test_train.py's first test.
