@@ -34,8 +34,9 @@ def _flag_values() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_enum("recipe", None, recipes.names(),
                       "A shipped recipe, read as a --flagfile (flags given explicitly override "
-                      "it): cpu_cnn (92% on 2 CPU cores in 15 min), mlp (the notebook's "
-                      "network), resnet9 (GPUs).", flag_values=fv)
+                      "it); its header lists the runs it was measured in. " +
+                      " ".join(f"{name}: {recipes.summary(name)}" for name in recipes.names()),
+                      flag_values=fv)
     for field in dataclasses.fields(config_lib.TrainConfig):
         help_text = field.metadata["help"]
         if field.name in config_lib.MODEL_DEFAULTS["mlp"]:

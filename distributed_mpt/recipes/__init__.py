@@ -23,3 +23,9 @@ def path(name: str) -> str:
         raise ConfigError(f"--recipe={name} is not one of the shipped recipes: "
                           f"{', '.join(names())}")
     return str(_DIRECTORY / f"{name}.flags")
+
+
+def summary(name: str) -> str:
+    """Recipe `name` in one line: the first line of its header."""
+    with open(path(name)) as f:
+        return f.readline().lstrip("# ").strip()
