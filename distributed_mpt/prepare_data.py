@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     except flags.Error as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return ExitCode.USAGE
-    from distributed_mpt import datasets  # imports TensorFlow
+    from distributed_mpt.training import datasets  # imports TensorFlow
     try:
         train, test = datasets.load_cifar10(fv.data_dir, download=True)
     except UserError as e:

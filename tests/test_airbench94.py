@@ -6,6 +6,7 @@ import signal
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from conftest import (WatchedProcess, assert_ok, checkpoint_weights, read_summary,
@@ -175,9 +176,14 @@ def test_a_muon_step_renormalizes_the_filter_and_steps_along_the_orthogonalized_
     np.testing.assert_allclose(bias.numpy(), -0.95 * np.ones(8), rtol=1e-6)
 
 
-def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path):
-    # Muon as well: its filters' updates go through the same machinery.
-    common = [*AIRBENCH94, "--train_steps=10", "--noevaluate", "--optimizer=muon"]
+@pytest.mark.parametrize("optimizer, atol", [
+    ("sgd", 2e-5),
+    # Muon's orthogonalization lifts the gradient's smallest singular
+    # directions, float32 round-off among them, to the size of its step.
+    ("muon", 2e-4),
+])
+def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path, optimizer, atol):
+    common = [*AIRBENCH94, "--train_steps=10", "--noevaluate", f"--optimizer={optimizer}"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
     assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
@@ -186,7 +192,7 @@ def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path):
     assert single.keys() == mirrored.keys()
     assert any(name.startswith("lookahead/") for name in single), "the averages are saved"
     for name in single:
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=atol, err_msg=name)
 
 
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):

@@ -137,9 +137,13 @@ _NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 
 def orthogonalize(matrix: tf.Tensor, steps: int = 3) -> tf.Tensor:
     """`matrix` with its singular values moved near 1 by `steps` Newton-Schulz
-    iterations in bfloat16 (U S V^T -> about U V^T): Muon's update."""
+    iterations (U S V^T -> about U V^T): Muon's update. In float32, where the
+    reference uses bfloat16 for a GPU's speed: here the iteration costs a
+    fraction of a percent of a step, and bfloat16's rounding of it would
+    differ with the split of the batch, so N replicas would not train like
+    one."""
     a, b, c = _NEWTON_SCHULZ
-    x = tf.cast(matrix, tf.bfloat16)
+    x = tf.cast(matrix, tf.float32)
     x = x / (tf.norm(x) + 1e-7)  # singular values <= 1
     tall = matrix.shape[0] > matrix.shape[1]
     if tall:
