@@ -151,7 +151,7 @@ def test_training_on_damaged_data_exits_with_one_error_line(cifar10_copy, tmp_pa
     assert not model_dir.exists()
 
 
-def test_missing_cifar10_without_download_names_the_remedies(tmp_path):
+def test_missing_cifar10_without_download_names_the_remedies(tmp_path, caplog):
     started = time.monotonic()
     with pytest.raises(DataUnavailableError) as error:
         datasets.load_cifar10(str(tmp_path), download=False)
@@ -161,6 +161,8 @@ def test_missing_cifar10_without_download_names_the_remedies(tmp_path):
                    "cifar-10-binary.tar.gz", str(tmp_path / "downloads" / "manual"),
                    "--dataset=synthetic"):
         assert remedy in message
+    assert not [r for r in caplog.records if "Variant folder" in r.getMessage()], \
+        "no warning about a folder that a first run has not made yet"
 
 
 def test_unreachable_download_host_fails_fast(tmp_path, monkeypatch):

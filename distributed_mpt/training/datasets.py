@@ -7,6 +7,7 @@ input_pipeline.py.
 """
 
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -123,9 +124,23 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
 
     _check_dataset_info(data_dir)  # tfds.builder reads it, with tracebacks
     builder = tfds.builder("cifar10", data_dir=data_dir)
-    if not builder.is_prepared():
+    if not _is_prepared(builder):
         _prepare_cifar10(builder, download)
     return _read_prepared_split(builder, "train"), _read_prepared_split(builder, "test")
+
+
+def _is_prepared(builder) -> bool:
+    """builder.is_prepared(), without the warning tensorflow-datasets logs
+    there about a version folder that does not exist yet ("Variant folder
+    ... has no dataset_info.json"): a first run is not a damaged one, and
+    what is missing is said once, by the error that follows."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        return builder.is_prepared()
+    finally:
+        absl_logger.setLevel(level)
 
 
 def _prepare_cifar10(builder, download: bool) -> None:
