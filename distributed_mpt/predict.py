@@ -43,6 +43,9 @@ EVAL_BATCH_SIZE = 500
 # Far above any photo (a 50-megapixel JPEG is about 20 MB): a bigger file is
 # refused before it is read into memory.
 MAX_IMAGE_BYTES = 64 << 20
+# A small file can decode to gigabytes (a PNG of one colour compresses
+# 1000:1): its header's size is checked before it is decoded.
+MAX_IMAGE_PIXELS = 100_000_000
 
 SYNTHETIC_WARNING = (
     "warning: this model was trained on synthetic data, not CIFAR-10: its answers about "
@@ -248,6 +251,10 @@ def read_image(path: str) -> np.ndarray:
     if len(encoded) > MAX_IMAGE_BYTES:
         raise UserError(f"{path} is larger than an image this program reads "
                         f"({MAX_IMAGE_BYTES >> 20} MB)")
+    pixels = _header_pixels(encoded)
+    if pixels is not None and pixels > MAX_IMAGE_PIXELS:
+        raise UserError(f"{path} says it holds {pixels:,} pixels, more than this program decodes "
+                        f"({MAX_IMAGE_PIXELS:,})")
     try:
         image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
     except tf.errors.InvalidArgumentError:
@@ -256,6 +263,29 @@ def read_image(path: str) -> np.ndarray:
     # sampling a few of them.
     small = tf.image.resize(image, (32, 32), antialias=True)
     return tf.cast(tf.clip_by_value(tf.round(small), 0, 255), tf.uint8).numpy()
+
+
+def _header_pixels(encoded: bytes) -> Optional[int]:
+    """Width x height as the header of a PNG, GIF, BMP or JPEG says it; None
+    for other formats (the decoder then refuses or bounds them)."""
+    import struct
+
+    import tensorflow as tf
+
+    if encoded.startswith(b"\x89PNG\r\n\x1a\n") and len(encoded) >= 24:
+        width, height = struct.unpack(">II", encoded[16:24])
+    elif encoded[:6] in (b"GIF87a", b"GIF89a") and len(encoded) >= 10:
+        width, height = struct.unpack("<HH", encoded[6:10])
+    elif encoded.startswith(b"BM") and len(encoded) >= 26:
+        width, height = struct.unpack("<ii", encoded[18:26])
+    elif encoded.startswith(b"\xff\xd8"):
+        try:
+            height, width = (int(x) for x in tf.image.extract_jpeg_shape(encoded)[:2])
+        except tf.errors.InvalidArgumentError:
+            return None  # the decoder says what is wrong with it
+    else:
+        return None
+    return abs(width) * abs(height)
 
 
 def evaluate(probabilities, images: np.ndarray, labels: np.ndarray) -> dict:

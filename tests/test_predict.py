@@ -6,8 +6,10 @@ import json
 import os
 import signal
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +221,13 @@ def _huge(path):
     return path
 
 
+def _a_png_of_a_billion_pixels(path):
+    # Only its header: a PNG that says 40,000 x 40,000 (4.8 GB decoded).
+    header = struct.pack(">I4sIIBBBBB", 13, b"IHDR", 40_000, 40_000, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + header + zlib.crc32(header[4:]).to_bytes(4, "big"))
+    return path
+
+
 def _nothing(tmp_path, untrained, trained, photo):
     return tmp_path, [photo]
 
@@ -252,6 +261,8 @@ HOSTILE_INPUTS = {
     "a FIFO as an image": (_bad_image(_fifo), "not a regular file"),
     "/dev/zero as an image": (_bad_image(lambda p: Path("/dev/zero")), "not a regular file"),
     "an image of 64 MB": (_bad_image(_huge), "larger than an image"),
+    "a PNG of 1.6 billion pixels": (_bad_image(_a_png_of_a_billion_pixels),
+                                    "more than this program decodes"),
     # Counts bounded as training bounds them.
     "--synthetic_examples=-1": (_flags("--synthetic_examples=-1"), "must be a positive"),
     "--synthetic_examples=10**11": (_flags(f"--synthetic_examples={10**11}"),
