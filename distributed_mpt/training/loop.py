@@ -17,8 +17,8 @@ from distributed_mpt.training.trainer import NO_TOTALS, LoopTotals, Trainer
 _NONFINITE_STEPS_WITH_LOSS_SCALING = 100
 
 # A loop call's target length: a progress line waits for the call under way
-# (a stop request only for the step under way), so calls are kept this short (up to --steps_per_loop
-# steps each), whatever the model or device.
+# (a stop request only for the step under way), so calls are kept this short
+# (up to --steps_per_loop steps each), whatever the model or device.
 _CALL_SECONDS = 1.0
 
 
