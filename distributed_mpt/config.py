@@ -114,8 +114,10 @@ class TrainConfig:
     momentum: Optional[float] = _option(None, "SGD Nesterov momentum.")
     optimizer: str = _option(
         "sgd", "sgd: SGD with Nesterov momentum. muon (airbench94_muon's): Muon for the "
-        "convolution filters (orthogonalized steps; see --muon_learning_rate), SGD for the "
-        "rest.", OPTIMIZERS)
+        "convolution filters (orthogonalized steps, no weight decay: Muon keeps their norm; "
+        "see --muon_learning_rate), SGD for the rest, with airbench's whitening bias at the "
+        "batch-norm shifts' rate (--shift_lr_multiplier) falling linearly to 0 over "
+        "--whiten_bias_epochs.", OPTIMIZERS)
     muon_learning_rate: float = _option(
         0.24, "--optimizer=muon: the filters' peak learning rate (not scaled with the batch: "
         "Muon's step size does not depend on the gradient's); it follows --lr_schedule.")
@@ -128,7 +130,7 @@ class TrainConfig:
         "step is as large as the kernels'.")
     whiten_bias_epochs: float = _option(
         0.0, "airbench: train the whitening layer's bias for this many epochs, then freeze it "
-        "(airbench94: 3); 0: the bias stays 0.")
+        "(airbench94: 3; see --optimizer for Muon's); 0: the bias stays 0.")
     lookahead: bool = _option(
         False, "airbench94's lookahead: every 5 steps the weights (and batch-norm statistics) "
         "move to an exponential moving average of themselves, of decay 0.95^5 x "

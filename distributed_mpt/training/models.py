@@ -7,6 +7,7 @@ Outputs are softmax probabilities in float32 whatever the compute precision:
 a float16 softmax loses too much for the cross-entropy.
 """
 
+import functools
 from typing import Optional
 
 import keras
@@ -16,18 +17,22 @@ from distributed_mpt.training.datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGE_S
 
 
 def build_model(name: str, width: int = 64, weight_decay: float = 0.0,
-                shift_lr_multiplier: float = 1.0) -> keras.Model:
+                shift_lr_multiplier: float = 1.0, muon: bool = False) -> keras.Model:
     """Builds model `name` ('mlp', 'resnet9' or 'airbench') under the current
     dtype policy.
 
     width: channels of the first stage of resnet9 or airbench (64 in both
     reference networks); weight_decay: L2 coefficient on every trained kernel
-    and bias (0 for none). Batch-norm shifts get weight_decay /
+    and bias (0 for none). The fast biases (`fast_biases`) get weight_decay /
     shift_lr_multiplier: the trainer multiplies their gradients (the L2 term
     included) by shift_lr_multiplier, so their decay per step stays that of
-    the kernels, as in airbench94. Call `initialize_from_data` before training.
+    the kernels, as in airbench94. muon: airbench as airbench94_muon trains
+    it, its convolution filters without L2 (Muon renormalizes them every
+    step; an L2 term in their gradient would only bend the orthogonalized
+    step) and its whitening bias among the fast biases. Call
+    `initialize_from_data` before training.
     """
-    builders = {"mlp": _mlp, "resnet9": _resnet9, "airbench": _airbench}
+    builders = {"mlp": _mlp, "resnet9": _resnet9, "airbench": functools.partial(_airbench, muon=muon)}
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(builders)}")
     return builders[name](width, _l2(weight_decay), _l2(weight_decay / shift_lr_multiplier))
@@ -38,10 +43,16 @@ def _l2(coefficient: float) -> Optional[keras.regularizers.Regularizer]:
 
 
 def batch_norm_shifts(model: keras.Model) -> list:
-    """The batch-norm shift variables (beta) of `model`: the ones that
-    --shift_lr_multiplier speeds up."""
+    """The batch-norm shift variables (beta) of `model`."""
     return [layer.beta for layer in model.layers
             if isinstance(layer, keras.layers.BatchNormalization) and layer.center]
+
+
+def fast_biases(model: keras.Model, muon: bool = False) -> list:
+    """The variables that --shift_lr_multiplier speeds up: the batch-norm
+    shifts, and for airbench94_muon (`muon`) the whitening bias too."""
+    bias = whitening_bias(model)
+    return batch_norm_shifts(model) + ([bias] if muon and bias is not None else [])
 
 
 def convolution_filters(model: keras.Model) -> list:
@@ -161,7 +172,7 @@ def whitening_filters(images: np.ndarray) -> np.ndarray:
     return np.concatenate([filters, -filters], axis=-1).astype(np.float32)
 
 
-def _airbench(width: int, regularizer, shift_regularizer) -> keras.Model:
+def _airbench(width: int, regularizer, shift_regularizer, muon: bool) -> keras.Model:
     """The network of Keller Jordan's airbench94 (94% on CIFAR-10 in 10 epochs;
     "94% on CIFAR-10 in 3.29 seconds on a single GPU", 2024), as its reference
     code has it: a 2x2 whitening convolution whose frozen filters are computed
@@ -170,13 +181,13 @@ def _airbench(width: int, regularizer, shift_regularizer) -> keras.Model:
     GELU -> conv -> batch norm -> GELU, a max pool and a linear classifier
     scaled by 1/9. Batch norm learns only its shift; each convolution starts
     as the identity on its first c_in filters (see `_identity_init`), and
-    the other weights as PyTorch initializes them.
+    the other weights as PyTorch initializes them. `muon`: see build_model.
     """
 
     def conv(channels, **kwargs):
         return keras.layers.Conv2D(channels, 3, padding="same", use_bias=False,
-                                   kernel_initializer=_torch_init(), kernel_regularizer=regularizer,
-                                   **kwargs)
+                                   kernel_initializer=_torch_init(),
+                                   kernel_regularizer=None if muon else regularizer, **kwargs)
 
     def conv_bn_gelu(x, channels, pool):
         x = conv(channels)(x)
@@ -191,8 +202,8 @@ def _airbench(width: int, regularizer, shift_regularizer) -> keras.Model:
 
     images, x = _inputs()
     patch_channels = 2 * _WHITENING_PATCH ** 2 * IMAGE_SHAPE[2]
-    whiten = keras.layers.Conv2D(patch_channels, _WHITENING_PATCH, bias_regularizer=regularizer,
-                                 name=_WHITENING_LAYER)
+    whiten = keras.layers.Conv2D(patch_channels, _WHITENING_PATCH, name=_WHITENING_LAYER,
+                                 bias_regularizer=shift_regularizer if muon else regularizer)
     x = keras.layers.Activation("gelu")(whiten(x))
     whiten.kernel.trainable = False  # the filters come from the data; only the bias trains
     for channels in (width, 4 * width, 4 * width):

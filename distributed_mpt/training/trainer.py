@@ -19,7 +19,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt.training import datasets, input_pipeline, optimization
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ClusterError
-from distributed_mpt.training.models import (batch_norm_shifts, build_model, convolution_filters,
+from distributed_mpt.training.models import (build_model, convolution_filters, fast_biases,
                                    initialize_from_data, whitening_bias)
 from distributed_mpt.training.plan import RunPlan
 
@@ -78,8 +78,9 @@ class Trainer:
         schedule = optimization.learning_rate_schedule(
             plan.learning_rate, plan.total_steps, plan.warmup_steps, config.lr_schedule)
         with strategy.scope():
+            muon = config.optimizer == "muon"
             self.model = build_model(config.model, config.model_width, config.weight_decay,
-                                     config.shift_lr_multiplier)
+                                     config.shift_lr_multiplier, muon=muon)
             initialize_from_data(self.model, train_split.images)
             # The logits, for test-time augmentation to average.
             self._logits = keras.Model(self.model.inputs, self.model.get_layer("logits").output)
@@ -87,7 +88,7 @@ class Trainer:
                                if config.lookahead else None)
             self.optimizer = optimization.make_optimizer(
                 schedule, config.momentum, loss_scaling=plan.loss_scaling,
-                muon_variables=convolution_filters(self.model) if config.optimizer == "muon" else (),
+                muon_variables=convolution_filters(self.model) if muon else (),
                 muon_rate_ratio=config.muon_learning_rate / plan.learning_rate,
                 muon_momentum=config.muon_momentum)
             # Built here, not lazily in the first step: MirroredStrategy
@@ -113,11 +114,18 @@ class Trainer:
             # Only the forward and backward pass: the gradient all-reduce and
             # the update stay outside XLA, where every strategy supports them.
             self._gradients = tf.function(self._compute_gradients, jit_compile=True)
-        self._gradient_scales = _gradient_scales(self.model, config.shift_lr_multiplier)
+        fast = {id(v) for v in fast_biases(self.model, muon)}
+        self._gradient_scales = [config.shift_lr_multiplier if id(v) in fast else 1.0
+                                 for v in self.model.trainable_variables]
         bias = whitening_bias(self.model)
         self._whiten_bias_index = next((i for i, v in enumerate(self.model.trainable_variables)
                                         if v is bias), None)
         self._whiten_bias_steps = round(config.whiten_bias_epochs * plan.steps_per_epoch)
+        # airbench94_muon's whitening bias: its own rate, falling linearly
+        # from the peak to 0 over its steps, whatever --lr_schedule does.
+        self._whiten_bias_rate = (optimization.learning_rate_schedule(
+            plan.learning_rate, self._whiten_bias_steps, 0, "linear") if muon else None)
+        self._schedule = schedule
         # Set from the stop-signal thread while a loop call runs (see
         # request_stop); outside the strategy's scope: one value per process.
         self._stop_requested = tf.Variable(False, trainable=False, name="stop_requested")
@@ -252,7 +260,11 @@ class Trainer:
         if self._whiten_bias_index is not None:
             # Frozen after its epochs: a zero gradient (and momentum decaying).
             i = self._whiten_bias_index
-            gradients[i] *= tf.cast(self.step < self._whiten_bias_steps, gradients[i].dtype)
+            factor = tf.cast(self.step < self._whiten_bias_steps, tf.float32)
+            if self._whiten_bias_rate is not None:  # its rate over the schedule's
+                factor *= tf.math.divide_no_nan(self._whiten_bias_rate(self.step),
+                                                self._schedule(self.step))
+            gradients[i] *= tf.cast(factor, gradients[i].dtype)
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         count = tf.cast(tf.shape(labels)[0], tf.float32)
         sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros([3]))
@@ -314,13 +326,6 @@ def _is_correct(labels, scores):
     label, per example."""
     predictions = tf.argmax(scores, axis=-1, output_type=tf.int32)
     return tf.cast(predictions == labels, tf.float32)
-
-
-def _gradient_scales(model: keras.Model, shift_lr_multiplier: float) -> list:
-    """Per trainable variable, what its gradient is multiplied by:
-    `shift_lr_multiplier` for batch-norm shifts, 1 for the rest."""
-    shifts = {id(v) for v in batch_norm_shifts(model)}
-    return [shift_lr_multiplier if id(v) in shifts else 1.0 for v in model.trainable_variables]
 
 
 def _drain(accumulator, extra):
