@@ -13,6 +13,7 @@ from typing import Optional
 import keras
 import numpy as np
 
+from distributed_mpt.training.batch_norm import FusedBatchNormalization
 from distributed_mpt.training.datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGE_SHAPE, NUM_CLASSES
 
 
@@ -123,9 +124,10 @@ def _resnet9(width: int, regularizer, shift_regularizer) -> keras.Model:
                                 kernel_regularizer=regularizer)(x)
         # Synchronized: batch statistics over the global batch, so that N
         # replicas at batch b train like one at N*b, and every replica keeps
-        # the same moving statistics (Keras 3 would otherwise let them drift).
-        x = keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, synchronized=True,
-                                            beta_regularizer=shift_regularizer)(x)
+        # the same moving statistics (Keras 3 would otherwise let them drift);
+        # fused where one replica sees the whole batch (batch_norm.py).
+        x = FusedBatchNormalization(momentum=0.9, epsilon=1e-5, synchronized=True,
+                                      beta_regularizer=shift_regularizer)(x)
         return keras.layers.Activation("relu")(x)
 
     def residual(x, channels):
@@ -195,9 +197,8 @@ def _airbench(width: int, regularizer, shift_regularizer, muon: bool) -> keras.M
             x = keras.layers.MaxPooling2D()(x)
         # Synchronized for exact N-replica equivalence, as in resnet9;
         # momentum 0.6 and epsilon 1e-12 are airbench's (its PyTorch 0.4).
-        x = keras.layers.BatchNormalization(momentum=0.6, epsilon=1e-12, scale=False,
-                                            synchronized=True,
-                                            beta_regularizer=shift_regularizer)(x)
+        x = FusedBatchNormalization(momentum=0.6, epsilon=1e-12, scale=False, synchronized=True,
+                                    beta_regularizer=shift_regularizer)(x)
         return keras.layers.Activation("gelu")(x)
 
     images, x = _inputs()

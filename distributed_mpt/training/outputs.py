@@ -270,13 +270,16 @@ def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> s
     0-255) and returns `probabilities` (float32 [N, classes]); its
     `class_names` attribute holds the class names too.
     """
+    # Imported here: it loads TensorFlow (see _export_saved_model).
+    from distributed_mpt.training.batch_norm import with_keras_batch_norm
+
     check_export_destination(model_dir)
     final = os.path.join(model_dir, "export")
     staging = os.path.join(model_dir, f"{EXPORT_STAGING_PREFIX}{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:
         _export_saved_model(model, os.path.join(staging, "saved_model"), class_names)
-        model.save(os.path.join(staging, "model.keras"))
+        with_keras_batch_norm(model).save(os.path.join(staging, "model.keras"))
         write_text(os.path.join(staging, "classes.txt"), "".join(f"{c}\n" for c in class_names))
         if info is not None:
             write_json(os.path.join(staging, MODEL_INFO_NAME), info)
