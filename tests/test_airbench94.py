@@ -75,6 +75,18 @@ def test_piecewise_linear_schedule_is_airbench94s():
     np.testing.assert_allclose(float(schedule(61.5)), (2.0 + 0.14) / 2, rtol=1e-6)
 
 
+def test_linear_schedule_warms_up_then_falls_to_zero():
+    schedule = optimization.learning_rate_schedule(2.0, total_steps=100, warmup_steps=20,
+                                                   kind="linear")
+    np.testing.assert_allclose([float(schedule(s)) for s in (0, 10, 20, 60, 100)],
+                               [0.0, 1.0, 2.0, 1.0, 0.0], atol=1e-6)
+    # Without warmup, as Muon's whitening bias falls over its epochs.
+    bias_rate = optimization.learning_rate_schedule(2.0, total_steps=10, warmup_steps=0,
+                                                    kind="linear")
+    np.testing.assert_allclose([float(bias_rate(s)) for s in (0, 5, 10)], [2.0, 1.0, 0.0],
+                               atol=1e-6)
+
+
 def test_lookahead_pulls_every_fifth_step_and_ends_on_the_average():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
     kernel = model.weights[0]
@@ -198,14 +210,15 @@ def test_under_muon_the_filters_carry_no_weight_decay_and_the_whitening_bias_dec
 
 
 def test_under_muon_the_whitening_bias_trains_at_the_shifts_rate(tmp_path):
-    # One step from the same start at the peak rate (no warmup): the bias
-    # (zero at the start, so no decay term) moves 64 times as far as SGD moves it.
+    # One step from the same start (the bias is zero, so no decay term), at
+    # the peak rate (a 1-step run has no warmup): the bias moves 64 times as
+    # far as SGD moves it. Its rate's fall over its epochs is the linear
+    # schedule's, checked with the schedules.
     [bias] = _indices([models.whitening_bias(_TINY)])
     moved = {}
     for optimizer in ("sgd", "muon"):
         model_dir = tmp_path / optimizer
         assert_ok(train([*AIRBENCH94, "--train_steps=1", "--nolookahead", "--noevaluate",
-                         "--lr_schedule=linear", "--warmup_epochs=0",
                          f"--optimizer={optimizer}", f"--model_dir={model_dir}"]))
         moved[optimizer] = _trained_variables(model_dir)[bias]
     assert np.abs(moved["sgd"]).max() > 0
@@ -216,18 +229,21 @@ def test_under_muon_the_whitening_bias_trains_at_the_shifts_rate(tmp_path):
     ("sgd", 10, 2e-5),
     # Muon's orthogonalization lifts the gradient's smallest singular
     # directions, float32 round-off among them, to the size of its step,
-    # and each step feeds the next: fewer steps, a looser bound.
+    # and each step feeds the next: fewer steps (too few for lookahead's
+    # first pull, which the SGD case checks, so without it), a looser bound.
     ("muon", 3, 2e-4),
 ])
 def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path, optimizer, steps, atol):
-    common = [*AIRBENCH94, f"--train_steps={steps}", "--noevaluate", f"--optimizer={optimizer}"]
+    common = [*AIRBENCH94, f"--train_steps={steps}", "--noevaluate", f"--optimizer={optimizer}",
+              *(["--nolookahead"] if optimizer == "muon" else [])]
     one, two = tmp_path / "one", tmp_path / "two"
     assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
     assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
                      "--per_replica_batch_size=16", f"--model_dir={two}"]))
     single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
     assert single.keys() == mirrored.keys()
-    assert any(name.startswith("lookahead/") for name in single), "the averages are saved"
+    if optimizer == "sgd":
+        assert any(name.startswith("lookahead/") for name in single), "the averages are saved"
     for name in single:
         np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=atol, err_msg=name)
 

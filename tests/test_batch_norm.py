@@ -58,6 +58,19 @@ def test_fused_batch_norm_trains_as_keras_batch_norm_does(policy, rtol, scale):
         np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * scale_of, err_msg=name)
 
 
+def test_training_runs_the_fused_kernel_and_inference_keras_arithmetic():
+    layer = FusedBatchNormalization(scale=False)
+    layer.build([2, 4, 4, 3])
+
+    def kernels(training):
+        call = tf.function(lambda x: layer(x, training=training))
+        graph = call.get_concrete_function(tf.TensorSpec([2, 4, 4, 3], tf.float32)).graph
+        return {op.type for op in graph.get_operations()}
+
+    assert "FusedBatchNormV3" in kernels(True)
+    assert "FusedBatchNormV3" not in kernels(False)  # the moving statistics, as Keras does
+
+
 def test_the_keras_file_holds_keras_layers_and_the_trained_function(tmp_path):
     model = build_model("airbench", width=8)
     # Moved statistics and shifts, so that a copy that lost them would differ.

@@ -20,9 +20,10 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     Keras' own layer in its place: see `with_keras_batch_norm`."""
 
     def call(self, inputs, training=None, mask=None):
-        fusable = (training and self.trainable and mask is None and len(inputs.shape) == 4
-                   and self.axis in (-1, 3)
-                   and tf.distribute.get_replica_context().num_replicas_in_sync == 1)
+        replicas = tf.distribute.get_replica_context()  # None in a cross-replica context
+        fusable = (training and self.trainable and mask is None and not self.renorm
+                   and len(inputs.shape) == 4 and self.axis in (-1, 3)
+                   and replicas is not None and replicas.num_replicas_in_sync == 1)
         if not fusable:
             return super().call(inputs, training=training, mask=mask)
         channels = inputs.shape[-1]
