@@ -1,8 +1,13 @@
 """`auto` precision follows the devices: GPUs by compute capability, CPUs by
 their bfloat16 instructions; and a run can say which decided it."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from conftest import REPO, subprocess_env
 from distributed_mpt.training import precision
 
 
@@ -54,3 +59,34 @@ def test_an_explicit_precision_is_kept_whatever_the_devices(cpu_with):
 
 def test_cpuinfo_that_cannot_be_read_means_no_bfloat16(tmp_path):
     assert precision.cpu_bfloat16_instructions(str(tmp_path / "missing")) == ()
+
+
+# A float16 Dense layer on a CPU, run with oneDNN saying which kernel ran.
+_FLOAT16_DENSE = """
+import sys
+import keras, tensorflow as tf
+from distributed_mpt.training import precision
+if sys.argv[1] == "set_precision":
+    precision.set_precision("mixed_float16")
+else:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+layer = keras.layers.Dense(64)
+tf.function(lambda x: layer(x))(tf.ones([8, 128]))
+"""
+
+
+def _onednn_kernels(how: str) -> str:
+    result = subprocess.run([sys.executable, "-c", _FLOAT16_DENSE, how], capture_output=True, text=True,
+                            timeout=300, cwd=REPO, env=subprocess_env(ONEDNN_VERBOSE="1"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_float16_on_a_cpu_never_runs_onednn_reference_kernels():
+    """TensorFlow fuses a float16 MatMul with its bias into an inner product
+    that oneDNN runs only with its reference kernel on a CPU (1000x slower:
+    precision.set_precision); the run's policy avoids the fusion."""
+    assert "ref:any" not in _onednn_kernels("set_precision")
+    cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512_fp16" in cpu_flags:  # where oneDNN computes in float16: the check can fail
+        assert "inner_product,ref:any" in _onednn_kernels("keras_only")
