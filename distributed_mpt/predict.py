@@ -96,6 +96,8 @@ def load_classifier(model_dir: str) -> Classifier:
 def _load_export(export_dir: str) -> Classifier:
     import tensorflow as tf
 
+    from distributed_mpt.training import precision
+
     saved_model = os.path.join(export_dir, "saved_model")
     try:
         loaded = tf.saved_model.load(saved_model)
@@ -126,6 +128,8 @@ def _load_export(export_dir: str) -> Classifier:
     info = read_json(info_path)
     if info:
         _checked_config({k: info[k] for k in MODEL_INFO_CONFIG_KEYS if k in info}, info_path)
+        # Before the model's first call, when its graph is optimized.
+        precision.avoid_float16_reference_kernels(info.get("precision"))
     return Classifier(lambda x: serve(images=tf.constant(x))["probabilities"].numpy(),
                       names, saved_model, info)
 

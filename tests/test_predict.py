@@ -132,6 +132,21 @@ def test_a_model_of_synthetic_data_says_so_before_its_answers(synthetic_run, pho
     assert result.stdout.startswith(f"{photo}: ")
 
 
+def test_a_float16_model_predicts_on_a_cpu_without_onednn_reference_kernels(tmp_path, photo):
+    """A model trained in mixed_float16 (a GPU's default) computes in float16
+    wherever it is loaded; on a CPU TensorFlow would fuse its layers into a
+    kernel that oneDNN runs only in its reference form, 1000x slower
+    (precision.avoid_float16_reference_kernels)."""
+    run = tmp_path / "run"
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=2", "--precision=mixed_float16", "--export",
+                     f"--model_dir={run}"], timeout=300))  # a process: the policy is global
+    result = run_module("distributed_mpt.predict", [f"--model_dir={run}", str(photo)],
+                        env=subprocess_env(ONEDNN_VERBOSE="1"))
+    assert_ok(result)
+    assert f"{photo}: " in result.stdout
+    assert "ref:any" not in result.stdout
+
+
 def test_a_run_without_export_is_evaluated_from_its_checkpoint_on_its_own_data(
         synthetic_run, tmp_path):
     run = tmp_path / "run"  # the run as it was before its export

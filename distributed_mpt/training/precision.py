@@ -7,6 +7,8 @@ float32 variables, no loss scaling (bfloat16 has float32's range).
 float32: the reference.
 """
 
+from typing import Optional
+
 import keras
 import tensorflow as tf
 
@@ -71,16 +73,23 @@ def cpu_bfloat16_instructions(cpuinfo: str = "/proc/cpuinfo") -> tuple:
 
 
 def set_precision(policy_name: str) -> None:
-    """Makes `policy_name` the global Keras dtype policy for models built after.
-
-    float16 on a CPU also turns off Grappler's remapper, for every graph run
-    after: it fuses a float16 MatMul with its BiasAdd into oneDNN's inner
-    product, which has no float16 kernel there but the reference one (ref:any
-    in ONEDNN_VERBOSE). On a 2-core Intel Xeon with AVX512_FP16 one Dense
-    layer of the MLP (32x3072 by 3072x3000) took 15.6 s fused and 12 ms
-    unfused, so that a float16 step took 14 s instead of tens of milliseconds.
-    """
+    """Makes `policy_name` the global Keras dtype policy for models built after."""
     keras.mixed_precision.set_global_policy(policy_name)
+    avoid_float16_reference_kernels(policy_name)
+
+
+def avoid_float16_reference_kernels(policy_name: Optional[str]) -> None:
+    """Where a model computing in `policy_name` runs on a CPU in float16,
+    turns off Grappler's remapper for every graph run after (training and
+    predicting alike).
+
+    The remapper fuses a float16 MatMul with its BiasAdd into oneDNN's inner
+    product, which has only its reference kernel for float16 on a CPU
+    (`inner_product,ref:any` in ONEDNN_VERBOSE). On a 2-core Intel Xeon with
+    AVX512_FP16 one Dense layer of the MLP (32x3072 by 3072x3000) took 15.6 s
+    fused and 12 ms unfused: a float16 step took 14 s instead of tens of
+    milliseconds, and predicting one image 1.6 s.
+    """
     if policy_name == "mixed_float16" and not tf.config.list_physical_devices("GPU"):
         tf.config.optimizer.set_experimental_options({"remapping": False})
 
