@@ -85,7 +85,7 @@ def _onednn_kernels(how: str) -> str:
 def test_float16_on_a_cpu_never_runs_onednn_reference_kernels():
     """TensorFlow fuses a float16 MatMul with its bias into an inner product
     that oneDNN runs only with its reference kernel on a CPU (1000x slower:
-    precision.set_precision); the run's policy avoids the fusion."""
+    precision.avoid_float16_reference_kernels); set_precision avoids the fusion."""
     assert "ref:any" not in _onednn_kernels("set_precision")
     cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if "avx512_fp16" in cpu_flags:  # where oneDNN computes in float16: the check can fail
