@@ -131,6 +131,10 @@ class TrainConfig:
     whiten_bias_epochs: float = _option(
         0.0, "airbench: train the whitening layer's bias for this many epochs, then freeze it "
         "(airbench94: 3; see --optimizer for Muon's); 0: the bias stays 0.")
+    identity_init: bool = _option(
+        True, "airbench: start each 3x3 convolution as the identity on its first c_in filters "
+        "(airbench94's dirac_ initialization), so that each block passes its input through at "
+        "first; --noidentity_init: every filter random, as PyTorch initializes them.")
     lookahead: bool = _option(
         False, "airbench94's lookahead: every 5 steps the weights (and batch-norm statistics) "
         "move to an exponential moving average of themselves, of decay 0.95^5 x "

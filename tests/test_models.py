@@ -61,3 +61,24 @@ def test_airbench_whitening_layer_whitens_image_patches():
     outputs = np.asarray(keras.ops.conv(normalized, whiten.get_weights()[0][..., :12]))
     outputs = outputs.reshape(-1, 12).astype(np.float64)
     np.testing.assert_allclose(outputs.T @ outputs / len(outputs), np.eye(12), atol=0.02)
+
+
+def test_airbench_convolutions_start_as_the_identity_unless_told_otherwise():
+    def kernels(**kwargs):
+        keras.utils.set_random_seed(0)
+        model = build_model("airbench", width=8, **kwargs)
+        return [keras.ops.convert_to_numpy(layer.kernel) for layer in model.layers
+                if isinstance(layer, keras.layers.Conv2D) and layer.name != "whiten"]
+
+    for kernel in kernels():
+        _, _, channels_in, channels_out = kernel.shape
+        first = min(channels_in, channels_out)
+        # Filter j of the first c_in passes input channel j through, unchanged.
+        dirac = np.zeros((3, 3, channels_in, first), np.float32)
+        dirac[1, 1, np.arange(first), np.arange(first)] = 1
+        np.testing.assert_array_equal(kernel[..., :first], dirac)
+        assert np.all(kernel[..., first:] != 0), "the other filters stay random"
+    for kernel, identity in zip(kernels(identity_init=False), kernels()):
+        first = min(kernel.shape[2:])
+        assert np.all(kernel[..., :first] != 0), "--noidentity_init: every filter random"
+        np.testing.assert_array_equal(kernel[..., first:], identity[..., first:])

@@ -18,7 +18,8 @@ from distributed_mpt.training.datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGE_S
 
 
 def build_model(name: str, width: int = 64, weight_decay: float = 0.0,
-                shift_lr_multiplier: float = 1.0, muon: bool = False) -> keras.Model:
+                shift_lr_multiplier: float = 1.0, muon: bool = False,
+                identity_init: bool = True) -> keras.Model:
     """Builds model `name` ('mlp', 'resnet9' or 'airbench') under the current
     dtype policy.
 
@@ -30,10 +31,13 @@ def build_model(name: str, width: int = 64, weight_decay: float = 0.0,
     the kernels, as in airbench94. muon: airbench as airbench94_muon trains
     it, its convolution filters without L2 (Muon renormalizes them every
     step; an L2 term in their gradient would only bend the orthogonalized
-    step) and its whitening bias among the fast biases. Call
-    `initialize_from_data` before training.
+    step) and its whitening bias among the fast biases. identity_init:
+    airbench's convolutions start as the identity on their first c_in filters
+    (`_identity_init`); else all random. Call `initialize_from_data` before
+    training.
     """
-    builders = {"mlp": _mlp, "resnet9": _resnet9, "airbench": functools.partial(_airbench, muon=muon)}
+    airbench = functools.partial(_airbench, muon=muon, identity_init=identity_init)
+    builders = {"mlp": _mlp, "resnet9": _resnet9, "airbench": airbench}
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(builders)}")
     return builders[name](width, _l2(weight_decay), _l2(weight_decay / shift_lr_multiplier))
@@ -174,7 +178,8 @@ def whitening_filters(images: np.ndarray) -> np.ndarray:
     return np.concatenate([filters, -filters], axis=-1).astype(np.float32)
 
 
-def _airbench(width: int, regularizer, shift_regularizer, muon: bool) -> keras.Model:
+def _airbench(width: int, regularizer, shift_regularizer, muon: bool,
+              identity_init: bool) -> keras.Model:
     """The network of Keller Jordan's airbench94 (94% on CIFAR-10 in 10 epochs;
     "94% on CIFAR-10 in 3.29 seconds on a single GPU", 2024), as its reference
     code has it: a 2x2 whitening convolution whose frozen filters are computed
@@ -182,8 +187,9 @@ def _airbench(width: int, regularizer, shift_regularizer, muon: bool) -> keras.M
     three stages (w, 4w, 4w channels) of conv -> max pool -> batch norm ->
     GELU -> conv -> batch norm -> GELU, a max pool and a linear classifier
     scaled by 1/9. Batch norm learns only its shift; each convolution starts
-    as the identity on its first c_in filters (see `_identity_init`), and
-    the other weights as PyTorch initializes them. `muon`: see build_model.
+    as the identity on its first c_in filters (see `_identity_init`; unless
+    not `identity_init`), and the other weights as PyTorch initializes them.
+    `muon`: see build_model.
     """
 
     def conv(channels, **kwargs):
@@ -213,7 +219,8 @@ def _airbench(width: int, regularizer, shift_regularizer, muon: bool) -> keras.M
     x = keras.layers.Rescaling(1 / 9)(x)
     model = keras.Model(images, _classifier(x, regularizer, use_bias=False, initializer=_torch_init()),
                         name="airbench")
-    _identity_init(model)
+    if identity_init:
+        _identity_init(model)
     return model
 
 

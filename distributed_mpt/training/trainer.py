@@ -80,7 +80,8 @@ class Trainer:
         with strategy.scope():
             muon = config.optimizer == "muon"
             self.model = build_model(config.model, config.model_width, config.weight_decay,
-                                     config.shift_lr_multiplier, muon=muon)
+                                     config.shift_lr_multiplier, muon=muon,
+                                     identity_init=config.identity_init)
             initialize_from_data(self.model, train_split.images)
             # The logits, for test-time augmentation to average.
             self._logits = keras.Model(self.model.inputs, self.model.get_layer("logits").output)
