@@ -82,8 +82,9 @@ def test_the_keras_file_holds_keras_layers_and_the_trained_function(tmp_path):
     keras_file = tmp_path / "export" / "model.keras"
     with zipfile.ZipFile(keras_file) as archive:
         config = archive.read("config.json").decode()
-    assert "FusedBatchNormalization" not in config and "distributed_mpt" not in config
-    assert config.count('"BatchNormalization"') == 6
+    assert "FusedBatchNormalization" not in config and "SideBySideConv2D" not in config
+    assert "distributed_mpt" not in config
+    assert config.count('"BatchNormalization"') == 6 and config.count('"Conv2D"') == 7
 
     # Loaded where this package is not imported, as a user's Keras loads it.
     images = np.random.default_rng(2).integers(0, 256, (4, 32, 32, 3), np.uint8)

@@ -17,7 +17,7 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     """`keras.layers.BatchNormalization`, the same function and variables,
     trained by `FusedBatchNormV3` when one replica sees the global batch
     (and the input is NHWC, channels last, unmasked). Saved models get
-    Keras' own layer in its place: see `with_keras_batch_norm`."""
+    Keras' own layer in its place (models.with_keras_layers)."""
 
     def call(self, inputs, training=None, mask=None):
         replicas = tf.distribute.get_replica_context()  # None in a cross-replica context
@@ -42,17 +42,3 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
             self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
         return tf.cast(outputs, self.compute_dtype)
 
-
-def with_keras_batch_norm(model: keras.Model) -> keras.Model:
-    """A copy of `model`, with its weights, in which every
-    FusedBatchNormalization is Keras' own BatchNormalization: what a
-    `.keras` file should hold, so that it loads without this package."""
-
-    def clone(layer):
-        cls = (keras.layers.BatchNormalization if isinstance(layer, FusedBatchNormalization)
-               else layer.__class__)
-        return cls.from_config(layer.get_config())
-
-    copy = keras.models.clone_model(model, clone_function=clone)
-    copy.set_weights(model.get_weights())
-    return copy

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from distributed_mpt.training.batch_norm import FusedBatchNormalization
+from distributed_mpt.training.convolution import SideBySideConv2D
 from distributed_mpt.training.datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGE_SHAPE, NUM_CLASSES
 
 
@@ -41,6 +42,21 @@ def build_model(name: str, width: int = 64, weight_decay: float = 0.0,
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(builders)}")
     return builders[name](width, _l2(weight_decay), _l2(weight_decay / shift_lr_multiplier))
+
+
+def with_keras_layers(model: keras.Model) -> keras.Model:
+    """A copy of `model`, with its weights, in which every layer of this
+    package (FusedBatchNormalization, SideBySideConv2D: faster ways to train
+    the same function) is the Keras layer it extends: what a `.keras` file
+    should hold, so that it loads without this package."""
+
+    def clone(layer):
+        keras_class = next(c for c in type(layer).__mro__ if c.__module__.startswith("keras"))
+        return keras_class.from_config(layer.get_config())
+
+    copy = keras.models.clone_model(model, clone_function=clone)
+    copy.set_weights(model.get_weights())
+    return copy
 
 
 def _l2(coefficient: float) -> Optional[keras.regularizers.Regularizer]:
@@ -193,9 +209,9 @@ def _airbench(width: int, regularizer, shift_regularizer, muon: bool,
     """
 
     def conv(channels, **kwargs):
-        return keras.layers.Conv2D(channels, 3, padding="same", use_bias=False,
-                                   kernel_initializer=_torch_init(),
-                                   kernel_regularizer=None if muon else regularizer, **kwargs)
+        return SideBySideConv2D(channels, 3, padding="same", use_bias=False,
+                                kernel_initializer=_torch_init(),
+                                kernel_regularizer=None if muon else regularizer, **kwargs)
 
     def conv_bn_gelu(x, channels, pool):
         x = conv(channels)(x)

@@ -271,7 +271,7 @@ def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> s
     `class_names` attribute holds the class names too.
     """
     # Imported here: it loads TensorFlow (see _export_saved_model).
-    from distributed_mpt.training.batch_norm import with_keras_batch_norm
+    from distributed_mpt.training.models import with_keras_layers
 
     check_export_destination(model_dir)
     final = os.path.join(model_dir, "export")
@@ -279,7 +279,7 @@ def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> s
     os.makedirs(staging)
     try:
         _export_saved_model(model, os.path.join(staging, "saved_model"), class_names)
-        with_keras_batch_norm(model).save(os.path.join(staging, "model.keras"))
+        with_keras_layers(model).save(os.path.join(staging, "model.keras"))
         write_text(os.path.join(staging, "classes.txt"), "".join(f"{c}\n" for c in class_names))
         if info is not None:
             write_json(os.path.join(staging, MODEL_INFO_NAME), info)

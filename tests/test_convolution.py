@@ -1,0 +1,72 @@
+"""Images convolved side by side are the same convolution: the same outputs
+and gradients as Keras' Conv2D, rearranged only where it pays."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from distributed_mpt.training import convolution
+from distributed_mpt.training.convolution import SideBySideConv2D
+
+
+@pytest.fixture(autouse=True)
+def restore_policy():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("count, width, per_row", [(5, 7, 8), (16, 3, 16), (3, 3, 2)])
+def test_side_by_side_is_the_convolution_with_its_gradients(count, width, per_row):
+    rng = np.random.default_rng(0)
+    images = tf.constant(rng.normal(size=(count, width, width, 4)), tf.float32)
+    kernel = tf.constant(rng.normal(size=(3, 3, 4, 6)), tf.float32)
+    # A loss that weighs every output differently, so that an output moved
+    # to another pixel or image would change the gradients.
+    weights = tf.constant(rng.normal(size=(count, width, width, 6)), tf.float32)
+
+    def outputs_and_gradients(convolve):
+        with tf.GradientTape() as tape:
+            tape.watch([images, kernel])
+            outputs = convolve(images, kernel)
+            loss = tf.reduce_sum(outputs * weights)
+        return [outputs, *tape.gradient(loss, [images, kernel])]
+
+    direct = outputs_and_gradients(lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"))
+    rearranged = outputs_and_gradients(lambda x, k: convolution.side_by_side(
+        lambda rows: tf.nn.conv2d(rows, k, 1, "SAME"), x, per_row, gap=1))
+    for expected, actual in zip(direct, rearranged):
+        assert actual.shape == expected.shape
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+def _convolution_ops(width, policy, channels=8):
+    keras.mixed_precision.set_global_policy(policy)
+    layer = SideBySideConv2D(channels, 3, padding="same", use_bias=False)
+    call = tf.function(lambda x: layer(x))
+    spec = tf.TensorSpec([None, width, width, channels], tf.float32)
+    return [op.type for op in call.get_concrete_function(spec).graph.get_operations()]
+
+
+def test_narrow_bfloat16_images_go_side_by_side_only_where_that_pays(monkeypatch):
+    monkeypatch.setattr(convolution, "_amx_without_gpus", lambda: True)
+    assert "Transpose" in _convolution_ops(7, "mixed_bfloat16")
+    assert "Transpose" in _convolution_ops(3, "mixed_bfloat16")
+    # Wider images, and float32, ran slower side by side: convolved as they are.
+    assert "Transpose" not in _convolution_ops(15, "mixed_bfloat16")
+    assert "Transpose" not in _convolution_ops(7, "float32")
+    monkeypatch.setattr(convolution, "_amx_without_gpus", lambda: False)
+    assert "Transpose" not in _convolution_ops(7, "mixed_bfloat16")
+
+
+def test_the_layer_computes_what_keras_conv2d_computes(monkeypatch):
+    monkeypatch.setattr(convolution, "_amx_without_gpus", lambda: True)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    images = np.random.default_rng(1).normal(size=(10, 7, 7, 8)).astype(np.float32)
+    ours = SideBySideConv2D(16, 3, padding="same")
+    theirs = keras.layers.Conv2D(16, 3, padding="same")
+    ours.build(images.shape)
+    theirs.build(images.shape)
+    theirs.set_weights(ours.get_weights())
+    np.testing.assert_allclose(np.asarray(ours(images), np.float32),
+                               np.asarray(theirs(images), np.float32), rtol=1e-2, atol=1e-2)
