@@ -19,6 +19,8 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
+from conftest import SMALL_MODEL
+
 SUBNET = "10.231.{}.{}"  # a private /24 per network, far from common defaults
 
 
@@ -144,9 +146,8 @@ PEER_TIMEOUT_SECONDS = 60
 
 def user_flags(model_dir) -> list:
     """What a user appends to try the job on CPUs in a minute."""
-    return ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp", "--precision=float32",
-            "--communication=ring", "--per_replica_batch_size=16", "--learning_rate=0.1",
-            "--warmup_epochs=0", "--weight_decay=0", "--label_smoothing=0", f"--train_steps={TRAIN_STEPS}",
+    return ["--dataset=synthetic", "--synthetic_examples=1024", *SMALL_MODEL, "--precision=float32",
+            "--communication=ring", "--per_replica_batch_size=16", "--warmup_epochs=0", "--weight_decay=0", "--label_smoothing=0", f"--train_steps={TRAIN_STEPS}",
             "--steps_per_loop=5", "--log_every_steps=5", f"--checkpoint_every_steps={CHECKPOINT_EVERY}",
             "--noexport", f"--peer_timeout_seconds={PEER_TIMEOUT_SECONDS}", f"--model_dir={model_dir}"]
 
@@ -155,7 +156,7 @@ class Group:
     """One start of every pod of a job (what a JobSet restart, or the
     operator recreating its pods, starts)."""
 
-    def __init__(self, network, pods, model_dir: Path, scratch: Path, extra_flags=()):
+    def __init__(self, network, pods, model_dir: Path, scratch: Path):
         self.logs = []
         self.processes = []
         bin_dir = str(Path(sys.executable).parent)  # where distributed-mpt-train is installed
@@ -168,7 +169,7 @@ class Group:
                    **pod.env}
             log = open(scratch / f"{pod.hostname}.log", "a")
             self.logs.append(log.name)
-            self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir), *extra_flags], env,
+            self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir)], env,
                                                 stdout=log, stderr=subprocess.STDOUT))
 
     def exit_codes(self, timeout: float) -> list:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
                       read_summary, run_module, subprocess_env, train)
 from distributed_mpt.process.cluster import resolve_cluster
 from distributed_mpt.training.distribution import resolve_strategy_name
@@ -97,7 +97,7 @@ def test_group_survives_a_lost_worker_and_finishes_every_step(tmp_path, fault):
     model_dir = tmp_path / "run"
     (tmp_path / "tmp").mkdir(exist_ok=True)
     run = WatchedProcess("distributed_mpt.launch", [
-        "--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS,
+        "--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS, *SMALL_MODEL,
         "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
         "--checkpoint_every_steps=10" if fault == "SIGKILL" else "--checkpoint_every_steps=1000",
         "--noevaluate", f"--model_dir={model_dir}"],

@@ -7,7 +7,7 @@ manifest's failure policy retries, and the restarted group must resume from
 the checkpoint on the shared volume (here a host directory) and finish.
 
 The recipe's flags are overridden the way a user would, by flags appended
-to the command: a tiny MLP on synthetic data, on CPUs, for a few steps.
+to the command: a tiny airbench on synthetic data, on CPUs, for a few steps.
 Needs root (network namespaces); skipped elsewhere, with the reason.
 """
 

@@ -9,9 +9,9 @@ namespace of its own, joined by a bridge (tests/netns.py), while they train.
   about 20 s; bounded generously here), and the group restarted on the restored link resumes
   from the checkpoint and finishes with exactly the requested steps.
 
-The model is a narrow ResNet-9 (about 80 KB of gradients a step) rather
-than the MLP of the pods test (49 MB a step, which a lossy link of 100 ms
-would take minutes to carry). Needs root; skipped elsewhere, with the reason.
+The model is airbench at width 4 (about 40 KB of gradients a step; the
+MLP's 49 MB would take a lossy link of 100 ms minutes to carry). Needs
+root; skipped elsewhere, with the reason.
 """
 
 import json
@@ -30,15 +30,14 @@ pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netn
 # here); a loaded CI machine gets three times that.
 CUT_DEADLINE_SECONDS = 60
 RETRYABLE = (errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT)
-SMALL_MODEL = ["--model=resnet9", "--model_width=4"]
 
 
 @pytest.fixture
 def job(tmp_path):
-    """(network, the pods of k8s/indexed-job, groups, model_dir, scratch, flags)."""
+    """(network, the pods of k8s/indexed-job, groups, model_dir, scratch)."""
     pods = training_pods(render("indexed-job"))
     with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
-        yield network, pods, groups, tmp_path / "data" / "run", tmp_path / "pods", SMALL_MODEL
+        yield network, pods, groups, tmp_path / "data" / "run", tmp_path / "pods"
 
 
 def wait_for_checkpoint(group, model_dir, after: int = 0, timeout: float = 900) -> int:
@@ -58,8 +57,8 @@ def summary(model_dir) -> dict:
 def test_a_slow_link_loses_nothing(job, fault):
     if fault == "latency and loss" and netns.netem_unavailable():
         pytest.skip(netns.netem_unavailable())
-    network, pods, groups, model_dir, scratch, flags = job
-    group = groups.start(network, pods, model_dir, scratch, flags)
+    network, pods, groups, model_dir, scratch = job
+    group = groups.start(network, pods, model_dir, scratch)
     step = wait_for_checkpoint(group, model_dir)
     if fault == "narrow":
         network.throttle(1, kbit_per_second=1000)
@@ -72,8 +71,8 @@ def test_a_slow_link_loses_nothing(job, fault):
 
 
 def test_a_cut_link_ends_both_workers_retryably_and_the_group_resumes(job):
-    network, pods, groups, model_dir, scratch, flags = job
-    group = groups.start(network, pods, model_dir, scratch, flags)
+    network, pods, groups, model_dir, scratch = job
+    group = groups.start(network, pods, model_dir, scratch)
     wait_for_checkpoint(group, model_dir)
     network.cut(1)
     cut_at = time.monotonic()
@@ -84,7 +83,7 @@ def test_a_cut_link_ends_both_workers_retryably_and_the_group_resumes(job):
     lost_at = checkpointed_step(model_dir)
 
     network.restore(1)
-    group = groups.start(network, pods, model_dir, scratch, flags)
+    group = groups.start(network, pods, model_dir, scratch)
     assert group.exit_codes(timeout=900) == [0, 0], group.output()
     assert (summary(model_dir)["steps"], summary(model_dir)["resumed_from_step"]) == (TRAIN_STEPS, lost_at)
     print(f"both workers ended {ended_after:.1f} s after the cut, with {codes}")
