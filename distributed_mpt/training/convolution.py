@@ -7,7 +7,7 @@ run mostly empty: on a Xeon with AMX, in bfloat16, the weight gradient of its
 side in rows 64 pixels wide. Images placed side by side, with a zero gap
 between neighbours, give the same convolution: every output pixel sees its
 own image and zeros, as the padding would give it. It pays only there: in
-float32 (no AMX) the same rearrangement made airbench's step 10% slower, and
+float32 (no AMX) the same rearrangement made airbench's step 11% slower, and
 at 15 pixels wide 14% slower (docs/performance.md).
 """
 
