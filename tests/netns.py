@@ -147,7 +147,8 @@ PEER_TIMEOUT_SECONDS = 60
 def user_flags(model_dir) -> list:
     """What a user appends to try the job on CPUs in a minute."""
     return ["--dataset=synthetic", "--synthetic_examples=1024", *SMALL_MODEL, "--precision=float32",
-            "--communication=ring", "--per_replica_batch_size=16", "--warmup_epochs=0", "--weight_decay=0", "--label_smoothing=0", f"--train_steps={TRAIN_STEPS}",
+            "--communication=ring", "--per_replica_batch_size=16", "--warmup_epochs=0",
+            "--weight_decay=0", "--label_smoothing=0", f"--train_steps={TRAIN_STEPS}",
             "--steps_per_loop=5", "--log_every_steps=5", f"--checkpoint_every_steps={CHECKPOINT_EVERY}",
             "--noexport", f"--peer_timeout_seconds={PEER_TIMEOUT_SECONDS}", f"--model_dir={model_dir}"]
 

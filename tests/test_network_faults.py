@@ -9,7 +9,7 @@ namespace of its own, joined by a bridge (tests/netns.py), while they train.
   about 20 s; bounded generously here), and the group restarted on the restored link resumes
   from the checkpoint and finishes with exactly the requested steps.
 
-The model is airbench at width 4 (about 40 KB of gradients a step; the
+The model is airbench at width 4 (about 35 KB of gradients a step; the
 MLP's 49 MB would take a lossy link of 100 ms minutes to carry). Needs
 root; skipped elsewhere, with the reason.
 """

@@ -6,9 +6,9 @@ run mostly empty: on a Xeon with AMX, in bfloat16, the weight gradient of its
 3-pixel stage ran at 41 GFLOP/s, against 253 with 16 of the images side by
 side in rows 64 pixels wide. Images placed side by side, with a zero gap
 between neighbours, give the same convolution: every output pixel sees its
-own image and zeros, as the padding would give it. It pays only there: in
-float32 (no AMX) the same rearrangement made airbench's step 11% slower, and
-at 15 pixels wide 14% slower (docs/performance.md).
+own image and zeros, as the padding would give it. It pays only there: on
+the same Xeon, in float32 (no AMX), the rearrangement made airbench's step
+11% slower, and at 15 pixels wide 14% slower (docs/performance.md).
 """
 
 import functools
@@ -37,13 +37,13 @@ class SideBySideConv2D(keras.layers.Conv2D):
         rearrangeable = (self.padding == "same" and self.data_format == "channels_last"
                          and tuple(self.strides) == (1, 1) and tuple(self.dilation_rate) == (1, 1)
                          and self.kernel_size[1] % 2 == 1 and None not in inputs.shape[1:])
-        if not (rearrangeable and width <= MAX_IMAGE_WIDTH and pays_side_by_side(inputs.dtype)):
+        if not (rearrangeable and width <= MAX_IMAGE_WIDTH and _pays_side_by_side(inputs.dtype)):
             return super().convolution_op(inputs, kernel)
         return side_by_side(lambda rows: super(SideBySideConv2D, self).convolution_op(rows, kernel),
                             inputs, ROW_WIDTH // (width + 1), gap=self.kernel_size[1] // 2)
 
 
-def pays_side_by_side(dtype) -> bool:
+def _pays_side_by_side(dtype) -> bool:
     """Whether convolving narrow images side by side is faster here (see
     the module's docstring): in bfloat16 on AMX, without GPUs."""
     return dtype == tf.bfloat16 and _amx_without_gpus()
@@ -61,18 +61,13 @@ def side_by_side(convolve, images, per_row: int, gap: int):
     no output pixel reaches past its image into the next one); zero images
     fill the last row. images: [N, H, W, C] of static H, W and C."""
     count = tf.shape(images)[0]
-    _, height, width, _ = images.shape
+    _, height, width, channels = images.shape
+    spaced = width + gap
     padded = tf.pad(images, [[0, -count % per_row], [0, 0], [0, gap], [0, 0]])
-    rows = _regroup(padded, per_row, side_by_side=True)
-    outputs = convolve(rows)
-    return _regroup(outputs, per_row, side_by_side=False)[:count, :, :width]
-
-
-def _regroup(x, per_row: int, side_by_side: bool):
-    """[N, H, W, C] -> [N / per_row, H, per_row * W, C], or back."""
-    _, height, width, channels = x.shape
-    if side_by_side:
-        x = tf.reshape(x, [-1, per_row, height, width, channels])
-        return tf.reshape(tf.transpose(x, [0, 2, 1, 3, 4]), [-1, height, per_row * width, channels])
-    x = tf.reshape(x, [-1, height, per_row, width // per_row, channels])
-    return tf.reshape(tf.transpose(x, [0, 2, 1, 3, 4]), [-1, height, width // per_row, channels])
+    # [N, H, W + gap, C] -> [N / per_row, H, per_row * (W + gap), C]
+    rows = tf.transpose(tf.reshape(padded, [-1, per_row, height, spaced, channels]), [0, 2, 1, 3, 4])
+    outputs = convolve(tf.reshape(rows, [-1, height, per_row * spaced, channels]))
+    # ... and back, without the gaps and the filling images.
+    filters = outputs.shape[-1]
+    outputs = tf.transpose(tf.reshape(outputs, [-1, height, per_row, spaced, filters]), [0, 2, 1, 3, 4])
+    return tf.reshape(outputs, [-1, height, spaced, filters])[:count, :, :width]

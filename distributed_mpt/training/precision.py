@@ -84,11 +84,12 @@ def avoid_float16_reference_kernels(policy_name: Optional[str]) -> None:
     predicting alike).
 
     The remapper fuses a float16 MatMul with its BiasAdd into oneDNN's inner
-    product, which on a CPU with AVX512_FP16 has only its reference kernel for
-    float16 (`inner_product,ref:any` in ONEDNN_VERBOSE; other CPUs not tried). On a 2-core Intel Xeon with
-    AVX512_FP16 one Dense layer of the MLP (32x3072 by 3072x3000) took 15.6 s
-    fused and 12 ms unfused; a training step of the MLP at batch 32 took 14 s
-    fused and 0.35 s unfused, and predicting one image took 1.6 s fused.
+    product, which on a CPU with AVX512_FP16 has only its reference kernel
+    for float16 (`inner_product,ref:any` in ONEDNN_VERBOSE; other CPUs not
+    tried). On a 2-core Intel Xeon with AVX512_FP16 one Dense layer of the
+    MLP (32x3072 by 3072x3000) took 15.6 s fused and 12 ms unfused; a
+    training step of the MLP at batch 32 took 14 s fused and 0.35 s unfused,
+    and predicting one image took 1.6 s fused.
     """
     if policy_name == "mixed_float16" and not tf.config.list_physical_devices("GPU"):
         tf.config.optimizer.set_experimental_options({"remapping": False})
