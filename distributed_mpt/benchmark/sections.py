@@ -10,6 +10,7 @@ the training section also reports.
 
 import dataclasses
 import itertools
+import os
 import platform
 import sys
 import textwrap
@@ -225,7 +226,9 @@ def run_benchmark(options: Options) -> dict:
     benchmark = Benchmark(options)
     results = {"machine": {"devices": distribution.describe_devices(),
                            "mixed_policy": benchmark.mixed_policy, "tensorflow": tf.__version__,
-                           "keras": keras.__version__, "python": platform.python_version()},
+                           "keras": keras.__version__, "python": platform.python_version(),
+                           # Which CPU kernels ran (distributed_mpt/__init__.py).
+                           "tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")},
                "options": dataclasses.asdict(options), "sections": {}}
     for name in SECTIONS:
         if name not in options.sections:
@@ -256,7 +259,9 @@ def _format(value: float, unit: str) -> str:
 
 def format_report(results: dict) -> str:
     """One table per section; FAILED and the reason for a section that failed."""
-    lines = [f"{results['machine']['devices']}; TensorFlow {results['machine']['tensorflow']}"]
+    machine = results["machine"]
+    lines = [f"{machine['devices']}; TensorFlow {machine['tensorflow']}; "
+             f"TF_ENABLE_ONEDNN_OPTS={machine['tf_enable_onednn_opts']}"]
     for name, section in results["sections"].items():
         spec = SECTIONS[name]
         lines += ["", *textwrap.wrap(f"{name}: {spec.about}", 100)]
