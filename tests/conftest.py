@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# Imported before any test imports TensorFlow: the package picks
+# TensorFlow's CPU kernels as it is imported (distributed_mpt/__init__.py),
+# and a run a test starts in this process must compute with the kernels of
+# the runs it starts as processes (a resumed run is compared with an
+# uninterrupted one to 1e-5).
+import distributed_mpt  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A small, fast run: the notebook's MLP on learnable synthetic data.
