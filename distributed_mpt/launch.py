@@ -29,13 +29,16 @@ from typing import Collection, List, Optional
 
 from absl import flags
 
-from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, ExitCode,
-                                    UserError, status_of_signal, first_line)
+from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PEER_TIMEOUT,
+                                    EXIT_PREEMPTED, EXIT_USAGE, ExitCode, UserError,
+                                    status_of_signal, first_line)
 from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
 
 # Exit codes that say a restart cannot help (see errors.py): bad input,
 # divergence. Any other failure, a crash included, restarts the group.
 _PERMANENT = (EXIT_USAGE, EXIT_DIVERGED)
+# Exit codes of a worker that stopped because another one was lost.
+_PEER_LOSS = (EXIT_PEER_LOST, EXIT_PEER_TIMEOUT)
 # What TensorFlow prints when a worker cannot listen on its TF_CONFIG port.
 _GRPC_BIND_FAILURE = "Could not start gRPC server"
 # TensorFlow's gRPC server listens on every interface (0.0.0.0:PORT), whatever
@@ -117,11 +120,15 @@ class _Group:
             _say(f"[worker {index}] " + line.rstrip("\n"), sink)
 
     def first_failure(self) -> Optional[int]:
-        """Index of a worker that exited non-zero, if any."""
-        for index, process in enumerate(self.processes):
-            if process.poll() not in (None, 0):
-                return index
-        return None
+        """Index of a worker that exited non-zero, if any: one that failed on
+        its own before one that only lost that peer. A survivor notices a
+        lost peer within a step, often before the next poll sees either
+        exit, and the report must name the cause."""
+        failed = [index for index, process in enumerate(self.processes)
+                  if process.poll() not in (None, 0)]
+        causes = [index for index in failed
+                  if self.processes[index].returncode not in _PEER_LOSS]
+        return (causes or failed or [None])[0]
 
     def done(self) -> bool:
         return all(p.poll() is not None for p in self.processes)

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_one_error_line,
                       checkpoint_weights, read_summary, subprocess_env, train)
+import distributed_mpt
 
 SUMMARY_KEYS = {"strategy", "num_workers", "num_replicas", "per_replica_batch_size",
                 "global_batch_size", "precision", "model", "steps", "epochs", "learning_rate",
@@ -21,8 +22,8 @@ SUMMARY_KEYS = {"strategy", "num_workers", "num_replicas", "per_replica_batch_si
                 "examples_per_second", "resumed_from_step"}
 
 
-
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 CPU")
+@pytest.mark.skipif(platform.machine().lower() not in distributed_mpt.X86_MACHINES,
+                    reason="an x86 CPU")
 @pytest.mark.parametrize("users_setting, kernels", [(None, "on"), ("0", "off")])
 def test_the_package_turns_on_onednn_kernels_on_every_x86_cpu(users_setting, kernels):
     # TensorFlow's own default leaves them off on AVX2-only CPUs, where they
