@@ -92,33 +92,39 @@ def test_two_workers_train_like_one_worker_with_twice_the_batch(tmp_path):
     assert read_summary(two)["resumed_from_step"] == 8
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGTERM"])
-def test_group_survives_a_lost_worker_and_finishes_every_step(tmp_path, fault):
+def test_group_survives_a_killed_and_a_stopped_worker_and_finishes_every_step(tmp_path):
+    """Two faults in one run, each followed by the launcher's restart: a
+    worker killed (SIGKILL; the group resumes from the periodic checkpoint)
+    and, in the restarted group, a worker sent SIGTERM (both workers stop at
+    the step they agree on and save it; the group resumes from there)."""
     model_dir = tmp_path / "run"
     (tmp_path / "tmp").mkdir(exist_ok=True)
     run = WatchedProcess("distributed_mpt.launch", [
         "--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS, *SMALL_MODEL,
         "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
-        "--checkpoint_every_steps=10" if fault == "SIGKILL" else "--checkpoint_every_steps=1000",
-        "--noevaluate", f"--model_dir={model_dir}"],
+        "--checkpoint_every_steps=10", "--noevaluate", f"--model_dir={model_dir}"],
         env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
     _, started = run.wait_for(r"started worker 1 \(pid (\d+)\)", timeout=180)
     run.wait_for(r"\[worker 0\] step +12/", timeout=180)
-    os.kill(int(started.group(1)), getattr(signal, fault))
+    os.kill(int(started.group(1)), signal.SIGKILL)
+
+    run.wait_for(r"restart 1/2", timeout=180)
+    _, killed_at = run.wait_for(r"\[worker 0\] resuming from step (\d+)", timeout=180)
+    assert int(killed_at.group(1)) in (10, 20, 30, 40), "from the periodic checkpoint"
+    restarted = re.findall(r"started worker 1 \(pid (\d+)\)", run.output())[-1]
+    run.wait_for(r"\[worker 0\] step +(2[4-9]|3\d)/", timeout=180)  # only the restarted group gets here
+    os.kill(int(restarted), signal.SIGTERM)
+
     assert run.finish(timeout=300) == 0, run.output()[-4000:]
     output = run.output()
-    assert "restart 1/2" in output
+    assert "exited with 137" in output  # 128 + SIGKILL
+    assert "exited with 143" in output and "restart 2/2" in output
+    # Both workers stopped at the step they agreed on and saved it.
+    stopped = re.search(r"stopped by a signal at step (\d+); checkpoint saved", output)
+    assert stopped, output[-4000:]
     summary = read_summary(model_dir)
     assert summary["steps"] == 48, "exactly the requested number of optimizer steps"
-    if fault == "SIGKILL":
-        assert summary["resumed_from_step"] in (10, 20, 30, 40)
-        assert "exited with 137" in output  # 128 + SIGKILL
-    else:
-        # Both workers stopped at the step they agreed on and saved it.
-        stopped = re.search(r"stopped by a signal at step (\d+)", output)
-        assert stopped, output[-4000:]
-        assert summary["resumed_from_step"] == int(stopped.group(1)) >= 12
-        assert "exited with 143" in output
+    assert summary["resumed_from_step"] == int(stopped.group(1)) >= 24
     assert not list((tmp_path / "tmp").glob("dmpt-*")), "no scratch checkpoints left behind"
 
 
