@@ -147,13 +147,16 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
             share = lambda x: _pipeline_share(x, epoch_steps, context, replica_batch)
             return tf.data.Dataset.from_tensor_slices((share(order), share(offsets), share(flips)))
 
+        # `do_not_convert`: these functions branch on Python values only, so
+        # autograph's rewrite of each (in every process) would buy nothing.
         batches = (tf.data.Dataset.range(first_epoch, last_epoch)
-                   .flat_map(epoch)
+                   .flat_map(tf.autograph.experimental.do_not_convert(epoch))
                    .skip(skip_steps * local_replicas)
                    .take(num_steps * local_replicas))
         if not images_on_device:
             images, labels = _host_tensors(split)
-            batches = batches.map(lambda *batch: gather_and_augment(images, labels, *batch, padding),
+            batches = batches.map(tf.autograph.experimental.do_not_convert(
+                lambda *batch: gather_and_augment(images, labels, *batch, padding)),
                                   num_parallel_calls=tf.data.AUTOTUNE)
         return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
@@ -199,7 +202,8 @@ def eval_input_fn(split: ImageSplit, global_batch_size: int
         indices = share(tf.minimum(positions, num_examples - 1))
         weights = share(tf.cast(positions < num_examples, tf.float32))
         return (tf.data.Dataset.from_tensor_slices((indices, weights))
-                .map(lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w))
+                .map(tf.autograph.experimental.do_not_convert(
+                    lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w)))
                 .prefetch(tf.data.AUTOTUNE)
                 .with_options(_options()))
 
