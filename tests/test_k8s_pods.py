@@ -45,6 +45,15 @@ def admitted_ports(docs) -> set:
     return {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
 
 
+def _job(variant, tmp_path):
+    """The rendered documents of `variant`, its two training pods, the run's
+    model_dir (on the shared volume) and the pods' scratch directory."""
+    docs = render(variant)
+    pods = training_pods(docs)
+    assert len(pods) == 2, f"{variant}: the test expects the default 2 workers (k8s/settings)"
+    return docs, pods, tmp_path / "data" / "run", tmp_path / "pods"
+
+
 # The timeouts below only bound a hung run: on a 2-core machine shared with
 # other training runs, one group of this test has taken several minutes.
 def _wait_for_a_checkpoint(network, pods, docs, group, model_dir) -> None:
@@ -68,10 +77,7 @@ def _finished(model_dir) -> dict:
 
 @pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "trainjob"])
 def test_pods_train_to_the_end_on_admitted_ports(variant, tmp_path):
-    docs = render(variant)
-    pods = training_pods(docs)
-    assert len(pods) == 2, f"{variant}: the test expects the default 2 workers (k8s/settings)"
-    model_dir, scratch = tmp_path / "data" / "run", tmp_path / "pods"
+    docs, pods, model_dir, scratch = _job(variant, tmp_path)
     with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
         group = groups.start(network, pods, model_dir, scratch)
         _wait_for_a_checkpoint(network, pods, docs, group, model_dir)
@@ -81,10 +87,7 @@ def test_pods_train_to_the_end_on_admitted_ports(variant, tmp_path):
 
 def test_pods_train_survive_a_lost_worker_and_resume(tmp_path):
     variant = "jobset"  # the one k8s/README.md walks through
-    docs = render(variant)
-    pods = training_pods(docs)
-    assert len(pods) == 2, f"{variant}: the test expects the default 2 workers (k8s/settings)"
-    model_dir, scratch = tmp_path / "data" / "run", tmp_path / "pods"
+    docs, pods, model_dir, scratch = _job(variant, tmp_path)
     with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
         # A worker is lost once the run has a checkpoint to resume from.
         group = groups.start(network, pods, model_dir, scratch)
