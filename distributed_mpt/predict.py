@@ -374,8 +374,10 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
 
 
 def run() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point. Ends the process at once when done,
+    every output written (see `stopping.exit_now`)."""
+    from distributed_mpt.process import stopping
+    stopping.exit_now(main())
 
 
 if __name__ == "__main__":

@@ -136,8 +136,7 @@ def main(argv=None) -> int:
 
 def run() -> None:
     """Console-script entry point. Ends the process at once when training
-    is over, every output written: TensorFlow's teardown at interpreter exit
-    takes up to a minute on a loaded machine and does nothing of use."""
+    is over, every output written (see `stopping.exit_now`)."""
     from distributed_mpt.process import stopping
     stopping.exit_now(main())
 

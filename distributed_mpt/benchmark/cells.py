@@ -150,17 +150,19 @@ def _environment(tf_config) -> dict:
     return dict(environment, TF_CONFIG=tf_config) if tf_config else environment
 
 
-def main() -> None:
+def main() -> int:
     """The cell process: measures the cell given as its kind and JSON, prints
-    its figures."""
+    its figures; returns the exit status."""
     kind, measure_cell = _MEASURES[sys.argv[1]]
     try:
         figures = measure_cell(kind(**json.loads(sys.argv[2])))
     except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report
         print(f"error: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
-        sys.exit(ExitCode.CRASHED)
+        return ExitCode.CRASHED
     print(json.dumps(figures), flush=True)
+    return ExitCode.OK
 
 
 if __name__ == "__main__":
-    main()
+    from distributed_mpt.process import stopping
+    stopping.exit_now(main())  # every output printed: TensorFlow's teardown is skipped

@@ -119,5 +119,7 @@ def main(argv=None) -> int:
 
 
 def run() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point. Ends the process at once when done,
+    every output written (see `stopping.exit_now`)."""
+    from distributed_mpt.process import stopping
+    stopping.exit_now(main())
