@@ -141,8 +141,7 @@ def test_permanent_exit_code_is_not_retried(tmp_path):
     assert re.search(r"^\[worker [01]\] error: .*learning_rate", result.stderr, re.M)
 
 
-
-def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed(monkeypatch):
+def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():
     # Both have exited by the launcher's next look, as when a fast step lets
     # worker 0 notice worker 1's loss within the poll interval.
     survivor = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({int(errors.EXIT_PEER_LOST)})"])
@@ -156,13 +155,14 @@ def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed(monkeypa
     group.processes = [survivor, survivor]
     assert group.first_failure() == 0, "a peer's loss alone is still a failure"
 
+
 # Makes the first group's worker 1 use the given port, as if it had been
 # taken between the launcher's choice and the worker's start; later groups
 # get the launcher's own choice.
 FIRST_CHOICE_TAKEN = """
 import sys
 sys.path.insert(0, {repo!r})
-from distributed_mpt import errors, launch
+from distributed_mpt import launch
 
 taken, own_choice = int(sys.argv.pop(1)), launch.free_ports
 

@@ -226,9 +226,10 @@ def keep_until_exit(anything) -> None:
 def exit_now(code: int) -> None:
     """Ends the process with `code` at once, skipping the interpreter's
     teardown; for a process whose every output is written and closed.
-    TensorFlow's teardown does nothing of use, and takes 1.6-1.9 CPU-s on an
-    idle AVX2-only EPYC (`import tensorflow` and one op: 7.3-8.2 s to exit
-    normally, 5.7-6.4 s this way) and up to a minute on a loaded machine."""
+    TensorFlow's teardown does nothing of use, and takes 1.6-1.9 CPU-s on 2
+    idle cores of an AMD EPYC (Zen 3, AVX2 only; `import tensorflow` and one
+    op: 7.3-8.2 s to exit normally, 5.7-6.4 s this way) and up to a minute
+    on a loaded machine."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

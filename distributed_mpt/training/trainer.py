@@ -131,7 +131,8 @@ class Trainer:
         # request_stop); outside the strategy's scope: one value per process.
         self._stop_requested = tf.Variable(False, trainable=False, name="stop_requested")
         # Autograph rewrites each Python function a traced loop calls, in every
-        # process, at 0.1-0.5 s of CPU each: about 1.5 s of every run's start.
+        # process, at 0.1-0.5 s of CPU each: about 1.5 CPU-s of a run's start on
+        # 2 cores of an AMD EPYC (Zen 3, AVX2 only).
         # Only the loops (`for` over `tf.range`, `break` on a tensor) and the
         # lookahead's `if step % 5` need it; the steps they call branch on
         # Python values only and are marked `do_not_convert`.
