@@ -32,6 +32,7 @@ from absl import flags
 from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PEER_TIMEOUT,
                                     EXIT_PREEMPTED, EXIT_USAGE, ExitCode, UserError,
                                     status_of_signal, first_line)
+from distributed_mpt.process import console
 from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
 
 # Exit codes that say a restart cannot help (see errors.py): bad input,
@@ -165,18 +166,10 @@ class _Group:
 
 
 def _say(line: str, stream=None) -> None:
-    """Writes one line to stdout (or `stream`) at once."""
-    stream = stream or sys.stdout
-    try:
-        print(line, file=stream, flush=True)
-    except (OSError, ValueError):
-        # The reader is gone (`| head`). The workers must still be supervised,
-        # so that is no error: the rest goes to /dev/null, where Python's
-        # final flush cannot fail with a traceback either.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-        except (OSError, ValueError):
-            pass
+    """Writes one line to stdout (or `stream`) at once. When nobody reads it
+    any more (`| head`) it is dropped (console.py): the workers must still be
+    supervised."""
+    print(line, file=stream or sys.stdout, flush=True)
 
 
 def exit_status(returncode: int) -> int:
@@ -277,6 +270,7 @@ def main(argv=None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
+    console.survive_lost_readers()
     sys.exit(main())
 
 

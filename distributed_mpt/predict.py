@@ -376,7 +376,8 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
 def run() -> None:
     """Console-script entry point. Ends the process at once when done,
     every output written (see `stopping.exit_now`)."""
-    from distributed_mpt.process import stopping
+    from distributed_mpt.process import console, stopping
+    console.survive_lost_readers()
     stopping.exit_now(main())
 
 

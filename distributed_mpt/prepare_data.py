@@ -12,6 +12,7 @@ import sys
 from absl import flags
 
 from distributed_mpt.errors import ExitCode, UserError, first_line
+from distributed_mpt.process import console
 
 
 def main(argv=None) -> int:
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
+    console.survive_lost_readers()
     sys.exit(main())
 
 

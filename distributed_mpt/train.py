@@ -137,7 +137,8 @@ def main(argv=None) -> int:
 def run() -> None:
     """Console-script entry point. Ends the process at once when training
     is over, every output written (see `stopping.exit_now`)."""
-    from distributed_mpt.process import stopping
+    from distributed_mpt.process import console, stopping
+    console.survive_lost_readers()
     stopping.exit_now(main())
 
 

@@ -121,5 +121,6 @@ def main(argv=None) -> int:
 def run() -> None:
     """Console-script entry point. Ends the process at once when done,
     every output written (see `stopping.exit_now`)."""
-    from distributed_mpt.process import stopping
+    from distributed_mpt.process import console, stopping
+    console.survive_lost_readers()
     stopping.exit_now(main())

@@ -1,0 +1,58 @@
+"""A console that goes away must not end the process.
+
+A reader can stop reading before the process is done: `| head` has its
+lines, or a `| tee run.log` ends on the same Ctrl-C that asks training to
+stop with a checkpoint. Python then raises BrokenPipeError at the next
+print, and a training run died of it at its next progress line, before the
+checkpoint its stop was saving (`distributed-mpt-train ... | tee log`, tee
+ended, then SIGINT: exit 1 with a traceback, no checkpoint). The progress
+lines are in metrics.jsonl as well, so nothing is lost by dropping them.
+
+So every entry point's stdout and stderr drop what nobody reads: the first
+write that finds its reader gone points the descriptor at /dev/null (where
+TensorFlow's C++ lines and Python's final flush then go too), and the
+process carries on as if it had been read. stderr passes through the log
+filter in training, which drops what it cannot pass on: this covers it
+before and after.
+"""
+
+import os
+import sys
+
+
+class _DroppedWhenUnread:
+    """A text stream whose writes succeed after its reader has gone."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+        self._stream.flush()  # what the reader missed is still buffered
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def survive_lost_readers() -> None:
+    """Makes sys.stdout and sys.stderr drop what nobody reads any more (see
+    above). For an entry point, before it writes anything."""
+    if not isinstance(sys.stdout, _DroppedWhenUnread):
+        sys.stdout = _DroppedWhenUnread(sys.stdout)
+    if not isinstance(sys.stderr, _DroppedWhenUnread):
+        sys.stderr = _DroppedWhenUnread(sys.stderr)

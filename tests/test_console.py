@@ -1,0 +1,62 @@
+"""A reader that goes away (`| head`, or a `| tee` ended by the same Ctrl-C
+that stops training) ends no entry point: what nobody reads is dropped."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, SMOKE_FLAGS, subprocess_env
+from distributed_mpt.errors import ExitCode
+
+
+def _pipe_nobody_reads() -> int:
+    """The write end of a pipe whose reader has already gone: the first
+    write to it fails, whenever it comes."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+@pytest.mark.parametrize("module", ["distributed_mpt.train", "distributed_mpt.predict",
+                                    "distributed_mpt.launch", "distributed_mpt.prepare_data",
+                                    "distributed_mpt.benchmark"])
+def test_help_into_a_pipe_nobody_reads_is_no_error(module):
+    output = _pipe_nobody_reads()
+    try:
+        result = subprocess.run([sys.executable, "-m", module, "--help"], stdout=output,
+                                stderr=output, cwd=REPO, env=subprocess_env(), timeout=120)
+    finally:
+        os.close(output)
+    # A BrokenPipeError's traceback (which nobody could read either) exits 1.
+    assert result.returncode == ExitCode.OK
+
+
+def test_a_run_whose_reader_left_still_stops_with_its_checkpoint(model_dir, tmp_path):
+    output = _pipe_nobody_reads()
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS, "--train_steps=100000",
+             f"--model_dir={model_dir}"],
+            stdout=output, stderr=stderr, cwd=REPO, env=subprocess_env())
+    os.close(output)
+    try:
+        # Its start line and its first progress lines went nowhere, and it trains on.
+        metrics = model_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=120)
+    finally:
+        process.kill()
+    said = (tmp_path / "stderr").read_text()
+    assert code == ExitCode.PREEMPTED, said[-3000:]
+    stopped = int(re.search(r"stopped at step (\d+) after a checkpoint", said).group(1))
+    assert (model_dir / "checkpoints" / f"ckpt-{stopped}.index").exists()
