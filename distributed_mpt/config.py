@@ -39,11 +39,12 @@ MODEL_DEFAULTS = {
     # as in his final version).
     "resnet9": dict(learning_rate=0.1, max_learning_rate=0.0, warmup_epochs=5.0, momentum=0.9,
                     weight_decay=5e-4, label_smoothing=0.2),
-    # airbench94's settings, converted: lr 1.5 per mean-loss step at batch 1024
-    # (its "11.5 per kilostep" with momentum 0.85) is 0.1875 at batch 128; its
-    # decay of 0.002 per step at lr 1.5 is an L2 coefficient of 6.5e-4.
+    # airbench94's rate, momentum and weight decay, converted as the recipes
+    # have them (docs/recipes.md): 0.1875 at batch 128, and an L2 coefficient
+    # of 6.65e-4. The warmup is for the default cosine schedule; the recipes
+    # set airbench94's piecewise-linear one, and its warmup.
     "airbench": dict(learning_rate=0.1875, max_learning_rate=0.0, warmup_epochs=1.5,
-                     momentum=0.85, weight_decay=6.5e-4, label_smoothing=0.2),
+                     momentum=0.85, weight_decay=6.65e-4, label_smoothing=0.2),
 }
 _PER_MODEL = tuple(MODEL_DEFAULTS["mlp"])
 
@@ -81,8 +82,9 @@ class TrainConfig:
                                "both references).")
     precision: str = _option(
         "auto", "auto: mixed_float16 on GPUs of compute capability 7.0+, mixed_bfloat16 on "
-        "CPUs with bfloat16 instructions (AVX512_BF16 or AMX; airbench trains about 1.3x faster "
-        "than in float32 on a 2-core AMD EPYC with AVX512_BF16), else float32 (float16 is emulated and slow on CPUs). mixed_float16 scales "
+        "CPUs with bfloat16 instructions (AVX512_BF16 or AMX; how much faster than float32: "
+        "docs/performance.md), else float32 (bfloat16 is emulated and slower without them, "
+        "float16 on every CPU). mixed_float16 scales "
         "the loss dynamically; mixed_bfloat16 needs no scaling.", PRECISIONS)
     strategy: str = _option("auto", "auto picks multi_worker for a cluster, mirrored for "
                             "several GPUs or --cpu_replicas, one_device for one GPU, else "

@@ -84,7 +84,7 @@ def _run(config: TrainConfig) -> int:
         # (metrics, summary, export), each written whole or not at all.
         where = getattr(e, "filename", None) or config.model_dir
         print(f"error: no space left for {where}: free space in --model_dir={config.model_dir} "
-              f"(see the README's \"Disk space\") and run the same command again to resume",
+              f"(docs/reliability.md, \"Disk space\") and run the same command again to resume",
               file=sys.stderr, flush=True)
         return EXIT_USAGE
     finally:

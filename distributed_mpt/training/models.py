@@ -1,5 +1,5 @@
-"""The models: the notebook's MLP, a residual CNN for GPUs, and a CNN that
-trains to 90% on a CPU.
+"""The models: the notebook's MLP, a residual CNN for GPUs, and airbench94's
+CNN, which reaches 94% on a CPU (recipes/cpu_cnn94.flags).
 
 Every model takes uint8 images [B, 32, 32, 3] and normalizes them itself, so
 images cross to the device as uint8 and the exported model serves raw pixels.

@@ -17,9 +17,9 @@ _MIN_FLOAT16_CAPABILITY = (7, 0)
 
 
 # CPU instructions that compute in bfloat16 natively (Linux /proc/cpuinfo
-# names). With them, oneDNN runs mixed_bfloat16 1.2-1.3x faster than float32
-# at the same accuracy (measured on an AMD EPYC with AVX512_BF16:
-# docs/performance.md); without them bfloat16 is emulated and slower.
+# names). With them, oneDNN runs mixed_bfloat16 faster than float32 at the
+# same accuracy (by how much, on which CPU: docs/performance.md); without
+# them bfloat16 is emulated and slower.
 _BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
