@@ -12,13 +12,15 @@ way, in a process of its own (the least disturbed by other processes, as
 timeit reports). A section that fails is reported as FAILED with its reason,
 the others still run, and the exit status is 1.
 
-  Everything, about 6 minutes on 2 CPU cores:
+  Everything, in float32 and the precision training picks here (10 minutes
+  on 2 AVX2-only cores, docs/performance.md):
       distributed-mpt-benchmark --output=bench.json
   One model and batch:
       distributed-mpt-benchmark --models=resnet9 --batch_sizes=128
-  How close the CPU recipe's training comes to the roof:
+  How close the CPU recipe's training comes to the roof, in the precision
+  training picks here:
       distributed-mpt-benchmark --models=airbench --batch_sizes=512 \
-          --precisions=mixed --sections=roof,compute
+          --precisions=auto --sections=roof,compute
   A smoke run, for tests:
       distributed-mpt-benchmark --tiny --output=/tmp/bench.json
 """

@@ -8,15 +8,17 @@ import textwrap
 from absl import flags
 
 from distributed_mpt import config as config_lib
+from distributed_mpt.process import log_filter
 from distributed_mpt.training import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import ConfigError, EXIT_ABORTED, ExitCode, UserError, first_line
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
-_TINY = dict(models=("mlp",), batch_sizes=(32,), model_width=8, repeats=1, seconds=0.05,
-             examples=1024, roof_batch_size=8)
-_PRECISIONS = ("float32", "mixed", "mixed_float16", "mixed_bfloat16")
+# Every section measured, the mixed policy included (emulated, but small).
+_TINY = dict(models=("mlp",), batch_sizes=(32,), precisions=("float32", "mixed"), model_width=8,
+             repeats=1, seconds=0.05, examples=1024, roof_batch_size=8)
+_PRECISIONS = ("float32", "auto", "mixed", "mixed_float16", "mixed_bfloat16")
 
 
 def _flag_values() -> flags.FlagValues:
@@ -36,9 +38,10 @@ def _flag_values() -> flags.FlagValues:
                       flag_values=fv)
     flags.DEFINE_list("batch_sizes", [str(b) for b in d.batch_sizes], "Global batch sizes; "
                       "scaling uses the largest.", flag_values=fv)
-    flags.DEFINE_list("precisions", list(d.precisions), f"Of {', '.join(_PRECISIONS)}; mixed: "
-                      "mixed_float16 on GPUs, mixed_bfloat16 on CPUs. scaling uses the first.",
-                      flag_values=fv)
+    flags.DEFINE_list("precisions", list(d.precisions), f"Of {', '.join(_PRECISIONS)}; auto: "
+                      "what training's --precision=auto picks here (float32 on CPUs without "
+                      "bfloat16 instructions); mixed: mixed_float16 on GPUs, mixed_bfloat16 on "
+                      "CPUs, emulated on those. scaling uses the first.", flag_values=fv)
     flags.DEFINE_integer("model_width", d.model_width, "Channels of the first stage of resnet9 "
                          "or airbench.", lower_bound=1, upper_bound=1024, flag_values=fv)
     flags.DEFINE_integer("repeats", d.repeats, "Timed loop calls per measurement (about "
@@ -101,7 +104,8 @@ def main(argv=None) -> int:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
             outputs.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
-        results = run_benchmark(options)
+        with log_filter.filtering():  # TensorFlow's C++ start-up lines, off the report
+            results = run_benchmark(options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

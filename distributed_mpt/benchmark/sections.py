@@ -44,7 +44,8 @@ SECTIONS = {
         {"examples_per_second": "ex/s", "peak_memory_bytes": "B"}),
     "mixed_precision": Section(
         "examples/s under mixed precision over float32, same model and batch: mixed_float16 "
-        "on GPUs, mixed_bfloat16 on CPUs (emulated, so below 1, without AVX512_BF16 or AMX)",
+        "on GPUs, mixed_bfloat16 on CPUs (emulated, so below 1, without AVX512_BF16 or AMX); "
+        "measured when --precisions has it",
         ("model", "precision", "batch_size"), {"speedup_over_float32": "x"}),
     "compute": Section(
         "FLOP/s the training step reaches (the model's convolution and dense FLOPs, forward "
@@ -73,7 +74,9 @@ class Options:
     sections: tuple = tuple(SECTIONS)
     models: tuple = ("mlp", "resnet9")
     batch_sizes: tuple = (32, 256)
-    precisions: tuple = ("float32", "mixed")  # mixed: this machine's mixed policy
+    # auto: what training's --precision=auto picks here; mixed: this
+    # machine's mixed policy, emulated on CPUs without bfloat16 instructions.
+    precisions: tuple = ("float32", "auto")
     model_width: int = 64
     repeats: int = 3
     seconds: float = Cell.seconds  # per timed loop call
@@ -87,11 +90,14 @@ class Benchmark:
     def __init__(self, options: Options):
         import tensorflow as tf
 
+        from distributed_mpt.training import precision
+
         self.options = options
         gpus = len(tf.config.list_physical_devices("GPU"))
         self.mixed_policy = "mixed_float16" if gpus else "mixed_bfloat16"
-        self.precisions = tuple(dict.fromkeys(
-            self.mixed_policy if p == "mixed" else p for p in options.precisions))
+        self.auto_policy = precision.describe_precision_choice("auto")
+        named = {"mixed": self.mixed_policy, "auto": precision.resolve_precision("auto")}
+        self.precisions = tuple(dict.fromkeys(named.get(p, p) for p in options.precisions))
         self.replicas = gpus if gpus > 1 else 2
         self._cells = {}
 
@@ -142,7 +148,12 @@ class Benchmark:
                  **self.cell(m, p, b)} for m, p, b in self.grid()]
 
     def mixed_precision(self) -> list:
-        """Per model and batch, whatever --precisions says."""
+        """Per model and batch, when --precisions has the mixed policy: on a
+        CPU without bfloat16 instructions the default measures none (there
+        its emulated cells take many minutes each, for a figure below 1)."""
+        if self.mixed_policy not in self.precisions:
+            raise NotMeasured(f"--precisions has no {self.mixed_policy} (auto here: "
+                              f"{self.auto_policy}); --precisions=float32,mixed measures it")
         rows = []
         for model, batch in itertools.product(self.options.models, self.options.batch_sizes):
             float32 = self.cell(model, "float32", batch)["examples_per_second"]
@@ -188,6 +199,10 @@ class Benchmark:
         return rows
 
 
+class NotMeasured(Exception):
+    """A section that the options leave nothing to measure; why, in one line."""
+
+
 def _compute_dtype(policy: str) -> str:
     import keras
 
@@ -225,7 +240,8 @@ def run_benchmark(options: Options) -> dict:
     started = time.perf_counter()
     benchmark = Benchmark(options)
     results = {"machine": {"devices": distribution.describe_devices(),
-                           "mixed_policy": benchmark.mixed_policy, "tensorflow": tf.__version__,
+                           "mixed_policy": benchmark.mixed_policy,
+                           "auto_policy": benchmark.auto_policy, "tensorflow": tf.__version__,
                            "keras": keras.__version__, "python": platform.python_version(),
                            # Which CPU kernels ran (distributed_mpt/__init__.py).
                            "tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")},
@@ -237,6 +253,8 @@ def run_benchmark(options: Options) -> dict:
         section_started = time.perf_counter()
         try:
             section = {"rows": getattr(benchmark, name)()}
+        except NotMeasured as e:
+            section = {"not_measured": str(e)}
         except Exception as e:  # noqa: BLE001 — one broken section must not lose the others
             section = {"failed": (str(e).strip().splitlines() or [type(e).__name__])[0]}
         results["sections"][name] = {**section, "seconds": time.perf_counter() - section_started}
@@ -267,6 +285,9 @@ def format_report(results: dict) -> str:
         lines += ["", *textwrap.wrap(f"{name}: {spec.about}", 100)]
         if "failed" in section:
             lines.append(f"  FAILED: {section['failed']}")
+            continue
+        if "not_measured" in section:
+            lines.append(f"  not measured: {section['not_measured']}")
             continue
         header = [*spec.keys, *(f"{f} ({u})" for f, u in spec.figures.items())]
         table = [header] + [[str(row[k]) for k in spec.keys] +
