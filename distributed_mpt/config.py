@@ -6,6 +6,7 @@ the config or plain arguments and never reads flags.
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 from distributed_mpt.errors import ConfigError
@@ -177,6 +178,11 @@ class TrainConfig:
     export: bool = _option(True, "Export a SavedModel and a .keras file at the end.")
 
     def __post_init__(self):
+        for name in ("model_dir", "data_dir"):
+            # No shell expands the ~ of `--model_dir=~/runs`: a directory
+            # named `~` in the working directory is never what was meant.
+            if getattr(self, name):
+                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
         _choice("model", self.model, MODELS)
         if self.learning_rate is not None and self.max_learning_rate is None:
             # The ceiling belongs to the model's own rate: a rate given
@@ -229,14 +235,14 @@ def _validate(c: TrainConfig) -> None:
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value),
                  f"--{name}={value} must be a finite number")
+    _require(math.isfinite(c.epochs) and (c.epochs > 0 or c.train_steps > 0),
+             f"--epochs={c.epochs} must be a positive number (or set --train_steps)")
     for name, limit in (("train_steps", _MAX_STEPS), ("epochs", _MAX_STEPS),
                         ("synthetic_examples", _MAX_EXAMPLES), ("model_width", _MAX_WIDTH),
                         ("per_replica_batch_size", _MAX_BATCH),
                         ("cpu_replicas", _MAX_CPU_REPLICAS)):
         value = getattr(c, name)
         _require(value <= limit, f"--{name}={value} is larger than this program accepts ({limit:,})")
-    _require(math.isfinite(c.epochs) and (c.epochs > 0 or c.train_steps > 0),
-             f"--epochs={c.epochs} must be positive (or set --train_steps)")
     _require(c.train_steps >= 0, f"--train_steps={c.train_steps} must be >= 0 (0 means: use --epochs)")
     _require(c.learning_rate > 0, f"--learning_rate={c.learning_rate} must be positive")
     _require(c.max_learning_rate >= 0,

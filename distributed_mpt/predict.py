@@ -307,7 +307,11 @@ def main(argv=None) -> int:
     """Evaluates and/or classifies as the flags say; returns the exit code."""
     # As in training: TensorFlow's C++ start-up lines would bury the answer.
     with log_filter.filtering(), _quiet_tensorflow():
-        return _main(sys.argv[1:] if argv is None else argv)
+        try:
+            return _main(sys.argv[1:] if argv is None else argv)
+        except KeyboardInterrupt:  # predict writes no file: nothing to keep or clean
+            print("interrupted", file=sys.stderr, flush=True)
+            return ExitCode.ABORTED
 
 
 def _main(argv) -> int:
@@ -320,6 +324,9 @@ def _main(argv) -> int:
             files = fv(["distributed-mpt-predict", *argv])[1:]
         except flags.Error as e:
             raise ConfigError(first_line(e)) from None
+        for name in ("model_dir", "data_dir"):  # as in training: no shell expands `=~/`
+            if fv[name].value:
+                fv[name].value = os.path.expanduser(fv[name].value)
         if not fv.model_dir:
             raise ConfigError("--model_dir is required: a training run's directory or its export/")
         if not files and not fv.evaluate:

@@ -65,6 +65,10 @@ def _expand_recipes(argv) -> list:
             expanded.append("--flagfile=" + recipes.path(arg[len("--recipe="):]))
         else:
             others.append(arg)
+    if len(expanded) > 1:  # absl would merge them, each flag from whichever came last
+        names = [os.path.basename(e).removesuffix(".flags") for e in expanded]
+        raise ConfigError(f"--recipe given {len(names)} times ({', '.join(names)}): one recipe a "
+                          f"run; flags after it change what it sets")
     return expanded + others
 
 

@@ -21,6 +21,13 @@ def test_flagfile(tmp_path):
     assert (config.model, config.epochs) == ("mlp", 3)
 
 
+def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path, monkeypatch):
+    # No shell expands it after `=`: a directory named `~` would appear here.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = parse_config(["--model_dir=~/runs/a", "--data_dir=~/data"])
+    assert (config.model_dir, config.data_dir) == (f"{tmp_path}/runs/a", f"{tmp_path}/data")
+
+
 def test_shipped_recipes_parse(tmp_path):
     from importlib import resources
 
@@ -44,6 +51,7 @@ def test_shipped_recipes_parse(tmp_path):
     (["--strategy=multi_worker", "--cpu_replicas=2"], "cpu_replicas"),
     (["--learning_rate=0"], "learning_rate"),
     (["--epochs=0"], "epochs"),
+    (["--epochs=nan"], "--epochs=nan must be a positive number"),
     (["--no_such_flag=1"], "no_such_flag"),
     (["positional"], "positional"),
     # Absurd numbers: refused before anything runs, not a traceback hours later.
@@ -55,6 +63,7 @@ def test_shipped_recipes_parse(tmp_path):
     (["--model_width=1000000000"], "--model_width=1000000000 is larger"),
     (["--cpu_replicas=100000"], "--cpu_replicas=100000 is larger"),
     (["--recipe=nope"], "--recipe=nope is not one of the shipped recipes"),
+    (["--recipe=cpu_cnn", "--recipe", "mlp"], "--recipe given 2 times (cpu_cnn, mlp): one recipe"),
     (["--seed=-1"], "seed"),
     ([f"--seed={2**31}"], "seed"),
 ])
