@@ -6,15 +6,19 @@ depend on the machine and its load.
 
 import json
 import math
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_module
+from conftest import WatchedProcess, run_module
 from distributed_mpt import config
 from distributed_mpt.benchmark import cells, cli, roof, sections
 from distributed_mpt.benchmark.sections import SECTIONS
+from distributed_mpt.errors import ExitCode
 
 
 def _assert_figures(report: dict, names) -> None:
@@ -43,6 +47,42 @@ def test_tiny_run_of_the_entry_point_reports_every_section(tmp_path):
     assert report["machine"]["mixed_policy"] in ("mixed_float16", "mixed_bfloat16")
     for name in SECTIONS:
         assert f"\n{name}: " in result.stdout, result.stdout
+
+
+def _cell_processes(parent: int) -> list:
+    """The pids of the cell processes `parent` has started and not reaped."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent and b"distributed_mpt.benchmark.cells" in command:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_a_stopped_benchmark_leaves_no_cell_running(tmp_path):
+    """SIGTERM (Kubernetes, SLURM, kill) stops it as Ctrl-C does: the cell
+    being measured is ended with it, not left running for minutes."""
+    output = tmp_path / "bench.json"
+    benchmark = WatchedProcess("distributed_mpt.benchmark", ["--tiny", f"--output={output}"])
+    try:
+        benchmark.wait_for(r"\[roof\]", timeout=120)
+        deadline = time.monotonic() + 60
+        while not (cells := _cell_processes(benchmark.process.pid)):
+            assert time.monotonic() < deadline, benchmark.output()[-3000:]
+            time.sleep(0.05)
+        benchmark.process.send_signal(signal.SIGTERM)
+        code = benchmark.finish(timeout=60)
+    finally:
+        benchmark.process.kill()
+    left = [pid for pid in cells if Path(f"/proc/{pid}").exists()]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert code == ExitCode.ABORTED and "interrupted: nothing written" in benchmark.output()
+    assert not left and not output.exists()
 
 
 def test_a_failing_section_is_reported_failed_and_the_exit_status_is_1(tmp_path, monkeypatch,

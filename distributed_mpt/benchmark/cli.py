@@ -8,7 +8,7 @@ import textwrap
 from absl import flags
 
 from distributed_mpt import config as config_lib
-from distributed_mpt.process import log_filter
+from distributed_mpt.process import log_filter, stopping
 from distributed_mpt.training import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
@@ -104,13 +104,14 @@ def main(argv=None) -> int:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
             outputs.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
-        with log_filter.filtering():  # TensorFlow's C++ start-up lines, off the report
+        # TensorFlow's C++ start-up lines, off the report; SIGTERM ends the cells too.
+        with log_filter.filtering(), stopping.stops_interrupting():
             results = run_benchmark(options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted: nothing written", file=sys.stderr)
+        print("interrupted: nothing written", file=sys.stderr, flush=True)
         return EXIT_ABORTED
     print(format_report(results), flush=True)
     if options.output:

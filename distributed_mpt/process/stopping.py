@@ -202,6 +202,20 @@ def tensorflow_starting():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+@contextlib.contextmanager
+def stops_interrupting():
+    """For a process with nothing to save when it is stopped (the benchmark):
+    in the block SIGTERM, like Ctrl-C, raises KeyboardInterrupt in the main
+    thread, so that the `finally`s on the way out run and end its child
+    processes (by default SIGTERM ends the process at once, and a child
+    measuring a cell ran on for up to 15 minutes)."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None:
     """Moves this process to `phase`; in Phase.TRAINING, `on_request` is
     called (from another thread) when a stop is requested. Without an owner
