@@ -7,12 +7,13 @@ Run it where there is network (or with cifar-10-binary.tar.gz in
 --data_dir with --nodownload.
 """
 
+import os
 import sys
 
 from absl import flags
 
 from distributed_mpt.errors import ExitCode, UserError, first_line
-from distributed_mpt.process import console
+from distributed_mpt.process import console, log_filter
 
 
 def main(argv=None) -> int:
@@ -28,13 +29,21 @@ def main(argv=None) -> int:
     except flags.Error as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return ExitCode.USAGE
-    from distributed_mpt.training import datasets  # imports TensorFlow
+    data_dir = os.path.expanduser(fv.data_dir) if fv.data_dir else None  # as in training
     try:
-        train, test = datasets.load_cifar10(fv.data_dir, download=True)
+        # TensorFlow's C++ start-up lines, off the console. What training
+        # reads: the official binary release, where the directory holds it,
+        # is ready as it is.
+        with log_filter.filtering():
+            from distributed_mpt.training import datasets  # imports TensorFlow
+            train, test = datasets.load_dataset("cifar10", data_dir, download=True,
+                                                 synthetic_examples=0, seed=0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    print(f"CIFAR-10 ready in {fv.data_dir or '~/tensorflow_datasets'}: "
+    source = "the official binary release" if datasets.find_binary_release(data_dir) else \
+        "tensorflow-datasets"
+    print(f"CIFAR-10 ready in {data_dir or '~/tensorflow_datasets'} ({source}): "
           f"{len(train)} train and {len(test)} test images")
     return ExitCode.OK
 

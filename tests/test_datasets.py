@@ -137,6 +137,18 @@ def test_preparing_over_damaged_data_says_how_to_recover(cifar10_copy, capsys):
     assert _TEST_RECORDS in error_lines[0] and "Remove " in error_lines[0]
 
 
+def test_preparing_a_directory_with_the_binary_release_finds_it_ready(tmp_path, capsys):
+    from conftest import write_cifar10_binary
+    from distributed_mpt import prepare_data
+
+    write_cifar10_binary(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    assert prepare_data.main([f"--data_dir={tmp_path}"]) == 0
+    assert capsys.readouterr().out == (f"CIFAR-10 ready in {tmp_path} (the official binary "
+                                       f"release): 50000 train and 10000 test images\n")
+    assert sorted(tmp_path.rglob("*")) == before, "read as training reads it: nothing written"
+
+
 def test_training_on_damaged_data_exits_with_one_error_line(cifar10_copy, tmp_path):
     from conftest import train
 
