@@ -241,6 +241,9 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     again = train(flags)
     assert_ok(again)
     assert "holds a finished run of 10 steps" in again.stdout
+    # Other data is refused, finished run or not: never two runs in one model.
+    assert_one_error_line(train([*flags, "--seed=7"]),
+                          "holds a run with --seed=0, which this run changes")
     for name, content in files.items():
         assert (model_dir / name).read_bytes() == content, f"{name} was rewritten"
     # Extending it is a new plan, and says so.
@@ -250,6 +253,11 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     assert read_summary(model_dir)["steps"] == 20
     resolved = json.loads((model_dir / "config.json").read_text())["resolved"]
     assert resolved["precision"] == "float32" and resolved["total_steps"] == 20
+    # A stopped run (no summary yet) given fewer steps than it has: says what it does.
+    (model_dir / "summary.json").unlink()
+    shorter = train([*flags, "--train_steps=15"])
+    assert_ok(shorter)
+    assert "checkpoint is at step 20, which this run's 15 steps do not pass" in shorter.stdout
 
 
 def test_a_recipe_by_name_from_any_directory(tmp_path):

@@ -77,6 +77,10 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
     if not resumption.restored:
         return []
     notes = [resumption.restored.describe()]
+    if resumption.start_step >= plan.total_steps:  # a stopped run, given a shorter plan
+        notes.append(f"the checkpoint is at step {resumption.start_step}, which this run's "
+                     f"{plan.total_steps} steps do not pass: nothing is trained, and the model "
+                     f"of step {resumption.start_step} is evaluated and exported")
     previous = resumption.previous_config.get("resolved", {})
     planned = previous.get("total_steps")
     if planned and planned != plan.total_steps:

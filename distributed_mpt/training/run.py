@@ -42,6 +42,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
             trainer.check_workers_agree(resumed.agreement(plan), config_lib.shared_flags(config))
+        refuse_other_data(resumed, config)  # finished or not: never silently
         if resumed.finished:
             # A finished run started again: its results stay exactly as they are.
             if is_chief:
@@ -49,7 +50,6 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                       f"(see summary.json); nothing to do. To train longer, pass a larger "
                       f"--epochs or --train_steps.", flush=True)
             return resumed.finished_summary
-        refuse_other_data(resumed, config)
         reporter = Reporter(config.model_dir, is_chief, plan.total_steps, resumed.start_step,
                             started)
         try:
