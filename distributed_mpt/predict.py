@@ -87,6 +87,9 @@ def load_classifier(model_dir: str) -> Classifier:
     """The model of a run directory or export directory `model_dir`: its
     export if it has one, else its newest readable checkpoint. Raises
     UserError if neither holds the model whole."""
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"--model_dir={model_dir} is not a directory: give a training run's "
+                          f"directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, "export")):
         if os.path.isdir(os.path.join(export_dir, "saved_model")):
             return _load_export(export_dir)

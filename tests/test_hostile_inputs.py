@@ -108,7 +108,7 @@ CASES = {
         "directory where the checkpoint index belongs": (
             _entry("checkpoints/checkpoint", "directory"), [], {}, "is not a regular file"),
         "--model_dir a file": (lambda d, t: d.write_text("the user's own file\n") and None,
-                               [], {}, "not writable"),
+                               [], {}, "is a file, not a directory"),
     },
 }
 

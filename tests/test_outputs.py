@@ -28,6 +28,8 @@ def test_check_writable(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="not writable"):
         outputs.check_writable(str(tmp_path / "file" / "run"))
+    with pytest.raises(ConfigError, match="--model_dir=.*file is a file, not a directory"):
+        outputs.check_writable(str(tmp_path / "file"))
 
 
 def test_export_replaces_the_previous_export_whole(tmp_path):

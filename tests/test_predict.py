@@ -269,6 +269,8 @@ HOSTILE_INPUTS = {
                                      "larger than this program accepts"),
     "garbage config.json": (_checkpoint_run("\x00garbage{"), "config.json is damaged"),
     "no export, no checkpoint": (_nothing, "holds no export"),
+    "a --model_dir that does not exist": (lambda tmp_path, untrained, trained, photo: (
+        tmp_path / "missing", [photo]), "is not a directory"),
     # Images: refused by kind and size before they are read.
     "a text file as an image": (_bad_image(_text), "is not a PNG, JPEG"),
     "a missing image": (_bad_image(lambda p: p), "cannot read"),

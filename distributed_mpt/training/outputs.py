@@ -47,6 +47,9 @@ def warn(message: str) -> None:
 def check_writable(directory: str, flag: str = "--model_dir") -> None:
     """Creates `directory` if needed and proves it writable, or raises
     ConfigError naming `flag`, the flag that chose it."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"{flag}={directory} is a file, not a directory: choose a directory "
+                          f"(it is created if missing)")
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=WRITE_TEST_PREFIX):
