@@ -96,6 +96,10 @@ def load_classifier(model_dir: str) -> Classifier:
     return _load_checkpoint(model_dir)
 
 
+# What mends a damaged export (a finished run exports again from its checkpoint).
+_REEXPORT = "remove it and run the run's training command again, which exports it anew"
+
+
 def _load_export(export_dir: str) -> Classifier:
     import tensorflow as tf
 
@@ -110,8 +114,8 @@ def _load_export(export_dir: str) -> Classifier:
                  if hasattr(loaded, "class_names") else list(CLASS_NAMES))
     # A damaged SavedModel raises OSError, ValueError, KeyError, OpError...
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{saved_model} cannot be loaded ({_first_line(e)}): export the "
-                          f"model again") from None
+        raise ConfigError(f"{saved_model} cannot be loaded ({_first_line(e)}): {_REEXPORT}") \
+            from None
     _, inputs = serve.structured_input_signature
     images, outputs = inputs.get("images"), serve.structured_outputs
     if not (images is not None and images.dtype == tf.uint8 and images.shape.rank == 4
@@ -122,11 +126,11 @@ def _load_export(export_dir: str) -> Classifier:
     # A graph that computes answers without trained weights would serve them
     # as confidently as a trained one.
     if not getattr(loaded, "trainable_variables", None):
-        raise ConfigError(f"{saved_model} holds no trained variables: export the model again")
+        raise ConfigError(f"{saved_model} holds no trained variables: {_REEXPORT}")
     classes = outputs["probabilities"].shape[-1]
     if len(names) != classes:
         raise ConfigError(f"{saved_model} names {len(names)} classes but predicts {classes}: "
-                          f"export the model again")
+                          f"{_REEXPORT}")
     info_path = os.path.join(export_dir, MODEL_INFO_NAME)
     info = read_json(info_path)
     if info:

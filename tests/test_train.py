@@ -3,6 +3,7 @@ bad input, data sources, recipes."""
 
 import json
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_one_error_line,
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_one_error_line,
                       checkpoint_weights, read_summary, subprocess_env, train)
 import distributed_mpt
 
@@ -258,6 +259,20 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     shorter = train([*flags, "--train_steps=15"])
     assert_ok(shorter)
     assert "checkpoint is at step 20, which this run's 15 steps do not pass" in shorter.stdout
+
+
+def test_a_finished_run_whose_export_was_lost_exports_it_again(model_dir):
+    flags = [*(f for f in SMOKE_FLAGS if f != "--noexport"), *SMALL_MODEL, "--train_steps=10",
+             f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    export = model_dir / "export"
+    info = (export / "model_info.json").read_text()
+    shutil.rmtree(export / "saved_model")  # what predict's error says to do with a damaged one
+    again = train(flags)
+    assert_ok(again)
+    assert "its export was missing or incomplete: exported again" in again.stdout
+    assert (export / "saved_model" / "saved_model.pb").is_file()
+    assert (export / "model_info.json").read_text() == info, "it says what the run learned"
 
 
 def test_a_recipe_by_name_from_any_directory(tmp_path):

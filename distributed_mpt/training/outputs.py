@@ -222,6 +222,7 @@ CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
 # that whoever uses it (distributed-mpt-predict first) can say what its
 # answers are worth. Keys as in config.json and summary.json.
 MODEL_INFO_NAME = "model_info.json"
+EXPORT_ENTRIES = ("saved_model", "model.keras", "classes.txt", MODEL_INFO_NAME)  # export_model's
 # The settings it records, TrainConfig's fields (synthetic_examples only for
 # --dataset=synthetic, where it and the seed regenerate the test split).
 MODEL_INFO_CONFIG_KEYS = ("model", "model_width", "dataset", "seed", "synthetic_examples")
@@ -255,11 +256,21 @@ def check_export_destination(model_dir: str) -> None:
                           f"export would replace it: move it away, pass --noexport, or choose "
                           f"another --model_dir")
     entries = os.listdir(path)
-    if entries and not os.path.isdir(os.path.join(path, "saved_model")):
+    # Ours: it has a SavedModel, or is an export with parts deleted.
+    if entries and not (os.path.isdir(os.path.join(path, "saved_model"))
+                        or set(entries) <= set(EXPORT_ENTRIES)):
         raise ConfigError(f"{path} holds files that are not an export of this program "
                           f"({', '.join(sorted(entries)[:3])}), and a new export would replace "
                           f"them: move it away, pass --noexport, or choose another "
                           f"--model_dir")
+
+
+def export_is_whole(model_dir: str) -> bool:
+    """Whether `<model_dir>/export` holds every entry an export has (not
+    whether each reads back: predict finds that out)."""
+    path = os.path.join(model_dir, "export")
+    return (all(os.path.lexists(os.path.join(path, name)) for name in EXPORT_ENTRIES)
+            and os.path.isfile(os.path.join(path, "saved_model", "saved_model.pb")))
 
 
 def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> str:

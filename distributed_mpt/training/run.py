@@ -44,11 +44,17 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             trainer.check_workers_agree(resumed.agreement(plan), config_lib.shared_flags(config))
         refuse_other_data(resumed, config)  # finished or not: never silently
         if resumed.finished:
-            # A finished run started again: its results stay exactly as they are.
+            # A finished run started again: its results stay exactly as they
+            # are, but an export that was lost is made again.
             if is_chief:
                 print(f"{config.model_dir} holds a finished run of {resumed.start_step} steps "
-                      f"(see summary.json); nothing to do. To train longer, pass a larger "
+                      f"(see summary.json); nothing to train. To train longer, pass a larger "
                       f"--epochs or --train_steps.", flush=True)
+                if config.export and not outputs.export_is_whole(config.model_dir):
+                    info = outputs.model_info(dataclasses.asdict(config), resumed.finished_summary)
+                    print(f"its export was missing or incomplete: exported again to "
+                          f"{outputs.export_model(trainer.model, config.model_dir, info)}",
+                          flush=True)
             return resumed.finished_summary
         reporter = Reporter(config.model_dir, is_chief, plan.total_steps, resumed.start_step,
                             started)
