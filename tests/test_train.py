@@ -261,6 +261,16 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     assert "checkpoint is at step 20, which this run's 15 steps do not pass" in shorter.stdout
 
 
+def test_a_new_batch_that_leaves_the_capped_rate_as_it_was_says_so(model_dir):
+    common = ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp",
+              "--warmup_epochs=0", "--noexport", "--noevaluate", f"--model_dir={model_dir}"]
+    assert_ok(train([*common, "--per_replica_batch_size=128", "--train_steps=2"]))
+    resumed = train([*common, "--per_replica_batch_size=256", "--train_steps=4"])
+    assert_ok(resumed)
+    # 0.05 x 256/128 is capped at the MLP's 0.05: not "rescaled to 0.05 (was 0.05)".
+    assert "the peak learning rate stays 0.05 (at --max_learning_rate)" in resumed.stdout
+
+
 def test_a_finished_run_whose_export_was_lost_exports_it_again(model_dir):
     flags = [*(f for f in SMOKE_FLAGS if f != "--noexport"), *SMALL_MODEL, "--train_steps=10",
              f"--model_dir={model_dir}"]

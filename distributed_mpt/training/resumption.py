@@ -89,10 +89,14 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
     previous_batch = int(trained_global_batch.numpy())
     if previous_batch != plan.global_batch_size:
         previous_rate = previous.get("peak_learning_rate")
-        rate = f" (was {previous_rate:g})" if isinstance(previous_rate, (int, float)) else ""
+        if previous_rate == plan.learning_rate:  # --max_learning_rate caps both
+            rate = f"stays {plan.learning_rate:g} (at --max_learning_rate)"
+        else:
+            was = f" (was {previous_rate:g})" if isinstance(previous_rate, (int, float)) else ""
+            rate = f"is rescaled to {plan.learning_rate:g}{was}"
         notes.append(f"the checkpoint was trained at global batch {previous_batch}; continuing at "
-                     f"global batch {plan.global_batch_size}: the peak learning rate is rescaled "
-                     f"to {plan.learning_rate:g}{rate} and the schedule re-planned over "
-                     f"{plan.total_steps} steps of {plan.steps_per_epoch} per epoch")
+                     f"global batch {plan.global_batch_size}: the peak learning rate {rate} and "
+                     f"the schedule re-planned over {plan.total_steps} steps of "
+                     f"{plan.steps_per_epoch} per epoch")
         trained_global_batch.assign(plan.global_batch_size)
     return notes
