@@ -179,10 +179,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("model_dir", "data_dir"):
-            # No shell expands the ~ of `--model_dir=~/runs`: a directory
-            # named `~` in the working directory is never what was meant.
-            if getattr(self, name):
-                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
+            object.__setattr__(self, name, user_path(getattr(self, name)))
         _choice("model", self.model, MODELS)
         if self.learning_rate is not None and self.max_learning_rate is None:
             # The ceiling belongs to the model's own rate: a rate given
@@ -193,6 +190,14 @@ class TrainConfig:
                 # Frozen: set once here, before anyone reads the config.
                 object.__setattr__(self, name, MODEL_DEFAULTS[self.model][name])
         _validate(self)
+
+
+def user_path(path: Optional[str]) -> Optional[str]:
+    """A path flag's value with a leading ~ made the home directory, as for
+    every entry point's path flags: no shell expands the ~ of
+    `--model_dir=~/runs`, and a directory named `~` in the working directory
+    is never what was meant."""
+    return os.path.expanduser(path) if path else path
 
 
 def _require(condition: bool, message: str) -> None:

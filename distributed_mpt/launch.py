@@ -118,7 +118,10 @@ class _Group:
         for line in source:
             if _GRPC_BIND_FAILURE in line:
                 self.unbound_workers.add(index)
-            _say(f"[worker {index}] " + line.rstrip("\n"), sink)
+            try:
+                _say(f"[worker {index}] " + line.rstrip("\n"), sink)
+            except (OSError, ValueError):  # e.g. a line the console's encoding cannot show
+                pass
 
     def first_failure(self) -> Optional[int]:
         """Index of a worker that exited non-zero, if any: one that failed on

@@ -33,7 +33,7 @@ import numpy as np
 from absl import flags
 
 from distributed_mpt.process import log_filter
-from distributed_mpt.config import DATASETS, TrainConfig
+from distributed_mpt.config import DATASETS, TrainConfig, user_path
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError, first_line
 from distributed_mpt.training.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                      model_info, read_json)
@@ -331,9 +331,8 @@ def _main(argv) -> int:
             files = fv(["distributed-mpt-predict", *argv])[1:]
         except flags.Error as e:
             raise ConfigError(first_line(e)) from None
-        for name in ("model_dir", "data_dir"):  # as in training: no shell expands `=~/`
-            if fv[name].value:
-                fv[name].value = os.path.expanduser(fv[name].value)
+        for name in ("model_dir", "data_dir"):
+            fv[name].value = user_path(fv[name].value)
         if not fv.model_dir:
             raise ConfigError("--model_dir is required: a training run's directory or its export/")
         if not files and not fv.evaluate:

@@ -7,11 +7,11 @@ Run it where there is network (or with cifar-10-binary.tar.gz in
 --data_dir with --nodownload.
 """
 
-import os
 import sys
 
 from absl import flags
 
+from distributed_mpt.config import user_path
 from distributed_mpt.errors import ExitCode, UserError, first_line
 from distributed_mpt.process import console, log_filter
 
@@ -19,7 +19,10 @@ from distributed_mpt.process import console, log_filter
 def main(argv=None) -> int:
     """Prepares CIFAR-10 in --data_dir; returns the exit code."""
     fv = flags.FlagValues()
-    flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory.", flag_values=fv)
+    flags.DEFINE_string("data_dir", None, "Where CIFAR-10 is to be: a tensorflow-datasets data "
+                        "directory (default ~/tensorflow_datasets), or one that holds the "
+                        "official binary release (cifar-10-batches-bin/), which is ready as it is.",
+                        flag_values=fv)
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print(__doc__ + "\nFlags:\n" + fv.get_help())
@@ -29,7 +32,7 @@ def main(argv=None) -> int:
     except flags.Error as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return ExitCode.USAGE
-    data_dir = os.path.expanduser(fv.data_dir) if fv.data_dir else None  # as in training
+    data_dir = user_path(fv.data_dir)
     try:
         # TensorFlow's C++ start-up lines, off the console. What training
         # reads: the official binary release, where the directory holds it,
@@ -41,6 +44,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # tensorflow-datasets downloads into temporary folders
+        print("interrupted", file=sys.stderr, flush=True)
+        return ExitCode.ABORTED
     source = "the official binary release" if datasets.find_binary_release(data_dir) else \
         "tensorflow-datasets"
     print(f"CIFAR-10 ready in {data_dir or '~/tensorflow_datasets'} ({source}): "

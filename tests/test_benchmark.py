@@ -81,7 +81,7 @@ def test_a_stopped_benchmark_leaves_no_cell_running(tmp_path):
     left = [pid for pid in cells if Path(f"/proc/{pid}").exists()]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert code == ExitCode.ABORTED and "interrupted: nothing written" in benchmark.output()
+    assert code == ExitCode.PREEMPTED and "interrupted: nothing written" in benchmark.output()
     assert not left and not output.exists()
 
 

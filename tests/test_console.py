@@ -36,6 +36,15 @@ def test_help_into_a_pipe_nobody_reads_is_no_error(module):
     assert result.returncode == ExitCode.OK
 
 
+def test_help_with_stdout_closed_is_no_error():
+    # Python's sys.stdout is then None, which print() skips: it must stay so.
+    result = subprocess.run([sys.executable, "-m", "distributed_mpt.train", "--help"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.close(1), cwd=REPO, env=subprocess_env(),
+                            timeout=120)
+    assert result.returncode == ExitCode.OK and not result.stderr, result.stderr[-2000:]
+
+
 def test_a_run_whose_reader_left_still_stops_with_its_checkpoint(model_dir, tmp_path):
     output = _pipe_nobody_reads()
     with open(tmp_path / "stderr", "w") as stderr:

@@ -12,7 +12,8 @@ from distributed_mpt.process import log_filter, stopping
 from distributed_mpt.training import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
-from distributed_mpt.errors import ConfigError, EXIT_ABORTED, ExitCode, UserError, first_line
+from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
+                                    first_line)
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 # Every section measured, the mixed policy included (emulated, but small).
@@ -27,11 +28,11 @@ def _flag_values() -> flags.FlagValues:
                         "existing directory).", flag_values=fv)
     # Checked before any measuring, not found after it.
     flags.register_validator(
-        "output", lambda path: path is None or not os.path.isdir(path),
+        "output", lambda path: path is None or not os.path.isdir(config_lib.user_path(path)),
         "is a directory; name a file to write", flag_values=fv)
     flags.register_validator(
-        "output",
-        lambda path: path is None or os.path.isdir(os.path.dirname(os.path.abspath(path))),
+        "output", lambda path: path is None or os.path.isdir(
+            os.path.dirname(os.path.abspath(config_lib.user_path(path)))),
         "is in a directory that does not exist; create it first", flag_values=fv)
     flags.DEFINE_list("sections", list(d.sections), f"Of {', '.join(SECTIONS)}.", flag_values=fv)
     flags.DEFINE_list("models", list(d.models), f"Of {', '.join(config_lib.MODELS)}.",
@@ -66,7 +67,8 @@ def parse_options(argv) -> Options:
         batch_sizes = tuple(int(b) for b in fv.batch_sizes)
     except ValueError:
         raise ConfigError(f"--batch_sizes={','.join(fv.batch_sizes)} must be integers") from None
-    given = {name: fv[name].value for name in ("output", "model_width", "repeats")}
+    given = {name: fv[name].value for name in ("model_width", "repeats")}
+    given["output"] = config_lib.user_path(fv.output)
     given.update(sections=tuple(fv.sections), models=tuple(fv.models), batch_sizes=batch_sizes,
                  precisions=tuple(fv.precisions))
     if fv.tiny:
@@ -110,9 +112,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted: nothing written", file=sys.stderr, flush=True)
-        return EXIT_ABORTED
+        return EXIT_PREEMPTED if isinstance(e, stopping.Terminated) else EXIT_ABORTED
     print(format_report(results), flush=True)
     if options.output:
         outputs.write_json(options.output, results)

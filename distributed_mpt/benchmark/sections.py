@@ -95,8 +95,9 @@ class Benchmark:
         self.options = options
         gpus = len(tf.config.list_physical_devices("GPU"))
         self.mixed_policy = "mixed_float16" if gpus else "mixed_bfloat16"
-        self.auto_policy = precision.describe_precision_choice("auto")
-        named = {"mixed": self.mixed_policy, "auto": precision.resolve_precision("auto")}
+        self.auto_policy = precision.resolve_precision("auto")
+        self._auto_reason = precision.describe_precision_choice("auto")  # "float32: this CPU ..."
+        named = {"mixed": self.mixed_policy, "auto": self.auto_policy}
         self.precisions = tuple(dict.fromkeys(named.get(p, p) for p in options.precisions))
         self.replicas = gpus if gpus > 1 else 2
         self._cells = {}
@@ -153,7 +154,7 @@ class Benchmark:
         its emulated cells take many minutes each, for a figure below 1)."""
         if self.mixed_policy not in self.precisions:
             raise NotMeasured(f"--precisions has no {self.mixed_policy} (auto here: "
-                              f"{self.auto_policy}); --precisions=float32,mixed measures it")
+                              f"{self._auto_reason}); --precisions=float32,mixed measures it")
         rows = []
         for model, batch in itertools.product(self.options.models, self.options.batch_sizes):
             float32 = self.cell(model, "float32", batch)["examples_per_second"]

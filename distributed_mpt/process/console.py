@@ -51,8 +51,10 @@ class _DroppedWhenUnread:
 
 def survive_lost_readers() -> None:
     """Makes sys.stdout and sys.stderr drop what nobody reads any more (see
-    above). For an entry point, before it writes anything."""
-    if not isinstance(sys.stdout, _DroppedWhenUnread):
+    above). For an entry point, before it writes anything. A stream that
+    was closed when the process started is None, and print() skips it: it
+    stays None."""
+    if sys.stdout is not None and not isinstance(sys.stdout, _DroppedWhenUnread):
         sys.stdout = _DroppedWhenUnread(sys.stdout)
-    if not isinstance(sys.stderr, _DroppedWhenUnread):
+    if sys.stderr is not None and not isinstance(sys.stderr, _DroppedWhenUnread):
         sys.stderr = _DroppedWhenUnread(sys.stderr)

@@ -202,14 +202,22 @@ def tensorflow_starting():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C is (see `stops_interrupting`)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 @contextlib.contextmanager
 def stops_interrupting():
     """For a process with nothing to save when it is stopped (the benchmark):
-    in the block SIGTERM, like Ctrl-C, raises KeyboardInterrupt in the main
-    thread, so that the `finally`s on the way out run and end its child
-    processes (by default SIGTERM ends the process at once, and a child
-    measuring a cell ran on for up to 15 minutes)."""
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    in the block SIGTERM raises Terminated, a KeyboardInterrupt as Ctrl-C
+    raises, in the main thread, so that the `finally`s on the way out run and
+    end its child processes (by default SIGTERM ends the process at once, and
+    a child measuring a cell ran on for up to 15 minutes)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
@@ -245,6 +253,8 @@ def exit_now(code: int) -> None:
     op: 7.3-8.2 s to exit normally, 5.7-6.4 s this way) and up to a minute
     on a loaded machine."""
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # a descriptor closed when the process started
+            continue
         try:
             stream.flush()
         except OSError:

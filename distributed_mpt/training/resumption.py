@@ -77,10 +77,10 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
     if not resumption.restored:
         return []
     notes = [resumption.restored.describe()]
-    if resumption.start_step >= plan.total_steps:  # a stopped run, given a shorter plan
-        notes.append(f"the checkpoint is at step {resumption.start_step}, which this run's "
-                     f"{plan.total_steps} steps do not pass: nothing is trained, and the model "
-                     f"of step {resumption.start_step} is evaluated and exported")
+    if resumption.start_step >= plan.total_steps:  # stopped at its end, or given fewer steps
+        notes.append(f"the checkpoint is at step {resumption.start_step} and this run has "
+                     f"{plan.total_steps} steps: nothing is left to train; the model of step "
+                     f"{resumption.start_step} is evaluated and exported")
     previous = resumption.previous_config.get("resolved", {})
     planned = previous.get("total_steps")
     if planned and planned != plan.total_steps:
@@ -89,8 +89,8 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
     previous_batch = int(trained_global_batch.numpy())
     if previous_batch != plan.global_batch_size:
         previous_rate = previous.get("peak_learning_rate")
-        if previous_rate == plan.learning_rate:  # --max_learning_rate caps both
-            rate = f"stays {plan.learning_rate:g} (at --max_learning_rate)"
+        if previous_rate == plan.learning_rate:  # e.g. --max_learning_rate caps both
+            rate = f"stays {plan.learning_rate:g}"
         else:
             was = f" (was {previous_rate:g})" if isinstance(previous_rate, (int, float)) else ""
             rate = f"is rescaled to {plan.learning_rate:g}{was}"

@@ -51,7 +51,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                       f"(see summary.json); nothing to train. To train longer, pass a larger "
                       f"--epochs or --train_steps.", flush=True)
                 if config.export and not outputs.export_is_whole(config.model_dir):
-                    info = outputs.model_info(dataclasses.asdict(config), resumed.finished_summary)
+                    stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
+                    # What the run trained on, not what this command line says.
+                    trained = {**dataclasses.asdict(config), **resumed.previous_config}
+                    info = outputs.model_info(trained, resumed.finished_summary)
                     print(f"its export was missing or incomplete: exported again to "
                           f"{outputs.export_model(trainer.model, config.model_dir, info)}",
                           flush=True)
