@@ -8,7 +8,7 @@ import textwrap
 from absl import flags
 
 from distributed_mpt import config as config_lib
-from distributed_mpt.process import log_filter, stopping
+from distributed_mpt.process import console, log_filter, stopping
 from distributed_mpt.training import outputs
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
@@ -128,6 +128,5 @@ def main(argv=None) -> int:
 def run() -> None:
     """Console-script entry point. Ends the process at once when done,
     every output written (see `stopping.exit_now`)."""
-    from distributed_mpt.process import console, stopping
     console.survive_lost_readers()
     stopping.exit_now(main())

@@ -255,10 +255,7 @@ def exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         if stream is None:  # a descriptor closed when the process started
             continue
-        try:
-            stream.flush()
-        except OSError:
-            pass  # a reader that went away (`| head`) cannot be told more
+        stream.flush()  # a reader that went away is console.py's: no error here
     os._exit(code)
 
 
