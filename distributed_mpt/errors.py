@@ -10,6 +10,7 @@ same thing.
 """
 
 import enum
+import re
 import signal
 
 
@@ -82,12 +83,24 @@ def exit_code_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+# An error raised inside a tf.function opens with "Graph execution error:",
+# then where each failing op was defined (a header, indented frames, a node
+# name); the cause comes after them. TensorFlow 2.21's atomic_function.py
+# and error_interpolation.py write these lines.
+_GRAPH_ERROR = "Graph execution error:"
+_WHERE_DEFINED = re.compile(r"\s|Detected at node |Node: '|<stack traces unavailable>")
+
+
 def first_line(error, limit: int = 200) -> str:
-    """The first line of an error or message, at most `limit` characters:
-    what fits into one `error:` line (TensorFlow's messages run to pages)."""
-    text = str(error)
-    return (text.splitlines() or [type(error).__name__ if isinstance(error, BaseException)
-                                  else ""])[0][:limit]
+    """The first line of an error or message that says what went wrong, at
+    most `limit` characters: what fits into one `error:` line (TensorFlow's
+    messages run to pages, and open with where the failing op was defined)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0] == _GRAPH_ERROR:
+        lines = [line for line in lines[1:] if not _WHERE_DEFINED.match(line)] or lines
+    if not lines:
+        lines = [type(error).__name__ if isinstance(error, BaseException) else ""]
+    return lines[0][:limit]
 
 
 class UserError(Exception):

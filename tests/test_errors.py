@@ -1,13 +1,17 @@
 """Exit codes: each named once in errors.py, with what a restart policy does
 with it; the documentation's table is that one; the signals that end a
-process say the same as the codes it would exit with."""
+process say the same as the codes it would exit with. And the one line an
+error is reported in."""
 
 import re
 from pathlib import Path
 
+import pytest
+import tensorflow as tf
+
 from distributed_mpt import errors, launch
 from distributed_mpt.process import stopping
-from distributed_mpt.errors import ExitCode
+from distributed_mpt.errors import ExitCode, first_line
 
 RELIABILITY = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
@@ -37,3 +41,22 @@ def test_a_process_ended_by_the_peer_watchdog_reports_the_named_code():
 def test_every_code_is_one_a_user_can_read_about():
     for code in ExitCode:
         assert code.meaning and not re.search(r"\s{2}", code.meaning), code.name
+
+
+def test_first_line():
+    assert first_line(ValueError("one\ntwo")) == "one"
+    assert first_line(KeyError()) == "KeyError", "an error without a message: its kind"
+    assert first_line("x" * 300, 10) == "x" * 10
+    assert first_line("\nafter a blank line") == "after a blank line"
+
+
+def test_first_line_of_an_error_in_a_tf_function_is_its_cause():
+    @tf.function
+    def gather_out_of_range(values):
+        return tf.gather(values, 5)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        gather_out_of_range(tf.constant([1, 2]))
+    assert str(raised.value).startswith("Graph execution error:"), "what TensorFlow says first"
+    assert re.match(r"indices.* = 5 is not in \[0, 2\)", first_line(raised.value)), \
+        first_line(raised.value)

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
 from distributed_mpt.training import outputs
-from distributed_mpt.errors import ConfigError, first_line
+from distributed_mpt.errors import ConfigError
 from distributed_mpt.training.models import build_model
 
 
@@ -81,12 +81,6 @@ def test_json_that_is_not_there_is_empty_and_a_fifo_is_refused_unread(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(outputs.DamagedFileError, match="not a regular file"):
         outputs.read_json(str(tmp_path / "fifo"))  # would block forever if opened
-
-
-def test_first_line():
-    assert first_line(ValueError("one\ntwo")) == "one"
-    assert first_line(KeyError()) == "KeyError", "an error without a message: its kind"
-    assert first_line("x" * 300, 10) == "x" * 10
 
 
 def test_written_files_follow_the_umask(tmp_path):

@@ -102,6 +102,6 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     if cluster is None:
         raise error
     print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
-          f"{first_line(error)}); exiting with {EXIT_PEER_LOST:d} so that "
+          f"{first_line(error).rstrip(' :')}); exiting with {EXIT_PEER_LOST:d} so that "
           f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
     return EXIT_PEER_LOST
