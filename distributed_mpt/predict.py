@@ -114,7 +114,7 @@ def _load_export(export_dir: str) -> Classifier:
                  if hasattr(loaded, "class_names") else list(CLASS_NAMES))
     # A damaged SavedModel raises OSError, ValueError, KeyError, OpError...
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{saved_model} cannot be loaded ({_first_line(e)}): {_REEXPORT}") \
+        raise ConfigError(f"{saved_model} cannot be loaded ({first_line(e)}): {_REEXPORT}") \
             from None
     _, inputs = serve.structured_input_signature
     images, outputs = inputs.get("images"), serve.structured_outputs
@@ -190,7 +190,7 @@ def _restore_weights(model, prefix: str) -> Optional[str]:
         status.expect_partial()  # the optimizer's state is not needed...
         status.assert_existing_objects_matched()  # ...but every weight of the model is
     except (AssertionError, ValueError, tf.errors.OpError) as e:
-        return _first_line(e)
+        return first_line(e)
     return None
 
 
@@ -208,7 +208,7 @@ def _checked_config(values: dict, source: str = "") -> TrainConfig:
     except (ConfigError, TypeError, ValueError) as e:
         if not source:
             raise
-        raise ConfigError(f"{source} is damaged ({_first_line(e)}): write it again, or move "
+        raise ConfigError(f"{source} is damaged ({first_line(e)}): write it again, or move "
                           f"it away") from None
 
 
@@ -238,10 +238,6 @@ def _quiet_tensorflow():
     finally:
         gc.collect()  # what a failed restore left, collected while quiet
         logger.setLevel(level)
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
 def read_image(path: str) -> np.ndarray:
@@ -380,8 +376,8 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     chosen = {k: v for k, v in (("dataset", fv.dataset),
                                 ("synthetic_examples", fv.synthetic_examples)) if v is not None}
     split = _checked_config({**trained, **chosen})
-    _, test = datasets.load_dataset(split.dataset, fv.data_dir, fv.download,
-                                split.synthetic_examples, split.seed)
+    (test,) = datasets.load_dataset(split.dataset, fv.data_dir, fv.download,
+                                    split.synthetic_examples, split.seed, splits=("test",))
     return {"dataset": split.dataset,
             **evaluate(classifier.probabilities, test.images, test.labels)}
 

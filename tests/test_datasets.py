@@ -73,6 +73,25 @@ def test_prepared_cifar10_loads_through_tensorflow_datasets(cifar10_copy):
         np.testing.assert_array_equal(images[:, 3, 5, 1], labels)  # every pixel is the label
 
 
+def test_only_the_splits_asked_for_are_read(cifar10_copy, tmp_path):
+    """Evaluating needs the test split only: a damaged or absent train split
+    is not its concern, from tensorflow-datasets or the binary release."""
+    from conftest import write_cifar10_binary
+
+    _truncate(cifar10_copy / "cifar10" / "3.0.2" / _TRAIN_RECORDS, 0)
+    (test,) = datasets.load_dataset("cifar10", str(cifar10_copy), download=False,
+                                    synthetic_examples=0, seed=0, splits=("test",))
+    assert len(test) == _RECORDS_PER_FILE
+    binary = write_cifar10_binary(tmp_path / "binary")
+    for train_file in binary.glob("data_batch_*.bin"):
+        train_file.unlink()
+    (test,) = datasets.load_dataset("cifar10", str(binary), False, 0, 0, splits=("test",))
+    assert len(test) == 10_000
+    train, _ = datasets.make_synthetic(num_train=500, num_test=100, seed=3)
+    (again,) = datasets.load_dataset("synthetic", None, False, 500, 3, splits=("train",))
+    np.testing.assert_array_equal(again.images, train.images)
+
+
 def _truncate(path, size):
     path.write_bytes(path.read_bytes()[:size])
 

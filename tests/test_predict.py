@@ -107,6 +107,18 @@ def test_evaluate_prints_the_accuracy_on_every_test_image(model_dir):
     assert "accuracy" in result.stdout and "(100 images)" in result.stdout
 
 
+def test_evaluate_needs_only_the_test_file_of_the_binary_release(model_dir, tmp_path):
+    from conftest import write_cifar10_binary
+
+    release = write_cifar10_binary(tmp_path)
+    for train_file in release.glob("data_batch_*.bin"):
+        train_file.unlink()
+    result = predict(f"--model_dir={model_dir}", "--evaluate", "--dataset=cifar10",
+                     f"--data_dir={tmp_path}")
+    assert_ok(result)
+    assert "(10000 images)" in result.stdout
+
+
 @pytest.fixture(scope="module")
 def synthetic_run(tmp_path_factory):
     """What the quick start makes: a model that learned synthetic data,

@@ -12,7 +12,7 @@ import os
 import re
 import socket
 import threading
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -30,8 +30,8 @@ CIFAR10_ARCHIVE = "cifar-10-binary.tar.gz"  # what tensorflow-datasets downloads
 # The extracted official binary release: five train batches and a test batch
 # of 10,000 records, each a label byte and the R, G and B planes (32x32 bytes).
 CIFAR10_BINARY_DIR = "cifar-10-batches-bin"
-_BINARY_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
-_BINARY_TEST_FILE = "test_batch.bin"
+_BINARY_FILES = {"train": tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
+                 "test": ("test_batch.bin",)}
 _BINARY_RECORD_BYTES = 1 + 32 * 32 * 3
 _BINARY_FILE_BYTES = 10_000 * _BINARY_RECORD_BYTES  # 30,730,000
 _CIFAR10_HOST = ("www.cs.toronto.edu", 443)
@@ -49,19 +49,24 @@ class ImageSplit:
         return len(self.labels)
 
 
-def load_dataset(name: str, data_dir: Optional[str], download: bool,
-                 synthetic_examples: int, seed: int) -> Tuple[ImageSplit, ImageSplit]:
-    """Returns the (train, test) splits of `cifar10` or `synthetic`.
+SPLITS = ("train", "test")
+
+
+def load_dataset(name: str, data_dir: Optional[str], download: bool, synthetic_examples: int,
+                 seed: int, splits: Sequence[str] = SPLITS) -> Tuple[ImageSplit, ...]:
+    """Returns the `splits` (train and test) of `cifar10` or `synthetic`, in
+    that order; only those are read.
 
     CIFAR-10 comes from the official binary release when `data_dir` holds it
     (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets.
     """
     if name == "synthetic":
-        return make_synthetic(synthetic_examples, max(synthetic_examples // 5, 1), seed)
+        train, test = make_synthetic(synthetic_examples, max(synthetic_examples // 5, 1), seed)
+        return tuple({"train": train, "test": test}[split] for split in splits)
     binary_dir = find_binary_release(data_dir)
     if binary_dir:
-        return load_cifar10_binary(binary_dir)
-    return load_cifar10(data_dir, download)
+        return load_cifar10_binary(binary_dir, splits)
+    return load_cifar10(data_dir, download, splits)
 
 
 def find_binary_release(data_dir: Optional[str]) -> Optional[str]:
@@ -72,13 +77,13 @@ def find_binary_release(data_dir: Optional[str]) -> Optional[str]:
     if os.path.isdir(os.path.join(data_dir, CIFAR10_BINARY_DIR)):
         return os.path.join(data_dir, CIFAR10_BINARY_DIR)
     if any(os.path.exists(os.path.join(data_dir, name))
-           for name in (*_BINARY_TRAIN_FILES, _BINARY_TEST_FILE)):
+           for names in _BINARY_FILES.values() for name in names):
         return data_dir
     return None
 
 
-def load_cifar10_binary(directory: str) -> Tuple[ImageSplit, ImageSplit]:
-    """Reads the extracted official binary release directly: no
+def load_cifar10_binary(directory: str, splits: Sequence[str] = SPLITS) -> Tuple[ImageSplit, ...]:
+    """Reads `splits` of the extracted official binary release directly: no
     tensorflow-datasets, nothing prepared or written. Checks every file's
     size and labels, so that a truncated, missing or foreign file is one
     clear error instead of a wrong dataset."""
@@ -110,11 +115,12 @@ def load_cifar10_binary(directory: str) -> Tuple[ImageSplit, ImageSplit]:
         images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         return ImageSplit(np.ascontiguousarray(images), records[:, 0].astype(np.int32))
 
-    return read(_BINARY_TRAIN_FILES), read([_BINARY_TEST_FILE])
+    return tuple(read(_BINARY_FILES[split]) for split in splits)
 
 
-def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, ImageSplit]:
-    """Loads CIFAR-10 from tensorflow-datasets, preparing it first if needed.
+def load_cifar10(data_dir: Optional[str], download: bool,
+                 splits: Sequence[str] = SPLITS) -> Tuple[ImageSplit, ...]:
+    """Loads `splits` of CIFAR-10 from tensorflow-datasets, preparing it first if needed.
 
     Fails within seconds, naming the remedies, when the data is not in
     `data_dir` and cannot be downloaded; and with one error naming the file
@@ -126,7 +132,7 @@ def load_cifar10(data_dir: Optional[str], download: bool) -> Tuple[ImageSplit, I
     builder = tfds.builder("cifar10", data_dir=data_dir)
     if not _is_prepared(builder):
         _prepare_cifar10(builder, download)
-    return _read_prepared_split(builder, "train"), _read_prepared_split(builder, "test")
+    return tuple(_read_prepared_split(builder, split) for split in splits)
 
 
 def _is_prepared(builder) -> bool:
