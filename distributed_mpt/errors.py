@@ -125,6 +125,10 @@ class CheckpointMismatchError(UserError):
     """--model_dir holds checkpoints of a different model."""
 
 
+class ConsoleError(UserError):
+    """Standard output or error cannot be written: a full disk, a device error."""
+
+
 class DivergedError(UserError):
     """The loss became NaN or infinite and did not recover."""
 

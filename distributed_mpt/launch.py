@@ -30,7 +30,7 @@ from typing import Collection, List, Optional
 from absl import flags
 
 from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PEER_TIMEOUT,
-                                    EXIT_PREEMPTED, EXIT_USAGE, ExitCode, UserError,
+                                    EXIT_PREEMPTED, EXIT_USAGE, ConsoleError, ExitCode, UserError,
                                     status_of_signal, first_line)
 from distributed_mpt.process import console
 from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
@@ -170,9 +170,12 @@ class _Group:
 
 def _say(line: str, stream=None) -> None:
     """Writes one line to stdout (or `stream`) at once. When nobody reads it
-    any more (`| head`) it is dropped (console.py): the workers must still be
-    supervised."""
-    print(line, file=stream or sys.stdout, flush=True)
+    any more (`| head`), or it cannot be written (a full disk), it is
+    dropped (console.py): the workers must still be supervised."""
+    try:
+        print(line, file=stream or sys.stdout, flush=True)
+    except ConsoleError as e:  # said once: the stream leads to /dev/null from now on
+        print(f"warning: {e}; the workers run on", file=sys.stderr, flush=True)
 
 
 def exit_status(returncode: int) -> int:
@@ -251,7 +254,7 @@ def main(argv=None) -> int:
     fv = flags.FlagValues()
     _define_flags(fv)
     if {"-h", "--help"} & set(own):
-        _say(__doc__ + "\nFlags:\n" + fv.get_help())
+        print(__doc__ + "\nFlags:\n" + fv.get_help())  # not _say: help unwritten is an error
         return ExitCode.OK
     try:
         rest = fv(["distributed-mpt-launch", *own])
@@ -273,8 +276,7 @@ def main(argv=None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    console.survive_lost_readers()
-    sys.exit(main())
+    sys.exit(console.run_with_console(main))
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ def main(argv=None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    console.survive_lost_readers()
-    sys.exit(main())
+    sys.exit(console.run_with_console(main))
 
 
 if __name__ == "__main__":

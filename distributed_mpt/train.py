@@ -142,8 +142,7 @@ def run() -> None:
     """Console-script entry point. Ends the process at once when training
     is over, every output written (see `stopping.exit_now`)."""
     from distributed_mpt.process import console, stopping
-    console.survive_lost_readers()
-    stopping.exit_now(main())
+    stopping.exit_now(console.run_with_console(main))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """A reader that goes away (`| head`, or a `| tee` ended by the same Ctrl-C
-that stops training) ends no entry point: what nobody reads is dropped."""
+that stops training) ends no entry point: what nobody reads is dropped. A
+console that cannot be written is one error line."""
 
 import os
 import re
@@ -34,6 +35,19 @@ def test_help_into_a_pipe_nobody_reads_is_no_error(module):
         os.close(output)
     # A BrokenPipeError's traceback (which nobody could read either) exits 1.
     assert result.returncode == ExitCode.OK
+
+
+@pytest.mark.parametrize("module", ["distributed_mpt.train", "distributed_mpt.predict",
+                                    "distributed_mpt.launch", "distributed_mpt.prepare_data",
+                                    "distributed_mpt.benchmark"])
+def test_output_to_a_full_disk_is_one_error_line(module):
+    with open("/dev/full", "w") as full:  # every write fails with ENOSPC
+        result = subprocess.run([sys.executable, "-m", module, "--help"], stdout=full,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env=subprocess_env(), timeout=120)
+    assert result.returncode == ExitCode.USAGE
+    assert result.stderr == ("error: cannot write standard output (No space left on device): "
+                             "free space where it goes, or send it elsewhere\n")
 
 
 def test_help_with_stdout_closed_is_no_error():

@@ -141,6 +141,20 @@ def test_permanent_exit_code_is_not_retried(tmp_path):
     assert re.search(r"^\[worker [01]\] error: .*learning_rate", result.stderr, re.M)
 
 
+def test_a_launcher_whose_output_cannot_be_written_supervises_its_workers(tmp_path):
+    # Its first line used to end it, worker 0 started and left on its own.
+    with open("/dev/full", "w") as full:  # every write fails with ENOSPC
+        result = subprocess.run(
+            [sys.executable, "-m", "distributed_mpt.launch", "--num_workers=2", "--",
+             *WORKER_FLAGS, "--learning_rate=-1", f"--model_dir={tmp_path / 'run'}"],
+            stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(),
+            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("warning: cannot write standard output (No space left")
+    for worker in (0, 1):  # both started, and their errors relayed
+        assert re.search(rf"^\[worker {worker}\] error: .*learning_rate", result.stderr, re.M)
+
+
 def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():
     # Both have exited by the launcher's next look, as when a fast step lets
     # worker 0 notice worker 1's loss within the poll interval.

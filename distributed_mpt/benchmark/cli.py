@@ -128,5 +128,4 @@ def main(argv=None) -> int:
 def run() -> None:
     """Console-script entry point. Ends the process at once when done,
     every output written (see `stopping.exit_now`)."""
-    console.survive_lost_readers()
-    stopping.exit_now(main())
+    stopping.exit_now(console.run_with_console(main))

@@ -7,6 +7,9 @@ print, and a training run died of it at its next progress line, before the
 checkpoint its stop was saving (`distributed-mpt-train ... | tee log`, tee
 ended, then SIGINT: exit 1 with a traceback, no checkpoint). The progress
 lines are in metrics.jsonl as well, so nothing is lost by dropping them.
+A console that cannot be written for another reason (`> log` on a full
+disk) is an error, reported in one line on the other stream: the output of
+predict is its answers, and a run's log should not vanish unnoticed.
 
 So every entry point's stdout and stderr drop what nobody reads: the first
 write that finds its reader gone points the descriptor at /dev/null (where
@@ -18,13 +21,17 @@ before and after.
 
 import os
 import sys
+from typing import Callable
+
+from distributed_mpt.errors import ConsoleError
 
 
 class _DroppedWhenUnread:
     """A text stream whose writes succeed after its reader has gone."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, name: str):
         self._stream = stream
+        self._name = name
 
     def write(self, text: str) -> int:
         try:
@@ -32,12 +39,23 @@ class _DroppedWhenUnread:
         except BrokenPipeError:
             self._to_devnull()
             return len(text)
+        except OSError as e:
+            raise self._unwritable(e) from None
 
     def flush(self) -> None:
         try:
             self._stream.flush()
         except BrokenPipeError:
             self._to_devnull()
+        except OSError as e:
+            raise self._unwritable(e) from None
+
+    def _unwritable(self, error: OSError) -> ConsoleError:
+        # Once: what is still buffered, and what follows, would fail again
+        # at every write and at the exit's flush.
+        self._to_devnull()
+        return ConsoleError(f"cannot write {self._name} ({error.strerror}): free space "
+                            f"where it goes, or send it elsewhere")
 
     def _to_devnull(self) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -49,12 +67,25 @@ class _DroppedWhenUnread:
         return getattr(self._stream, name)
 
 
-def survive_lost_readers() -> None:
+def run_with_console(main: Callable[[], int]) -> int:
+    """An entry point's `main()`, run with sys.stdout and sys.stderr that
+    drop what nobody reads (see above); its exit code. A console that cannot
+    be written ends it with one `error:` line on the other stream."""
+    _survive_lost_readers()
+    try:
+        return main()
+    except ConsoleError as e:
+        # If stderr was the one, it now leads to /dev/null: nothing to say it with.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+def _survive_lost_readers() -> None:
     """Makes sys.stdout and sys.stderr drop what nobody reads any more (see
     above). For an entry point, before it writes anything. A stream that
     was closed when the process started is None, and print() skips it: it
     stays None."""
     if sys.stdout is not None and not isinstance(sys.stdout, _DroppedWhenUnread):
-        sys.stdout = _DroppedWhenUnread(sys.stdout)
+        sys.stdout = _DroppedWhenUnread(sys.stdout, "standard output")
     if sys.stderr is not None and not isinstance(sys.stderr, _DroppedWhenUnread):
-        sys.stderr = _DroppedWhenUnread(sys.stderr)
+        sys.stderr = _DroppedWhenUnread(sys.stderr, "standard error")
