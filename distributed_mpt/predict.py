@@ -36,7 +36,7 @@ from distributed_mpt.process import log_filter
 from distributed_mpt.config import DATASETS, TrainConfig, user_path
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError, first_line
 from distributed_mpt.training.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
-                                     model_info, read_json)
+                                              SAVED_MODEL_DIR, model_info, read_json)
 
 # Images per call when evaluating: bounds memory, not accuracy.
 EVAL_BATCH_SIZE = 500
@@ -91,7 +91,7 @@ def load_classifier(model_dir: str) -> Classifier:
         raise ConfigError(f"--model_dir={model_dir} is not a directory: give a training run's "
                           f"directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, "export")):
-        if os.path.isdir(os.path.join(export_dir, "saved_model")):
+        if os.path.isdir(os.path.join(export_dir, SAVED_MODEL_DIR)):
             return _load_export(export_dir)
     return _load_checkpoint(model_dir)
 
@@ -105,7 +105,7 @@ def _load_export(export_dir: str) -> Classifier:
 
     from distributed_mpt.training import precision
 
-    saved_model = os.path.join(export_dir, "saved_model")
+    saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
     try:
         loaded = tf.saved_model.load(saved_model)
         serve = loaded.signatures["serving_default"]

@@ -218,11 +218,16 @@ CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
                "dog", "frog", "horse", "ship", "truck")
 
 
-# Beside the model in export/: what it is and what it was trained on, so
-# that whoever uses it (distributed-mpt-predict first) can say what its
-# answers are worth. Keys as in config.json and summary.json.
+# What export_model writes into <model_dir>/export/: the model for TF
+# Serving and for Keras, the class names, and beside them what the model is
+# and what it was trained on, so that whoever uses it (distributed-mpt-predict
+# first) can say what its answers are worth (keys as in config.json and
+# summary.json).
+SAVED_MODEL_DIR = "saved_model"
+KERAS_FILE = "model.keras"
+CLASSES_FILE = "classes.txt"
 MODEL_INFO_NAME = "model_info.json"
-EXPORT_ENTRIES = ("saved_model", "model.keras", "classes.txt", MODEL_INFO_NAME)  # export_model's
+EXPORT_ENTRIES = (SAVED_MODEL_DIR, KERAS_FILE, CLASSES_FILE, MODEL_INFO_NAME)
 # The settings it records, TrainConfig's fields (synthetic_examples only for
 # --dataset=synthetic, where it and the seed regenerate the test split).
 MODEL_INFO_CONFIG_KEYS = ("model", "model_width", "dataset", "seed", "synthetic_examples")
@@ -257,7 +262,7 @@ def check_export_destination(model_dir: str) -> None:
                           f"another --model_dir")
     entries = os.listdir(path)
     # Ours: it has a SavedModel, or is an export with parts deleted.
-    if entries and not (os.path.isdir(os.path.join(path, "saved_model"))
+    if entries and not (os.path.isdir(os.path.join(path, SAVED_MODEL_DIR))
                         or set(entries) <= set(EXPORT_ENTRIES)):
         raise ConfigError(f"{path} holds files that are not an export of this program "
                           f"({', '.join(sorted(entries)[:3])}), and a new export would replace "
@@ -270,7 +275,7 @@ def export_is_whole(model_dir: str) -> bool:
     whether each reads back: predict finds that out)."""
     path = os.path.join(model_dir, "export")
     return (all(os.path.lexists(os.path.join(path, name)) for name in EXPORT_ENTRIES)
-            and os.path.isfile(os.path.join(path, "saved_model", "saved_model.pb")))
+            and os.path.isfile(os.path.join(path, SAVED_MODEL_DIR, "saved_model.pb")))
 
 
 def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> str:
@@ -292,9 +297,9 @@ def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> s
     staging = os.path.join(model_dir, f"{EXPORT_STAGING_PREFIX}{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:
-        _export_saved_model(model, os.path.join(staging, "saved_model"), class_names)
-        with_keras_layers(model).save(os.path.join(staging, "model.keras"))
-        write_text(os.path.join(staging, "classes.txt"), "".join(f"{c}\n" for c in class_names))
+        _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names)
+        with_keras_layers(model).save(os.path.join(staging, KERAS_FILE))
+        write_text(os.path.join(staging, CLASSES_FILE), "".join(f"{c}\n" for c in class_names))
         if info is not None:
             write_json(os.path.join(staging, MODEL_INFO_NAME), info)
         if os.path.exists(final):
