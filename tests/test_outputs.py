@@ -30,6 +30,12 @@ def test_check_writable(tmp_path):
         outputs.check_writable(str(tmp_path / "file" / "run"))
     with pytest.raises(ConfigError, match="--model_dir=.*file is a file, not a directory"):
         outputs.check_writable(str(tmp_path / "file"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match="dangling is a symbolic link to nothing, not a direct"):
+        outputs.check_writable(str(tmp_path / "dangling"))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ConfigError, match="fifo is a special file, not a directory"):
+        outputs.check_writable(str(tmp_path / "fifo"))
 
 
 def test_export_replaces_the_previous_export_whole(tmp_path):

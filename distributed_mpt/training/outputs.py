@@ -48,7 +48,9 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
     """Creates `directory` if needed and proves it writable, or raises
     ConfigError naming `flag`, the flag that chose it."""
     if os.path.lexists(directory) and not os.path.isdir(directory):
-        raise ConfigError(f"{flag}={directory} is a file, not a directory: choose a directory "
+        kind = ("a symbolic link to nothing" if os.path.islink(directory) else
+                "a file" if os.path.isfile(directory) else "a special file")
+        raise ConfigError(f"{flag}={directory} is {kind}, not a directory: choose a directory "
                           f"(it is created if missing)")
     try:
         os.makedirs(directory, exist_ok=True)
