@@ -27,7 +27,7 @@ class Resumption:
 
     @property
     def finished(self) -> bool:
-        """The run was trained to its last step and summarized: nothing to do."""
+        """The run was trained to its last step and summarized: nothing to train."""
         return bool(self.finished_summary)
 
     def agreement(self, plan: RunPlan) -> dict:
