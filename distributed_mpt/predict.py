@@ -265,11 +265,26 @@ def read_image(path: str) -> np.ndarray:
     try:
         image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
     except tf.errors.InvalidArgumentError:
+        kind = _image_format(encoded)
+        if kind:
+            raise UserError(f"{path} is a damaged or truncated {kind} image: give an intact "
+                            f"copy") from None
         raise UserError(f"{path} is not a PNG, JPEG, GIF, BMP or WebP image") from None
     # Antialiasing averages all the pixels that shrink into one, instead of
     # sampling a few of them.
     small = tf.image.resize(image, (32, 32), antialias=True)
     return tf.cast(tf.clip_by_value(tf.round(small), 0, 255), tf.uint8).numpy()
+
+
+# How each file format the decoder reads begins (WebP: RIFF, size, WEBP).
+_SIGNATURES = {"PNG": b"\x89PNG\r\n\x1a\n", "JPEG": b"\xff\xd8", "GIF": b"GIF8", "BMP": b"BM"}
+
+
+def _image_format(encoded: bytes) -> Optional[str]:
+    """The image format the first bytes of `encoded` name, or None."""
+    if encoded[:4] == b"RIFF" and encoded[8:12] == b"WEBP":
+        return "WebP"
+    return next((name for name, start in _SIGNATURES.items() if encoded.startswith(start)), None)
 
 
 def _header_pixels(encoded: bytes) -> Optional[int]:

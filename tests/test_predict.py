@@ -237,6 +237,11 @@ def _directory(path):
     return path
 
 
+def _cut_short(image, path):
+    path.write_bytes(image.read_bytes()[:-100])
+    return path
+
+
 def _fifo(path):
     os.mkfifo(path)
     return path
@@ -285,6 +290,8 @@ HOSTILE_INPUTS = {
         tmp_path / "missing", [photo]), "is not a directory"),
     # Images: refused by kind and size before they are read.
     "a text file as an image": (_bad_image(_text), "is not a PNG, JPEG"),
+    "a truncated PNG": (lambda tmp_path, untrained, trained, photo: (
+        untrained, [_cut_short(photo, tmp_path / "cut.png")]), "is a damaged or truncated PNG"),
     "a missing image": (_bad_image(lambda p: p), "cannot read"),
     "a directory as an image": (_bad_image(_directory), "not a regular file"),
     "a FIFO as an image": (_bad_image(_fifo), "not a regular file"),
