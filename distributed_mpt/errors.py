@@ -34,7 +34,8 @@ class ExitCode(enum.IntEnum):
         """Whether a restart policy should start the process again."""
         return self >= 128
 
-    OK = 0, "training finished, or a finished run was found (and its export written again if it was lost)"
+    OK = 0, ("training finished, or a finished run was found (and its export written again "
+             "if it was lost)")
     CRASHED = 1, ("an unforeseen error, with a traceback (Python's own status), or a benchmark "
                   "section that failed (the report says which and why); a restart would meet it "
                   "again, though the local launcher retries it")

@@ -155,6 +155,8 @@ def test_a_run_signalled_while_it_exports_completes_and_keeps_its_training_figur
     assert rerun["resumed_from_step"] == 40
     assert rerun["train_loss"] == pytest.approx(summary["train_loss"])
     assert rerun["examples_per_second"] > 0  # the last interval's, as logged
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [40], "one final evaluation"
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16", "mixed_float16"])

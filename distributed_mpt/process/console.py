@@ -7,9 +7,6 @@ print, and a training run died of it at its next progress line, before the
 checkpoint its stop was saving (`distributed-mpt-train ... | tee log`, tee
 ended, then SIGINT: exit 1 with a traceback, no checkpoint). The progress
 lines are in metrics.jsonl as well, so nothing is lost by dropping them.
-A console that cannot be written for another reason (`> log` on a full
-disk) is an error, reported in one line on the other stream: the output of
-predict is its answers, and a run's log should not vanish unnoticed.
 
 So every entry point's stdout and stderr drop what nobody reads: the first
 write that finds its reader gone points the descriptor at /dev/null (where
@@ -17,6 +14,10 @@ TensorFlow's C++ lines and Python's final flush then go too), and the
 process carries on as if it had been read. stderr passes through the log
 filter in training, which drops what it cannot pass on: this covers it
 before and after.
+
+A console that cannot be written for another reason (`> log` on a full
+disk) is an error instead, reported in one line on the other stream:
+predict's output is its answers, and a run's log should not vanish unseen.
 """
 
 import os
@@ -27,7 +28,8 @@ from distributed_mpt.errors import ConsoleError
 
 
 class _DroppedWhenUnread:
-    """A text stream whose writes succeed after its reader has gone."""
+    """A text stream whose writes succeed after its reader has gone, and
+    that raises ConsoleError once when it cannot be written."""
 
     def __init__(self, stream, name: str):
         self._stream = stream

@@ -43,9 +43,12 @@ class Reporter:
         # The time of the earlier runs counts, all of it: also that of the
         # records dropped below, which was spent, if on steps now redone.
         self._earlier_seconds = max((r["elapsed_seconds"] for r in records), default=0.0)
-        # Records past the resumed step describe steps that will be redone:
-        # keep the log consistent with the checkpoint.
-        kept = [r for r in records if r["step"] <= resumed_from_step]
+        # Records past the resumed step describe steps that will be redone,
+        # and so does the final evaluation of a run resumed at its last step
+        # (stopped while it exported): keep the log consistent with the
+        # checkpoint, one record per step and kind.
+        kept = [r for r in records if r["step"] <= resumed_from_step
+                and not (r["step"] == total_steps and "eval_loss" in r)]
         outputs.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
 
