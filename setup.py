@@ -19,11 +19,12 @@ setup(
         "numpy",
         # ml_dtypes 0.7 registers NumPy promoters for its new complex types one
         # at a time, and NumPy 2.4 scans the list each time: `import ml_dtypes`
-        # took 1.27 s instead of 0.10 s (0.6.0), and so did every start of
-        # TensorFlow, hence of every command here: 6.25 s instead of 5.49 s,
-        # the means of 5 alternating runs of `python -c "import tensorflow"`
-        # (2-core AMD EPYC Zen 3, NumPy 2.4.6). TensorFlow 2.21 accepts
-        # 0.5.1 to 1.0. Measure again before allowing a later 0.7 release.
+        # took 1.27 s instead of 0.10 s with 0.6.0 (one run each), and every
+        # start of TensorFlow, hence of every command here, 0.76 s longer:
+        # 6.25 s instead of 5.49 s, the means of 5 alternating runs of
+        # `python -c "import tensorflow"` (2-core AMD EPYC Zen 3, NumPy 2.4.6).
+        # TensorFlow 2.21 accepts 0.5.1 to 1.0. Measure a later 0.7 release
+        # before allowing it.
         "ml_dtypes!=0.7.*",
         # tf.summary needs it to write TensorBoard scalars; TensorFlow 2.21
         # no longer installs it.

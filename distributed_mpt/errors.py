@@ -35,7 +35,7 @@ class ExitCode(enum.IntEnum):
         return self >= 128
 
     OK = 0, ("training finished, or a finished run was found (and its export written again "
-             "if it was lost)")
+             "if it was missing or incomplete)")
     CRASHED = 1, ("an unforeseen error, with a traceback (Python's own status), or a benchmark "
                   "section that failed (the report says which and why); a restart would meet it "
                   "again, though the local launcher retries it")
@@ -90,15 +90,22 @@ def exit_code_table() -> str:
 # and error_interpolation.py write these lines.
 _GRAPH_ERROR = "Graph execution error:"
 _WHERE_DEFINED = re.compile(r"\s|Detected at node |Node: '|<stack traces unavailable>")
+# Errors on several devices at once (MirroredStrategy's replicas) follow a
+# count, each indented and numbered with its status code: "  (0) CODE: cause".
+_ROOT_ERRORS = re.compile(r"\d+ root error\(s\) found\.")
+_ROOT_ERROR = re.compile(r"\s+\(\d+\) (?:[A-Z_]+:\s*)?(.*)")
 
 
 def first_line(error, limit: int = 200) -> str:
     """The first line of an error or message that says what went wrong, at
     most `limit` characters: what fits into one `error:` line (TensorFlow's
     messages run to pages, and open with where the failing op was defined)."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
+    every_line = [line for line in str(error).splitlines() if line.strip()]
+    lines = every_line
     if lines and lines[0] == _GRAPH_ERROR:
         lines = [line for line in lines[1:] if not _WHERE_DEFINED.match(line)] or lines
+    if lines and _ROOT_ERRORS.fullmatch(lines[0]):
+        lines = [m.group(1) for m in map(_ROOT_ERROR.fullmatch, every_line) if m] or lines
     if not lines:
         lines = [type(error).__name__ if isinstance(error, BaseException) else ""]
     return lines[0][:limit]

@@ -175,7 +175,7 @@ def _say(line: str, stream=None) -> None:
     try:
         print(line, file=stream or sys.stdout, flush=True)
     except ConsoleError as e:  # said once: the stream leads to /dev/null from now on
-        print(f"warning: {e}; the workers run on", file=sys.stderr, flush=True)
+        console.tell(f"warning: {e}; the workers run on", sys.stderr)
 
 
 def exit_status(returncode: int) -> int:

@@ -35,8 +35,9 @@ from absl import flags
 from distributed_mpt.process import log_filter
 from distributed_mpt.config import DATASETS, TrainConfig, user_path
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, ExitCode, UserError, first_line
-from distributed_mpt.training.outputs import (CLASS_NAMES, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
-                                              SAVED_MODEL_DIR, model_info, read_json)
+from distributed_mpt.training.outputs import (CLASS_NAMES, EXPORT_DIR, MODEL_INFO_CONFIG_KEYS,
+                                              MODEL_INFO_NAME, SAVED_MODEL_DIR, model_info,
+                                              read_json)
 
 # Images per call when evaluating: bounds memory, not accuracy.
 EVAL_BATCH_SIZE = 500
@@ -90,7 +91,7 @@ def load_classifier(model_dir: str) -> Classifier:
     if not os.path.isdir(model_dir):
         raise ConfigError(f"--model_dir={model_dir} is not a directory: give a training run's "
                           f"directory or its export/")
-    for export_dir in (model_dir, os.path.join(model_dir, "export")):
+    for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
         if os.path.isdir(os.path.join(export_dir, SAVED_MODEL_DIR)):
             return _load_export(export_dir)
     return _load_checkpoint(model_dir)
@@ -267,8 +268,8 @@ def read_image(path: str) -> np.ndarray:
     except tf.errors.InvalidArgumentError:
         kind = _image_format(encoded)
         if kind:
-            raise UserError(f"{path} is a damaged or truncated {kind} image: give an intact "
-                            f"copy") from None
+            raise UserError(f"{path} begins as a {kind} image does but does not decode "
+                            f"(damaged or truncated): give an intact copy") from None
         raise UserError(f"{path} is not a PNG, JPEG, GIF, BMP or WebP image") from None
     # Antialiasing averages all the pixels that shrink into one, instead of
     # sampling a few of them.
@@ -294,13 +295,14 @@ def _header_pixels(encoded: bytes) -> Optional[int]:
 
     import tensorflow as tf
 
-    if encoded.startswith(b"\x89PNG\r\n\x1a\n") and len(encoded) >= 24:
+    kind = _image_format(encoded)
+    if kind == "PNG" and len(encoded) >= 24:
         width, height = struct.unpack(">II", encoded[16:24])
-    elif encoded[:6] in (b"GIF87a", b"GIF89a") and len(encoded) >= 10:
+    elif kind == "GIF" and len(encoded) >= 10:
         width, height = struct.unpack("<HH", encoded[6:10])
-    elif encoded.startswith(b"BM") and len(encoded) >= 26:
+    elif kind == "BMP" and len(encoded) >= 26:
         width, height = struct.unpack("<ii", encoded[18:26])
-    elif encoded.startswith(b"\xff\xd8"):
+    elif kind == "JPEG":
         try:
             height, width = (int(x) for x in tf.image.extract_jpeg_shape(encoded)[:2])
         except tf.errors.InvalidArgumentError:

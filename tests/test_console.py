@@ -2,6 +2,7 @@
 that stops training) ends no entry point: what nobody reads is dropped. A
 console that cannot be written is one error line."""
 
+import json
 import os
 import re
 import signal
@@ -41,13 +42,18 @@ def test_help_into_a_pipe_nobody_reads_is_no_error(module):
                                     "distributed_mpt.launch", "distributed_mpt.prepare_data",
                                     "distributed_mpt.benchmark"])
 def test_output_to_a_full_disk_is_one_error_line(module):
+    env = subprocess_env()
+    del env["PYTHONUNBUFFERED"]  # as a user runs it: buffered, so the write fails at the end
     with open("/dev/full", "w") as full:  # every write fails with ENOSPC
         result = subprocess.run([sys.executable, "-m", module, "--help"], stdout=full,
-                                stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                env=subprocess_env(), timeout=120)
-    assert result.returncode == ExitCode.USAGE
-    assert result.stderr == ("error: cannot write standard output (No space left on device): "
-                             "free space where it goes, or send it elsewhere\n")
+                                stderr=subprocess.PIPE, text=True, cwd=REPO, env=env, timeout=120)
+        assert result.returncode == ExitCode.USAGE
+        assert result.stderr == ("error: cannot write standard output (No space left on device): "
+                                 "free space where it goes, or send it elsewhere\n")
+        # With stderr full too, there is nobody to tell: the exit code says it.
+        result = subprocess.run([sys.executable, "-m", module, "--help"], stdout=full,
+                                stderr=full, cwd=REPO, env=env, timeout=120)
+        assert result.returncode == ExitCode.USAGE
 
 
 def test_help_with_stdout_closed_is_no_error():
@@ -57,6 +63,17 @@ def test_help_with_stdout_closed_is_no_error():
                             preexec_fn=lambda: os.close(1), cwd=REPO, env=subprocess_env(),
                             timeout=120)
     assert result.returncode == ExitCode.OK and not result.stderr, result.stderr[-2000:]
+
+
+def test_a_run_with_its_console_closed_trains_to_the_end(model_dir):
+    # `>&- 2>&-`: Python's sys.stdout and sys.stderr are None, and the next
+    # files opened would get descriptors 1 and 2.
+    result = subprocess.run(
+        [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS, "--train_steps=4",
+         f"--model_dir={model_dir}"], preexec_fn=lambda: (os.close(1), os.close(2)), cwd=REPO,
+        env=subprocess_env(), timeout=120)
+    assert result.returncode == ExitCode.OK
+    assert json.loads((model_dir / "summary.json").read_text())["steps"] == 4
 
 
 def test_a_run_whose_reader_left_still_stops_with_its_checkpoint(model_dir, tmp_path):

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-import tensorflow as tf
 
 from distributed_mpt import errors, launch
 from distributed_mpt.process import stopping
@@ -51,6 +50,8 @@ def test_first_line():
 
 
 def test_first_line_of_an_error_in_a_tf_function_is_its_cause():
+    import tensorflow as tf  # here: the rest of this file needs no TensorFlow
+
     @tf.function
     def gather_out_of_range(values):
         return tf.gather(values, 5)
@@ -60,3 +61,26 @@ def test_first_line_of_an_error_in_a_tf_function_is_its_cause():
     assert str(raised.value).startswith("Graph execution error:"), "what TensorFlow says first"
     assert re.match(r"indices.* = 5 is not in \[0, 2\)", first_line(raised.value)), \
         first_line(raised.value)
+
+
+# What TensorFlow 2.21 raised for tf.gather out of range in a tf.function
+# under MirroredStrategy on 2 logical CPUs (its frames shortened).
+_TWO_REPLICAS_FAILED = """Graph execution error:
+
+Detected at node replica_1/GatherV2 defined at (most recent call last):
+  File "<stdin>", line 7, in <lambda>
+
+Detected at node GatherV2 defined at (most recent call last):
+  File "<stdin>", line 7, in <lambda>
+
+2 root error(s) found.
+  (0) INVALID_ARGUMENT:  indices = 5 is not in [0, 2)
+\t [[{{node replica_1/GatherV2}}]]
+  (1) INVALID_ARGUMENT:  indices = 5 is not in [0, 2)
+\t [[{{node GatherV2}}]]
+0 successful operations.
+0 derived errors ignored. [Op:__inference_step_20]"""
+
+
+def test_first_line_of_errors_on_several_replicas_is_the_first_cause():
+    assert first_line(_TWO_REPLICAS_FAILED) == "indices = 5 is not in [0, 2)"

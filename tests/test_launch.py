@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, read_summary, run_module, subprocess_env
+from conftest import REPO, SMALL_MODEL, SMOKE_FLAGS, read_summary, run_module, subprocess_env
 from distributed_mpt import errors, launch
 
 WORKER_FLAGS = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
@@ -150,9 +150,23 @@ def test_a_launcher_whose_output_cannot_be_written_supervises_its_workers(tmp_pa
             stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(),
             timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("warning: cannot write standard output (No space left")
+    said_once = r"^warning: cannot write standard output \(No space left on device\)"
+    assert len(re.findall(said_once, result.stderr, re.M)) == 1, result.stderr
     for worker in (0, 1):  # both started, and their errors relayed
         assert re.search(rf"^\[worker {worker}\] error: .*learning_rate", result.stderr, re.M)
+
+
+def test_a_launcher_with_no_console_at_all_trains_to_the_end(tmp_path):
+    # Both streams on a full disk: nothing can be said, the group still
+    # trains, and every worker's output is drained (a full pipe would block it).
+    model_dir = tmp_path / "run"
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "distributed_mpt.launch", "--num_workers=2", "--",
+             *WORKER_FLAGS, *SMALL_MODEL, "--train_steps=4", f"--model_dir={model_dir}"],
+            stdout=full, stderr=full, cwd=REPO, env=subprocess_env(), timeout=300)
+    assert result.returncode == errors.ExitCode.OK
+    assert read_summary(model_dir)["steps"] == 4
 
 
 def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():

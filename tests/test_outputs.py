@@ -30,6 +30,9 @@ def test_check_writable(tmp_path):
         outputs.check_writable(str(tmp_path / "file" / "run"))
     with pytest.raises(ConfigError, match="--model_dir=.*file is a file, not a directory"):
         outputs.check_writable(str(tmp_path / "file"))
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    with pytest.raises(ConfigError, match="link is a file, not a directory"):
+        outputs.check_writable(str(tmp_path / "link"))
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
     with pytest.raises(ConfigError, match="dangling is a symbolic link to nothing, not a direct"):
         outputs.check_writable(str(tmp_path / "dangling"))

@@ -291,7 +291,8 @@ HOSTILE_INPUTS = {
     # Images: refused by kind and size before they are read.
     "a text file as an image": (_bad_image(_text), "is not a PNG, JPEG"),
     "a truncated PNG": (lambda tmp_path, untrained, trained, photo: (
-        untrained, [_cut_short(photo, tmp_path / "cut.png")]), "is a damaged or truncated PNG"),
+        untrained, [_cut_short(photo, tmp_path / "cut.png")]),
+        "begins as a PNG image does but does not decode"),
     "a missing image": (_bad_image(lambda p: p), "cannot read"),
     "a directory as an image": (_bad_image(_directory), "not a regular file"),
     "a FIFO as an image": (_bad_image(_fifo), "not a regular file"),

@@ -115,9 +115,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         print("interrupted: nothing written", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED if isinstance(e, stopping.Terminated) else EXIT_ABORTED
+    if options.output:  # first: the report's console may fail (console.py), the file must not
+        outputs.write_json(options.output, results)
     print(format_report(results), flush=True)
     if options.output:
-        outputs.write_json(options.output, results)
         print(f"wrote {options.output}", flush=True)
     for name in failed_sections(results):
         print(f"error: section {name} FAILED: {results['sections'][name]['failed']}",

@@ -16,13 +16,16 @@ filter in training, which drops what it cannot pass on: this covers it
 before and after.
 
 A console that cannot be written for another reason (`> log` on a full
-disk) is an error instead, reported in one line on the other stream:
-predict's output is its answers, and a run's log should not vanish unseen.
+disk) is an error instead, one `error:` line on stderr and exit 2:
+predict's output is its answers, and a run's log should not vanish
+unseen. Only when stderr is the stream that failed is there nobody to tell
+(and in training, the log filter drops what it cannot write to stderr).
 """
 
+import errno
 import os
 import sys
-from typing import Callable
+from typing import Callable, TextIO
 
 from distributed_mpt.errors import ConsoleError
 
@@ -56,8 +59,9 @@ class _DroppedWhenUnread:
         # Once: what is still buffered, and what follows, would fail again
         # at every write and at the exit's flush.
         self._to_devnull()
-        return ConsoleError(f"cannot write {self._name} ({error.strerror}): free space "
-                            f"where it goes, or send it elsewhere")
+        remedy = ("free space where it goes, or send it elsewhere"
+                  if error.errno in (errno.ENOSPC, errno.EDQUOT) else "send it elsewhere")
+        return ConsoleError(f"cannot write {self._name} ({error.strerror or error}): {remedy}")
 
     def _to_devnull(self) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -75,19 +79,51 @@ def run_with_console(main: Callable[[], int]) -> int:
     be written ends it with one `error:` line on the other stream."""
     _survive_lost_readers()
     try:
-        return main()
+        code = main()
+        # Here, not at exit: buffered output may fail only now.
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        return code
     except ConsoleError as e:
-        # If stderr was the one, it now leads to /dev/null: nothing to say it with.
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        tell(f"error: {e}", sys.stderr)
         return e.exit_code
+
+
+def tell(line: str, stream: TextIO) -> None:
+    """Writes `line` to `stream` if it can be written. One that cannot
+    (ConsoleError, said once) leads to /dev/null from then on: whoever
+    should read it has nothing to read it with."""
+    try:
+        print(line, file=stream, flush=True)
+    except ConsoleError:
+        pass
 
 
 def _survive_lost_readers() -> None:
     """Makes sys.stdout and sys.stderr drop what nobody reads any more (see
-    above). For an entry point, before it writes anything. A stream that
-    was closed when the process started is None, and print() skips it: it
-    stays None."""
+    above). For an entry point, before it writes anything.
+
+    A stream that was closed when the process started (`2>&-`) is None in
+    Python; it becomes a stream to /dev/null, and its descriptor with it.
+    Else code that asks it (isatty) crashes, and the next file opened gets
+    the descriptor, into which TensorFlow's C++ lines (descriptor 2) go."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(_occupy(fd), "w", closefd=False))
     if sys.stdout is not None and not isinstance(sys.stdout, _DroppedWhenUnread):
         sys.stdout = _DroppedWhenUnread(sys.stdout, "standard output")
     if sys.stderr is not None and not isinstance(sys.stderr, _DroppedWhenUnread):
         sys.stderr = _DroppedWhenUnread(sys.stderr, "standard error")
+
+
+def _occupy(fd: int) -> int:
+    """Points descriptor `fd` at /dev/null if it is closed; returns it."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: maybe fd
+        if devnull != fd:
+            os.dup2(devnull, fd)
+            os.close(devnull)
+    return fd

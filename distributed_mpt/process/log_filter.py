@@ -50,9 +50,11 @@ def filtering():
     try:
         yield
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        stop()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:  # stderr put back even if stdout cannot be written (console.py)
+            stop()
 
 
 def start() -> None:

@@ -54,8 +54,8 @@ SPLITS = ("train", "test")
 
 def load_dataset(name: str, data_dir: Optional[str], download: bool, synthetic_examples: int,
                  seed: int, splits: Sequence[str] = SPLITS) -> Tuple[ImageSplit, ...]:
-    """Returns the `splits` (train and test) of `cifar10` or `synthetic`, in
-    that order; only those are read.
+    """Returns the `splits` (by default train and test) of `cifar10` or
+    `synthetic`, in the order given; only those are read.
 
     CIFAR-10 comes from the official binary release when `data_dir` holds it
     (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets.

@@ -48,8 +48,7 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
     """Creates `directory` if needed and proves it writable, or raises
     ConfigError naming `flag`, the flag that chose it."""
     if os.path.lexists(directory) and not os.path.isdir(directory):
-        kind = ("a symbolic link to nothing" if os.path.islink(directory) else
-                "a file" if os.path.isfile(directory) else "a special file")
+        kind = _kind_of(directory)
         raise ConfigError(f"{flag}={directory} is {kind}, not a directory: choose a directory "
                           f"(it is created if missing)")
     try:
@@ -59,6 +58,12 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
     except OSError as e:
         raise ConfigError(f"{flag}={directory} is not writable ({e.strerror}); "
                           f"choose a directory you can write to") from None
+
+
+def _kind_of(path: str) -> str:
+    """What the existing `path`, not a directory, is: for error messages."""
+    return ("a symbolic link to nothing" if not os.path.exists(path) else
+            "a file" if os.path.isfile(path) else "a special file")
 
 
 def write_json(path: str, data) -> None:
@@ -225,6 +230,7 @@ CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
 # and what it was trained on, so that whoever uses it (distributed-mpt-predict
 # first) can say what its answers are worth (keys as in config.json and
 # summary.json).
+EXPORT_DIR = "export"  # in model_dir
 SAVED_MODEL_DIR = "saved_model"
 KERAS_FILE = "model.keras"
 CLASSES_FILE = "classes.txt"
@@ -254,11 +260,11 @@ def check_export_destination(model_dir: str) -> None:
     export this package wrote: a new export replaces the old one whole, so
     a user's file or directory of that name would be lost. Call before
     training, so that the refusal comes before hours of work."""
-    path = os.path.join(model_dir, "export")
+    path = os.path.join(model_dir, EXPORT_DIR)
     if not os.path.lexists(path):
         return
     if os.path.islink(path) or not os.path.isdir(path):
-        kind = "a symbolic link" if os.path.islink(path) else "a file"
+        kind = "a symbolic link" if os.path.islink(path) else _kind_of(path)
         raise ConfigError(f"{path} is {kind}, not an export of this program, and a new "
                           f"export would replace it: move it away, pass --noexport, or choose "
                           f"another --model_dir")
@@ -275,7 +281,7 @@ def check_export_destination(model_dir: str) -> None:
 def export_is_whole(model_dir: str) -> bool:
     """Whether `<model_dir>/export` holds every entry an export has (not
     whether each reads back: predict finds that out)."""
-    path = os.path.join(model_dir, "export")
+    path = os.path.join(model_dir, EXPORT_DIR)
     return (all(os.path.lexists(os.path.join(path, name)) for name in EXPORT_ENTRIES)
             and os.path.isfile(os.path.join(path, SAVED_MODEL_DIR, "saved_model.pb")))
 
@@ -295,7 +301,7 @@ def export_model(model, model_dir: str, info=None, class_names=CLASS_NAMES) -> s
     from distributed_mpt.training.models import with_keras_layers
 
     check_export_destination(model_dir)
-    final = os.path.join(model_dir, "export")
+    final = os.path.join(model_dir, EXPORT_DIR)
     staging = os.path.join(model_dir, f"{EXPORT_STAGING_PREFIX}{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:

@@ -20,10 +20,11 @@ class Reporter:
     """Writes one record per logged step to every sink (chief only)."""
 
     def __init__(self, model_dir: str, enabled: bool, total_steps: int, resumed_from_step: int,
-                 started: float):
+                 started: float, evaluates_at_end: bool):
         """started: the run's start on the `time.monotonic()` clock; every
         record carries the seconds since, plus those of the earlier runs it
-        resumes (as metrics.jsonl has them), for time-to-accuracy curves."""
+        resumes (as metrics.jsonl has them), for time-to-accuracy curves.
+        evaluates_at_end: whether the run logs a final evaluation."""
         self._enabled = enabled
         self._total_steps = total_steps
         # On a terminal, a status line is rewritten after every loop call;
@@ -45,10 +46,10 @@ class Reporter:
         self._earlier_seconds = max((r["elapsed_seconds"] for r in records), default=0.0)
         # Records past the resumed step describe steps that will be redone,
         # and so does the final evaluation of a run resumed at its last step
-        # (stopped while it exported): keep the log consistent with the
-        # checkpoint, one record per step and kind.
-        kept = [r for r in records if r["step"] <= resumed_from_step
-                and not (r["step"] == total_steps and "eval_loss" in r)]
+        # (stopped while it exported), if it evaluates: keep the log
+        # consistent with the checkpoint, one record per step and kind.
+        kept = [r for r in records if r["step"] <= resumed_from_step and not (
+            evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)]
         outputs.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
 

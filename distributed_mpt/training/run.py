@@ -60,7 +60,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                           flush=True)
             return resumed.finished_summary
         reporter = Reporter(config.model_dir, is_chief, plan.total_steps, resumed.start_step,
-                            started)
+                            started, evaluates_at_end=config.evaluate)
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
                 outputs.write_json(f"{config.model_dir}/config.json",
