@@ -142,7 +142,8 @@ def test_permanent_exit_code_is_not_retried(tmp_path):
 
 
 def test_a_launcher_whose_output_cannot_be_written_supervises_its_workers(tmp_path):
-    # Its first line used to end it, worker 0 started and left on its own.
+    # Its first line used to end it with an error, worker 0 started and left
+    # on its own; now it warns once and supervises its workers to their end.
     with open("/dev/full", "w") as full:  # every write fails with ENOSPC
         result = subprocess.run(
             [sys.executable, "-m", "distributed_mpt.launch", "--num_workers=2", "--",
@@ -152,8 +153,8 @@ def test_a_launcher_whose_output_cannot_be_written_supervises_its_workers(tmp_pa
     assert result.returncode == 2, result.stderr
     said_once = r"^warning: cannot write standard output \(No space left on device\)"
     assert len(re.findall(said_once, result.stderr, re.M)) == 1, result.stderr
-    for worker in (0, 1):  # both started, and their errors relayed
-        assert re.search(rf"^\[worker {worker}\] error: .*learning_rate", result.stderr, re.M)
+    # A worker's error relayed (the other may be stopped before it says its own).
+    assert re.search(r"^\[worker [01]\] error: .*learning_rate", result.stderr, re.M)
 
 
 def test_a_launcher_with_no_console_at_all_trains_to_the_end(tmp_path):
