@@ -104,6 +104,26 @@ def test_a_failing_section_is_reported_failed_and_the_exit_status_is_1(tmp_path,
     assert "error: section scaling FAILED: " in printed.err
 
 
+def test_an_output_that_cannot_be_written_after_measuring_is_one_error_line(tmp_path, monkeypatch,
+                                                                            capsys):
+    output = tmp_path / "gone" / "bench.json"
+    output.parent.mkdir()
+
+    def run_cell(cell):  # measures, while the output's directory is removed
+        if output.parent.exists():
+            output.parent.rmdir()
+        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+                "peak_memory_bytes": 2**20}
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+    assert cli.main(["--tiny", "--sections=training", f"--output={output}"]) == ExitCode.USAGE
+    printed = capsys.readouterr()
+    assert "training: " in printed.out, "the figures are not lost: the report has them"
+    errors = [line for line in printed.err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot write --output={output} (No such file or directory): "
+                      f"the report above is all there is"]
+
+
 @pytest.mark.parametrize("cpu_instructions, measured", [
     ((), ["float32"]), (("avx512_bf16",), ["float32", "mixed_bfloat16"])])
 def test_by_default_float32_and_what_auto_picks_are_measured(tmp_path, monkeypatch, capsys,

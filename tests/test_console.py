@@ -57,7 +57,8 @@ def test_output_to_a_full_disk_is_one_error_line(module):
 
 
 def test_help_with_stdout_closed_is_no_error():
-    # Python's sys.stdout is then None, which print() skips: it must stay so.
+    # Python's sys.stdout is then None: console.py gives it /dev/null, and
+    # the help goes there without an error.
     result = subprocess.run([sys.executable, "-m", "distributed_mpt.train", "--help"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: os.close(1), cwd=REPO, env=subprocess_env(),

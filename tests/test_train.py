@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_one_error_line,
-                      checkpoint_weights, read_summary, subprocess_env, train)
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok,
+                      assert_one_error_line, checkpoint_weights, read_summary, subprocess_env,
+                      train)
 import distributed_mpt
 
 SUMMARY_KEYS = {"strategy", "num_workers", "num_replicas", "per_replica_batch_size",

@@ -13,7 +13,7 @@ timeit reports). A section that fails is reported as FAILED with its reason,
 the others still run, and the exit status is 1.
 
   Everything, in float32 and the precision training picks here (10 minutes
-  on 2 AVX2-only cores, docs/performance.md):
+  on 2 cores of an AVX2-only AMD EPYC, docs/performance.md):
       distributed-mpt-benchmark --output=bench.json
   One model and batch:
       distributed-mpt-benchmark --models=resnet9 --batch_sizes=128

@@ -115,9 +115,17 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         print("interrupted: nothing written", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED if isinstance(e, stopping.Terminated) else EXIT_ABORTED
+    unwritten = None
     if options.output:  # first: the report's console may fail (console.py), the file must not
-        outputs.write_json(options.output, results)
+        try:
+            outputs.write_json(options.output, results)
+        except OSError as e:  # the disk filled, or the directory went, while it measured
+            unwritten = (f"error: cannot write --output={options.output} ({e.strerror}): the "
+                         f"report above is all there is")
     print(format_report(results), flush=True)
+    if unwritten:
+        print(unwritten, file=sys.stderr, flush=True)
+        return ExitCode.USAGE
     if options.output:
         print(f"wrote {options.output}", flush=True)
     for name in failed_sections(results):

@@ -81,9 +81,8 @@ def run_with_console(main: Callable[[], int]) -> int:
     try:
         code = main()
         # Here, not at exit: buffered output may fail only now.
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                stream.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
         return code
     except ConsoleError as e:
         tell(f"error: {e}", sys.stderr)
@@ -108,13 +107,11 @@ def _survive_lost_readers() -> None:
     Python; it becomes a stream to /dev/null, and its descriptor with it.
     Else code that asks it (isatty) crashes, and the next file opened gets
     the descriptor, into which TensorFlow's C++ lines (descriptor 2) go."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(_occupy(fd), "w", closefd=False))
-    if sys.stdout is not None and not isinstance(sys.stdout, _DroppedWhenUnread):
-        sys.stdout = _DroppedWhenUnread(sys.stdout, "standard output")
-    if sys.stderr is not None and not isinstance(sys.stderr, _DroppedWhenUnread):
-        sys.stderr = _DroppedWhenUnread(sys.stderr, "standard error")
+    for fd, name, said_as in ((1, "stdout", "standard output"), (2, "stderr", "standard error")):
+        stream = getattr(sys, name) or open(_occupy(fd), "w", closefd=False)
+        if not isinstance(stream, _DroppedWhenUnread):
+            stream = _DroppedWhenUnread(stream, said_as)
+        setattr(sys, name, stream)
 
 
 def _occupy(fd: int) -> int:
