@@ -9,45 +9,27 @@ import math
 import os
 from typing import Optional
 
-from distributed_mpt.errors import ConfigError
+from distributed_mpt.core import augmentation, data, models, precision
+from distributed_mpt.core.optim import groups, rules, schedules
+from distributed_mpt.errors import ConfigError, UserError, quoted
 
-DATASETS = ("cifar10", "synthetic")
-# A progress line at least this often, whatever --log_every_steps says.
-PROGRESS_SECONDS = 20
-MODELS = ("mlp", "resnet9", "airbench")
-PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+# The choices of the flags below, from where each is declared once: the
+# core's registries (datasets, models, update rules) and modules.
+DATASETS = tuple(data.DATASETS)
+MODELS = tuple(models.MODELS)  # or a user's path/to/file.py:function, package.module:function
+PRECISIONS = precision.PRECISIONS
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 COMMUNICATIONS = ("auto", "ring", "nccl")
-LR_SCHEDULES = ("cosine", "linear", "piecewise_linear")
-OPTIMIZERS = ("sgd", "muon")
-FLIPS = ("random", "alternating", "none")
-TTA_VIEWS = ("none", "flip", "flip_translate")
-
-
-# What each network needs to train well, and not diverge, at any batch
-# (rates at the reference batch of 128, scaled with the global batch; see
-# optimization.py). A flag given explicitly overrides its entry here.
-MODEL_DEFAULTS = {
-    # The notebook's MLP has no normalization layer: its first layer sees
-    # 3,072 strongly correlated pixels, so a rate of 0.1 can diverge at any
-    # batch (measured on synthetic data: at batch 256 after a 16-step warmup,
-    # and on 2 x 1024), while 0.05 held in every case: linear scaling stops
-    # there.
-    "mlp": dict(learning_rate=0.05, max_learning_rate=0.05, warmup_epochs=1.0, momentum=0.9,
-                weight_decay=0.0, label_smoothing=0.0),
-    # Batch norm makes the networks below scale-invariant: no ceiling needed.
-    # Page's ResNet-9 settings (warmup to epoch 5 of 24, label smoothing 0.2
-    # as in his final version).
-    "resnet9": dict(learning_rate=0.1, max_learning_rate=0.0, warmup_epochs=5.0, momentum=0.9,
-                    weight_decay=5e-4, label_smoothing=0.2),
-    # airbench94's rate, momentum and weight decay, converted as the recipes
-    # have them (docs/recipes.md): 0.1875 at batch 128, and an L2 coefficient
-    # of 6.65e-4. The warmup is for the default cosine schedule; the recipes
-    # set airbench94's piecewise-linear one, and its warmup.
-    "airbench": dict(learning_rate=0.1875, max_learning_rate=0.0, warmup_epochs=1.5,
-                     momentum=0.85, weight_decay=6.65e-4, label_smoothing=0.2),
-}
-_PER_MODEL = tuple(MODEL_DEFAULTS["mlp"])
+LR_SCHEDULES = schedules.SCHEDULES
+OPTIMIZERS = tuple(rules.UPDATE_RULES)
+MOMENTUM_FORMS = rules.MOMENTUM_FORMS
+FREEZES = groups.FREEZES
+FLIPS = augmentation.FLIPS
+TTA_VIEWS = augmentation.TTA_VIEWS
+# A progress line at least this often, whatever --log_every_steps says.
+PROGRESS_SECONDS = 20
+# The flags each model has a default of its own for (models.Defaults).
+_PER_MODEL = tuple(models.USER_DEFAULTS.values())
 
 
 def _option(default, help: str, choices=None):
@@ -64,21 +46,30 @@ class TrainConfig:
     model_dir: Optional[str] = _option(
         None, "Where checkpoints, TensorBoard logs, metrics.jsonl, summary.json and the export "
         "go. A run resumes from the checkpoints it finds here.")
-    dataset: str = _option("cifar10", "cifar10 from tensorflow-datasets, or synthetic "
-                           "CIFAR-shaped data with learnable labels (no download).", DATASETS)
+    adopt_model_dir: bool = _option(
+        False, "Train in a --model_dir that holds files this program did not write (refused "
+        "otherwise); the run then writes config.json, summary.json, metrics.jsonl, "
+        "checkpoints/, tensorboard/ and export/ there.")
+    dataset: str = _option("cifar10", " ".join(
+        f"{spec.name}: {spec.summary}." for spec in data.DATASETS.values()), DATASETS)
     data_dir: Optional[str] = _option(
-        None, "Where CIFAR-10 is: a directory holding the official binary release "
+        None, "Where the data is. cifar10: a directory holding the official binary release "
         "(cifar-10-batches-bin/, read directly), or a tensorflow-datasets data directory "
-        "(default ~/tensorflow_datasets).")
+        "(default ~/tensorflow_datasets). image_folder: the folder of class folders.")
     download: bool = _option(True, "Download and prepare CIFAR-10 if it is not in --data_dir. "
                              "Turn off on workers that must read prepared data.")
     synthetic_examples: int = _option(50_000, "Training examples of --dataset=synthetic (test: "
                                       "a fifth as many).")
+    image_size: int = _option(32, "--dataset=image_folder: images are resized to this many "
+                              "pixels square (squashed, not cropped).")
+    test_fraction: float = _option(
+        0.0, "--dataset=image_folder without a test/ folder: hold out this fraction of each "
+        "class's training images (chosen by --seed) for testing.")
     model: str = _option(
-        "resnet9", "mlp: the original notebook's network. resnet9: the residual CNN of Page's "
-        "DAWNBench entries (94% in 24 epochs on a V100, as published). airbench: Keller Jordan's "
-        "airbench94 network, the CPU's choice (--recipe=cpu_cnn94 or cpu_cnn; their headers "
-        "give accuracy and time, with the CPU they were measured on).", MODELS)
+        "resnet9", " ".join(f"{spec.name}: {spec.summary}." for spec in models.MODELS.values())
+        + " Or your own network: path/to/file.py:function or package.module:function, a "
+        "function of the dataset's info returning a Keras model from uint8 images to logits "
+        "(docs/extending.md).")
     model_width: int = _option(64, "Channels of the first stage of resnet9 or airbench (64 in "
                                "both references).")
     precision: str = _option(
@@ -100,7 +91,7 @@ class TrainConfig:
                                           "workers.")
     epochs: float = _option(24, "Epochs to train (a fraction of one counts its steps, rounded up).")
     train_steps: int = _option(0, "Optimizer steps to train; overrides --epochs when > 0.")
-    # None: the model's entry in MODEL_DEFAULTS.
+    # None: the model's default (its spec's `defaults` in core/models).
     learning_rate: Optional[float] = _option(
         None, "Learning rate at the reference batch of 128. The peak rate is this x global "
         "batch / 128, at most --max_learning_rate; the run prints the rate it uses.")
@@ -115,6 +106,12 @@ class TrainConfig:
         "the same warmup, then linearly to 0. piecewise_linear (airbench94's): linear from 0.2x the peak to the peak over the "
         "warmup, then linear to 0.07x the peak at the last step.", LR_SCHEDULES)
     momentum: Optional[float] = _option(None, "SGD Nesterov momentum.")
+    momentum_form: str = _option(
+        "keras", "How SGD's momentum meets a changing rate. keras: the rate is folded into the "
+        "velocity (v = m v - rate g). pytorch: the velocity sums raw gradients and the current "
+        "rate scales the step (b = m b + g; step = rate (g + m b)), as in the PyTorch code "
+        "airbench's rates were tuned with. The two agree while the rate is constant.",
+        MOMENTUM_FORMS)
     optimizer: str = _option(
         "sgd", "sgd: SGD with Nesterov momentum. muon (airbench94_muon's): Muon for the "
         "convolution filters (orthogonalized steps, no weight decay: Muon keeps their norm; "
@@ -125,7 +122,10 @@ class TrainConfig:
         0.24, "--optimizer=muon: the filters' peak learning rate (not scaled with the batch: "
         "Muon's step size does not depend on the gradient's); it follows --lr_schedule.")
     muon_momentum: float = _option(0.6, "--optimizer=muon: the filters' Nesterov momentum.")
-    weight_decay: Optional[float] = _option(None, "L2 coefficient on kernels.")
+    weight_decay: Optional[float] = _option(
+        None, "L2 coefficient c on kernels (2 c w added to their gradient, as c |w|^2 added to "
+        "the mean loss); batch-norm shifts get c / --shift_lr_multiplier; biases and scales "
+        "none (core/optim/groups.py).")
     label_smoothing: Optional[float] = _option(None, "Label smoothing of the training loss.")
     shift_lr_multiplier: float = _option(
         1.0, "Batch-norm shifts (beta) train at this multiple of the learning rate (airbench94: "
@@ -134,6 +134,11 @@ class TrainConfig:
     whiten_bias_epochs: float = _option(
         0.0, "airbench: train the whitening layer's bias for this many epochs, then freeze it "
         "(airbench94: 3; see --optimizer for Muon's); 0: the bias stays 0.")
+    whiten_bias_freeze: str = _option(
+        "coast", "How the whitening bias stops after --whiten_bias_epochs. stop: at once, as "
+        "both airbench references do (a variable without a gradient is skipped). coast: its "
+        "gradient is zeroed and its momentum runs out over the next steps (what the cpu_cnn "
+        "and cpu_cnn94 recipes were measured with).", FREEZES)
     identity_init: bool = _option(
         True, "airbench: start each 3x3 convolution as the identity on its first c_in filters "
         "(airbench94's dirac_ initialization), so that each block passes its input through at "
@@ -180,7 +185,10 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("model_dir", "data_dir"):
             object.__setattr__(self, name, user_path(getattr(self, name)))
-        _choice("model", self.model, MODELS)
+        try:
+            spec = models.model_spec(self.model)
+        except UserError as e:
+            raise ConfigError(str(e)) from None
         if self.learning_rate is not None and self.max_learning_rate is None:
             # The ceiling belongs to the model's own rate: a rate given
             # explicitly is used as given.
@@ -188,7 +196,7 @@ class TrainConfig:
         for name in _PER_MODEL:
             if getattr(self, name) is None:
                 # Frozen: set once here, before anyone reads the config.
-                object.__setattr__(self, name, MODEL_DEFAULTS[self.model][name])
+                object.__setattr__(self, name, getattr(spec.defaults, name))
         _validate(self)
 
 
@@ -217,6 +225,8 @@ _MAX_WIDTH = 1024            # resnet9 at 1024 already has 1.7 billion weights
 _MAX_BATCH = 65_536
 _MAX_CPU_REPLICAS = 64       # logical devices: TensorFlow stalls creating 100,000
 _MAX_MULTIPLIER = 1e4
+# Three pooling stages need 8 pixels; 512 squared is 768 KB an image in memory.
+_MIN_IMAGE_SIZE, _MAX_IMAGE_SIZE = 8, 512
 # Reflect padding mirrors the image without its edge, so at most 31 pixels.
 _MAX_CROP_PADDING = 31
 
@@ -231,6 +241,15 @@ def _validate(c: TrainConfig) -> None:
     _choice("flip", c.flip, FLIPS)
     _choice("optimizer", c.optimizer, OPTIMIZERS)
     _choice("eval_tta", c.eval_tta, TTA_VIEWS)
+    _choice("momentum_form", c.momentum_form, MOMENTUM_FORMS)
+    _choice("whiten_bias_freeze", c.whiten_bias_freeze, FREEZES)
+    _require(c.dataset != "image_folder" or bool(c.data_dir),
+             "--dataset=image_folder needs --data_dir: the folder of class folders "
+             "(DATA_DIR/train/<class>/<images>)")
+    _require(_MIN_IMAGE_SIZE <= c.image_size <= _MAX_IMAGE_SIZE,
+             f"--image_size={c.image_size} must be in [{_MIN_IMAGE_SIZE}, {_MAX_IMAGE_SIZE}]")
+    _require(math.isfinite(c.test_fraction) and 0 <= c.test_fraction < 1,
+             f"--test_fraction={c.test_fraction} must be in [0, 1)")
     for name in ("per_replica_batch_size", "steps_per_loop", "log_every_steps",
                  "checkpoint_every_steps", "model_width", "synthetic_examples",
                  "peer_timeout_seconds"):
@@ -282,8 +301,8 @@ def _validate(c: TrainConfig) -> None:
 # Flags that may differ between the workers of one job: where each finds its
 # files, what only the chief does, and what each resolves from `auto` on its
 # own machine (the trainer compares the resolved precision instead).
-_PER_WORKER = ("model_dir", "data_dir", "download", "peer_timeout_seconds", "export",
-               "precision", "strategy", "communication")
+_PER_WORKER = ("model_dir", "adopt_model_dir", "data_dir", "download", "peer_timeout_seconds",
+               "export", "precision", "strategy", "communication")
 
 
 def shared_flags(c: TrainConfig) -> dict:

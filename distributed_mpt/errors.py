@@ -111,6 +111,22 @@ def first_line(error, limit: int = 200) -> str:
     return lines[0][:limit]
 
 
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+QUOTE_LIMIT = 200
+
+
+def quoted(value, limit: int = QUOTE_LIMIT) -> str:
+    """`value` (a path, a flag's value, a line of a file) as an error line may
+    echo it: control characters escaped, so that a newline in a file name
+    cannot forge a line of output nor an escape sequence drive the
+    terminal, and at most `limit` characters (`--flagfile=/proc/self/environ`
+    must not print the environment). Plain short text stays as it is."""
+    text = str(value)
+    if _UNPRINTABLE.search(text):
+        text = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class UserError(Exception):
     """An error caused by input the user controls; printed as one line."""
 

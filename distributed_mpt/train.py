@@ -19,13 +19,16 @@ import typing
 
 from absl import flags
 
+from distributed_mpt import cli, files, recipes
 from distributed_mpt import config as config_lib
-from distributed_mpt.training import outputs
-from distributed_mpt import recipes
-from distributed_mpt.errors import ConfigError, ExitCode, first_line
+from distributed_mpt.core import models
+from distributed_mpt.errors import ConfigError, quoted
 
-_DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-           str: flags.DEFINE_string}
+_DEFINE = {bool: lambda name, default, text, flag_values: flags.DEFINE_bool(
+               name, default, text, flag_values=flag_values),
+           str: lambda name, default, text, flag_values: flags.DEFINE_string(
+               name, default, text, flag_values=flag_values),
+           int: cli.define_integer, float: cli.define_float}
 
 
 def _flag_values() -> flags.FlagValues:
@@ -39,17 +42,19 @@ def _flag_values() -> flags.FlagValues:
                       flag_values=fv)
     for field in dataclasses.fields(config_lib.TrainConfig):
         help_text = field.metadata["help"]
-        if field.name in config_lib.MODEL_DEFAULTS["mlp"]:
+        if field.name in models.USER_DEFAULTS.values():
             help_text += " Default per model: " + ", ".join(
-                f"{model} {defaults[field.name]:g}"
-                for model, defaults in config_lib.MODEL_DEFAULTS.items()) + "."
+                f"{name} {getattr(spec.defaults, field.name):g}"
+                for name, spec in models.MODELS.items()) + (
+                f", your own {getattr(models.USER_DEFAULTS, field.name):g}.")
         if field.metadata["choices"]:
             flags.DEFINE_enum(field.name, field.default, field.metadata["choices"], help_text,
                               flag_values=fv)
         else:
             # Optional[float] -> float: None stands for "the model's default".
             kind = next(t for t in (*typing.get_args(field.type), field.type) if t in _DEFINE)
-            _DEFINE[kind](field.name, field.default, help_text, flag_values=fv)
+            _DEFINE[kind](fv, field.name, field.default, help_text) if kind in (int, float) \
+                else _DEFINE[kind](field.name, field.default, help_text, flag_values=fv)
     return fv
 
 
@@ -94,9 +99,9 @@ def _check_flagfiles(args, seen=()) -> None:
         if not path or path in seen:  # absl warns of a cycle and goes on
             continue
         try:
-            text = outputs.read_text(path, "--flagfile takes a text file of flags, one a line, "
-                                           "in UTF-8")
-        except outputs.DamagedFileError as e:
+            text = files.read_text(path, "--flagfile takes a text file of flags, one a line, "
+                                         "in UTF-8")
+        except files.DamagedFileError as e:
             raise ConfigError(str(e)) from None
         if text is not None:  # a missing file is absl's to report
             _check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
@@ -108,12 +113,10 @@ def parse_config(argv) -> config_lib.TrainConfig:
     fv = _flag_values()
     args = _expand_recipes(argv)
     _check_flagfiles(args)
-    try:
-        rest = fv(["distributed-mpt-train", *args])
-    except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
-        raise ConfigError(first_line(e).removeprefix("ERROR:: ")) from None
-    if len(rest) > 1:
-        raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
+    rest = cli.parse("distributed-mpt-train", fv, args)
+    if rest:
+        raise ConfigError(f"unexpected argument(s) {quoted(' '.join(rest))}: all options are "
+                          f"--flags")
     if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it
         raise ConfigError(f"--recipe={fv.recipe} must be given on the command line, as "
                           f"--recipe={fv.recipe} (inside a flagfile, use --flagfile="
@@ -125,24 +128,22 @@ def parse_config(argv) -> config_lib.TrainConfig:
 def main(argv=None) -> int:
     """Runs training from command-line flags; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help", "--helpfull"} & set(argv):
-        print(__doc__ + "\nFlags:\n" + _flag_values().get_help())
-        return ExitCode.OK
-    try:
+    if cli.wants_help(argv):
+        return cli.show_help(__doc__, _flag_values())
+
+    def train() -> int:
         config = parse_config(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    # Imported only now, so that bad flags are answered without TensorFlow.
-    from distributed_mpt.process import runner
-    return runner.run(config)
+        # Imported only now, so that bad flags are answered without TensorFlow.
+        from distributed_mpt.training import runner
+        return runner.run(config)
+
+    return cli.guarded(train)
 
 
 def run() -> None:
     """Console-script entry point. Ends the process at once when training
     is over, every output written (see `stopping.exit_now`)."""
-    from distributed_mpt.process import console, stopping
-    stopping.exit_now(console.run_with_console(main))
+    cli.console_script(main)
 
 
 if __name__ == "__main__":

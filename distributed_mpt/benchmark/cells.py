@@ -57,9 +57,10 @@ def measure(cell: Cell) -> dict:
     and the FLOPs one example's training step takes."""
     import tensorflow as tf
 
-    from distributed_mpt.process import cluster
     from distributed_mpt import config
-    from distributed_mpt.training import datasets, distribution, precision, trainer
+    from distributed_mpt.core import data, precision
+    from distributed_mpt.process import cluster, distribution
+    from distributed_mpt.training.build import build, train_input
     from distributed_mpt.training.plan import plan_run
 
     gpus = tf.config.list_physical_devices("GPU")
@@ -77,11 +78,12 @@ def measure(cell: Cell) -> dict:
         per_replica_batch_size=cell.batch_size // replicas,
         train_steps=WARMUP_STEPS + 2 + cell.repeats * (cell.steps or MAX_STEPS),
         evaluate=False, export=False)
-    split, _ = datasets.make_synthetic(cell.examples, 1, seed=0)
-    plan = plan_run(train_config, replicas, workers.num_workers if workers else 1, len(split))
+    dataset = data.load_dataset("synthetic", data.DataSource(synthetic_examples=cell.examples))
+    plan = plan_run(train_config, replicas, workers.num_workers if workers else 1,
+                    len(dataset.train))
     precision.set_precision(plan.policy)
-    loop = trainer.Trainer(train_config, plan, strategy, split)
-    iterator = iter(loop.train_dataset(split, 0))
+    loop = build(train_config, plan, strategy, dataset).trainer
+    iterator = iter(train_input(loop, train_config, plan, dataset.train, 0))
 
     def seconds_of(steps: int) -> float:
         started = time.perf_counter()

@@ -9,7 +9,7 @@ from absl import flags
 
 from distributed_mpt import config as config_lib
 from distributed_mpt.process import console, log_filter, stopping
-from distributed_mpt.training import outputs
+from distributed_mpt import files
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     try:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
-            outputs.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
+            files.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
         # TensorFlow's C++ start-up lines, off the report; SIGTERM ends the cells too.
         with log_filter.filtering(), stopping.stops_interrupting():
             results = run_benchmark(options)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     unwritten = None
     if options.output:  # first: the report's console may fail (console.py), the file must not
         try:
-            outputs.write_json(options.output, results)
+            files.write_json(options.output, results)
         except OSError as e:  # the disk filled, or the directory went, while it measured
             unwritten = (f"error: cannot write --output={options.output} ({e.strerror}): the "
                          f"report above is all there is")

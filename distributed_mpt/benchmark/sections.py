@@ -90,7 +90,7 @@ class Benchmark:
     def __init__(self, options: Options):
         import tensorflow as tf
 
-        from distributed_mpt.training import precision
+        from distributed_mpt.core import precision
 
         self.options = options
         gpus = len(tf.config.list_physical_devices("GPU"))
@@ -211,14 +211,16 @@ def _compute_dtype(policy: str) -> str:
 
 
 def pipeline_images_per_second(batch_size: int, options: Options) -> float:
-    """Images/s of the trainer's input pipeline (`input_pipeline.train_input_fn`, one
+    """Images/s of the trainer's input pipeline (`pipeline.train_input_fn`, one
     host) with nothing consuming them: the best of `repeats` windows."""
     import tensorflow as tf
 
-    from distributed_mpt.training import datasets, input_pipeline
+    from distributed_mpt.core import data, pipeline
 
-    split, _ = datasets.make_synthetic(options.examples, 1, seed=0)
-    batches = iter(input_pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(tf.distribute.InputContext()))
+    split = data.load_dataset("synthetic", data.DataSource(synthetic_examples=options.examples),
+                              splits=("train",)).train
+    batches = iter(pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(
+        tf.distribute.InputContext()))
     next(batches)  # builds the pipeline
     rates = []
     for _ in range(options.repeats):
@@ -236,7 +238,7 @@ def run_benchmark(options: Options) -> dict:
     import keras
     import tensorflow as tf
 
-    from distributed_mpt.training import distribution
+    from distributed_mpt.process import distribution
 
     started = time.perf_counter()
     benchmark = Benchmark(options)

@@ -1,4 +1,4 @@
-"""One run per --model_dir, and a run that cleans up after the one before it.
+"""One run per --model_dir, held for the life of the run.
 
 The chief takes an exclusive `flock` on `<model_dir>/.lock` and holds it for
 the life of the run. The operating system drops the lock when the process
@@ -27,33 +27,15 @@ What the lock guarantees, and where:
 
 import errno
 import fcntl
-import glob
 import json
 import os
-import shutil
 import socket
+import stat
 import time
 
-from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError
-from distributed_mpt.training.outputs import EXPORT_STAGING_PREFIX, TEMPORARY_PREFIX, WRITE_TEST_PREFIX
+from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError, quoted
 
 LOCK_NAME = ".lock"
-
-# What a save cut short leaves in a checkpoint directory.
-CHECKPOINT_TEMPORARIES = (
-    f"{TEMPORARY_PREFIX}*",  # model.json, written by outputs.write_json
-    "ckpt-*_temp*",        # TF SaveV2 writes shards here, then merges them
-    "ckpt-*.tempstate*",   # TF: a checkpoint file not yet renamed into place
-    "checkpoint.tmp*",     # TF: the index file not yet renamed into place
-)
-# What a killed run of this project can leave in --model_dir, and who writes
-# it. Nothing else is touched: the directory may hold the user's own files.
-DEBRIS = (
-    f"{TEMPORARY_PREFIX}*",       # outputs.write_text before its rename
-    f"{WRITE_TEST_PREFIX}*",      # outputs.check_writable
-    f"{EXPORT_STAGING_PREFIX}*",  # outputs.export_model: staging, retired export
-    *(f"checkpoints/{pattern}" for pattern in CHECKPOINT_TEMPORARIES),
-)
 
 
 class ModelDirBusyError(UserError):
@@ -78,10 +60,16 @@ class RunLock:
         # Python's descriptors are not inherited by child processes, so no
         # child can keep the lock alive after this process is gone.
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            # O_NONBLOCK: opening a FIFO put there must not wait for a writer.
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                               0o644)
         except OSError as e:
-            raise ConfigError(f"cannot open the lock file {self.path} ({e.strerror}); "
-                                    f"remove it if it is not a plain file") from None
+            raise ConfigError(f"cannot open the lock file {quoted(self.path)} ({e.strerror}); "
+                              f"remove it if it is not a plain file") from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a FIFO, a device: not a lock file
+            os.close(self._fd)
+            raise ConfigError(f"the lock file {quoted(self.path)} is not a regular file; move it "
+                              f"away")
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -101,17 +89,20 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(holder) + "\n").encode(), 0)
 
-    def release(self, remove_model_dir_if_unused: bool = False) -> None:
+    def release(self, remove_model_dir_if_unused: bool = False, own_files=()) -> None:
         """Gives the directory up (closing the file drops the lock). With
         `remove_model_dir_if_unused`, for a directory this run created, the
-        directory goes too if it holds nothing but the lock file: removed
-        while the lock is still held, so no other run can have taken it."""
+        directory goes too if it holds nothing but the lock file and
+        `own_files` (names): removed while the lock is still held, so no
+        other run can have taken it."""
         if self._fd is None:
             return
         model_dir = os.path.dirname(self.path)
-        if remove_model_dir_if_unused and set(os.listdir(model_dir)) <= {LOCK_NAME}:
+        left = set(os.listdir(model_dir))
+        if remove_model_dir_if_unused and left <= {LOCK_NAME, *own_files}:
             try:
-                os.remove(self.path)
+                for name in left:
+                    os.remove(os.path.join(model_dir, name))
                 os.rmdir(model_dir)
             except OSError:
                 pass  # something appeared meanwhile: leave the directory
@@ -122,34 +113,11 @@ class RunLock:
         os.close(self._fd)
         self._fd = None
 
-    def remove_debris(self) -> list:
-        """Removes what a killed run of this project left in the directory
-        (see DEBRIS); returns the paths removed. Safe only under the lock: a
-        running run's temporary files look the same."""
-        return remove_matching(os.path.dirname(self.path), DEBRIS)
-
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
         self.release()
-
-
-def remove_matching(directory: str, patterns) -> list:
-    """Removes the files and directories in `directory` that match the glob
-    `patterns` (symlinks are removed, never followed); returns their paths."""
-    removed = []
-    for pattern in patterns:
-        for path in sorted(glob.glob(os.path.join(glob.escape(directory), pattern))):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
-            removed.append(path)
-    return removed
 
 
 def _read_holder(fd: int) -> str:

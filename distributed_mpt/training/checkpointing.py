@@ -30,9 +30,9 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
-from distributed_mpt.training import outputs
+from distributed_mpt import files
 from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line
-from distributed_mpt.process.run_lock import CHECKPOINT_TEMPORARIES, remove_matching
+from distributed_mpt.training.model_dir import DEBRIS, remove_matching
 
 MAX_TO_KEEP = 3
 
@@ -122,7 +122,7 @@ class Checkpoints:
         Call before anything is written into the model directory.
         """
         path = os.path.join(self._shared_dir, "model.json")
-        stored = outputs.read_json(
+        stored = files.read_json(
             path, {"model": str, "precision": str, "variable_shapes": list},
             remedy="it says which model the checkpoints beside it hold: restore an intact copy, "
                    "or start again in an empty --model_dir")
@@ -194,17 +194,17 @@ class Checkpoints:
         state = _read_index(path)
         if step is None:
             if os.path.lexists(path):
-                outputs.warn(f"removed {path}: it names checkpoints that are not there")
+                files.warn(f"removed {path}: it names checkpoints that are not there")
                 os.remove(path)
             return
         if state is not None and state.names == names:
             return
         if state is None and os.path.lexists(path):
-            outputs.warn(f"{path} was damaged; rewritten from the checkpoints on disk")
+            files.warn(f"{path} was damaged; rewritten from the checkpoints on disk")
         # CheckpointManager deletes only checkpoints newer than the "last
         # preserved" time, so they get now and that time a second before.
         now = time.time()
-        outputs.write_text(path, "".join(
+        files.write_text(path, "".join(
             [f'model_checkpoint_path: "{names[-1]}"\n'] +
             [f'all_model_checkpoint_paths: "{name}"\n' for name in names] +
             [f"all_model_checkpoint_timestamps: {now!r}\n" for _ in names] +
@@ -219,14 +219,14 @@ class Checkpoints:
         try:
             if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
                 os.makedirs(self._shared_dir, exist_ok=True)
-                outputs.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
+                files.write_json(os.path.join(self._shared_dir, "model.json"), self._identity)
             if self._manager is None:
                 # It learns the checkpoints to rotate from the index file, once.
                 self._manager = tf.train.CheckpointManager(self._checkpoint, self._own_dir,
                                                            max_to_keep=MAX_TO_KEEP)
             self._manager.save(checkpoint_number=step)
         except (tf.errors.ResourceExhaustedError, OSError) as e:
-            if not outputs.is_disk_full(e):
+            if not files.is_disk_full(e):
                 raise
             self._remove_partial(step)
             raise DiskFullError(
@@ -238,16 +238,17 @@ class Checkpoints:
         # (same step) or superseded by an intact newer one: drop it.
         for number, prefix in self._damaged:
             if number < step:
-                remove_matching(os.path.dirname(prefix), [f"{os.path.basename(prefix)}.*"])
+                remove_matching(os.path.dirname(prefix),
+                                [re.compile(re.escape(os.path.basename(prefix)) + r"\..*")])
         self._damaged = [(n, p) for n, p in self._damaged if n > step]
 
     def _remove_partial(self, step: int) -> None:
         """Removes what a failed save of `step` wrote (its data files count
         only once its index, written last, exists)."""
-        remove_matching(self._own_dir, CHECKPOINT_TEMPORARIES)
+        remove_matching(self._own_dir, DEBRIS["checkpoints"])
         prefix = os.path.join(self._own_dir, f"ckpt-{step}")
         if not os.path.exists(prefix + ".index"):
-            remove_matching(self._own_dir, [f"ckpt-{step}.data-*"])
+            remove_matching(self._own_dir, [re.compile(rf"ckpt-{step}\.data-.*")])
 
     def close(self) -> None:
         """Removes a non-chief worker's scratch directory."""
@@ -276,8 +277,8 @@ def _read_index(path: str) -> Optional[_Index]:
     """What the index file at `path` lists; None if there is none, or if it
     is not what CheckpointManager writes (then it is rebuilt, never trusted)."""
     try:
-        text = outputs.read_text(path, remedy="")
-    except outputs.DamagedFileError:
+        text = files.read_text(path, remedy="")
+    except files.DamagedFileError:
         return None
     if text is None:
         return None

@@ -6,11 +6,14 @@ import math
 import time
 
 from distributed_mpt import config as config_lib
-from distributed_mpt.training import optimization, precision
-from distributed_mpt.training.checkpointing import Checkpoints
+from distributed_mpt.config import TrainConfig
+from distributed_mpt.core import precision
+from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
+from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
 from distributed_mpt.errors import DivergedError, Preempted
+from distributed_mpt.training.checkpointing import Checkpoints
+from distributed_mpt.training.plan import RunPlan
 from distributed_mpt.training.reporting import Reporter
-from distributed_mpt.training.trainer import NO_TOTALS, LoopTotals, Trainer
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
 # halves; this many in a row means the loss itself is not finite.
@@ -27,20 +30,23 @@ class TrainingLoop:
     `eval_every_epochs`, checkpointing, and watching for divergence and
     stop requests."""
 
-    def __init__(self, trainer: Trainer, checkpoints: Checkpoints, reporter: Reporter):
+    def __init__(self, trainer: Trainer, config: TrainConfig, plan: RunPlan,
+                 checkpoints: Checkpoints, reporter: Reporter, train_input):
+        """train_input(split, start_step): the distributed input from a step."""
         self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
+        self._config, self._plan, self._train_input = config, plan, train_input
 
     def run(self, train_split, test_split, start_step: int):
         """Returns the last interval's metrics and the throughput in examples
         per second (the first call excluded, as it includes tracing, unless
         it was the only one)."""
-        trainer, config, plan = self._trainer, self._trainer.config, self._trainer.plan
+        trainer, config, plan = self._trainer, self._config, self._plan
         if start_step >= plan.total_steps:
             # Trained before, but stopped before its summary was written
             # (SIGKILL during the export): the log has the training figures.
             last = self._reporter.last_logged("loss")
             return last, last.get("examples_per_second")
-        iterator = iter(trainer.train_dataset(train_split, start_step))
+        iterator = iter(self._train_input(train_split, start_step))
         self._nonfinite_run, self._last_saved = 0, start_step
         interval, interval_start = NO_TOTALS, time.perf_counter()
         timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
@@ -120,7 +126,7 @@ class TrainingLoop:
     def _check_finite(self, totals: LoopTotals, num_steps: int, current: int) -> None:
         """Raises DivergedError on a non-finite loss (without loss scaling) or
         too many skipped steps in a row (with it)."""
-        plan = self._trainer.plan
+        plan = self._plan
         self._nonfinite_run = (self._nonfinite_run + num_steps
                                if round(totals.nonfinite_steps) == num_steps else 0)
         if (totals.nonfinite_steps > 0 and not plan.loss_scaling) or \
@@ -128,14 +134,14 @@ class TrainingLoop:
             kept = (f"kept the last good checkpoint (step {self._last_saved}) untouched"
                     if self._last_saved else "no checkpoint had been written yet")
             remedy = (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
-                      f"scaled by the global batch/{optimization.REFERENCE_BATCH_SIZE}; or set "
+                      f"scaled by the global batch/{REFERENCE_BATCH_SIZE}; or set "
                       f"--max_learning_rate)" +
                       (" or use --precision=float32" if plan.policy != "float32" else ""))
             raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
 
     def _log(self, step: int, interval: LoopTotals, seconds: float, with_eta: bool) -> dict:
         """Reports the interval's metrics; returns them."""
-        plan, optimizer = self._trainer.plan, self._trainer.optimizer
+        plan, optimizer = self._plan, self._trainer.optimizer
         examples = interval.examples
         metrics = {"epoch": step / plan.steps_per_epoch,
                    "loss": interval.loss_sum / examples if examples else math.nan,

@@ -4,10 +4,10 @@ batch, the steps, the peak learning rate and its warmup, the precision."""
 import dataclasses
 import math
 
-from distributed_mpt.training import input_pipeline, optimization, precision
 from distributed_mpt.config import TrainConfig
+from distributed_mpt.core import pipeline, precision
+from distributed_mpt.core.optim.schedules import scaled_learning_rate
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.training.models import synchronizes_replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +34,7 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
     """Scales batch and learning rate to the replicas; raises ConfigError if
     the global batch does not fit the training split."""
     global_batch = config.per_replica_batch_size * num_replicas
-    epoch_steps = input_pipeline.steps_per_epoch(num_train_examples, global_batch)
-    if config.xla and num_replicas > 1 and synchronizes_replicas(config.model):
-        raise ConfigError(
-            f"--xla compiles each replica's forward and backward pass, which cannot hold "
-            f"{config.model}'s batch norm synchronized over {num_replicas} replicas: drop --xla, "
-            f"or use it with one replica")
+    epoch_steps = pipeline.steps_per_epoch(num_train_examples, global_batch)
     if epoch_steps == 0:
         raise ConfigError(
             f"the global batch of {global_batch} ({config.per_replica_batch_size} x {num_replicas} "
@@ -51,7 +46,7 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
         policy=precision.resolve_precision(config.precision), num_workers=num_workers,
         num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
         total_steps=total_steps,
-        learning_rate=optimization.scaled_learning_rate(config.learning_rate, global_batch,
-                                                        config.max_learning_rate),
+        learning_rate=scaled_learning_rate(config.learning_rate, global_batch,
+                                           config.max_learning_rate),
         # Capped here as the schedule caps it, so that config.json says what ran.
         warmup_steps=min(round(config.warmup_epochs * epoch_steps), total_steps // 2))

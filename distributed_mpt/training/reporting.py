@@ -9,7 +9,7 @@ import time
 
 import tensorflow as tf
 
-from distributed_mpt.training import outputs
+from distributed_mpt import files
 
 
 # What every record of metrics.jsonl holds; a line without them is damaged.
@@ -37,10 +37,10 @@ class Reporter:
         if not enabled:
             self._writer = tf.summary.create_noop_writer()
             return
-        records, damage = outputs.read_jsonl(self._metrics_path, _RECORD_FIELDS)
-        if damage:
-            outputs.warn(f"{self._metrics_path}: {damage}; cut back to its last good line "
-                         f"({len(records)} records kept)")
+        records, damage = files.read_jsonl(self._metrics_path, _RECORD_FIELDS)
+        if damage:  # a damaged line costs that line only
+            files.warn(f"{self._metrics_path}: {'; '.join(damage[:3])}; rewritten without "
+                       f"{'it' if len(damage) == 1 else 'them'} ({len(records)} records kept)")
         # The time of the earlier runs counts, all of it: also that of the
         # records dropped below, which was spent, if on steps now redone.
         self._earlier_seconds = max((r["elapsed_seconds"] for r in records), default=0.0)
@@ -50,12 +50,12 @@ class Reporter:
         # consistent with the checkpoint, one record per step and kind.
         kept = [r for r in records if r["step"] <= resumed_from_step and not (
             evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)]
-        outputs.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        files.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
 
     def last_logged(self, key: str) -> dict:
         """The newest record of metrics.jsonl that has `key`; {} if none."""
-        records = outputs.read_jsonl(self._metrics_path)[0] if self._enabled else []
+        records = files.read_jsonl(self._metrics_path)[0] if self._enabled else []
         return next((r for r in reversed(records) if key in r), {})
 
     def say(self, message: str) -> None:

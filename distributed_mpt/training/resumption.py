@@ -7,10 +7,10 @@ import os
 from typing import List, Optional
 
 from distributed_mpt import config as config_lib
-from distributed_mpt.training import outputs
-from distributed_mpt.training.checkpointing import Checkpoints, Restored
+from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ConfigError
+from distributed_mpt.training.checkpointing import Checkpoints, Restored
 from distributed_mpt.training.plan import RunPlan
 
 
@@ -46,13 +46,13 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     if not restored:
         return Resumption(start_step=0)
     start_step = int(step.numpy())
-    previous_config = outputs.read_json(
+    previous_config = files.read_json(
         os.path.join(model_dir, "config.json"), {"dataset": str, "seed": int, "resolved": dict},
         remedy="it records the flags of the run that wrote the checkpoints: restore an intact "
                "copy, or remove it to resume without comparing them")
     finished = {}
     if start_step >= total_steps:  # else summary.json is rewritten at the end
-        finished = outputs.read_json(
+        finished = files.read_json(
             os.path.join(model_dir, "summary.json"), {"steps": int},
             remedy="remove it, and the run evaluates again and writes a new one")
     return Resumption(start_step, restored, previous_config, finished)

@@ -10,16 +10,20 @@ import keras
 import tensorflow as tf
 
 from distributed_mpt import config as config_lib
-from distributed_mpt.training import datasets, distribution, optimization, outputs, precision
-from distributed_mpt.process import stopping
-from distributed_mpt.training.checkpointing import Checkpoints, model_identity
-from distributed_mpt.process.cluster import Cluster
+from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
+from distributed_mpt.core import data, models, precision
+from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
+from distributed_mpt.process import distribution, stopping
+from distributed_mpt.process.cluster import Cluster
+from distributed_mpt.training import export
+from distributed_mpt.training.agreement import check_workers_agree
+from distributed_mpt.training.build import Built, build, train_input
+from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
 from distributed_mpt.training.plan import RunPlan, plan_run
 from distributed_mpt.training.reporting import Reporter
 from distributed_mpt.training.resumption import continue_with, refuse_other_data, resume
-from distributed_mpt.training.trainer import Trainer
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
@@ -27,60 +31,51 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     """Trains, evaluates and exports as `config` says; returns the summary."""
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
-    train_split, test_split = datasets.load_dataset(
-        config.dataset, config.data_dir, config.download, config.synthetic_examples, config.seed)
+    dataset = data.load_dataset(config.dataset, data_source(config))
     plan = plan_run(config, strategy.num_replicas_in_sync,
-                    cluster.num_workers if cluster else 1, len(train_split))
+                    cluster.num_workers if cluster else 1, len(dataset.train))
     precision.set_precision(plan.policy)
     keras.utils.set_random_seed(config.seed)
-    trainer = Trainer(config, plan, strategy, train_split)
+    built = build(config, plan, strategy, dataset)
+    trainer = built.trainer
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
     checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
-                              **trainer.checkpointables)
+                              **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
-            trainer.check_workers_agree(resumed.agreement(plan), config_lib.shared_flags(config))
+            check_workers_agree(strategy, resumed.agreement(plan), {
+                **config_lib.shared_flags(config),
+                "model source": models.source_digest(models.model_spec(config.model))})
         refuse_other_data(resumed, config)  # finished or not: never silently
         if resumed.finished:
-            # A finished run started again: its results stay exactly as they
-            # are, but an export that was lost is made again.
             if is_chief:
-                print(f"{config.model_dir} holds a finished run of {resumed.start_step} steps "
-                      f"(see summary.json); nothing to train. To train longer, pass a larger "
-                      f"--epochs or --train_steps.", flush=True)
-                if config.export and not outputs.export_is_whole(config.model_dir):
-                    stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
-                    # What the run trained on, not what this command line says.
-                    trained = {**dataclasses.asdict(config), **resumed.previous_config}
-                    info = outputs.model_info(trained, resumed.finished_summary)
-                    print(f"its export was missing or incomplete: exported again to "
-                          f"{outputs.export_model(trainer.model, config.model_dir, info)}",
-                          flush=True)
+                _finished_again(config, resumed, built, dataset.info)
             return resumed.finished_summary
         reporter = Reporter(config.model_dir, is_chief, plan.total_steps, resumed.start_step,
                             started, evaluates_at_end=config.evaluate)
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
-                outputs.write_json(f"{config.model_dir}/config.json",
-                                   _config_record(config, plan, strategy_name))
+                files.write_json(f"{config.model_dir}/config.json",
+                                 _config_record(config, plan, strategy_name, dataset.info))
             reporter.say(_start_line(config, plan, strategy_name))
-            for note in continue_with(resumed, plan, trainer.trained_global_batch):
+            for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 
             stopping.enter(stopping.Phase.TRAINING, on_request=trainer.request_stop)
-            train_metrics, throughput = TrainingLoop(trainer, checkpoints, reporter).run(
-                train_split, test_split, resumed.start_step)
+            loop = TrainingLoop(trainer, config, plan, checkpoints, reporter,
+                                lambda split, step: train_input(trainer, config, plan, split, step))
+            train_metrics, throughput = loop.run(dataset.train, dataset.test, resumed.start_step)
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
-            summary = _summary(trainer, strategy_name, resumed.start_step, train_metrics,
-                               throughput)
-            _evaluate_and_export(trainer, test_split, reporter, summary, export=is_chief)
+            summary = _summary(built, config, plan, strategy_name, resumed.start_step,
+                               train_metrics, throughput)
+            _evaluate_and_export(built, config, dataset, reporter, summary, export_model=is_chief)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             if is_chief:
-                outputs.write_json(f"{config.model_dir}/summary.json", summary)
+                files.write_json(f"{config.model_dir}/summary.json", summary)
             return summary
         finally:
             reporter.close()
@@ -88,23 +83,48 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         checkpoints.close()
 
 
-def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str) -> dict:
+def data_source(config: TrainConfig) -> data.DataSource:
+    """Where the run's data is, and how to read it."""
+    return data.DataSource(data_dir=config.data_dir, download=config.download, seed=config.seed,
+                           synthetic_examples=config.synthetic_examples,
+                           image_size=config.image_size, test_fraction=config.test_fraction)
+
+
+def _finished_again(config: TrainConfig, resumed, built: Built, info: data.DatasetInfo) -> None:
+    """A finished run started again: its results stay exactly as they are,
+    but an export that was lost is made again."""
+    print(f"{config.model_dir} holds a finished run of {resumed.start_step} steps (see "
+          f"summary.json); nothing to train. To train longer, pass a larger --epochs or "
+          f"--train_steps.", flush=True)
+    if config.export and not export.export_is_whole(config.model_dir):
+        stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
+        # What the run trained on, not what this command line says.
+        trained = {**dataclasses.asdict(config), **resumed.previous_config}
+        path = export.export_model(built.trainer.model, config.model_dir, info.class_names,
+                                   info.image_shape,
+                                   export.model_info(trained, resumed.finished_summary))
+        print(f"its export was missing or incomplete: exported again to {path}", flush=True)
+
+
+def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
+                   info: data.DatasetInfo) -> dict:
     """config.json: the flags as given, and under "resolved" what `auto` and
-    the per-model defaults became on this machine."""
+    the per-model defaults became on this machine, and what the model was
+    built for (predict rebuilds it from a checkpoint with it)."""
     return {**dataclasses.asdict(config),
             "resolved": {"precision": plan.policy, "strategy": strategy_name,
                          "num_workers": plan.num_workers, "num_replicas": plan.num_replicas,
                          "global_batch_size": plan.global_batch_size,
                          "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
-                         "warmup_steps": plan.warmup_steps}}
+                         "warmup_steps": plan.warmup_steps,
+                         "dataset_info": dataclasses.asdict(info)}}
 
 
 def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:
     """What the run will do, and why: the precision and what decided it, the
     strategy, the global batch, and the learning rate with its rule."""
-    scaled = optimization.scaled_learning_rate(config.learning_rate, plan.global_batch_size)
-    rate_rule = (f"{config.learning_rate:g} x {plan.global_batch_size}/"
-                 f"{optimization.REFERENCE_BATCH_SIZE}")
+    scaled = config.learning_rate * plan.global_batch_size / REFERENCE_BATCH_SIZE
+    rate_rule = f"{config.learning_rate:g} x {plan.global_batch_size}/{REFERENCE_BATCH_SIZE}"
     if plan.learning_rate < scaled:
         rate_rule += f" = {scaled:g}, capped at --max_learning_rate={config.max_learning_rate:g}"
     return (f"{config.model} on {config.dataset}: "
@@ -116,41 +136,40 @@ def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:
             f"{plan.total_steps} steps ({plan.steps_per_epoch} per epoch)")
 
 
-def _summary(trainer: Trainer, strategy_name: str, start_step: int, train_metrics: dict,
-             throughput: Optional[float]) -> dict:
+def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: str,
+             start_step: int, train_metrics: dict, throughput: Optional[float]) -> dict:
     """What summary.json says of a run, before its evaluation."""
-    config, plan = trainer.config, trainer.plan
-    steps = int(trainer.step.numpy())
-    summary = {
+    steps = int(built.trainer.step.numpy())
+    return {
         "strategy": strategy_name, "num_workers": plan.num_workers,
         "num_replicas": plan.num_replicas, "per_replica_batch_size": config.per_replica_batch_size,
         "global_batch_size": plan.global_batch_size, "precision": plan.policy,
         "model": config.model, "dataset": config.dataset, "steps": steps,
         "epochs": steps / plan.steps_per_epoch, "learning_rate": plan.learning_rate,
-        "reference_batch_size": optimization.REFERENCE_BATCH_SIZE,
+        "reference_batch_size": REFERENCE_BATCH_SIZE,
         "train_loss": train_metrics.get("loss"), "train_accuracy": train_metrics.get("accuracy"),
         "examples_per_second": throughput, "resumed_from_step": start_step,
         "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.eval_tta,
         "device": distribution.describe_devices(),
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
-    return summary
 
 
-def _evaluate_and_export(trainer: Trainer, test_split, reporter: Reporter, summary: dict,
-                         export: bool) -> None:
+def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Dataset,
+                         reporter: Reporter, summary: dict, export_model: bool) -> None:
     """Evaluates the trained model into `summary`, and exports it if
-    `export` (the chief) and the config say so."""
-    config, steps = trainer.config, summary["steps"]
+    `export_model` (the chief) and the config say so."""
     if config.evaluate:
-        reporter.say(f"evaluating on the {len(test_split)} test images")
-        result = trainer.evaluate(test_split)
+        reporter.say(f"evaluating on the {len(dataset.test)} test images")
+        result = built.trainer.evaluate(dataset.test)
         summary.update(result)
         # Logged like the evaluations during training, so that the accuracy
         # curve ends where the run ends.
-        reporter.log(steps, {"epoch": summary["epochs"], **result})
-    if export and config.export:
+        reporter.log(summary["steps"], {"epoch": summary["epochs"], **result})
+    if export_model and config.export:
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
-        info = outputs.model_info(dataclasses.asdict(config), summary)
-        reporter.say(f"exported to {outputs.export_model(trainer.model, config.model_dir, info)}")
+        info = export.model_info(dataclasses.asdict(config), summary)
+        path = export.export_model(built.trainer.model, config.model_dir,
+                                   dataset.info.class_names, dataset.info.image_shape, info)
+        reporter.say(f"exported to {path}")

@@ -1,12 +1,7 @@
-"""CIFAR-10 (or CIFAR-shaped synthetic data) as uint8 arrays in host memory:
-read from the official binary release or tensorflow-datasets, with a
-diagnosis of damaged or missing files that says how to get them back.
+"""CIFAR-10: its classes and statistics, read from the official binary
+release or from tensorflow-datasets, with a diagnosis of damaged or missing
+files that says how to get them back."""
 
-The input pipeline that feeds the arrays to the replicas is
-input_pipeline.py.
-"""
-
-import dataclasses
 import logging
 import os
 import re
@@ -15,16 +10,20 @@ import threading
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
-import tensorflow as tf
 
-from distributed_mpt.training import outputs
+from distributed_mpt import files
+from distributed_mpt.core.data.dataset import SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit
 from distributed_mpt.errors import DataUnavailableError, first_line
 
-NUM_CLASSES = 10
-IMAGE_SHAPE = (32, 32, 3)
-# Per-channel statistics of the CIFAR-10 train split, on the 0..255 scale.
-CIFAR10_MEAN = (125.31, 122.95, 113.87)
-CIFAR10_STD = (62.99, 62.09, 66.70)
+NAME = "cifar10"  # tensorflow-datasets' name, and --dataset's
+# Its classes in label order (tensorflow-datasets' and Krizhevsky's), and
+# the per-channel statistics of its train split on the 0..255 scale.
+INFO = DatasetInfo(
+    image_shape=(32, 32, 3),
+    class_names=("airplane", "automobile", "bird", "cat", "deer",
+                 "dog", "frog", "horse", "ship", "truck"),
+    mean=(125.31, 122.95, 113.87),
+    std=(62.99, 62.09, 66.70))
 
 CIFAR10_ARCHIVE = "cifar-10-binary.tar.gz"  # what tensorflow-datasets downloads
 # The extracted official binary release: five train batches and a test batch
@@ -38,35 +37,6 @@ _CIFAR10_HOST = ("www.cs.toronto.edu", 443)
 # tensorflow-datasets retries an unreachable host for minutes; a plain TCP
 # connect answers the question "is there network?" in seconds.
 _NETWORK_PROBE_SECONDS = 15
-@dataclasses.dataclass(frozen=True)
-class ImageSplit:
-    """A split held in memory: uint8 images [N, 32, 32, 3] and int32 labels [N]."""
-
-    images: np.ndarray
-    labels: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
-SPLITS = ("train", "test")
-
-
-def load_dataset(name: str, data_dir: Optional[str], download: bool, synthetic_examples: int,
-                 seed: int, splits: Sequence[str] = SPLITS) -> Tuple[ImageSplit, ...]:
-    """Returns the `splits` (by default train and test) of `cifar10` or
-    `synthetic`, in the order given; only those are read.
-
-    CIFAR-10 comes from the official binary release when `data_dir` holds it
-    (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets.
-    """
-    if name == "synthetic":
-        train, test = make_synthetic(synthetic_examples, max(synthetic_examples // 5, 1), seed)
-        return tuple({"train": train, "test": test}[split] for split in splits)
-    binary_dir = find_binary_release(data_dir)
-    if binary_dir:
-        return load_cifar10_binary(binary_dir, splits)
-    return load_cifar10(data_dir, download, splits)
 
 
 def find_binary_release(data_dir: Optional[str]) -> Optional[str]:
@@ -100,8 +70,8 @@ def load_cifar10_binary(directory: str, splits: Sequence[str] = SPLITS) -> Tuple
                 else:
                     with open(path, "rb") as f:
                         batch = np.frombuffer(f.read(), np.uint8).reshape(-1, _BINARY_RECORD_BYTES)
-                    if batch[:, 0].max() >= NUM_CLASSES:
-                        problem = f"has labels above {NUM_CLASSES - 1}"
+                    if batch[:, 0].max() >= INFO.num_classes:
+                        problem = f"has labels above {INFO.num_classes - 1}"
             except OSError as e:
                 problem = f"cannot be read ({e.strerror})"
             if problem:
@@ -129,7 +99,7 @@ def load_cifar10(data_dir: Optional[str], download: bool,
     import tensorflow_datasets as tfds  # heavy; only runs that need it pay
 
     _check_dataset_info(data_dir)  # tfds.builder reads it, with tracebacks
-    builder = tfds.builder("cifar10", data_dir=data_dir)
+    builder = tfds.builder(NAME, data_dir=data_dir)
     if not _is_prepared(builder):
         _prepare_cifar10(builder, download)
     return tuple(_read_prepared_split(builder, split) for split in splits)
@@ -174,7 +144,7 @@ def _prepare_cifar10(builder, download: bool) -> None:
                 f"copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} into "
                 f"{manual_dir}, or train on --dataset=synthetic.")
     # Preparing writes into data_dir: say so now, not in a traceback.
-    outputs.check_writable(builder.data_dir_root, flag="--data_dir")
+    files.check_writable(builder.data_dir_root, flag="--data_dir")
     try:
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
@@ -210,7 +180,7 @@ def _check_dataset_info(data_dir: Optional[str]) -> None:
     import tensorflow_datasets as tfds
     from google.protobuf import json_format  # a dependency of TensorFlow
 
-    builder_class = tfds.builder_cls("cifar10")
+    builder_class = tfds.builder_cls(NAME)
     data_dir_root = os.path.expanduser(data_dir or tfds.core.constants.DATA_DIR)
     dataset_dir = os.path.join(data_dir_root, builder_class.name, str(builder_class.VERSION))
     path = os.path.join(dataset_dir, "dataset_info.json")
@@ -233,8 +203,11 @@ def _check_dataset_info(data_dir: Optional[str]) -> None:
 # What reading a prepared split raises when its files are damaged: a record
 # that fails its checksum or is cut short, a missing file, fewer records than
 # dataset_info.json counts, or a record that does not decode as an image.
-_DAMAGED_RECORD_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError,
-                          tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError)
+def _damaged_record_errors() -> tuple:
+    import tensorflow as tf  # only runs that read tensorflow-datasets pay for it here
+
+    return (tf.errors.DataLossError, tf.errors.NotFoundError,
+            tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError)
 
 
 def _read_prepared_split(builder, name: str) -> ImageSplit:
@@ -247,7 +220,7 @@ def _read_prepared_split(builder, name: str) -> ImageSplit:
         # split's size up front.
         batches = list(tfds.as_numpy(
             builder.as_dataset(split=name, as_supervised=True).batch(10_000)))
-    except _DAMAGED_RECORD_ERRORS as e:
+    except _damaged_record_errors() as e:
         path, problem = _find_damaged_record_file(builder.info.splits[name])
         if path is None:  # every file reads back whole: the records themselves are foreign
             path, problem = builder.data_dir, f"holds unreadable {name} records ({_tf_message(e)})"
@@ -269,15 +242,17 @@ def _find_damaged_record_file(split_info) -> Tuple[Optional[str], Optional[str]]
         if not os.path.exists(path):
             return path, "is missing"
         try:
+            import tensorflow as tf
+
             count = sum(1 for _ in tf.data.TFRecordDataset(path))
-        except _DAMAGED_RECORD_ERRORS as e:
+        except _damaged_record_errors() as e:
             return path, f"is cut short or corrupted ({_tf_message(e)})"
         if count != expected:
             return path, f"holds {count} records, not the {expected} that dataset_info.json counts"
     return None, None
 
 
-def _tf_message(error: tf.errors.OpError) -> str:
+def _tf_message(error) -> str:
     """A TensorFlow error's message without the op and function names."""
     message = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:.*", "", error.message)
     return first_line(message).rstrip(".") or type(error).__name__
@@ -303,29 +278,13 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
     return bool(result and result[0])
 
 
-def make_synthetic(num_train: int, num_test: int, seed: int) -> Tuple[ImageSplit, ImageSplit]:
-    """CIFAR-shaped data whose labels can be learned from the images.
-
-    Each class has a fixed random colour; an example mixes its class colour
-    (3/4) with per-pixel uniform noise (1/4), so the label is a function of
-    the image (its nearest class colour) and a model can tell it, while a
-    model that learned nothing stays at 10% accuracy. A colour survives crops
-    and flips, so augmentation keeps the labels true.
-    """
-    rng = np.random.default_rng(seed)
-    prototypes = np.broadcast_to(
-        rng.integers(0, 256, size=(NUM_CLASSES, 1, 1, 3), dtype=np.uint8),
-        (NUM_CLASSES,) + IMAGE_SHAPE)
-
-    def split(size: int) -> ImageSplit:
-        labels = rng.integers(0, NUM_CLASSES, size=size).astype(np.int32)
-        images = rng.integers(0, 256, size=(size,) + IMAGE_SHAPE, dtype=np.uint8)  # noise
-        images >>= 2  # in place: no second copy of the split
-        # 3/4 colour + 1/4 noise in uint8, in chunks so that the peak memory
-        # stays near the size of the split itself.
-        for start in range(0, size, 4096):
-            colours = prototypes[labels[start:start + 4096]]
-            images[start:start + 4096] += (colours >> 1) + (colours >> 2)
-        return ImageSplit(images, labels)
-
-    return split(num_train), split(num_test)
+def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
+    """The `splits` of CIFAR-10: from the official binary release when
+    `source.data_dir` holds it (`<data_dir>/cifar-10-batches-bin/`), else
+    from tensorflow-datasets, downloaded if `source.download` allows."""
+    binary_dir = find_binary_release(source.data_dir)
+    if binary_dir:
+        arrays = load_cifar10_binary(binary_dir, splits)
+    else:
+        arrays = load_cifar10(source.data_dir, source.download, splits)
+    return Dataset(INFO, dict(zip(splits, arrays)))

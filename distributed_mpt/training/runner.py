@@ -6,9 +6,10 @@ signal stops it, in each phase, is stopping.py's."""
 import os
 import sys
 
-from distributed_mpt.process import log_filter, stopping
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError, first_line
+from distributed_mpt.errors import (EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError,
+                                    first_line)
+from distributed_mpt.process import log_filter, stopping
 
 
 def run(config: TrainConfig) -> int:
@@ -29,30 +30,34 @@ def _run(config: TrainConfig) -> int:
     lock, new_model_dir = None, None
     try:
         # The cheap checks first, without TensorFlow.
-        from distributed_mpt.process.cluster import resolve_cluster
-        from distributed_mpt.training import outputs
+        from distributed_mpt import files
         from distributed_mpt.process import run_lock
+        from distributed_mpt.process.cluster import resolve_cluster
+        from distributed_mpt.training import model_dir
         cluster = resolve_cluster(os.environ)
         # A user's file where the run keeps a directory of its own (or the
-        # reverse), or a user's `export` that an export would replace, is
-        # refused now, not after hours of training; nothing of it is touched.
-        outputs.check_model_dir_layout(config.model_dir, export=config.export)
+        # reverse), a user's `export` that an export would replace, or a
+        # directory of the user's files, is refused now, not after hours of
+        # training; nothing of it is touched.
+        model_dir.check_layout(config.model_dir, export=config.export)
         if cluster is None or cluster.is_chief:
+            model_dir.check_ours(config.model_dir, adopt=config.adopt_model_dir)
             if not os.path.exists(config.model_dir):
                 new_model_dir = config.model_dir
             # One run per model_dir, held until the end (the OS drops it if
-            # the process dies); only the holder may clear debris.
-            outputs.check_writable(config.model_dir)
+            # the process dies); only the holder may mark it or clear debris.
+            files.check_writable(config.model_dir)
             lock = run_lock.RunLock(config.model_dir)
-            removed = lock.remove_debris()
+            removed = model_dir.remove_debris(config.model_dir)
             if removed:
                 print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
+            model_dir.mark(config.model_dir)
         # Only TensorFlow's start-up runs with the stop signals held: it is
         # bounded (the peer watchdog ends a wait for peers), and it is the
         # part no handler of ours could interrupt.
         with stopping.tensorflow_starting():
             # TensorFlow is imported only now, behind the log filter.
-            from distributed_mpt.training import distribution
+            from distributed_mpt.process import distribution
             from distributed_mpt.training.run import train_and_evaluate
             strategy_name = distribution.resolve_strategy_name(
                 config.strategy, cluster, config.cpu_replicas)
@@ -77,8 +82,8 @@ def _run(config: TrainConfig) -> int:
         stopping.keep_until_exit(e)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
-        from distributed_mpt.training import outputs
-        if not outputs.is_disk_full(e):
+        from distributed_mpt import files
+        if not files.is_disk_full(e):
             raise
         # Checkpoints say this themselves; this is for the other files
         # (metrics, summary, export), each written whole or not at all.
@@ -90,7 +95,8 @@ def _run(config: TrainConfig) -> int:
     finally:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
-            lock.release(remove_model_dir_if_unused=bool(new_model_dir))
+            from distributed_mpt.training.model_dir import MARKER
+            lock.release(remove_model_dir_if_unused=bool(new_model_dir), own_files=(MARKER,))
     return ExitCode.OK
 
 

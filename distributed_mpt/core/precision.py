@@ -1,5 +1,5 @@
 """Which precision policy a run uses, and the loss scale it reports (the
-loss-scaling optimizer itself is made in optimization.py).
+loss-scaling optimizer itself is made in optim/optimizer.py).
 
 mixed_float16: float16 compute, float32 variables, dynamic loss scaling
 (float16 underflows small gradients). mixed_bfloat16: bfloat16 compute,
@@ -9,8 +9,8 @@ float32: the reference.
 
 from typing import Optional
 
-import keras
-import tensorflow as tf
+# auto: decided by the devices (resolve_precision); the others are Keras'.
+PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 
 # float16 tensor cores arrived with Volta (compute capability 7.0).
 _MIN_FLOAT16_CAPABILITY = (7, 0)
@@ -43,6 +43,8 @@ def describe_precision_choice(requested: str) -> str:
 
 def _choose_precision(requested: str):
     """(policy, the reason for it): the one place `auto` is decided."""
+    import tensorflow as tf  # TensorFlow's device list; this module imports without it
+
     if requested != "auto":
         return requested, "as requested"
     gpus = tf.config.list_physical_devices("GPU")
@@ -74,6 +76,8 @@ def cpu_bfloat16_instructions(cpuinfo: str = "/proc/cpuinfo") -> tuple:
 
 def set_precision(policy_name: str) -> None:
     """Makes `policy_name` the global Keras dtype policy for models built after."""
+    import keras
+
     keras.mixed_precision.set_global_policy(policy_name)
     avoid_float16_reference_kernels(policy_name)
 
@@ -91,12 +95,17 @@ def avoid_float16_reference_kernels(policy_name: Optional[str]) -> None:
     training step of the MLP at batch 32 took 14 s fused and 0.35 s unfused,
     and predicting one image took 1.6 s fused.
     """
+    import tensorflow as tf
+
     if policy_name == "mixed_float16" and not tf.config.list_physical_devices("GPU"):
         tf.config.optimizer.set_experimental_options({"remapping": False})
 
 
-def loss_scale(optimizer: keras.optimizers.Optimizer) -> float:
+def loss_scale(optimizer) -> float:
     """The current dynamic loss scale (1 when the optimizer does not scale)."""
+    import keras
+    import tensorflow as tf
+
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # A distributed variable under MirroredStrategy: read its value.
         return float(tf.convert_to_tensor(optimizer.dynamic_scale))

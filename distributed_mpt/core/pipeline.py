@@ -11,27 +11,12 @@ train exactly like one replica at batch N*b, and a resumed run continue with
 the very batches it would have seen.
 """
 
-import dataclasses
 from typing import Callable
 
 import tensorflow as tf
 
-from distributed_mpt.training.datasets import ImageSplit
-
-# Padded-crop augmentation: pad 4 pixels on each side, crop back to 32x32.
-CROP_PADDING = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Augmentation:
-    """How training images are augmented: a random translation by up to
-    `crop_padding` pixels (a crop of the reflect-padded image), and
-    horizontal flips (`flip`: random, alternating or none; see
-    config.TrainConfig.flip)."""
-
-    crop_padding: int = CROP_PADDING
-    flip: str = "random"
-
+from distributed_mpt.core.augmentation import CROP_PADDING, Augmentation
+from distributed_mpt.core.data import ImageSplit
 
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     """Full global batches per epoch (training drops the ragged remainder)."""
@@ -166,7 +151,7 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
 def test_time_views(images: tf.Tensor, views: str) -> list:
     """The views of a batch of test `images` (uint8 [B, H, W, C]) that
     test-time augmentation averages, as (weight, images) pairs whose weights
-    sum to 1. `views` (config.TTA_VIEWS): none, flip (the image and its
+    sum to 1. `views` (one of augmentation.TTA_VIEWS): none, flip (the image and its
     mirror image, 1/2 each), or flip_translate (airbench94's six: those two at
     1/4 each, and both again shifted one pixel up-left and one pixel
     down-right, reflect-padded, at 1/8 each)."""

@@ -1,0 +1,90 @@
+"""What every entry point does the same way: its flags (absl) with numbers
+parsed strictly, `--help`/`--helpfull`, bad input as one `error:` line and
+exit 2, and a console that may go away (process/console.py).
+
+Numbers are ASCII decimals, as the cluster variables are: Python's int() and
+float() would take `0x10`, `1_000`, `١٢` (Arabic-Indic digits), `nan` and
+`inf`, none of which a user means for a step count or a learning rate.
+"""
+
+import re
+import sys
+from typing import Callable, List
+
+from absl import flags
+
+from distributed_mpt.errors import ConfigError, ExitCode, UserError, first_line, quoted
+
+HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "-helpfull")
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+class _StrictIntegerParser(flags.IntegerParser):
+    def convert(self, argument):
+        if isinstance(argument, str) and not _INTEGER.fullmatch(argument.strip()):
+            raise ValueError(f"{quoted(argument, 40)} is not a whole number in decimal digits")
+        return super().convert(argument)
+
+
+class _StrictFloatParser(flags.FloatParser):
+    def convert(self, argument):
+        if isinstance(argument, str) and not _FLOAT.fullmatch(argument.strip()):
+            raise ValueError(f"{quoted(argument, 40)} is not a decimal number")
+        return super().convert(argument)
+
+
+def define_integer(fv: flags.FlagValues, name: str, default, help: str, lower=None,
+                   upper=None) -> None:
+    """An integer flag in `fv` that takes decimal digits only."""
+    flags.DEFINE(_StrictIntegerParser(lower, upper), name, default, help, flag_values=fv,
+                 serializer=flags.ArgumentSerializer())
+
+
+def define_float(fv: flags.FlagValues, name: str, default, help: str, lower=None,
+                 upper=None) -> None:
+    """A float flag in `fv` that takes a finite decimal number only."""
+    flags.DEFINE(_StrictFloatParser(lower, upper), name, default, help, flag_values=fv,
+                 serializer=flags.ArgumentSerializer())
+
+
+def wants_help(argv: List[str]) -> bool:
+    return bool(set(HELP_FLAGS) & set(argv))
+
+
+def show_help(doc: str, fv: flags.FlagValues) -> int:
+    """Prints the entry point's docstring and its flags; returns 0."""
+    print(doc + "\nFlags:\n" + fv.get_help())
+    return ExitCode.OK
+
+
+def parse(program: str, fv: flags.FlagValues, argv: List[str]) -> List[str]:
+    """Parses `argv` (without the program name) into `fv`; returns the
+    positional arguments. Raises ConfigError with absl's one line."""
+    try:
+        return fv([program, *argv])[1:]
+    except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
+        raise ConfigError(first_line(e).removeprefix("ERROR:: ")) from None
+
+
+def guarded(main: Callable[[], int]) -> int:
+    """`main()`'s exit code; a UserError it raises becomes one `error:`
+    line on stderr and that error's exit code."""
+    try:
+        return main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+def console_script(main: Callable[[], int], exit_at_once: bool = True) -> None:
+    """Runs an entry point's `main()` as a console script: with a console
+    that may go away, and (`exit_at_once`) without TensorFlow's teardown
+    once every output is written (stopping.exit_now)."""
+    from distributed_mpt.process import console, stopping
+
+    code = console.run_with_console(main)
+    if exit_at_once:
+        stopping.exit_now(code)
+    sys.exit(code)

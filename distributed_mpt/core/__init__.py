@@ -1,0 +1,10 @@
+"""The ML core: datasets (data/), networks and their layers (models/),
+optimization by parameter groups (optim/), the input pipeline (pipeline.py),
+precision policies (precision.py) and the compiled train and eval steps
+(steps.py).
+
+It imports nothing from the run's lifecycle (training/) or the process
+plumbing (process/), and no TrainConfig: it takes plain arguments and the
+specs its registries declare (tests/test_layout.py walks the imports).
+Extending it: docs/extending.md.
+"""

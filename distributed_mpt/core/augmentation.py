@@ -1,0 +1,27 @@
+"""What the training images' augmentations and the test-time views are:
+their names and meaning (the input pipeline, pipeline.py, computes them).
+TensorFlow-free, so that flags are checked without it."""
+
+import dataclasses
+
+# Padded-crop augmentation: pad 4 pixels on each side, crop back to 32x32.
+CROP_PADDING = 4
+# random: each image in each epoch with probability 1/2. alternating
+# (airbench94's): each image flipped at random once, then all of them
+# flipped on every odd epoch, so that every image is seen both ways in any
+# two epochs. none.
+FLIPS = ("random", "alternating", "none")
+# none; flip: the image and its mirror image; flip_translate (airbench94's):
+# those two, weighted 1/2, and both again shifted one pixel up-left and
+# down-right, 1/8 each.
+TTA_VIEWS = ("none", "flip", "flip_translate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Augmentation:
+    """How training images are augmented: a random translation by up to
+    `crop_padding` pixels (a crop of the reflect-padded image), and
+    horizontal flips (`flip`, one of FLIPS)."""
+
+    crop_padding: int = CROP_PADDING
+    flip: str = "random"

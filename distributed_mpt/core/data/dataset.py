@@ -1,0 +1,90 @@
+"""What a dataset is to the rest of the package: labelled uint8 images in
+host memory, and what a model must know of them (their shape, their classes
+and the statistics it normalizes with).
+
+A dataset is declared once, as a `DatasetSpec` in `core/data/__init__.py`'s
+registry; its loader returns a `Dataset`.
+"""
+
+import dataclasses
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+SPLITS = ("train", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSplit:
+    """A split held in memory: uint8 images [N, H, W, C] and int32 labels [N]."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """What a model is built for and an export records: the images' shape,
+    the class names in label order, and the per-channel mean and standard
+    deviation of the training images on the 0-255 scale (models normalize
+    their uint8 input with them)."""
+
+    image_shape: Tuple[int, int, int]
+    class_names: Tuple[str, ...]
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A loaded dataset: its `info` and the splits that were asked for."""
+
+    info: DatasetInfo
+    splits: Dict[str, ImageSplit]
+
+    @property
+    def train(self) -> ImageSplit:
+        return self.splits["train"]
+
+    @property
+    def test(self) -> ImageSplit:
+        return self.splits["test"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """Where a dataset is and how to read it; each loader uses what it needs.
+
+    data_dir: the directory to read (and, for cifar10, to prepare into);
+    download: whether cifar10 may be downloaded; seed and synthetic_examples:
+    what synthetic data is made from; image_size: the side an image folder's
+    images are resized to; test_fraction: the share of an image folder's
+    images held out for testing when it has no test/ folder.
+    """
+
+    data_dir: Optional[str] = None
+    download: bool = True
+    seed: int = 0
+    synthetic_examples: int = 50_000
+    image_size: int = 32
+    test_fraction: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset the package can train on: its name (the --dataset value),
+    one line saying what it is, and its loader, which returns the `splits`
+    asked for (reading only those) or raises DataUnavailableError saying what
+    is missing and how to get it."""
+
+    name: str
+    summary: str
+    load: Callable[[DataSource, Sequence[str]], Dataset]
+    needs_data_dir: bool = False

@@ -1,0 +1,256 @@
+"""The networks the package trains, declared once each in `MODELS`, and the
+user's own: `--model=path/to/file.py:function` or `package.module:function`.
+
+A model is a function `(info, width) -> keras.Model` (a user's: `(info)`),
+where `info` is the dataset's `DatasetInfo`. Its contract, checked before
+any training:
+- it takes uint8 images [batch, *info.image_shape] (0-255; normalizing them
+  is its job: `layers.normalized_input` does it with `info.mean`, `info.std`),
+- it returns logits [batch, info.num_classes] in any dtype, or probabilities
+  if its last layer ends in a softmax (which is then dropped: the loss and
+  test-time augmentation take logits, and the export adds the softmax back),
+- it may use any Keras layers. Every BatchNormalization is made to
+  synchronize its statistics across replicas, so that N replicas train like
+  one; a layer with an `initialize_from_data(train_images)` method gets the
+  first training images before training (airbench's whitening does).
+
+This module imports no TensorFlow at import time, so that flags are checked
+at once; `build_model` imports the builders.
+"""
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+from typing import Optional, Tuple
+
+from distributed_mpt.errors import UserError, first_line, quoted
+
+
+class ModelError(UserError):
+    """A user's model that cannot be loaded, built, or breaks the contract."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """The settings a network trains well with at any global batch, each
+    overridden by its flag: the learning rate at the reference batch of 128
+    (scaled with the global batch), its ceiling (0: none), the warmup, SGD's
+    momentum, the L2 coefficient and the label smoothing; `why` says why."""
+
+    learning_rate: float
+    max_learning_rate: float
+    warmup_epochs: float
+    momentum: float
+    weight_decay: float
+    label_smoothing: float
+    why: str
+
+    def values(self) -> dict:
+        """The defaults by flag name, without `why`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "why"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A network: its --model name, one line saying what it is, its builder
+    ("module:function", imported only to build; a user's file path or
+    module), its defaults, and the TrainConfig flags its builder takes as
+    keyword arguments besides (info, width)."""
+
+    name: str
+    summary: str
+    builder: str
+    defaults: Defaults
+    options: Tuple[str, ...] = ()
+
+    @property
+    def is_users(self) -> bool:
+        return self.name == self.builder
+
+
+MODELS = {spec.name: spec for spec in (
+    ModelSpec("mlp", "the original notebook's network", "distributed_mpt.core.models.mlp:build",
+              Defaults(0.05, 0.05, 1.0, 0.9, 0.0, 0.0, why=(
+                  "No normalization layer: its first layer sees 3,072 strongly correlated "
+                  "pixels, so a rate of 0.1 can diverge at any batch (measured on synthetic "
+                  "data: at batch 256 after a 16-step warmup, and on 2 x 1024), while 0.05 held "
+                  "in every case: linear scaling stops there."))),
+    ModelSpec("resnet9", "the residual CNN of Page's DAWNBench entries (94% in 24 epochs on a "
+              "V100, as published)", "distributed_mpt.core.models.resnet9:build",
+              Defaults(0.1, 0.0, 5.0, 0.9, 5e-4, 0.2, why=(
+                  "Page's ResNet-9 settings (warmup to epoch 5 of 24, label smoothing 0.2 as in "
+                  "his final version); batch norm makes it scale-invariant: no ceiling."))),
+    ModelSpec("airbench", "Keller Jordan's airbench94 network, the CPU's choice "
+              "(--recipe=cpu_cnn94 or cpu_cnn)", "distributed_mpt.core.models.airbench:build",
+              Defaults(0.1875, 0.0, 1.5, 0.85, 6.65e-4, 0.2, why=(
+                  "airbench94's rate, momentum and weight decay, converted (docs/recipes.md): "
+                  "0.1875 at batch 128 and an L2 coefficient of 6.65e-4; the warmup is for the "
+                  "default cosine schedule (the recipes set airbench94's own).")),
+              options=("identity_init",)),
+)}
+
+# A user's network: the classic CIFAR ResNet recipe (He et al. 2016, sec.
+# 4.2), a starting point to tune with the flags.
+USER_DEFAULTS = Defaults(0.1, 0.0, 1.0, 0.9, 5e-4, 0.0, why=(
+    "the classic CIFAR ResNet recipe (He et al. 2016): 0.1 at batch 128, momentum 0.9, "
+    "L2 5e-4, with a one-epoch warmup; a starting point for a network of your own"))
+
+_MODULE_SOURCE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_FILE_SOURCE = re.compile(r".+\.py:[A-Za-z_]\w*")
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The spec of `model`: a MODELS name, or a user's `file.py:function` or
+    `package.module:function` (not imported yet). Raises ModelError for
+    anything else."""
+    if model in MODELS:
+        return MODELS[model]
+    if _FILE_SOURCE.fullmatch(model) or _MODULE_SOURCE.fullmatch(model):
+        return ModelSpec(model, "your own network", model, USER_DEFAULTS)
+    raise ModelError(f"--model={quoted(model)} is not one of {', '.join(MODELS)}, nor a "
+                     f"function of yours as path/to/file.py:function or package.module:function")
+
+
+def source_digest(spec: ModelSpec) -> str:
+    """What a user's model is made of: the SHA-256 of its source file, so
+    that workers, and a resumed run, can tell whether they train the same
+    network. The package's own models: their name."""
+    if not spec.is_users:
+        return spec.name
+    path, _ = _locate(spec.builder)
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def build_model(spec: ModelSpec, info, width: int = 64, **options):
+    """Builds `spec`'s network for dataset `info` under the current dtype
+    policy (`options`: the flags `spec.options` names), checks it against
+    the contract (the module's docstring) and returns it, computing logits.
+    A user's model that breaks the contract raises ModelError, naming it."""
+    import keras
+
+    builder = _import_builder(spec.builder)
+    try:
+        model = builder(info) if spec.is_users else builder(info, width, **options)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's code raises is one line
+        raise ModelError(f"--model={quoted(spec.name)} failed to build its model "
+                         f"({type(e).__name__}: {quoted(first_line(e))})") from None
+    if not isinstance(model, keras.Model):
+        raise ModelError(f"--model={quoted(spec.name)} returned {type(model).__name__}, not a "
+                         f"keras.Model")
+    _drop_final_softmax(model)
+    _check_contract(spec.name, model, info)
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            # Statistics over the global batch: N replicas train like one.
+            layer.synchronized = True
+    return model
+
+
+def initialize_from_data(model, train_images) -> None:
+    """Lets every layer that derives weights from the training data (an
+    `initialize_from_data` method: airbench's whitening) compute them."""
+    for layer in model._flatten_layers(include_self=False):
+        if hasattr(layer, "initialize_from_data"):
+            layer.initialize_from_data(train_images)
+
+
+def has_batch_norm(model) -> bool:
+    """Whether `model` all-reduces inside its forward pass when replicas
+    train together (synchronized batch norm), which XLA-compiling a
+    replica's step cannot hold."""
+    import keras
+
+    return any(isinstance(layer, keras.layers.BatchNormalization)
+               for layer in model._flatten_layers(include_self=False))
+
+
+def _locate(source: str) -> Tuple[str, str]:
+    """(the file, the function name) of a user's model source."""
+    where, _, function = source.rpartition(":")
+    if _FILE_SOURCE.fullmatch(source):
+        return os.path.abspath(os.path.expanduser(where)), function
+    spec = _find_module(where, source)
+    return spec.origin, function
+
+
+def _find_module(name: str, source: str):
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as e:
+        raise ModelError(f"--model={quoted(source)}: cannot find module {quoted(name)} "
+                         f"({quoted(first_line(e))})") from None
+    if spec is None or not spec.origin:
+        raise ModelError(f"--model={quoted(source)}: no module {quoted(name)} on the Python path")
+    return spec
+
+
+def _import_builder(builder: str):
+    """The function `builder` ("module:function" or "file.py:function")."""
+    where, _, function = builder.rpartition(":")
+    try:
+        if _FILE_SOURCE.fullmatch(builder):
+            path, _ = _locate(builder)
+            if not os.path.isfile(path):
+                raise ModelError(f"--model={quoted(builder)}: {quoted(path)} is not a file")
+            name = "distributed_mpt_user_model_" + hashlib.sha1(path.encode()).hexdigest()[:8]
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            _find_module(where, builder)
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a SyntaxError, an ImportError, a SystemExit...
+        raise ModelError(f"--model={quoted(builder)} does not import ({type(e).__name__}: "
+                         f"{quoted(first_line(e))})") from None
+    found = getattr(module, function, None)
+    if not callable(found):
+        raise ModelError(f"--model={quoted(builder)}: {quoted(where)} has no function "
+                         f"{quoted(function)}")
+    return found
+
+
+def _drop_final_softmax(model) -> None:
+    """Makes a model whose last layer ends in a softmax return logits."""
+    import keras
+
+    layers = model.layers if hasattr(model, "layers") else []
+    last = layers[-1] if layers else None
+    activation = getattr(last, "activation", None)
+    if activation is keras.activations.softmax or getattr(activation, "__name__", "") == "softmax":
+        last.activation = keras.activations.linear
+
+
+def _check_contract(name: str, model, info) -> None:
+    """Raises ModelError unless `model` maps uint8 images of `info`'s shape
+    to logits of `info`'s classes (a probe call of two images)."""
+    import numpy as np
+
+    probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
+    try:
+        outputs = model(probe, training=False)
+    except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
+        raise ModelError(f"--model={quoted(name)} does not take uint8 images "
+                         f"{list(info.image_shape)} ({type(e).__name__}: "
+                         f"{quoted(first_line(e))})") from None
+    shape = tuple(getattr(outputs, "shape", ()))
+    if shape != (2, info.num_classes):
+        raise ModelError(f"--model={quoted(name)} returns shape {list(shape)} for 2 images; the "
+                         f"dataset has {info.num_classes} classes: it must return "
+                         f"[batch, {info.num_classes}] logits")
+    values = np.asarray(outputs, np.float32)
+    if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
+        raise ModelError(f"--model={quoted(name)} returns probabilities from something other "
+                         f"than a final softmax layer: return logits")
+
+
+def describe(spec: Optional[ModelSpec] = None) -> str:
+    """The --model choices in one line, for help texts."""
+    return "; ".join(f"{s.name}: {s.summary}" for s in MODELS.values())

@@ -1,0 +1,128 @@
+"""Which variables train how: the parameter groups of a model, declared in
+one place (`parameter_groups`), as airbench declares its `param_configs`.
+
+A group is its variables, its update rule, its rate (a multiple of the
+run's learning rate, or a schedule of its own), its L2 coefficient, and
+optionally a number of steps after which it stops training. Every trainable
+variable of the model is in exactly one group; `GroupedOptimizer` refuses a
+variable in none. (Keras is imported where the groups are made, so that
+flags are checked without TensorFlow.)
+"""
+
+import dataclasses
+from typing import Callable, List, Optional, Tuple
+
+from distributed_mpt.core.optim.rules import UpdateRule, make_rule
+from distributed_mpt.core.optim.schedules import learning_rate_schedule
+
+# What a group does once its `train_steps` are over: "stop" leaves it as it
+# is at once (the references: a variable without a gradient is skipped);
+# "coast" zeroes its gradient and lets its momentum run out.
+FREEZES = ("stop", "coast")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterGroup:
+    """Variables that train alike.
+
+    rate: multiple of the run's learning rate at every step, unless
+    `schedule` (step -> rate) gives the group a rate of its own.
+    weight_decay: L2 coefficient c: 2 c w is added to each gradient, as the
+    gradient of c |w|^2 added to the mean loss.
+    train_steps: trained for the first N steps only (None: all), then frozen
+    as `freeze` says.
+    """
+
+    name: str
+    variables: Tuple
+    rule: UpdateRule
+    rate: float = 1.0
+    weight_decay: float = 0.0
+    schedule: Optional[Callable] = None
+    train_steps: Optional[int] = None
+    freeze: str = "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the groups are made from (each a flag of distributed-mpt-train).
+
+    filters_rule: the update rule of the convolution filters (--optimizer);
+    filters_rate: their rate relative to the run's (Muon's own peak over the
+    run's); momentum_form: SGD's (rules.NesterovSGD); shift_rate: batch-norm
+    shifts' multiple of the rate, their decay divided by it so that their
+    decay per step is the kernels'; whiten_bias_steps: how long airbench's
+    whitening bias trains, and whiten_bias_freeze how it stops.
+    """
+
+    peak_learning_rate: float
+    weight_decay: float
+    momentum: float
+    filters_rule: str = "sgd"
+    filters_rate: float = 1.0
+    filters_momentum: float = 0.0
+    momentum_form: str = "keras"
+    shift_rate: float = 1.0
+    whiten_bias_steps: int = 0
+    whiten_bias_freeze: str = "coast"
+
+
+def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
+    """The groups of `model`'s trainable variables:
+
+    whitening bias  airbench's; SGD. With --optimizer=sgd as airbench94 has
+                    it: the run's rate, decay c; with muon as
+                    airbench94_muon has it: shift_rate x the peak, falling
+                    linearly to 0 over its steps, decay c / shift_rate.
+    filters         convolution kernels (4-D): `filters_rule`; SGD decays
+                    them by c, Muon not at all (it renormalizes them).
+    shifts          batch-norm shifts (beta): SGD at shift_rate x the rate,
+                    decay c / shift_rate.
+    kernels         the other kernels (dense layers): SGD, decay c.
+    others          biases, batch-norm scales: SGD, no decay.
+    """
+    import keras
+
+    s = settings
+    sgd = make_rule("sgd", s.momentum, s.momentum_form)
+    bias = _whitening_bias(model)
+    shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
+              if isinstance(layer, keras.layers.BatchNormalization) and layer.center
+              and layer.beta.trainable]
+    taken = {id(v) for v in shifts} | ({id(bias)} if bias is not None else set())
+    rest = [v for v in model.trainable_variables if id(v) not in taken]
+    filters = [v for v in rest if len(v.shape) == 4]
+    kernels = [v for v in rest if 2 <= len(v.shape) < 4]
+    others = [v for v in rest if len(v.shape) < 2]
+    muon = s.filters_rule == "muon"
+    groups = [
+        ParameterGroup("filters", tuple(filters),
+                       make_rule(s.filters_rule, s.filters_momentum if muon else s.momentum,
+                                 s.momentum_form),
+                       rate=s.filters_rate, weight_decay=0.0 if muon else s.weight_decay),
+        ParameterGroup("shifts", tuple(shifts), sgd, rate=s.shift_rate,
+                       weight_decay=s.weight_decay / s.shift_rate),
+        ParameterGroup("kernels", tuple(kernels), sgd, weight_decay=s.weight_decay),
+        ParameterGroup("others", tuple(others), sgd),
+    ]
+    if bias is not None and bias.trainable:
+        steps = s.whiten_bias_steps
+        if muon:  # its own rate, falling to 0 over its steps, whatever the schedule
+            own = learning_rate_schedule(s.shift_rate * s.peak_learning_rate, steps, 0, "linear")
+            group = ParameterGroup("whitening bias", (bias,), sgd, schedule=own,
+                                   weight_decay=s.weight_decay / s.shift_rate,
+                                   train_steps=steps, freeze=s.whiten_bias_freeze)
+        else:
+            group = ParameterGroup("whitening bias", (bias,), sgd, weight_decay=s.weight_decay,
+                                   train_steps=steps, freeze=s.whiten_bias_freeze)
+        groups.insert(0, group)
+    return [group for group in groups if group.variables]
+
+
+def _whitening_bias(model):
+    """The bias of the model's whitening layer, or None."""
+    from distributed_mpt.core.models.layers import WhiteningConv2D
+
+    found = [layer for layer in model._flatten_layers(include_self=False)
+             if isinstance(layer, WhiteningConv2D) and layer.use_bias]
+    return found[0].bias if found else None

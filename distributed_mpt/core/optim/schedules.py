@@ -1,0 +1,90 @@
+"""How the learning rate follows the global batch and the steps of a run.
+
+The learning rate scales linearly with the global batch (Goyal et al. 2017,
+"Accurate, Large Minibatch SGD"), warms up linearly, and then decays: by a
+cosine to zero, or linearly to a floor as airbench94 does.
+"""
+
+SCHEDULES = ("cosine", "linear", "piecewise_linear")
+
+# The batch at which --learning_rate is stated. 128 with lr 0.1 and SGD
+# momentum 0.9 is the classic CIFAR ResNet recipe (He et al. 2016, sec. 4.2).
+REFERENCE_BATCH_SIZE = 128
+
+
+def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
+                         ceiling: float = 0.0) -> float:
+    """The peak learning rate for `global_batch_size` (linear scaling rule),
+    at most `ceiling` (0: none).
+
+    Linear scaling keeps the noise of a step constant; it cannot move the
+    curvature limit (a rate above ~2/curvature diverges at any batch), which
+    a network without normalization layers, like the MLP, reaches at large
+    batches.
+    """
+    rate = base_learning_rate * global_batch_size / REFERENCE_BATCH_SIZE
+    return min(rate, ceiling) if ceiling > 0 else rate
+
+
+def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int,
+                           kind: str = "cosine"):
+    """The learning rate of each step (a callable of the step, a tensor or
+    a number), of `kind` (one of SCHEDULES):
+
+    cosine: linear warmup from 0 to `peak` over `warmup_steps`, then cosine
+    decay to 0. linear: the same warmup, then linearly to 0.
+    piecewise_linear: from 0.2 x `peak` to `peak` over `warmup_steps`, then
+    linearly to 0.07 x `peak` at the last step.
+
+    The warmup takes at most half of the run, so that a short run (a smoke
+    test, --train_steps) still decays instead of ending at its peak.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; choose from {SCHEDULES}")
+    warmup_steps = min(warmup_steps, total_steps // 2)
+    if kind == "cosine":
+        return Cosine(peak, total_steps, warmup_steps)
+    if kind == "linear":
+        return PiecewiseLinear(peak, total_steps, warmup_steps, start=0.0, end=0.0)
+    return PiecewiseLinear(peak, total_steps, warmup_steps)
+
+
+class PiecewiseLinear:
+    """A linear rise from `start` x peak to the peak over `warmup_steps`, then
+    a linear fall to `end` x peak at `total_steps`; airbench94's by default."""
+
+    def __init__(self, peak: float, total_steps: int, warmup_steps: int, start: float = 0.2,
+                 end: float = 0.07):
+        self.peak, self.total_steps, self.warmup_steps = peak, total_steps, warmup_steps
+        self.start, self.end = start, end
+
+    def __call__(self, step):
+        import tensorflow as tf
+
+        step = tf.cast(step, tf.float32)
+        rising = self.start + (1 - self.start) * step / max(self.warmup_steps, 1)
+        falling = 1 - (1 - self.end) * (step - self.warmup_steps) / max(
+            self.total_steps - self.warmup_steps, 1)
+        return self.peak * tf.where(step < self.warmup_steps, rising, falling)
+
+
+class Cosine:
+    """A linear rise from 0 to the peak over `warmup_steps` (none if 0),
+    then half a cosine down to 0 at `total_steps`: the arithmetic of Keras'
+    CosineDecay with `warmup_target`."""
+
+    def __init__(self, peak: float, total_steps: int, warmup_steps: int):
+        self.peak, self.total_steps, self.warmup_steps = peak, total_steps, warmup_steps
+
+    def __call__(self, step):
+        import math
+
+        import tensorflow as tf
+
+        step = tf.cast(step, tf.float32)
+        decay_steps = max(self.total_steps - self.warmup_steps, 1)
+        progress = tf.minimum(step - self.warmup_steps, decay_steps) / decay_steps
+        decayed = self.peak * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        if self.warmup_steps == 0:
+            return decayed
+        return tf.where(step < self.warmup_steps, self.peak * step / self.warmup_steps, decayed)

@@ -1,0 +1,266 @@
+"""The compiled steps: `tf.function` loops that train and evaluate a model
+with its optimizer, one code path for every `tf.distribute` strategy.
+
+Keras 3's `Model.fit` fails under MultiWorkerMirroredStrategy, so training is
+a loop of `strategy.run(train_step)` inside a `tf.function` that runs several
+optimizer steps per call; it serves the default strategy, OneDeviceStrategy,
+MirroredStrategy and MultiWorkerMirroredStrategy alike. The loop that paces
+the calls, and the run around it, are training/'s.
+"""
+
+import dataclasses
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from distributed_mpt.core import pipeline
+from distributed_mpt.core.augmentation import CROP_PADDING
+from distributed_mpt.core.data import ImageSplit
+from distributed_mpt.core.optim.lookahead import Lookahead
+
+
+def _sum_accumulator(size: int) -> tf.Variable:
+    """Per-replica running sums, read and reset once per loop call."""
+    return tf.Variable(tf.zeros([size]), trainable=False,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.SUM)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopTotals:
+    """What one call of the training loop all-reduces, in the order of the
+    vector it travels in: the first PER_STEP fields are summed at every step
+    (`Trainer._train_sums`); the last two are added once per call."""
+
+    loss_sum: float
+    correct: float
+    examples: float
+    nonfinite_steps: float   # fractional when only some replicas saw one
+    stop_requests: float     # > 0: the call stopped early, on every worker alike
+    seconds_per_step: float  # the previous call's, averaged over the replicas
+
+    PER_STEP = 4
+
+    @classmethod
+    def all_reduced(cls, vector, num_replicas: int) -> "LoopTotals":
+        """The totals from the all-reduced vector of a call: the pace was
+        summed over the replicas, and becomes their mean."""
+        values = [float(x) for x in vector]
+        return cls(*values[:-1], seconds_per_step=values[-1] / num_replicas)
+
+    def __add__(self, other: "LoopTotals") -> "LoopTotals":
+        """The sums of both; the stop and the pace are `other`'s, the newer
+        call's."""
+        return LoopTotals(self.loss_sum + other.loss_sum, self.correct + other.correct,
+                          self.examples + other.examples,
+                          self.nonfinite_steps + other.nonfinite_steps,
+                          other.stop_requests, other.seconds_per_step)
+
+
+NO_TOTALS = LoopTotals(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+class Trainer:
+    """The compiled loops of `model` (logits out) and `optimizer` under
+    `strategy`. Create the model, the optimizer (built) and `step` (an int64
+    variable: the one step counter of the run, which the optimizer's
+    schedule and the lookahead read) in the strategy's scope first.
+
+    global_batch_size: the loss is averaged over it, so that the all-reduced
+    sum of replica gradients is the global batch's gradient; num_workers:
+    workers that must stop at the same step; loss_scaling: replicas agree on
+    skipping a non-finite step; eval_views: test-time augmentation (one of
+    augmentation.TTA_VIEWS); xla: compile the forward and backward pass;
+    device_split: the training split kept on the device (batches are then
+    indices, offsets and flips, gathered with `crop_padding`).
+    """
+
+    def __init__(self, model: keras.Model, optimizer, strategy: tf.distribute.Strategy,
+                 step: tf.Variable, *, global_batch_size: int, num_workers: int = 1,
+                 label_smoothing: float = 0.0, loss_scaling: bool = False,
+                 lookahead: Optional[Lookahead] = None, eval_views: str = "none",
+                 xla: bool = False, device_split: Optional[ImageSplit] = None,
+                 crop_padding: int = CROP_PADDING):
+        self.model, self.optimizer, self.step = model, optimizer, step
+        self.strategy = strategy
+        self._global_batch_size, self._num_workers = global_batch_size, num_workers
+        self._loss_scaling, self._lookahead, self._eval_views = loss_scaling, lookahead, eval_views
+        self._crop_padding = crop_padding
+        with strategy.scope():
+            self._train_sums = _sum_accumulator(LoopTotals.PER_STEP)
+            # loss sum, correct, examples, correct without test-time augmentation
+            self._eval_sums = _sum_accumulator(4)
+            self._device_split = None
+            if device_split is not None:
+                # A copy per device, made once; the input pipeline then
+                # carries only indices and augmentation parameters.
+                self._device_split = (tf.Variable(device_split.images, trainable=False),
+                                      tf.Variable(device_split.labels, trainable=False))
+        self._train_loss = keras.losses.CategoricalCrossentropy(
+            from_logits=True, label_smoothing=label_smoothing, reduction=None)
+        self._eval_loss = keras.losses.CategoricalCrossentropy(from_logits=True, reduction=None)
+        self._gradients = self._compute_gradients
+        if xla:
+            # Only the forward and backward pass: the gradient all-reduce and
+            # the update stay outside XLA, where every strategy supports them.
+            self._gradients = tf.function(self._compute_gradients, jit_compile=True)
+        # Set from the stop-signal thread while a loop call runs (see
+        # request_stop); outside the strategy's scope: one value per process.
+        self._stop_requested = tf.Variable(False, trainable=False, name="stop_requested")
+        # Autograph rewrites each Python function a traced loop calls, in every
+        # process, at 0.1-0.5 s of CPU each: about 1.5 CPU-s of a run's start on
+        # 2 cores of an AMD EPYC (Zen 3, AVX2 only).
+        # Only the loops (`for` over `tf.range`, `break` on a tensor) and the
+        # lookahead's `if step % 5` need it; the steps they call branch on
+        # Python values only and are marked `do_not_convert`.
+        self._train_loop = tf.function(self._train_loop_fn)
+        self._eval_loop = tf.function(self._eval_loop_fn)
+
+    @property
+    def images_on_device(self) -> bool:
+        """Whether the training input is indices into the device's copy."""
+        return self._device_split is not None
+
+    def request_stop(self) -> None:
+        """Makes the loop call under way, or the next, stop at the next step
+        boundary (every worker at the same one). Safe from any thread."""
+        self._stop_requested.assign(True)
+
+    def train(self, iterator, num_steps: int, seconds_per_step: float = 0.0) -> LoopTotals:
+        """Runs `num_steps` optimizer steps, fewer if a stop was requested
+        (`stop_requests` > 0; `step` says where it stopped). This worker's
+        `seconds_per_step` in the previous call travels with the metrics, so
+        that every worker gets the same totals back."""
+        totals = self._train_loop(iterator, tf.constant(num_steps), tf.constant(seconds_per_step))
+        return LoopTotals.all_reduced(totals.numpy(), self.strategy.num_replicas_in_sync)
+
+    def evaluate(self, split: ImageSplit) -> dict:
+        """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
+        `split`, each example counted once across all workers. With test-time
+        augmentation, also `eval_accuracy_without_tta`, so that every run
+        shows what it buys."""
+        batch = self._global_batch_size
+        iterator = iter(self.strategy.distribute_datasets_from_function(
+            pipeline.eval_input_fn(split, batch)))
+        loss_sum, correct, examples, plain_correct = (float(x) for x in self._eval_loop(
+            iterator, tf.constant(pipeline.eval_steps(len(split), batch))).numpy())
+        result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
+                  "eval_examples": int(round(examples))}
+        if self._eval_views != "none":
+            result["eval_accuracy_without_tta"] = plain_correct / examples
+        return result
+
+    def _per_example_loss(self, loss_fn, labels, logits):
+        return loss_fn(tf.one_hot(labels, logits.shape[-1]), logits)
+
+    def _compute_gradients(self, images, labels):
+        model = self.model
+        with tf.GradientTape() as tape:
+            logits = tf.cast(model(images, training=True), tf.float32)
+            losses = self._per_example_loss(self._train_loss, labels, logits)
+            # Averaged over the global batch, so that the all-reduced sum of
+            # replica gradients is the gradient of the global batch.
+            loss = tf.nn.compute_average_loss(losses, global_batch_size=self._global_batch_size)
+            if model.losses:  # a user's model may carry regularizers of its own
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            scaled_loss = self.optimizer.scale_loss(loss)
+        gradients = tape.gradient(scaled_loss, model.trainable_variables)
+        return gradients, loss, tf.reduce_sum(losses), tf.reduce_sum(_is_correct(labels, logits))
+
+    @tf.autograph.experimental.do_not_convert
+    def _train_step(self, *batch):
+        if self._device_split is not None:  # batch: indices, crop offsets, flips
+            images, labels = pipeline.gather_and_augment(*self._device_split, *batch,
+                                                         self._crop_padding)
+        else:
+            images, labels = batch
+        gradients, loss, loss_sum, correct = self._gradients(images, labels)
+        context = tf.distribute.get_replica_context()
+        if self._loss_scaling:
+            # Keras' LossScaleOptimizer decides to skip a step from each
+            # replica's own gradients (it assumes they were summed already),
+            # so replicas could disagree: some apply an inf, or workers fall
+            # out of step. All replicas agree here instead, and one
+            # non-finite gradient makes every replica skip.
+            locally_finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients])
+            overflowed = context.all_reduce("SUM", 1.0 - tf.cast(locally_finite, tf.float32))
+            all_finite = tf.cast(overflowed == 0.0, tf.float32)
+            gradients = [*gradients[:-1], gradients[-1] / all_finite]  # x/0: inf or nan
+            nonfinite = 1.0 - all_finite
+        else:
+            # No skipping without loss scaling: a non-finite loss is fatal,
+            # and its count needs no extra pass over the gradients.
+            nonfinite = 1.0 - tf.cast(tf.math.is_finite(loss), tf.float32)
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+        count = tf.cast(tf.shape(labels)[0], tf.float32)
+        sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros([3]))
+        # Summed over replicas: one per global step that was not finite.
+        skipped = nonfinite / context.num_replicas_in_sync
+        self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
+
+    def _train_loop_fn(self, iterator, num_steps, seconds_per_step):
+        stop = tf.constant(False)
+        for _ in tf.range(num_steps):
+            # Looked at before every step, so that a stop waits for the step
+            # under way only, however slow a step is.
+            stop = self._stop_agreed()
+            if stop:
+                break
+            self.strategy.run(self._train_step, args=next(iterator))
+            # Every step counts, applied or skipped: the one counter that the
+            # schedule, the lookahead and the groups' training steps read.
+            self.step.assign_add(1)
+            if self._lookahead:
+                self._lookahead.after_step(self.step)
+        stop_and_pace = tf.stack([tf.cast(stop, tf.float32), seconds_per_step])
+        totals = self.strategy.run(_drain, args=(self._train_sums, stop_and_pace))
+        return self.strategy.reduce("SUM", totals, axis=None)
+
+    @tf.autograph.experimental.do_not_convert
+    def _stop_agreed(self):
+        """Whether any worker was asked to stop. Workers are signalled at
+        different moments (or only one is), but must leave the loop at the
+        same step: the next collective would wait forever for the one that
+        left. Within one process a variable read is enough; across workers
+        it costs one all-reduce of a scalar per step."""
+        if self._num_workers == 1:
+            return self._stop_requested.read_value()
+        requests = self.strategy.run(lambda: tf.cast(self._stop_requested, tf.float32))
+        return self.strategy.reduce("SUM", requests, axis=None) > 0
+
+    @tf.autograph.experimental.do_not_convert
+    def _eval_step(self, images, labels, weights):
+        # CIFAR-10's classes are symmetric under a horizontal flip and small
+        # shifts, and the model was trained on such views: averaging their
+        # logits removes part of the model's variance.
+        views = pipeline.test_time_views(images, self._eval_views)
+        view_logits = [tf.cast(self.model(view, training=False), tf.float32) for _, view in views]
+        logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
+        plain_correct = _is_correct(labels, view_logits[0])
+        losses = self._per_example_loss(self._eval_loss, labels, logits)
+        self._eval_sums.assign_add(tf.stack([tf.reduce_sum(losses * weights),
+                                             tf.reduce_sum(_is_correct(labels, logits) * weights),
+                                             tf.reduce_sum(weights),
+                                             tf.reduce_sum(plain_correct * weights)]))
+
+    def _eval_loop_fn(self, iterator, num_steps):
+        for _ in tf.range(num_steps):
+            self.strategy.run(self._eval_step, args=next(iterator))
+        totals = self.strategy.run(_drain, args=(self._eval_sums, tf.zeros([0])))
+        return self.strategy.reduce("SUM", totals, axis=None)
+
+
+def _is_correct(labels, logits):
+    """1.0 where the highest-scoring class is the label, per example."""
+    predictions = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    return tf.cast(predictions == labels, tf.float32)
+
+
+@tf.autograph.experimental.do_not_convert
+def _drain(accumulator, extra):
+    """This replica's sums (with `extra` appended); zeros the accumulator."""
+    totals = tf.concat([accumulator.read_value(), extra], 0)
+    with tf.control_dependencies([totals]):
+        accumulator.assign(tf.zeros_like(accumulator))
+    return totals

@@ -1,0 +1,221 @@
+"""Files written whole or not at all, and read without trusting them.
+
+A reader (a user, a dashboard, the next run) never sees half a file: each is
+written under a temporary name in the same directory and renamed into place,
+which is atomic on POSIX file systems. Only a regular file, or nothing, is
+ever replaced: a device node, a FIFO or a socket at a path the package
+writes is refused, never turned into a file (as root, `/dev/null` would
+have been). Files are read as this program writes them, strictly: a FIFO,
+a huge or undecodable file is one clear error naming the file, never a
+hang or a traceback.
+"""
+
+import errno
+import json
+import os
+import stat
+import sys
+import tempfile
+from typing import List, Optional, Tuple
+
+from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
+
+# Prefixes of the temporary names this module writes under: what a killed
+# run can leave behind (training/model_dir.py clears it).
+TEMPORARY_PREFIX = ".tmp-"          # write_text, before its rename
+WRITE_TEST_PREFIX = ".write-test-"  # check_writable
+
+# Far above any file a run writes (metrics.jsonl grows by ~200 bytes a
+# line): a bigger one is not ours, and is refused before it is read.
+MAX_READ_BYTES = 1 << 28
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DamagedFileError(UserError):
+    """A file is not what this program wrote there, or not a file at all."""
+
+
+def warn(message: str) -> None:
+    """One `warning:` line on stderr: something was repaired, the work goes on."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def kind_of(path: str) -> str:
+    """What the existing `path` is, in words: for error lines."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "missing"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link" if os.path.exists(path) else "a symbolic link to nothing"
+    return ("a directory" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device node" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+
+
+def is_regular_file(path: str) -> bool:
+    """True if `path` is a regular file, or a symbolic link to one."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # missing, a dangling symlink, a loop
+        return False
+
+
+def check_replaceable(path: str, what: str = "") -> None:
+    """Raises ConfigError unless `path` is absent or a regular file (not a
+    symbolic link): what write_text may replace. `what` names the flag or
+    file, for the error line."""
+    if os.path.lexists(path) and (os.path.islink(path) or not is_regular_file(path)):
+        raise ConfigError(f"{what or quoted(path)} is {kind_of(path)}, not a regular file: this "
+                          f"program writes only files of its own; choose another path")
+
+
+def check_writable(directory: str, flag: str = "--model_dir") -> None:
+    """Creates `directory` if needed and proves it writable, or raises
+    ConfigError naming `flag`, the flag that chose it."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"{flag}={quoted(directory)} is {kind_of(directory)}, not a directory: "
+                          f"choose a directory (it is created if missing)")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=WRITE_TEST_PREFIX):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag}={quoted(directory)} is not writable ({e.strerror}); "
+                          f"choose a directory you can write to") from None
+
+
+def is_disk_full(error: Exception) -> bool:
+    """True if `error` is a write that found no space (or quota) left."""
+    if isinstance(error, OSError):
+        return error.errno in _DISK_FULL
+    # TensorFlow reports a failed write as ResourceExhaustedError with the
+    # C library's message; out-of-memory is ResourceExhaustedError too.
+    return any(os.strerror(code) in str(error) for code in _DISK_FULL)
+
+
+def write_text(path: str, text: str) -> None:
+    """Writes `text` to `path` atomically (temporary file, fsync, rename);
+    a failed write leaves no temporary file behind. Refuses (ConfigError) to
+    replace anything but a regular file."""
+    check_replaceable(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=TEMPORARY_PREFIX,
+                                     delete=False) as f:
+        try:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.remove(f.name)
+            raise
+    # Temporary files are private (0600); the result is for everyone the
+    # umask allows, like any file the user writes.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)
+    os.replace(f.name, path)
+
+
+def write_json(path: str, data) -> None:
+    """Writes `data` as pretty, standard JSON to `path` atomically (a NaN or
+    an infinity is a bug upstream: ValueError, not a file other readers
+    refuse)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def read_text(path: str, remedy: str) -> Optional[str]:
+    """The text of the regular file at `path`, decoded strictly as UTF-8;
+    None if there is nothing there. Anything else (a FIFO, a directory, a
+    huge or undecodable file) raises DamagedFileError, which names the file
+    and `remedy`, the way out."""
+    if not os.path.lexists(path):
+        return None
+    if not is_regular_file(path):  # a FIFO would block the read forever
+        raise DamagedFileError(f"{quoted(path)} is {kind_of(path)}, not a regular file; {remedy}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_READ_BYTES + 1)
+    except OSError as e:
+        raise DamagedFileError(f"cannot read {quoted(path)} ({e.strerror}); {remedy}") from None
+    if len(raw) > MAX_READ_BYTES:
+        raise DamagedFileError(f"{quoted(path)} is larger than any file this program writes "
+                               f"({MAX_READ_BYTES:,} bytes); {remedy}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DamagedFileError(f"{quoted(path)} is damaged (not UTF-8 text at byte {e.start}); "
+                               f"{remedy}") from None
+
+
+def read_json(path: str, fields: Optional[dict] = None,
+              remedy: str = "restore an intact copy, or move it away") -> dict:
+    """The JSON object in `path`, as this program writes it; {} if there is
+    no file. `fields` maps keys the object must have to their type (or a
+    tuple of types). Raises DamagedFileError, naming the file, what is wrong
+    and `remedy`, if it is anything else."""
+    text = read_text(path, remedy)
+    if text is None:
+        return {}
+    data, problem = parse_record(text, fields or {})
+    if problem:
+        raise DamagedFileError(f"{quoted(path)} is damaged ({problem}); {remedy}")
+    return data
+
+
+def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], List[str]]:
+    """The intact records of a JSON-lines file, and what is wrong with each
+    damaged line (a line cut short by a killed writer included): a damaged
+    line costs that line only. No file: no records.
+
+    `fields` as for read_json. Raises DamagedFileError only if `path` is
+    not a regular file or is too big to be ours."""
+    remedy = "move it away, or choose another --model_dir"
+    if not os.path.lexists(path):
+        return [], []
+    if not is_regular_file(path):
+        raise DamagedFileError(f"{quoted(path)} is {kind_of(path)}, not a regular file; {remedy}")
+    if os.path.getsize(path) > MAX_READ_BYTES:
+        raise DamagedFileError(f"{quoted(path)} is larger than any file this program writes; "
+                               f"{remedy}")
+    with open(path, "rb") as f:  # bytes: an undecodable line costs that line only
+        lines = f.read().split(b"\n")
+    records, problems = [], []
+    torn = lines.pop()  # after the last newline: b"" unless cut short
+    for number, line in enumerate(lines, 1):
+        try:
+            record, problem = parse_record(line.decode("utf-8"), fields or {})
+        except UnicodeDecodeError:
+            problem = "not UTF-8 text"
+        if problem:
+            problems.append(f"line {number} is damaged ({problem})")
+        else:
+            records.append(record)
+    if torn:
+        problems.append("its last line was cut short")
+    return records, problems
+
+
+def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]]:
+    """The JSON object in `text` and None, or None and what is wrong."""
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as e:
+        return None, f"not JSON: {first_line(e, 80)}"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__}, not an object"
+    for key, kind in fields.items():
+        if key not in data:
+            return None, f"no {key!r}"
+        # JSON has no integers apart from numbers: true is not a step.
+        if not isinstance(data[key], kind) or (isinstance(data[key], bool) and kind is not bool):
+            return None, f"{key!r} is a {type(data[key]).__name__}"
+    return data, None
+
+
+def _refuse_constant(name: str):
+    """NaN and Infinity are not JSON, and this program never writes them."""
+    raise ValueError(f"{name} is not a JSON value")

@@ -1,0 +1,50 @@
+"""Workers of one job agree before they train: the same run, the same flags.
+
+A worker that resumes from another step (no shared --model_dir), finds
+another split, or resolves another precision would call the collectives
+differently: a hang. One started with another seed, rate, weight decay or
+model file trains a silently different run, which the chief's config.json
+would not show.
+"""
+
+import hashlib
+
+import tensorflow as tf
+
+from distributed_mpt.config import PRECISIONS
+from distributed_mpt.errors import ClusterError, quoted
+
+
+def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: dict) -> None:
+    """Raises ClusterError on every worker unless all of them passed the
+    same `facts` (numbers) and `flags` (flag name: value), naming what
+    differs."""
+    # Workers exchange only numbers: each flag travels as 32 bits of its
+    # value's hash, which a float64 holds, and the sum over workers too.
+    digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:4], "big")
+               for v in flags.values()]
+    values = tf.constant([float(v) for v in [*facts.values(), *digests]], tf.float64)
+
+    @tf.function(autograph=False)
+    def workers_differing():
+        # Per entry: if all are equal, each equals the mean; if not, some
+        # do not. The sum counts the workers that differ from the mean.
+        mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(values)), axis=None)
+        differs = strategy.run(lambda: tf.cast(values != mean, tf.float64))
+        return strategy.reduce("SUM", differs, axis=None)
+
+    names = [*facts, *(f"--{name}" for name in flags)]
+    differing = [name for name, count in zip(names, workers_differing().numpy()) if count > 0]
+    differing_flags = [name for name in differing if name.startswith("--")]
+    if differing_flags:
+        mine = " ".join(f"{name}={quoted(flags[name[2:]], 80)}" for name in differing_flags)
+        raise ClusterError(
+            f"the workers of this job were started with different {', '.join(differing_flags)} "
+            f"(this worker: {mine}): give every worker the same flags")
+    if differing:
+        mine = ", ".join(f"{name} {value:g}" for name, value in facts.items())
+        raise ClusterError(
+            f"the workers of this job see different runs ({', '.join(differing)} differ; this "
+            f"worker: {mine}; precision is an index into {'/'.join(PRECISIONS)}): "
+            f"give every worker the same --model_dir on one shared file system, the same data "
+            f"and flags, and an explicit --precision")

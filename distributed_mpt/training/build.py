@@ -1,0 +1,97 @@
+"""Where a run's config meets the core: the model, its parameter groups, the
+optimizer, the lookahead and the compiled steps, built from the flags in the
+strategy's scope, and the input pipeline that feeds them."""
+
+import dataclasses
+
+import tensorflow as tf
+
+from distributed_mpt.config import TrainConfig
+from distributed_mpt.core import models, pipeline
+from distributed_mpt.core.augmentation import Augmentation
+from distributed_mpt.core.data import Dataset, ImageSplit
+from distributed_mpt.core.optim import groups
+from distributed_mpt.core.optim.lookahead import Lookahead
+from distributed_mpt.core.optim.optimizer import make_optimizer
+from distributed_mpt.core.optim.schedules import learning_rate_schedule
+from distributed_mpt.core.steps import Trainer
+from distributed_mpt.errors import ConfigError
+from distributed_mpt.training.plan import RunPlan
+
+
+@dataclasses.dataclass
+class Built:
+    """A run's trainer, and what it checkpoints beside it."""
+
+    trainer: Trainer
+    trained_global_batch: tf.Variable  # the global batch the checkpoint was trained at
+    lookahead: object = None
+
+    @property
+    def checkpointables(self) -> dict:
+        """What a checkpoint must hold to resume at the exact step."""
+        trainer = self.trainer
+        state = {"model": trainer.model, "optimizer": trainer.optimizer, "step": trainer.step,
+                 "global_batch_size": self.trained_global_batch}
+        if self.lookahead:
+            state["lookahead"] = self.lookahead.state
+        return state
+
+
+def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
+          dataset: Dataset) -> Built:
+    """The run's trainer under `strategy`; create it after the precision
+    policy is set and the random seed is fixed. Raises ModelError for a
+    user's model that breaks the contract, ConfigError for --xla with a
+    model that synchronizes replicas inside its forward pass."""
+    spec = models.model_spec(config.model)
+    schedule = learning_rate_schedule(plan.learning_rate, plan.total_steps, plan.warmup_steps,
+                                      config.lr_schedule)
+    with strategy.scope():
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        model = models.build_model(spec, dataset.info, config.model_width,
+                                   **{name: getattr(config, name) for name in spec.options})
+        if config.xla and plan.num_replicas > 1 and models.has_batch_norm(model):
+            raise ConfigError(
+                f"--xla compiles each replica's forward and backward pass, which cannot hold "
+                f"{config.model}'s batch norm synchronized over {plan.num_replicas} replicas: "
+                f"drop --xla, or use it with one replica")
+        models.initialize_from_data(model, dataset.train.images)
+        lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
+        optimizer = make_optimizer(groups.parameter_groups(model, _group_settings(config, plan)),
+                                   schedule, step, loss_scaling=plan.loss_scaling)
+        # Built here, not lazily in the first step: MirroredStrategy
+        # cannot create slot variables inside the traced step.
+        optimizer.build(model.trainable_variables)
+        trained_global_batch = tf.Variable(plan.global_batch_size, dtype=tf.int64,
+                                           trainable=False)
+    trainer = Trainer(model, optimizer, strategy, step, global_batch_size=plan.global_batch_size,
+                      num_workers=plan.num_workers, label_smoothing=config.label_smoothing,
+                      loss_scaling=plan.loss_scaling, lookahead=lookahead,
+                      eval_views=config.eval_tta, xla=config.xla,
+                      device_split=dataset.train if config.data_on_device else None,
+                      crop_padding=config.crop_padding)
+    return Built(trainer, trained_global_batch, lookahead)
+
+
+def _group_settings(config: TrainConfig, plan: RunPlan) -> groups.Settings:
+    muon = config.optimizer == "muon"
+    return groups.Settings(
+        peak_learning_rate=plan.learning_rate, weight_decay=config.weight_decay,
+        momentum=config.momentum, momentum_form=config.momentum_form,
+        filters_rule=config.optimizer,
+        # Muon's rate is its own peak, following the run's schedule.
+        filters_rate=config.muon_learning_rate / plan.learning_rate if muon else 1.0,
+        filters_momentum=config.muon_momentum, shift_rate=config.shift_lr_multiplier,
+        whiten_bias_steps=round(config.whiten_bias_epochs * plan.steps_per_epoch),
+        whiten_bias_freeze=config.whiten_bias_freeze)
+
+
+def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,
+                start_step: int):
+    """The distributed training input from `start_step` to the last step:
+    images and labels, or with the split on the device, what to gather."""
+    return trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
+        split, plan.global_batch_size, config.seed, start_step, plan.total_steps - start_step,
+        images_on_device=trainer.images_on_device,
+        augmentation=Augmentation(config.crop_padding, config.flip)))
