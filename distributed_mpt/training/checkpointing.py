@@ -53,11 +53,12 @@ class DiskFullError(UserError):
     """A checkpoint did not fit on its file system."""
 
 
-def model_identity(model, precision: str) -> dict:
+def model_identity(model, precision: str, name: Optional[str] = None) -> dict:
     """What must match for a checkpoint to be restorable into `model` trained
-    under `precision` (mixed_float16 adds loss-scaling state)."""
+    under `precision` (mixed_float16 adds loss-scaling state): its `name`
+    (default: the model's own), precision and variable shapes."""
     # Shapes in order, not names: Keras numbers layer names per process.
-    return {"model": model.name, "precision": precision,
+    return {"model": name or model.name, "precision": precision,
             "variable_shapes": [list(v.shape) for v in model.weights]}
 
 

@@ -40,8 +40,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     trainer = built.trainer
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
-    checkpoints = Checkpoints(config.model_dir, worker, model_identity(trainer.model, plan.policy),
-                              **built.checkpointables)
+    identity = model_identity(trainer.model, plan.policy,
+                              models.model_spec(config.model).identity)
+    checkpoints = Checkpoints(config.model_dir, worker, identity, **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found

@@ -70,6 +70,13 @@ class ModelSpec:
     def is_users(self) -> bool:
         return self.name == self.builder
 
+    @property
+    def identity(self) -> str:
+        """What a checkpoint records of the network: its name, or a user's
+        function name (Keras names a user's model by the order it was made
+        in: `functional_2`), so that a moved file still resumes."""
+        return self.builder.rpartition(":")[2] if self.is_users else self.name
+
 
 MODELS = {spec.name: spec for spec in (
     ModelSpec("mlp", "the original notebook's network", "distributed_mpt.core.models.mlp:build",

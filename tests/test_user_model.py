@@ -1,0 +1,153 @@
+"""A user's own network, from a file outside the package
+(`--model=path/to/file.py:function`): every guarantee the built-in models
+get (N replicas train like one, a resume ends with the weights of an
+uninterrupted run, the export and predict), and a broken one refused before
+any training with one line naming it."""
+
+import signal
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import (WatchedProcess, assert_ok, assert_one_error_line, checkpoint_weights,
+                      read_summary, run_in_process, subprocess_env, train)
+
+# A plain Keras network as a user writes one: its own normalization, Keras'
+# BatchNormalization (unsynchronized, as Keras makes it) and a softmax at
+# the end, none of which the package asked for.
+USER_MODEL = '''
+import keras
+
+
+def small_cnn(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Rescaling(1 / 255)(images)
+    x = keras.layers.Conv2D(8, 3, padding="same")(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(images, keras.layers.Dense(info.num_classes, activation="softmax")(x))
+
+
+def wrong_classes(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, keras.layers.Dense(info.num_classes + 1)(x))
+'''
+FLAGS = ["--dataset=synthetic", "--synthetic_examples=256", "--per_replica_batch_size=32",
+         "--precision=float32", "--warmup_epochs=0", "--noevaluate", "--noexport",
+         "--steps_per_loop=4", "--log_every_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "my_models.py"
+    path.write_text(USER_MODEL)
+    return path
+
+
+def test_it_trains_on_two_replicas_as_on_one(model_file, tmp_path):
+    common = [*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    assert single.keys() == mirrored.keys()
+    # Batch norm's moving statistics among them: synchronized across replicas.
+    assert any("moving_variance" in name for name in single)
+    for name in single:
+        # float32 round-off: the convolution's bias, which batch norm
+        # cancels, has no true gradient and moves by round-off alone (1e-6).
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(model_file, tmp_path):
+    common = [*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=80", "--steps_per_loop=2",
+              "--log_every_steps=2"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert_ok(train([*common, f"--model_dir={whole}"]))
+    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
+                         env=subprocess_env())
+    run.wait_for(r"^step +\d+/80", timeout=180)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == 143, run.output()
+    assert_ok(train([*common, f"--model_dir={stopped}"]))
+    assert 0 < read_summary(stopped)["resumed_from_step"] < 80
+    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_path):
+    run = tmp_path / "run"
+    assert_ok(train([*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=4", "--export",
+                     f"--model_dir={run}"]))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((20, 24, 3), 200, np.uint8)).save(photo)
+    from distributed_mpt.predict import main
+    result = run_in_process(main, [f"--model_dir={run}", "--top_k=10", "--json", str(photo)])
+    assert_ok(result)
+    import json
+    top = json.loads(result.stdout)["predictions"][0]["top"]
+    # The model's own softmax was dropped for training and added back once.
+    assert sum(t["probability"] for t in top) == pytest.approx(1.0, abs=1e-4)
+    assert len({t["probability"] for t in top}) > 1
+    assert f"--dataset=synthetic" in result.stderr and "small_cnn" in result.stderr
+
+
+@pytest.mark.parametrize("source, fragment", [
+    ("{file}:missing_function", "has no function missing_function"),
+    ("{file}:wrong_classes", "returns shape [2, 11] for 2 images"),
+    ("{broken}:small_cnn", "does not import (SyntaxError"),
+    ("{tmp}/nowhere.py:small_cnn", "is not a file"),
+    ("no_such_package.models:small_cnn", "cannot find module no_such_package.models"),
+])
+def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
+        model_file, tmp_path, source, fragment):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def small_cnn(info):\n    return (\n")
+    run = tmp_path / "run"
+    model = source.format(file=model_file, broken=broken, tmp=tmp_path)
+    result = train([*FLAGS, f"--model={model}", "--train_steps=4", f"--model_dir={run}"])
+    assert_one_error_line(result, fragment)
+    assert not run.exists(), "nothing written"
+
+
+def test_a_model_flag_that_names_nothing_is_refused_without_tensorflow(tmp_path):
+    result = train([*FLAGS, "--model=resnet9000", f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "is not one of mlp, resnet9, airbench")
+
+
+def test_workers_whose_model_files_differ_refuse_together(tmp_path):
+    """The same flag, `--model=my_models.py:small_cnn`, read from another
+    file on each worker (another working directory, a stale copy on one
+    node): both refuse before training, naming what differs."""
+    import subprocess
+    import sys
+
+    from conftest import SMOKE_FLAGS
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    flags = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+             "--peer_timeout_seconds=60", "--train_steps=4", "--precision=float32",
+             "--model=my_models.py:small_cnn", f"--model_dir={tmp_path / 'run'}"]
+    workers = []
+    for index, tf_config in enumerate(worker_tf_configs(free_ports(2))):
+        directory = tmp_path / f"node{index}"
+        directory.mkdir()
+        (directory / "my_models.py").write_text(USER_MODEL + f"# node {index}\n")
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "distributed_mpt.train", *flags], cwd=directory,
+            env=subprocess_env(TF_CONFIG=tf_config), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    for worker in workers:
+        output = worker.communicate(timeout=300)[0]
+        assert worker.returncode == 2, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "different --model source" in errors[0], output[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
