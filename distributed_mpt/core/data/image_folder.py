@@ -48,6 +48,10 @@ def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
     size = (source.image_size, source.image_size)
     # The statistics come from the training images, whichever splits are read.
     train = _decode(train_files, size)
+    # In a fixed shuffled order, not by class: what is computed from the
+    # first images (airbench's whitening takes 5,000) must see every class.
+    order = np.random.default_rng(0).permutation(len(train))
+    train = ImageSplit(train.images[order], train.labels[order])
     mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
     variance = np.zeros(3)
     for start in range(0, len(train), 4096):  # chunks: no float copy of every image
