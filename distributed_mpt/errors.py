@@ -47,8 +47,9 @@ class ExitCode(enum.IntEnum):
         "Ctrl-C pressed twice: aborted at once, without a checkpoint (a shell reports Ctrl-C "
         "so); a restart resumes from the latest checkpoint")
     KILLED = status_of_signal(signal.SIGKILL), (
-        "SIGKILL: a worker stopped while it waited for its peers (the peer watchdog ends it so, "
-        "nothing was trained yet), or the OOM killer, or Kubernetes after the grace period")
+        "SIGKILL: a worker asked to stop while TensorFlow started (its import, the wait for its "
+        "peers: the start-up watchdog ends it so, nothing was trained yet), or the OOM killer, "
+        "or Kubernetes after the grace period")
     PEER_LOST = status_of_signal(signal.SIGPIPE), (
         "a peer of a multi-worker job was lost mid-run (the connection broke); the group "
         "restarts from the latest checkpoint")

@@ -10,9 +10,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.errors import ClusterError, ConfigError
-from distributed_mpt.process.peer_watchdog import PeerWatchdog
+from distributed_mpt.process.cluster import Cluster
 
 # What TensorFlow raises on the survivors when a peer of a multi-worker job
 # is lost.
@@ -46,14 +45,14 @@ def resolve_strategy_name(name: str, cluster: Optional[Cluster], cpu_replicas: i
 
 
 def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto",
-                    cluster: Optional[Cluster] = None,
-                    peer_timeout_seconds: int = 300) -> tf.distribute.Strategy:
+                    cluster: Optional[Cluster] = None) -> tf.distribute.Strategy:
     """Creates strategy `name` (already resolved, not `auto`).
 
     mirrored: every local GPU, or `cpu_replicas` logical CPU devices when set.
-    multi_worker: MultiWorkerMirroredStrategy over `cluster`; exits with a
-    message naming the unreachable peers if they are not all up within
-    `peer_timeout_seconds`.
+    multi_worker: MultiWorkerMirroredStrategy over `cluster`, once every
+    peer has joined. Without a deadline a worker whose peers never start
+    waits for an hour (the coordination service's timeout), silently, and
+    deaf to SIGTERM: run it under startup_watchdog.StartupWatchdog.
     """
     if cpu_replicas:
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -72,38 +71,34 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
             return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(cpu_replicas)])
         return tf.distribute.MirroredStrategy()
     assert name == "multi_worker", name  # resolve_strategy_name returns no other
-    return _multi_worker(cluster, communication, peer_timeout_seconds)
+    return _multi_worker(cluster, communication)
 
 
-def _multi_worker(cluster: Cluster, communication: str, peer_timeout_seconds: int):
+def _multi_worker(cluster: Cluster, communication: str):
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster.tf_config["cluster"]), task_type=cluster.task_type,
         task_id=cluster.task_index, rpc_layer="grpc")
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=_COMMUNICATION[communication])
-    # Without a deadline a worker whose peers never start waits for an hour
-    # (the coordination service's timeout), silently, and deaf to SIGTERM.
-    others = [a for a in cluster.addresses if a != cluster.own_address]
-    with PeerWatchdog(peer_timeout_seconds, others):
-        try:
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(
-                resolver, communication_options=options)
-        except tf.errors.UnknownError as e:
-            if "Could not start gRPC server" not in str(e):
-                raise
-            # TensorFlow's words are kept: the launcher looks for them.
-            raise ClusterError(
-                f"Could not start gRPC server on port {cluster.own_address.rpartition(':')[2]} "
-                f"({cluster.own_address}): the port is taken on some address of this host "
-                f"(see `ss -ltnp`)") from None
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            resolver, communication_options=options)
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in str(e):
+            raise
+        # TensorFlow's words are kept: the launcher looks for them.
+        raise ClusterError(
+            f"Could not start gRPC server on port {cluster.own_address.rpartition(':')[2]} "
+            f"({cluster.own_address}): the port is taken on some address of this host "
+            f"(see `ss -ltnp`)") from None
 
-        # The first collective completes only once every peer has joined.
-        # Not converted by AutoGraph: there is nothing to convert.
-        @tf.function(autograph=False)
-        def join_all():
-            return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+    # The first collective completes only once every peer has joined.
+    # Not converted by AutoGraph: there is nothing to convert.
+    @tf.function(autograph=False)
+    def join_all():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
-        join_all()
+    join_all()
     return strategy
 
 

@@ -8,13 +8,14 @@ the process is in:
   with ExitCode.PREEMPTED (retryable).
 - WAITING FOR TENSORFLOW (its import and the strategy, which for
   MultiWorkerMirroredStrategy means waiting for the peers): TensorFlow's C++
-  code holds the GIL, so no Python handler or thread of this process runs,
-  and its coordination service installs a SIGTERM handler that only records
-  the signal. So the signals are blocked in every thread (`tensorflow_starting`)
-  and stay pending; the peer watchdog, a separate process, sees them in /proc
-  and ends the worker with the signal `WAITING_WORKER_STOP_SIGNAL` (exit
-  ExitCode.KILLED, retryable). A single process acts on them as STARTING
-  does, once the strategy exists.
+  code holds the GIL (for seconds at a time during the import, for the
+  whole wait for the peers), so no Python handler or thread of this process
+  runs, and its coordination service installs a SIGTERM handler that only
+  records the signal. So the signals are blocked in every thread
+  (`tensorflow_starting`) and stay pending; the start-up watchdog
+  (startup_watchdog.py), a separate process, sees them in /proc within a
+  fraction of a second and ends the worker with the signal
+  `WAITING_WORKER_STOP_SIGNAL` (exit ExitCode.KILLED, retryable).
 - PREPARING (data, model, restore): as STARTING.
 - TRAINING: the first signal is a request; the training loop looks at it at
   every step boundary (`requested`, or the `on_request` callback that the
@@ -29,8 +30,8 @@ TensorFlow, which may take a whole step. Python's C-level handler writes the
 signal number to a wakeup pipe at once, though, and a thread reading it
 acts within milliseconds, whatever the main thread is doing.
 
-The helper processes a run starts (the log filter, the peer watchdog) ignore
-the stop signals (`ignore_stop_signals`): a Ctrl-C reaches the whole process
+The helper processes a run starts (the log filter, the start-up watchdog)
+ignore the stop signals (`ignore_stop_signals`): a Ctrl-C reaches the whole process
 group, and they must outlive the process they serve. They are started with
 `helper_command`, which never imports from the working directory.
 """
@@ -47,7 +48,7 @@ from distributed_mpt.errors import EXIT_ABORTED, EXIT_KILLED, EXIT_PEER_TIMEOUT,
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-# How the peer watchdog ends a worker that TensorFlow holds while it waits
+# How the start-up watchdog ends a worker that TensorFlow holds while it starts
 # for its peers: signals it cannot block or swallow (SIGALRM is never
 # blocked here and TensorFlow leaves it alone), whose default action gives
 # the exit status that says why.

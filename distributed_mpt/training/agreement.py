@@ -1,4 +1,5 @@
-"""Workers of one job agree before they train: the same run, the same flags.
+"""Workers of one job agree before they train (the same run, the same
+flags), and leave together when they are done.
 
 A worker that resumes from another step (no shared --model_dir), finds
 another split, or resolves another precision would call the collectives
@@ -48,3 +49,17 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
             f"worker: {mine}; precision is an index into {'/'.join(PRECISIONS)}): "
             f"give every worker the same --model_dir on one shared file system, the same data "
             f"and flags, and an explicit --precision")
+
+
+def leave_together(strategy: tf.distribute.Strategy) -> None:
+    """Returns once every worker got here: the others wait for the chief's
+    export. A worker that left first would have gone while the chief's
+    coordination service still watched it, which logs it as crashed
+    (`StartAbort UNAVAILABLE: ... The tasks have crashed`, as in
+    tensorflow/tensorflow#58434) at the end of a run that succeeded."""
+
+    @tf.function(autograph=False)
+    def everyone_here():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    everyone_here()

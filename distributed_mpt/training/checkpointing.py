@@ -111,6 +111,10 @@ class Checkpoints:
         self._manager: Optional[tf.train.CheckpointManager] = None
         self._damaged: List[Tuple[int, str]] = []  # skipped at restore, not yet replaced
 
+    def on_disk(self) -> bool:
+        """Whether the shared directory holds any checkpoint file."""
+        return bool(checkpoints_on_disk(self._shared_dir))
+
     @property
     def bytes_needed(self) -> int:
         """Space a run needs for its checkpoints: the ones kept and one being

@@ -13,7 +13,7 @@ from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
 from distributed_mpt.errors import DivergedError, Preempted
 from distributed_mpt.training.checkpointing import Checkpoints
 from distributed_mpt.training.plan import RunPlan
-from distributed_mpt.training.reporting import Reporter
+from distributed_mpt.training.reporting import Reporter, format_seconds
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
 # halves; this many in a row means the loss itself is not finite.
@@ -67,7 +67,9 @@ class TrainingLoop:
                                                                         config.steps_per_loop),
                             *(_next_multiple(current, b) for b in boundaries)) - current
             call_started = time.perf_counter()
-            totals = trainer.train(iterator, num_steps, seconds_per_step)
+            with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
+                                                     agreed_seconds_per_step)):
+                totals = trainer.train(iterator, num_steps, seconds_per_step)
             if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
                 self._stop(totals, int(trainer.step.numpy()), current)
             call_seconds = time.perf_counter() - call_started
@@ -87,9 +89,10 @@ class TrainingLoop:
             # end past the promised interval.
             due = time.perf_counter() - last_line + call_seconds >= config_lib.PROGRESS_SECONDS
             if (current % config.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
-                    current == plan.total_steps or due or not lines):
+                    current == plan.total_steps or due or lines < 2):
                 # The first line comes after the first call, so that a slow
                 # start (tracing) shows; it has no ETA, as tracing is in it.
+                # The second, after the first call timed alone, has one.
                 metrics = self._log(current, interval, interval_seconds, with_eta=lines > 0)
                 lines += 1
                 interval, interval_start = NO_TOTALS, time.perf_counter()
@@ -99,14 +102,17 @@ class TrainingLoop:
 
             if current % eval_every_steps == 0 and current < plan.total_steps:
                 eval_started = time.perf_counter()
-                self._reporter.say(f"evaluating on the {len(test_split)} test images")
-                self._reporter.log(current, {"epoch": current / plan.steps_per_epoch,
-                                             **trainer.evaluate(test_split)})
+                activity = f"evaluating on the {len(test_split)} test images"
+                self._reporter.say(activity)
+                with self._reporter.doing(activity):
+                    result = trainer.evaluate(test_split)
+                self._reporter.log(current, {"epoch": current / plan.steps_per_epoch, **result})
                 interval_start += time.perf_counter() - eval_started  # not training time
 
             if current % config.checkpoint_every_steps == 0 or current == plan.total_steps:
                 save_started = time.perf_counter()
-                self._checkpoints.save(current)
+                with self._reporter.doing(f"saving the checkpoint of step {current}"):
+                    self._checkpoints.save(current)
                 self._last_saved = current
                 interval_start += time.perf_counter() - save_started  # not training time
         if not timed_seconds:
@@ -156,6 +162,17 @@ class TrainingLoop:
             eta = (plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]
         self._reporter.log(step, metrics, eta_seconds=eta)
         return metrics
+
+
+def _call_activity(current: int, num_steps: int, total_steps: int,
+                   seconds_per_step: float) -> str:
+    """What a loop call does, for a line while it runs past PROGRESS_SECONDS."""
+    if current == 0 or not seconds_per_step:
+        return f"compiling the training step and taking step {current + 1} of {total_steps}"
+    steps = f"{current + 1}-{current + num_steps}" if num_steps > 1 else str(current + 1)
+    expected = (total_steps - current) * seconds_per_step
+    return (f"training step {steps} of {total_steps} (a step took {seconds_per_step:.1f} s "
+            f"before; ETA {format_seconds(expected)} at that pace)")
 
 
 def _steps_per_call(seconds_per_step: float, steps_per_loop: int) -> int:

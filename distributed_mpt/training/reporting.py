@@ -1,19 +1,32 @@
 """Progress as a person, a dashboard and a script see it: one line per
-interval on stdout, TensorBoard scalars, and `metrics.jsonl`. Only the chief
-reports; the other workers stay quiet."""
+interval on stdout, TensorBoard scalars, `metrics.jsonl`, and on Kubeflow
+Trainer the TrainJob's status. Only the chief reports; the other workers
+stay quiet.
 
+A line comes at least every PROGRESS_SECONDS whatever the run is doing: a
+thread watches the clock and, when the main thread is held longer (tracing
+the first step, a step slower than that, an evaluation, a checkpoint), says
+what is under way and for how long.
+"""
+
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
+from typing import Optional
 
 import tensorflow as tf
 
 from distributed_mpt import files
-
+from distributed_mpt.config import PROGRESS_SECONDS
+from distributed_mpt.process.trainjob_status import TrainJobStatus
 
 # What every record of metrics.jsonl holds; a line without them is damaged.
 _RECORD_FIELDS = {"step": int, "elapsed_seconds": (int, float)}
+# What the TrainJob's status shows of a record, as the console does.
+_STATUS_METRICS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "learning_rate")
 
 
 class Reporter:
@@ -34,6 +47,11 @@ class Reporter:
         self._started = started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
         self._earlier_seconds = 0.0
+        self._status = None
+        self._printing = threading.Lock()
+        self._last_line = time.monotonic()
+        self._activity: Optional[str] = None
+        self._activity_since = 0.0
         if not enabled:
             self._writer = tf.summary.create_noop_writer()
             return
@@ -52,6 +70,9 @@ class Reporter:
             evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)]
         files.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
+        self._status = TrainJobStatus.from_environment()
+        self._closed = threading.Event()
+        threading.Thread(target=self._heartbeat, daemon=True, name="progress").start()
 
     def last_logged(self, key: str) -> dict:
         """The newest record of metrics.jsonl that has `key`; {} if none."""
@@ -61,20 +82,25 @@ class Reporter:
     def say(self, message: str) -> None:
         """Prints a line on the chief."""
         if self._enabled:
-            self._clear_live_line()
-            print(message, flush=True)
+            self._print(message)
+
+    @contextlib.contextmanager
+    def doing(self, activity: str):
+        """Says `activity` (e.g. "evaluating") is under way in the block: if
+        it holds the run past PROGRESS_SECONDS without a line, a line says so."""
+        self._activity, self._activity_since = activity, time.monotonic()
+        try:
+            yield
+        finally:
+            self._activity = None
 
     def live(self, step: int) -> None:
         """Shows the step reached on the status line (terminals only)."""
         if self._terminal:
-            sys.stdout.write(f"\r\x1b[Kstep {step}/{self._total_steps}")
-            sys.stdout.flush()
-            self._live_line_shown = True
-
-    def _clear_live_line(self) -> None:
-        if self._live_line_shown:
-            sys.stdout.write("\r\x1b[K")
-            self._live_line_shown = False
+            with self._printing:
+                sys.stdout.write(f"\r\x1b[Kstep {step}/{self._total_steps}")
+                sys.stdout.flush()
+                self._live_line_shown = True
 
     def log(self, step: int, record: dict, eta_seconds: float = None) -> None:
         """Reports the metrics of the interval ending at `step`; the printed
@@ -90,6 +116,9 @@ class Reporter:
                 if name != "step" and isinstance(value, (int, float)):
                     tf.summary.scalar(name, value)
         self._writer.flush()
+        if self._status is not None:
+            self._status.update(100 * step / self._total_steps, eta_seconds,
+                                {k: record[k] for k in _STATUS_METRICS if k in record})
         width = len(str(self._total_steps))
         parts = [f"step {step:>{width}}/{self._total_steps}"]
         for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
@@ -100,10 +129,36 @@ class Reporter:
             if name in record:
                 parts.append(f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}")
         if eta_seconds is not None:
-            minutes, seconds = divmod(round(eta_seconds), 60)
-            parts.append(f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
-        self._clear_live_line()
-        print("  ".join(parts), file=sys.stdout, flush=True)
+            parts.append(f"ETA {format_seconds(eta_seconds)}")
+        self._print("  ".join(parts))
 
     def close(self) -> None:
+        if self._enabled:
+            self._closed.set()
+            if self._status is not None:
+                self._status.close()
         self._writer.close()
+
+    def _print(self, line: str) -> None:
+        with self._printing:
+            if self._live_line_shown:
+                sys.stdout.write("\r\x1b[K")
+                self._live_line_shown = False
+            print(line, file=sys.stdout, flush=True)
+            self._last_line = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """A line when the main thread has been held past PROGRESS_SECONDS."""
+        while not self._closed.wait(1.0):
+            activity, now = self._activity, time.monotonic()
+            if activity and now - self._last_line >= PROGRESS_SECONDS:
+                try:
+                    self._print(f"{activity}: {now - self._activity_since:.0f} s so far")
+                except Exception:  # noqa: BLE001 - the console is console.py's to report
+                    return
+
+
+def format_seconds(seconds: float) -> str:
+    """H:MM:SS."""
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"

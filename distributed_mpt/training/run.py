@@ -17,7 +17,7 @@ from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.training import export
-from distributed_mpt.training.agreement import check_workers_agree
+from distributed_mpt.training.agreement import check_workers_agree, leave_together
 from distributed_mpt.training.build import Built, build, train_input
 from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
@@ -44,6 +44,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                               models.model_spec(config.model).identity)
     checkpoints = Checkpoints(config.model_dir, worker, identity, **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
+        if is_chief and checkpoints.on_disk():
+            print(f"restoring the newest intact checkpoint of {config.model_dir}", flush=True)
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
             check_workers_agree(strategy, resumed.agreement(plan), {
@@ -53,6 +55,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         if resumed.finished:
             if is_chief:
                 _finished_again(config, resumed, built, dataset.info)
+            if plan.num_workers > 1:
+                leave_together(strategy)
             return resumed.finished_summary
         reporter = Reporter(config.model_dir, is_chief, plan.total_steps, resumed.start_step,
                             started, evaluates_at_end=config.evaluate)
@@ -77,6 +81,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             if is_chief:
                 files.write_json(f"{config.model_dir}/summary.json", summary)
+            if plan.num_workers > 1:
+                leave_together(strategy)
             return summary
         finally:
             reporter.close()
@@ -161,8 +167,10 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     """Evaluates the trained model into `summary`, and exports it if
     `export_model` (the chief) and the config say so."""
     if config.evaluate:
-        reporter.say(f"evaluating on the {len(dataset.test)} test images")
-        result = built.trainer.evaluate(dataset.test)
+        activity = f"evaluating on the {len(dataset.test)} test images"
+        reporter.say(activity)
+        with reporter.doing(activity):
+            result = built.trainer.evaluate(dataset.test)
         summary.update(result)
         # Logged like the evaluations during training, so that the accuracy
         # curve ends where the run ends.
@@ -171,6 +179,7 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
         info = export.model_info(dataclasses.asdict(config), summary)
-        path = export.export_model(built.trainer.model, config.model_dir,
-                                   dataset.info.class_names, dataset.info.image_shape, info)
+        with reporter.doing("exporting the model"):
+            path = export.export_model(built.trainer.model, config.model_dir,
+                                       dataset.info.class_names, dataset.info.image_shape, info)
         reporter.say(f"exported to {path}")

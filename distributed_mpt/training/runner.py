@@ -33,6 +33,7 @@ def _run(config: TrainConfig) -> int:
         from distributed_mpt import files
         from distributed_mpt.process import run_lock
         from distributed_mpt.process.cluster import resolve_cluster
+        from distributed_mpt.process.startup_watchdog import StartupWatchdog
         from distributed_mpt.training import model_dir
         cluster = resolve_cluster(os.environ)
         # A user's file where the run keeps a directory of its own (or the
@@ -52,10 +53,12 @@ def _run(config: TrainConfig) -> int:
             if removed:
                 print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
             model_dir.mark(config.model_dir)
-        # Only TensorFlow's start-up runs with the stop signals held: it is
-        # bounded (the peer watchdog ends a wait for peers), and it is the
-        # part no handler of ours could interrupt.
-        with stopping.tensorflow_starting():
+        # Only TensorFlow's start-up runs with the stop signals held: no
+        # handler of ours could interrupt it, so the start-up watchdog acts on
+        # a stop in its place, and bounds the wait for the peers.
+        peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
+        deadline = config.peer_timeout_seconds if cluster else None
+        with stopping.tensorflow_starting(), StartupWatchdog(deadline, peers):
             # TensorFlow is imported only now, behind the log filter.
             from distributed_mpt.process import distribution
             from distributed_mpt.training.run import train_and_evaluate
@@ -63,8 +66,7 @@ def _run(config: TrainConfig) -> int:
                 config.strategy, cluster, config.cpu_replicas)
             try:
                 strategy = distribution.create_strategy(
-                    strategy_name, config.cpu_replicas, config.communication, cluster,
-                    config.peer_timeout_seconds)
+                    strategy_name, config.cpu_replicas, config.communication, cluster)
             except distribution.PEER_ERRORS as e:
                 return _lost_a_peer(e, cluster)
         stopping.enter(stopping.Phase.PREPARING)

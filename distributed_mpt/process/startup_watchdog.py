@@ -1,0 +1,82 @@
+"""Bounds TensorFlow's start-up: a separate process that ends its parent if
+the parent is asked to stop while TensorFlow starts (its import, the
+strategy, for a multi-worker job the wait for the peers), or if the peers
+are not all up by a deadline.
+
+While TensorFlow starts, the worker holds its stop signals blocked and
+cannot act on them (see stopping.py, "WAITING FOR TENSORFLOW"): its import
+holds the interpreter for seconds at a time, and MultiWorkerMirroredStrategy
+holds it for the whole wait. This process sees a stop signal pending in
+/proc within POLL_SECONDS and ends the worker as stopping.py's policy says,
+so that Kubernetes' SIGTERM during a rollout, or Kueue's preemption of a job
+that has just started, is obeyed at once. It ignores those signals itself,
+so that a signal sent to the whole process group cannot take it away.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from distributed_mpt.errors import status_of_signal
+from distributed_mpt.process import stopping
+
+POLL_SECONDS = 0.2
+
+
+class StartupWatchdog:
+    """Use as a context manager around TensorFlow's start-up, inside
+    `stopping.tensorflow_starting`. peers: the other workers' addresses, and
+    timeout_seconds how long they may take to be up (from the watchdog's
+    start), for a multi-worker job; None: no deadline."""
+
+    def __init__(self, timeout_seconds: Optional[float] = None, peers: Sequence[str] = ()):
+        deadline = "none" if timeout_seconds is None else str(timeout_seconds)
+        self._command = stopping.helper_command(
+            "distributed_mpt.process.startup_watchdog", str(os.getpid()), deadline, *peers)
+
+    def __enter__(self):
+        self._process = subprocess.Popen(self._command)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._process.kill()
+        self._process.wait()
+
+
+def _is_up(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _watch(parent: int, timeout: Optional[float], peers) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        if os.getppid() != parent:
+            return  # the parent is gone
+        stop = stopping.pending_stop_signal(parent)
+        if stop is not None:
+            end = stopping.WAITING_WORKER_STOP_SIGNAL
+            print(f"{stop.name} while TensorFlow started: stopping (nothing trained yet; exit "
+                  f"status {status_of_signal(end)}, retryable)", file=sys.stderr, flush=True)
+            os.kill(parent, end)
+            return
+        time.sleep(POLL_SECONDS)
+    missing = [p for p in peers if not _is_up(p)] or peers
+    end = stopping.PEER_TIMEOUT_SIGNAL
+    print(f"error: peers not up after {timeout:g}s (--peer_timeout_seconds): waited for "
+          f"{', '.join(missing)}; check that every worker was started with the same cluster "
+          f"(exit status {status_of_signal(end)}, retryable)", file=sys.stderr, flush=True)
+    os.kill(parent, end)
+
+
+if __name__ == "__main__":
+    stopping.ignore_stop_signals()
+    _watch(int(sys.argv[1]), None if sys.argv[2] == "none" else float(sys.argv[2]),
+           sys.argv[3:])
