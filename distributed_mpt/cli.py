@@ -65,7 +65,9 @@ def parse(program: str, fv: flags.FlagValues, argv: List[str]) -> List[str]:
     try:
         return fv([program, *argv])[1:]
     except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
-        raise ConfigError(first_line(e).removeprefix("ERROR:: ")) from None
+        # quoted: absl echoes what it was given (a --flagfile of
+        # /proc/self/environ: the environment), control characters and all.
+        raise ConfigError(quoted(first_line(e, limit=10_000).removeprefix("ERROR:: "))) from None
 
 
 def guarded(main: Callable[[], int]) -> int:

@@ -225,6 +225,9 @@ _MAX_WIDTH = 1024            # resnet9 at 1024 already has 1.7 billion weights
 _MAX_BATCH = 65_536
 _MAX_CPU_REPLICAS = 64       # logical devices: TensorFlow stalls creating 100,000
 _MAX_MULTIPLIER = 1e4
+# Far above any rate that trains (airbench94's peak is 1.5 at batch 1024),
+# and low enough that scaled by any global batch it stays finite.
+_MAX_RATE = 1e3
 # Three pooling stages need 8 pixels; 512 squared is 768 KB an image in memory.
 _MIN_IMAGE_SIZE, _MAX_IMAGE_SIZE = 8, 512
 # Reflect padding mirrors the image without its edge, so at most 31 pixels.
@@ -268,7 +271,9 @@ def _validate(c: TrainConfig) -> None:
         value = getattr(c, name)
         _require(value <= limit, f"--{name}={value} is larger than this program accepts ({limit:,})")
     _require(c.train_steps >= 0, f"--train_steps={c.train_steps} must be >= 0 (0 means: use --epochs)")
-    _require(c.learning_rate > 0, f"--learning_rate={c.learning_rate} must be positive")
+    _require(0 < c.learning_rate <= _MAX_RATE,
+             f"--learning_rate={c.learning_rate} must be in (0, {_MAX_RATE:g}]: the rate at the "
+             f"reference batch of 128, scaled with the global batch")
     _require(c.max_learning_rate >= 0,
              f"--max_learning_rate={c.max_learning_rate} must be >= 0 (0: no ceiling)")
     _require(c.warmup_epochs >= 0, f"--warmup_epochs={c.warmup_epochs} must be >= 0")
@@ -277,8 +282,8 @@ def _validate(c: TrainConfig) -> None:
     _require(0 <= c.label_smoothing < 1, f"--label_smoothing={c.label_smoothing} must be in [0, 1)")
     _require(math.isfinite(c.shift_lr_multiplier) and 0 < c.shift_lr_multiplier <= _MAX_MULTIPLIER,
              f"--shift_lr_multiplier={c.shift_lr_multiplier} must be in (0, {_MAX_MULTIPLIER}]")
-    _require(math.isfinite(c.muon_learning_rate) and c.muon_learning_rate > 0,
-             f"--muon_learning_rate={c.muon_learning_rate} must be positive")
+    _require(0 < c.muon_learning_rate <= _MAX_RATE,
+             f"--muon_learning_rate={c.muon_learning_rate} must be in (0, {_MAX_RATE:g}]")
     _require(0 <= c.muon_momentum < 1, f"--muon_momentum={c.muon_momentum} must be in [0, 1)")
     _require(c.optimizer == "sgd" or c.model != "mlp",
              "--optimizer=muon trains convolution filters, and the mlp has none: use "
@@ -303,6 +308,26 @@ def _validate(c: TrainConfig) -> None:
 # own machine (the trainer compares the resolved precision instead).
 _PER_WORKER = ("model_dir", "adopt_model_dir", "data_dir", "download", "peer_timeout_seconds",
                "export", "precision", "strategy", "communication")
+
+
+# Flags that a resumed run may set otherwise than the run it continues: its
+# length, its batch (the rate is rescaled, and it says so), where things
+# are, how it runs and reports, and its evaluation. Every other flag shapes
+# what is trained (rate, decay, smoothing, momentum, schedule, optimizer,
+# augmentation, data, model), and a resume refuses to change it, so that a
+# new flag is refused unless it is declared here.
+RESUME_MAY_CHANGE = (
+    "epochs", "train_steps", "per_replica_batch_size", "model_dir", "adopt_model_dir",
+    "data_dir", "download", "strategy", "cpu_replicas", "communication", "steps_per_loop",
+    "log_every_steps", "checkpoint_every_steps", "xla", "data_on_device", "peer_timeout_seconds",
+    "evaluate", "eval_every_epochs", "eval_tta", "export")
+
+
+def training_flags(c: TrainConfig) -> dict:
+    """The fields that shape what is trained, by flag name (see
+    RESUME_MAY_CHANGE), the per-model defaults resolved."""
+    return {field.name: getattr(c, field.name) for field in dataclasses.fields(c)
+            if field.name not in RESUME_MAY_CHANGE}
 
 
 def shared_flags(c: TrainConfig) -> dict:

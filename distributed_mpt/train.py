@@ -103,6 +103,9 @@ def _check_flagfiles(args, seen=()) -> None:
                                          "in UTF-8")
         except files.DamagedFileError as e:
             raise ConfigError(str(e)) from None
+        if text is not None and "\x00" in text:  # /proc/self/environ: not a flagfile
+            raise ConfigError(f"--flagfile={quoted(path)} holds NUL bytes: a flagfile is a text "
+                              f"file of flags, one a line")
         if text is not None:  # a missing file is absl's to report
             _check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
 

@@ -56,6 +56,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"--xla compiles each replica's forward and backward pass, which cannot hold "
                 f"{config.model}'s batch norm synchronized over {plan.num_replicas} replicas: "
                 f"drop --xla, or use it with one replica")
+        _check_memory(model, config)
         models.initialize_from_data(model, dataset.train.images)
         lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
         optimizer = make_optimizer(groups.parameter_groups(model, _group_settings(config, plan)),
@@ -72,6 +73,36 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                       device_split=dataset.train if config.data_on_device else None,
                       crop_padding=config.crop_padding)
     return Built(trainer, trained_global_batch, lookahead)
+
+
+# Copies of every weight a run holds besides the weights: the gradient, the
+# momentum, the lookahead's average, and a checkpoint or export in the making.
+_COPIES_PER_WEIGHT = 5
+
+
+def _check_memory(model, config: TrainConfig) -> None:
+    """Raises ConfigError if training `model` cannot fit in this machine's
+    available memory (its weights alone, times the copies a run keeps), so
+    that a width of 1,024 is one line at the start, not the OOM killer's
+    exit 137 (which restart policies retry) without a word."""
+    available = _available_bytes()
+    needed = _COPIES_PER_WEIGHT * sum(4 * int(tf.size(v)) for v in model.weights)
+    if available and needed > available:
+        parameters = sum(int(tf.size(v)) for v in model.weights)
+        raise ConfigError(
+            f"--model={config.model} at --model_width={config.model_width} has {parameters:,} "
+            f"parameters: training it needs about {needed / 1e9:.1f} GB, more than the "
+            f"{available / 1e9:.1f} GB this machine has available; lower --model_width")
+
+
+def _available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), 0 where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
 
 
 def _group_settings(config: TrainConfig, plan: RunPlan) -> groups.Settings:

@@ -31,7 +31,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import files
-from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line
+from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line, quoted
 from distributed_mpt.training.model_dir import DEBRIS, remove_matching
 
 MAX_TO_KEEP = 3
@@ -166,6 +166,7 @@ class Checkpoints:
         for step, prefix in found:
             problem = why_unreadable(prefix)
             if problem:
+                _refuse_what_a_save_cannot_replace(prefix)
                 skipped.append((prefix, problem))
                 continue
             try:
@@ -315,6 +316,19 @@ def why_unreadable(prefix: str) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - a damaged file raises OpError, IndexError, ...
         return first_line(e, 160)
     return None
+
+
+def _refuse_what_a_save_cannot_replace(prefix: str) -> None:
+    """Raises CheckpointDamagedError if a file of the checkpoint at `prefix`
+    is not a file (a directory, a FIFO): the run would resume from an older
+    checkpoint, fail to save this one's step, and do so again at every
+    restart, a crash loop that restart policies feed. Once, before training."""
+    for path in sorted(glob.glob(glob.escape(prefix) + ".*")):
+        if os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode):
+            raise CheckpointDamagedError(
+                f"{quoted(path)} is {files.kind_of(path)}, not a checkpoint file, and this run "
+                f"would write one there at step {_number(prefix)}: move it away, and run the "
+                f"same command again to resume")
 
 
 def _megabytes(size: int) -> str:

@@ -9,7 +9,8 @@ from typing import List, Optional
 from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.errors import ConfigError
+from distributed_mpt.core import models
+from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.training.checkpointing import Checkpoints, Restored
 from distributed_mpt.training.plan import RunPlan
 
@@ -58,16 +59,33 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     return Resumption(start_step, restored, previous_config, finished)
 
 
-def refuse_other_data(resumption: Resumption, config: TrainConfig) -> None:
-    """Raises ConfigError if this run would continue the checkpoints on other
-    data or with another seed: two runs mixed into one model, silently."""
+def refuse_other_training(resumption: Resumption, config: TrainConfig) -> None:
+    """Raises ConfigError if this run would continue the checkpoints with
+    other training settings (rate, decay, smoothing, momentum, schedule,
+    optimizer, augmentation, data, seed: config.training_flags), naming each
+    flag with the run's value and this one's: two runs mixed into one model,
+    silently, and a config.json that would say only the second."""
     previous = resumption.previous_config
-    changed = [f"--{name}={previous[name]}" for name in ("dataset", "seed")
-               if previous and previous[name] != getattr(config, name)]
-    if changed:
+    if not previous:
+        return
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    changed = [(name, previous.get(name, defaults[name]), value)
+               for name, value in config_lib.training_flags(config).items()
+               if previous.get(name, defaults[name]) != value]
+    source = previous.get("resolved", {}).get("model_source")
+    if source and source != models.source_digest(models.model_spec(config.model)):
         raise ConfigError(
-            f"--model_dir={config.model_dir} holds a run with {' '.join(changed)}, which this run "
-            f"changes: pass {' '.join(changed)} to resume it, or choose another --model_dir")
+            f"--model={quoted(config.model)} is not the file the run in "
+            f"--model_dir={quoted(config.model_dir)} was trained with (its SHA-256 differs): "
+            f"restore the file to resume, or choose another --model_dir")
+    if changed:
+        theirs = " ".join(f"--{name}={quoted(old, 60)}" for name, old, _ in changed)
+        mine = ", ".join(f"--{name}={quoted(old, 40)} to {quoted(new, 40)}"
+                         for name, old, new in changed)
+        raise ConfigError(
+            f"--model_dir={quoted(config.model_dir)} holds a run trained otherwise: this run "
+            f"changes {mine}. Pass {theirs} to resume it (only its length, batch, evaluation "
+            f"and where it runs may change), or choose another --model_dir")
 
 
 def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -> List[str]:

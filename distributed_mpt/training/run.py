@@ -23,7 +23,7 @@ from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
 from distributed_mpt.training.plan import RunPlan, plan_run
 from distributed_mpt.training.reporting import Reporter
-from distributed_mpt.training.resumption import continue_with, refuse_other_data, resume
+from distributed_mpt.training.resumption import continue_with, refuse_other_training, resume
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
@@ -51,7 +51,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             check_workers_agree(strategy, resumed.agreement(plan), {
                 **config_lib.shared_flags(config),
                 "model source": models.source_digest(models.model_spec(config.model))})
-        refuse_other_data(resumed, config)  # finished or not: never silently
+        refuse_other_training(resumed, config)  # finished or not: never silently
         if resumed.finished:
             if is_chief:
                 _finished_again(config, resumed, built, dataset.info)
@@ -62,8 +62,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                             started, evaluates_at_end=config.evaluate)
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
-                files.write_json(f"{config.model_dir}/config.json",
-                                 _config_record(config, plan, strategy_name, dataset.info))
+                files.write_json(f"{config.model_dir}/config.json", _config_record(
+                    config, plan, strategy_name, dataset.info, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
@@ -114,17 +114,23 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
 
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
-                   info: data.DatasetInfo) -> dict:
-    """config.json: the flags as given, and under "resolved" what `auto` and
-    the per-model defaults became on this machine, and what the model was
-    built for (predict rebuilds it from a checkpoint with it)."""
-    return {**dataclasses.asdict(config),
+                   info: data.DatasetInfo, resumed) -> dict:
+    """config.json: the flags as given, the step this segment of the run
+    starts at, and under "resolved" what `auto` and the per-model defaults
+    became on this machine and what the model was built for (predict
+    rebuilds it from a checkpoint with it). Under "earlier", the records of
+    the segments before, oldest first: a resume may change the run's length,
+    batch or evaluation, and the file says what every step was trained with."""
+    previous = dict(resumed.previous_config)
+    earlier = previous.pop("earlier", []) + ([previous] if previous else [])
+    return {**dataclasses.asdict(config), "from_step": resumed.start_step, "earlier": earlier,
             "resolved": {"precision": plan.policy, "strategy": strategy_name,
                          "num_workers": plan.num_workers, "num_replicas": plan.num_replicas,
                          "global_batch_size": plan.global_batch_size,
                          "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
                          "warmup_steps": plan.warmup_steps,
-                         "dataset_info": dataclasses.asdict(info)}}
+                         "dataset_info": dataclasses.asdict(info),
+                         "model_source": models.source_digest(models.model_spec(config.model))}}
 
 
 def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:
