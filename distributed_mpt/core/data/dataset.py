@@ -7,9 +7,8 @@ registry; its loader returns a `Dataset`.
 """
 
 import dataclasses
-from typing import Callable, Dict, Optional, Sequence, Tuple
-
-import numpy as np
+import importlib
+from typing import Dict, Optional, Sequence, Tuple
 
 SPLITS = ("train", "test")
 
@@ -18,8 +17,8 @@ SPLITS = ("train", "test")
 class ImageSplit:
     """A split held in memory: uint8 images [N, H, W, C] and int32 labels [N]."""
 
-    images: np.ndarray
-    labels: np.ndarray
+    images: "np.ndarray"  # noqa: F821 - NumPy is the loaders' to import, not the registry's
+    labels: "np.ndarray"  # noqa: F821
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -80,11 +79,17 @@ class DataSource:
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
     """A dataset the package can train on: its name (the --dataset value),
-    one line saying what it is, and its loader, which returns the `splits`
-    asked for (reading only those) or raises DataUnavailableError saying what
-    is missing and how to get it."""
+    one line saying what it is, and its loader as "module:function" (imported
+    only to load: flags are checked, and a stop obeyed, before NumPy or
+    TensorFlow start a thread), a `(DataSource, splits) -> Dataset` that
+    returns the `splits` asked for (reading only those) or raises
+    DataUnavailableError saying what is missing and how to get it."""
 
     name: str
     summary: str
-    load: Callable[[DataSource, Sequence[str]], Dataset]
+    loader: str
     needs_data_dir: bool = False
+
+    def load(self, source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
+        module, _, function = self.loader.partition(":")
+        return getattr(importlib.import_module(module), function)(source, tuple(splits))

@@ -19,12 +19,12 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit
 from distributed_mpt.errors import DataUnavailableError, quoted
 
 NAME = "image_folder"
-LAYOUT = "DATA_DIR/train/<class>/<images> and DATA_DIR/test/<class>/<images>"
 
 
 def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:

@@ -1,0 +1,115 @@
+"""A worker asked to stop while it starts: Kubernetes sends SIGTERM when a
+pod is deleted in a rollout, or Kueue preempts a job that has just started,
+often while TensorFlow is still being imported or the worker waits for its
+peers. It must end within seconds, with a code its restart policy retries
+(stopping.py, startup_watchdog.py).
+
+Times are measured from when the worker can act on the signal (its start-up
+watchdog is running, or its gRPC server listens), not from the process's
+start, and printed; the bound is generous for a loaded machine, the figure
+is what to read (docs/reliability.md states it with its load)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMOKE_FLAGS, subprocess_env
+from distributed_mpt import errors
+
+BOUND_SECONDS = 10  # the target is 2 s; a loaded CI machine gets five times that
+
+
+def _children(pid: int):
+    """The command lines of `pid`'s child processes."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        for child in children:
+            try:
+                found.append((int(child), Path(f"/proc/{child}/cmdline").read_bytes()))
+            except OSError:
+                pass
+    return found
+
+
+def _wait_until(condition, timeout: float, what: str, process):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the worker ended before {what}:\n{process.stdout.read()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def _start(args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "distributed_mpt.train", *args], cwd=REPO,
+                            env=env or subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _stop_and_time(process) -> float:
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    return time.monotonic() - signalled
+
+
+def test_sigterm_while_tensorflow_is_imported_ends_the_worker_at_once(tmp_path):
+    process = _start([*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={tmp_path / 'run'}"])
+    # The watchdog starts right before `import tensorflow`, which then takes
+    # seconds: the signal comes while TensorFlow is imported.
+    _wait_until(lambda: any(b"startup_watchdog" in cmd for _, cmd in _children(process.pid)),
+                120, "start-up watchdog", process)
+    seconds = _stop_and_time(process)
+    output = process.stdout.read()
+    print(f"ended {seconds:.2f} s after SIGTERM during TensorFlow's import")
+    assert process.returncode == -signal.SIGKILL, output  # 137: retryable
+    assert errors.ExitCode(128 + signal.SIGKILL).retryable
+    assert "SIGTERM while TensorFlow started: stopping" in output
+    assert seconds < BOUND_SECONDS, output
+
+
+def test_sigterm_while_waiting_for_peers_ends_the_worker_at_once(tmp_path):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                 "task": {"type": "worker", "index": 0}}
+    process = _start([*SMOKE_FLAGS, "--train_steps=10", "--peer_timeout_seconds=600",
+                      f"--model_dir={tmp_path / 'run'}"],
+                     env=subprocess_env(TF_CONFIG=json.dumps(tf_config)))
+
+    def listening():  # its gRPC server is up: it waits for worker 1, which never comes
+        with socket.socket() as client:
+            return client.connect_ex(("127.0.0.1", ports[0])) == 0
+
+    _wait_until(listening, 180, "gRPC server", process)
+    seconds = _stop_and_time(process)
+    output = process.stdout.read()
+    print(f"ended {seconds:.2f} s after SIGTERM while waiting for its peer")
+    assert process.returncode == -signal.SIGKILL, output
+    assert "SIGTERM while TensorFlow started: stopping" in output
+    assert seconds < BOUND_SECONDS, output
+    assert not (tmp_path / "run" / "checkpoints").exists(), "nothing trained"
+
+
+def test_sigterm_before_tensorflow_exits_preempted(tmp_path):
+    # Before the watchdog: the stop-signal thread exits at once with 143.
+    process = _start([*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={tmp_path / 'run'}"])
+    time.sleep(0.05)  # Python itself is starting: the signal is pending or handled at once
+    seconds = _stop_and_time(process)
+    print(f"ended {seconds:.2f} s after an early SIGTERM with {process.returncode}")
+    # Killed by the default handler before ours is installed (-15), or ours: 143.
+    assert process.returncode in (-signal.SIGTERM, errors.EXIT_PREEMPTED)
+    assert seconds < BOUND_SECONDS
