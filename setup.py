@@ -31,6 +31,10 @@ setup(
         "tensorboard",
     ],
     extras_require={
+        # k8s/check.py, the offline check of an edited k8s/ (with kubectl):
+        # parse the rendered manifests, validate built-in kinds against the
+        # Kubernetes schemas and the custom kinds against k8s/schemas/.
+        "k8s": ["pyyaml", "kubernetes-validate", "jsonschema"],
         "test": [
             "pytest",
             # Runs the tests in two processes (tests/pytest.ini): an earlier,

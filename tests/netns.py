@@ -5,10 +5,16 @@ others by a bridge, with the hostname and the DNS names its cluster gives it.
 names resolve in each namespace as the cluster's DNS would answer them; a
 new UTS namespace (`unshare --uts`) carries the pod's hostname. Needs root;
 `unavailable()` says why not, for a test to skip with.
+
+Faults: a link cut, narrowed (tc tbf), delayed and lossy (tc netem, where
+the kernel has it), or routed through a userspace forwarder that delays,
+drops and stalls (tests/lossy_link.py: any kernel with TUN devices).
 """
 
+import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -20,6 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 
 from conftest import SMALL_MODEL
+from lossy_link import DEVICE
 
 SUBNET = "10.231.{}.{}"  # a private /24 per network, far from common defaults
 
@@ -51,6 +58,11 @@ def netem_unavailable() -> Optional[str]:
         subprocess.run(["ip", "link", "del", probe], capture_output=True)
 
 
+def tun_unavailable() -> Optional[str]:
+    """Why tests/lossy_link.py cannot make its TUN devices here, or None."""
+    return None if os.path.exists("/dev/net/tun") else "no /dev/net/tun (the tun module is not loaded)"
+
+
 def _ip(*args, netns: Optional[str] = None) -> None:
     prefix = ["ip", "netns", "exec", netns] if netns else []
     subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, text=True)
@@ -58,7 +70,7 @@ def _ip(*args, netns: Optional[str] = None) -> None:
 
 class Network:
     """A bridge and one namespace per pod. Use as a context manager; every
-    namespace, link and hosts file is removed on exit."""
+    forwarder, namespace, link and hosts file is removed on exit."""
 
     def __init__(self, hosts: Sequence[Sequence[str]]):
         """`hosts[i]` are the DNS names of pod i (first: its hostname)."""
@@ -69,6 +81,7 @@ class Network:
         self._subnet = 16 + int(tag, 16) % 200
         self.addresses = [SUBNET.format(self._subnet, 10 + i) for i in range(len(hosts))]
         self._hosts = [list(names) for names in hosts]
+        self._forwarders = []
 
     def __enter__(self):
         try:
@@ -92,6 +105,10 @@ class Network:
         return self
 
     def __exit__(self, *exc):
+        # Forwarders first: their devices hold the namespaces alive, which
+        # `ip netns del` would only unname.
+        for forwarder in self._forwarders:
+            forwarder.close()
         for netns in self.namespaces:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{netns}", ignore_errors=True)
@@ -130,11 +147,93 @@ class Network:
                                 "latency", "500ms"):
             subprocess.run(command, check=True, capture_output=True, text=True)
 
+    def lossy_link(self, delay_ms: float, loss: float, pods=(0, 1)) -> "Forwarder":
+        """Routes the two `pods` to each other through a userspace forwarder
+        (tests/lossy_link.py) that delays each packet by `delay_ms` and drops
+        the fraction `loss`, each way: netem's job on any kernel. It stays
+        until the network is removed; `.stall(seconds)` holds the link."""
+        forwarder = Forwarder([self.namespaces[pod] for pod in pods], delay_ms, loss)
+        self._forwarders.append(forwarder)
+        for pod, peer in (pods, pods[::-1]):
+            netns, address, peer_address = self.namespaces[pod], self.addresses[pod], self.addresses[peer]
+            # The same MTU as the bridge's path, so that full-size segments
+            # of either path fit the other.
+            mtu = json.loads(subprocess.run(["ip", "netns", "exec", netns, "ip", "-j", "link", "show", "eth0"],
+                                            check=True, capture_output=True, text=True).stdout)[0]["mtu"]
+            _ip("link", "set", DEVICE, "mtu", str(mtu), "up", netns=netns)
+            # A /32 beats the bridge's /24; no gateway and no ARP on a
+            # point-to-point TUN device.
+            _ip("route", "add", f"{peer_address}/32", "dev", DEVICE, "src", address, netns=netns)
+            # Behind it, a blackhole: if the forwarder died, its device and
+            # route would go and the pods lose each other, instead of
+            # carrying on unseen over the clean bridge.
+            _ip("route", "add", "blackhole", f"{peer_address}/32", "metric", "1000", netns=netns)
+        return forwarder
+
     def _tc(self, pod: int, action: str, *qdisc) -> list:
         """The tc commands for both ends of pod `pod`'s link."""
         return [["tc", "qdisc", action, "dev", self._veths[pod], "root", *qdisc],
                 ["ip", "netns", "exec", self.namespaces[pod], "tc", "qdisc", action, "dev", "eth0",
                  "root", *qdisc]]
+
+
+class Forwarder:
+    """A running tests/lossy_link.py between two namespaces."""
+
+    def __init__(self, namespaces: Sequence[str], delay_ms: float, loss: float):
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("lossy_link.py")), *namespaces,
+             f"--delay_ms={delay_ms}", f"--loss={loss}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._pending = b""
+        try:
+            ready = self._reply(timeout=60)
+        except BaseException:
+            self.close()
+            raise
+        if ready != "ready":
+            self.close()
+            raise RuntimeError(f"lossy_link.py did not start: {ready}")
+
+    def stall(self, seconds: float) -> None:
+        """Holds every packet, both ways, for `seconds` from now."""
+        self._command(f"stall {seconds}")
+
+    def stats(self) -> dict:
+        """Packets read, dropped, delivered... in each direction so far."""
+        return json.loads(self._command("stats"))
+
+    def close(self) -> None:
+        """Ends the forwarder (the end of its stdin), and with it its devices."""
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            stream.close()
+
+    def _command(self, line: str) -> str:
+        self.process.stdin.write(line.encode() + b"\n")
+        self.process.stdin.flush()
+        return self._reply(timeout=30)
+
+    def _reply(self, timeout: float) -> str:
+        """The next line it prints; fails if it ends or stays silent."""
+        deadline = time.monotonic() + timeout
+        out = self.process.stdout.fileno()
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([out], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(out, 4096) if ready else None
+            if not chunk:
+                self.process.kill()
+                raise RuntimeError(f"lossy_link.py {'ended' if chunk == b'' else 'stopped answering'}: "
+                                   f"{self.process.stderr.read().decode()[-2000:]}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
 
 
 # ------------------------------------------------------- pods as processes

@@ -17,7 +17,7 @@ Four sources, tried in order:
    `DMPT_NUM_WORKERS`, `DMPT_JOB_NAME`, `DMPT_SERVICE_NAME` and optionally
    `DMPT_PORT` (set by the manifest); pods resolve as `<job>-<i>.<service>`.
 4. SLURM (`SLURM_JOB_ID` with more than one task), through TensorFlow's
-   `SlurmClusterResolver`.
+   `SlurmClusterResolver`, whose answer is checked.
 Everything is reduced to one `Cluster`, whose `tf_config` is what
 `MultiWorkerMirroredStrategy` is given. Every value is checked before it is
 used, and sizes are bounded before anything is built from them: a malformed
@@ -77,7 +77,8 @@ def resolve_cluster(environ: Mapping[str, str] = os.environ) -> Optional[Cluster
         return _from_jobset(environ)
     if "JOB_COMPLETION_INDEX" in environ and "DMPT_NUM_WORKERS" in environ:
         return _from_indexed_job(environ)
-    if "SLURM_JOB_ID" in environ and _int_env(environ, "SLURM_NTASKS", default=1) > 1:
+    if "SLURM_JOB_ID" in environ and max(_int_env(environ, "SLURM_NTASKS", default=1),
+                                         _int_env(environ, "SLURM_STEP_NUM_TASKS", default=1)) > 1:
         return _from_slurm(environ)
     return None
 
@@ -280,10 +281,21 @@ def _hostlist_length(hostlist: str) -> int:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> Cluster:
-    num_tasks = _int_env(environ, "SLURM_NTASKS", low=1)
-    rank = _int_env(environ, "SLURM_PROCID", high=MAX_TASKS)
+    # The resolver places the tasks of the job *step* (one srun): it reads
+    # SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST and
+    # SLURM_STEP_TASKS_PER_NODE. SLURM_NTASKS counts the job's tasks, of which
+    # a step may run fewer; a rank checked against it once passed, the
+    # resolver answered task None, and the process trained alone as a
+    # non-chief that wrote nothing, exiting 0.
+    if not environ.get("SLURM_STEP_NUM_TASKS"):
+        raise ClusterError(f"SLURM_NTASKS={environ.get('SLURM_NTASKS')} but SLURM_STEP_NUM_TASKS is not "
+                           "set: this process is not a task of a job step; start the tasks with srun "
+                           "(launch/slurm.sbatch does)")
+    num_tasks = _int_env(environ, "SLURM_STEP_NUM_TASKS", low=1)
+    rank = _int_env(environ, "SLURM_PROCID")
     if rank >= num_tasks:
-        raise ClusterError(f"SLURM_PROCID={rank} is out of range for SLURM_NTASKS={num_tasks}")
+        raise ClusterError(f"SLURM_PROCID={rank} is out of range for SLURM_STEP_NUM_TASKS={num_tasks} "
+                           "(the tasks of this job step, which TensorFlow's SlurmClusterResolver places)")
     port = _port(environ)
     for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
         if environ.get(name) and _hostlist_length(environ[name]) > MAX_TASKS:
@@ -301,8 +313,34 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster:
         # all tasks; GPU visibility stays with SLURM (auto_set_gpu=False).
         resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
             port_base=port, gpus_per_node=num_tasks, gpus_per_task=1, auto_set_gpu=False)
-        spec = resolver.cluster_spec().as_dict()
+        workers = list(resolver.cluster_spec().as_dict().get("worker", []))
         task_type, task_index = resolver.get_task_info()
     except Exception as e:  # the resolver raises bare RuntimeError/KeyError on odd environments
         raise ClusterError(f"cannot read the SLURM allocation: {e}") from None
-    return _make_cluster({"worker": list(spec.get(task_type, []))}, "worker", task_index)
+    if (task_type, task_index) != ("worker", rank) or len(workers) != num_tasks:
+        raise ClusterError(f"TensorFlow's SlurmClusterResolver cannot place SLURM task {rank} of "
+                           f"{num_tasks} (it answers task {task_type} {task_index} of {len(workers)} "
+                           "workers): check SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE")
+    _check_placement(environ, workers[rank], port)
+    return _make_cluster({"worker": workers}, "worker", rank)
+
+
+def _check_placement(environ: Mapping[str, str], address: str, port: int) -> None:
+    """Refuses an address for this task that is not where SLURM started it.
+
+    The resolver sorts the step's nodes by name (node10 before node2) and
+    fills each with consecutive ranks; SLURM numbers nodes in its own order
+    and may deal ranks out cyclically. Where the two differ, tasks would
+    reach each other's servers under the wrong task number."""
+    node = environ.get("SLURMD_NODENAME")
+    if not node:  # not under srun (a test, a hand-made environment)
+        return
+    local = _int_env(environ, "SLURM_LOCALID", default=0)
+    expected = f"{node}:{port + local}"
+    if address != expected:
+        raise ClusterError(
+            f"TensorFlow's SlurmClusterResolver places SLURM task {environ.get('SLURM_PROCID')} at "
+            f"{_short(address)}, but SLURM started it on {_short(node)} as local task {local} "
+            f"({_short(expected)}): the resolver orders nodes by name and fills them in turn; use "
+            "node names that sort in SLURM's order (node01, not node1) and srun's block distribution, "
+            "or set TF_CONFIG")
