@@ -1,0 +1,130 @@
+"""Run a recipe over several seeds and tabulate what it reached: n, the
+mean, the standard deviation and a 95% interval of the mean, and every run.
+
+    python -m distributed_mpt.recipes.measure --recipe=cpu_cnn94 --seeds=0-4 \\
+        --runs_dir=runs/cnn94 -- --data_dir=DIR --nodownload
+
+Each seed trains with the real entry point, one after the other, into
+RUNS_DIR/seed-S; the flags after `--` go to every run. It is resumable:
+started again, a finished seed is read back as it is and a stopped one
+resumes from its checkpoint (distributed-mpt-train's own rules), so a
+measurement cut short by a reboot costs at most the steps since a
+checkpoint. The table goes to stdout and to RUNS_DIR/results.md.
+"""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from typing import List
+
+from absl import flags
+
+from distributed_mpt import cli, files, recipes
+from distributed_mpt.errors import ConfigError, ExitCode, quoted
+from distributed_mpt.process import stopping
+
+# Two-sided 95% quantiles of Student's t for n - 1 degrees of freedom
+# (n = 2..30); beyond, the normal's 1.96 is within 4%.
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+          2.060, 2.056, 2.052, 2.048, 2.045)
+
+
+def _flag_values() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_enum("recipe", None, recipes.names(), "The recipe to measure.", flag_values=fv)
+    flags.DEFINE_string("seeds", "0-4", "Seeds: a range A-B, or a list A,B,C.", flag_values=fv)
+    flags.DEFINE_string("runs_dir", None, "Where each seed's run goes (RUNS_DIR/seed-S) and "
+                        "results.md (default runs/RECIPE).", flag_values=fv)
+    return fv
+
+
+def seeds_of(text: str) -> List[int]:
+    """"0-4" -> [0, 1, 2, 3, 4]; "1,5" -> [1, 5]; ConfigError otherwise."""
+    try:
+        if "-" in text:
+            first, last = (int(x) for x in text.split("-"))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds={quoted(text)} is not a range A-B or a list A,B,C") from None
+    if not seeds or len(seeds) > 1000 or min(seeds) < 0:
+        raise ConfigError(f"--seeds={quoted(text)} must name 1 to 1000 seeds, none negative")
+    return seeds
+
+
+def statistics_of(accuracies: List[float]) -> dict:
+    """n, mean, sample standard deviation and the 95% interval of the mean."""
+    n, mean = len(accuracies), statistics.fmean(accuracies)
+    std = statistics.stdev(accuracies) if n > 1 else math.nan
+    half = (_T_975[n - 2] if n <= 30 else 1.96) * std / math.sqrt(n) if n > 1 else math.nan
+    return {"n": n, "mean": mean, "std": std, "interval": (mean - half, mean + half)}
+
+
+def table(recipe: str, summaries: List[dict]) -> str:
+    """The results as Markdown: the statistics, then one row per run."""
+    stats = statistics_of([s["eval_accuracy"] for s in summaries])
+    low, high = stats["interval"]
+    lines = [f"`{recipe}`: n = {stats['n']}, mean {100 * stats['mean']:.2f}%, standard "
+             f"deviation {100 * stats['std']:.2f} points, 95% interval of the mean "
+             f"{100 * low:.2f}-{100 * high:.2f}% (Student's t)", "",
+             "| seed | test accuracy | without TTA | wall time | examples/s | device |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for s in summaries:
+        plain = s.get("eval_accuracy_without_tta")
+        lines.append(f"| {s['seed']} | {100 * s['eval_accuracy']:.2f}% | "
+                     f"{'—' if plain is None else f'{100 * plain:.2f}%'} | "
+                     f"{s['wall_seconds'] / 60:.1f} min | {s['examples_per_second']:.0f} | "
+                     f"{s['device']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Measures the recipe over the seeds; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    own, train_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
+        if "--" in argv else (argv, [])
+    fv = _flag_values()
+    if cli.wants_help(own):
+        return cli.show_help(__doc__, fv)
+    return cli.guarded(lambda: _measure(fv, own, train_flags))
+
+
+def _measure(fv: flags.FlagValues, own, train_flags) -> int:
+    if cli.parse("measure", fv, own):
+        raise ConfigError("unexpected arguments: training flags go after --")
+    if not fv.recipe:
+        raise ConfigError("--recipe is required: the recipe to measure")
+    runs_dir = os.path.expanduser(fv.runs_dir or os.path.join("runs", fv.recipe))
+    summaries = []
+    for seed in seeds_of(fv.seeds):
+        model_dir = os.path.join(runs_dir, f"seed-{seed}")
+        command = stopping.helper_command("distributed_mpt.train", f"--recipe={fv.recipe}",
+                                          f"--seed={seed}", f"--model_dir={model_dir}",
+                                          *train_flags)
+        print(f"[measure] seed {seed}: {' '.join(command[3:])}", flush=True)
+        run = subprocess.Popen(command)
+        try:
+            code = run.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the run too: it stops with a checkpoint
+            code = run.wait()
+        if code != ExitCode.OK:
+            print(f"[measure] seed {seed} ended with {code}; run the same command again to "
+                  f"resume", file=sys.stderr, flush=True)
+            return code if code > 0 else 128 - code
+        summary = files.read_json(os.path.join(model_dir, "summary.json"))
+        summaries.append({**summary, "seed": seed})
+    text = table(fv.recipe, summaries)
+    files.write_text(os.path.join(runs_dir, "results.md"), text)
+    files.write_json(os.path.join(runs_dir, "results.json"),
+                     {"recipe": fv.recipe, "train_flags": train_flags, "runs": summaries})
+    print(text, end="")
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    cli.console_script(main, exit_at_once=False)

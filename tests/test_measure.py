@@ -1,0 +1,35 @@
+"""`python -m distributed_mpt.recipes.measure`: a recipe over several seeds,
+one command, resumable, and the table of what the runs reached."""
+
+import json
+
+from conftest import assert_ok, run_module
+
+# The MLP recipe, shortened as a user would shorten it, on synthetic data.
+SHORT = ["--", "--dataset=synthetic", "--synthetic_examples=512", "--train_steps=6",
+         "--per_replica_batch_size=32", "--noexport", "--steps_per_loop=3"]
+
+
+def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path):
+    runs = tmp_path / "runs"
+    first = run_module("distributed_mpt.recipes.measure",
+                       ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}", *SHORT])
+    assert_ok(first)
+    results = json.loads((runs / "results.json").read_text())["runs"]
+    assert [r["seed"] for r in results] == [0, 1, 2]
+    table = (runs / "results.md").read_text()
+    assert table.startswith("`mlp`: n = 3, mean ") and "95% interval of the mean" in table
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 2 + 3
+
+    # Started again: every seed is a finished run, read back, not trained again.
+    again = run_module("distributed_mpt.recipes.measure",
+                       ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}", *SHORT])
+    assert_ok(again)
+    assert again.stdout.count("holds a finished run") == 3
+    assert (runs / "results.md").read_text() == table
+
+
+def test_bad_seeds_are_one_error_line(tmp_path):
+    result = run_module("distributed_mpt.recipes.measure",
+                        ["--recipe=mlp", "--seeds=0-x", f"--runs_dir={tmp_path}"])
+    assert result.returncode == 2 and result.stderr.startswith("error: --seeds=0-x")
