@@ -51,13 +51,18 @@ def test_shipped_recipes_parse(tmp_path):
     (["--strategy=multi_worker", "--cpu_replicas=2"], "cpu_replicas"),
     (["--learning_rate=0"], "learning_rate"),
     (["--epochs=0"], "epochs"),
-    (["--epochs=nan"], "--epochs=nan must be a positive number"),
+    (["--epochs=nan"], "--epochs=nan: nan is not a decimal number"),
     (["--no_such_flag=1"], "no_such_flag"),
     (["positional"], "positional"),
     # Absurd numbers: refused before anything runs, not a traceback hours later.
-    (["--learning_rate=inf"], "--learning_rate=inf must be a finite number"),
-    (["--warmup_epochs=inf"], "--warmup_epochs=inf must be a finite number"),
-    (["--weight_decay=nan"], "--weight_decay=nan must be a finite number"),
+    (["--learning_rate=inf"], "--learning_rate=inf: inf is not a decimal number"),
+    (["--warmup_epochs=inf"], "--warmup_epochs=inf: inf is not a decimal number"),
+    (["--weight_decay=nan"], "--weight_decay=nan: nan is not a decimal number"),
+    # Numbers are ASCII decimals: what Python's int() and float() also take is not.
+    (["--train_steps=0x10"], "--train_steps=0x10: 0x10 is not a whole number in decimal digits"),
+    (["--train_steps=1_000"], "--train_steps=1_000: 1_000 is not a whole number"),
+    (["--seed=\u0661\u0662"], "is not a whole number in decimal digits"),
+    (["--learning_rate=1_0.5"], "--learning_rate=1_0.5: 1_0.5 is not a decimal number"),
     (["--train_steps=1000000000000000000000000000000"], "train_steps"),
     (["--synthetic_examples=1000000000000"], "--synthetic_examples=1000000000000 is larger"),
     (["--model_width=1000000000"], "--model_width=1000000000 is larger"),
@@ -74,21 +79,41 @@ def test_bad_values_raise_one_line(tmp_path, argv, fragment):
     assert not (tmp_path / "run").exists(), "nothing is created"
 
 
+@pytest.mark.parametrize("field, value, fragment", [
+    ("learning_rate", float("inf"), "--learning_rate=inf must be a finite number"),
+    ("warmup_epochs", float("inf"), "--warmup_epochs=inf must be a finite number"),
+    ("weight_decay", float("nan"), "--weight_decay=nan must be a finite number"),
+    ("epochs", float("nan"), "--epochs=nan must be a positive number"),
+])
+def test_a_config_not_from_flags_is_validated_alike(field, value, fragment):
+    """What a config.json read back holds (predict rebuilds a model from
+    it) passes no flag parser: the config checks every number itself."""
+    from distributed_mpt.config import TrainConfig
+
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(model_dir="x", **{field: value})
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
 def test_model_dir_required():
     with pytest.raises(ConfigError, match="model_dir"):
         parse_config([])
 
 
 def test_each_model_gets_its_own_defaults_unless_a_flag_is_given(tmp_path):
-    from distributed_mpt.config import MODEL_DEFAULTS
+    from distributed_mpt.core.models import MODELS
 
-    for model, defaults in MODEL_DEFAULTS.items():
+    assert list(MODELS) == ["mlp", "resnet9", "airbench"]
+    for model, spec in MODELS.items():
+        defaults = spec.defaults.values()
+        assert set(defaults) == {"learning_rate", "max_learning_rate", "warmup_epochs",
+                                 "momentum", "weight_decay", "label_smoothing"}
         config = parse_config([f"--model_dir={tmp_path}", f"--model={model}"])
         assert {name: getattr(config, name) for name in defaults} == defaults
     config = parse_config([f"--model_dir={tmp_path}", "--model=mlp", "--learning_rate=0.3",
                            "--weight_decay=0.001"])
     assert (config.learning_rate, config.weight_decay) == (0.3, 0.001)
-    assert config.warmup_epochs == MODEL_DEFAULTS["mlp"]["warmup_epochs"]
+    assert config.warmup_epochs == MODELS["mlp"].defaults.warmup_epochs
 
 
 def test_help_names_each_models_default(capsys):
@@ -130,5 +155,5 @@ def test_a_nested_flagfile_that_is_a_fifo_is_refused_unread(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     outer = tmp_path / "outer.flags"
     outer.write_text(f"--model=mlp\n--flagfile={tmp_path / 'fifo'}\n")
-    with pytest.raises(ConfigError, match="fifo is not a regular file"):
+    with pytest.raises(ConfigError, match="fifo is a FIFO, not a regular file"):
         parse_config([f"--flagfile={outer}", f"--model_dir={tmp_path}"])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distributed_mpt.training import convolution
-from distributed_mpt.training.convolution import SideBySideConv2D
+from distributed_mpt.core.models import layers
+from distributed_mpt.core.models.layers import SideBySideConv2D
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def test_side_by_side_is_the_convolution_with_its_gradients(count, width, per_ro
         return [outputs, *tape.gradient(loss, [images, kernel])]
 
     direct = outputs_and_gradients(lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"))
-    rearranged = outputs_and_gradients(lambda x, k: convolution.side_by_side(
+    rearranged = outputs_and_gradients(lambda x, k: layers.side_by_side(
         lambda rows: tf.nn.conv2d(rows, k, 1, "SAME"), x, per_row, gap=1))
     for expected, actual in zip(direct, rearranged):
         assert actual.shape == expected.shape
@@ -49,18 +49,18 @@ def _convolution_ops(width, policy, channels=8):
 
 
 def test_narrow_bfloat16_images_go_side_by_side_only_where_that_pays(monkeypatch):
-    monkeypatch.setattr(convolution, "_amx_without_gpus", lambda: True)
+    monkeypatch.setattr(layers, "_amx_without_gpus", lambda: True)
     assert "Transpose" in _convolution_ops(7, "mixed_bfloat16")
     assert "Transpose" in _convolution_ops(3, "mixed_bfloat16")
     # Wider images, and float32, ran slower side by side: convolved as they are.
     assert "Transpose" not in _convolution_ops(15, "mixed_bfloat16")
     assert "Transpose" not in _convolution_ops(7, "float32")
-    monkeypatch.setattr(convolution, "_amx_without_gpus", lambda: False)
+    monkeypatch.setattr(layers, "_amx_without_gpus", lambda: False)
     assert "Transpose" not in _convolution_ops(7, "mixed_bfloat16")
 
 
 def test_the_layer_computes_what_keras_conv2d_computes(monkeypatch):
-    monkeypatch.setattr(convolution, "_amx_without_gpus", lambda: True)
+    monkeypatch.setattr(layers, "_amx_without_gpus", lambda: True)
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     images = np.random.default_rng(1).normal(size=(10, 7, 7, 8)).astype(np.float32)
     ours = SideBySideConv2D(16, 3, padding="same")

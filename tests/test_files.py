@@ -1,72 +1,121 @@
-"""Files written whole or not at all, with the umask; the export replaced whole."""
+"""Files written whole or not at all, with the umask, and only over a
+regular file; files read without trusting them."""
 
 import json
 import os
-import subprocess
+import stat
 
-import numpy as np
 import pytest
-import tensorflow as tf
 
-from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
-from distributed_mpt.training import outputs
+from distributed_mpt import files
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.training.models import build_model
 
 
 def test_write_json_is_atomic_and_leaves_no_temporary_file(tmp_path):
     path = tmp_path / "summary.json"
-    outputs.write_json(str(path), {"a": 1})
-    outputs.write_json(str(path), {"a": 2})
+    files.write_json(str(path), {"a": 1})
+    files.write_json(str(path), {"a": 2})
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_write_json_refuses_what_is_not_json_and_writes_nothing(tmp_path, value):
+    path = tmp_path / "summary.json"
+    path.write_text('{"a": 1}\n')
+    with pytest.raises(ValueError):
+        files.write_json(str(path), {"loss": value})
+    assert path.read_text() == '{"a": 1}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
 def test_check_writable(tmp_path):
-    outputs.check_writable(str(tmp_path / "new" / "dir"))
+    files.check_writable(str(tmp_path / "new" / "dir"))
     assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="not writable"):
-        outputs.check_writable(str(tmp_path / "file" / "run"))
+        files.check_writable(str(tmp_path / "file" / "run"))
     with pytest.raises(ConfigError, match="--model_dir=.*file is a file, not a directory"):
-        outputs.check_writable(str(tmp_path / "file"))
+        files.check_writable(str(tmp_path / "file"))
     (tmp_path / "link").symlink_to(tmp_path / "file")
-    with pytest.raises(ConfigError, match="link is a file, not a directory"):
-        outputs.check_writable(str(tmp_path / "link"))
+    with pytest.raises(ConfigError, match="link is a symbolic link, not a directory"):
+        files.check_writable(str(tmp_path / "link"))
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
     with pytest.raises(ConfigError, match="dangling is a symbolic link to nothing, not a direct"):
-        outputs.check_writable(str(tmp_path / "dangling"))
+        files.check_writable(str(tmp_path / "dangling"))
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(ConfigError, match="fifo is a special file, not a directory"):
-        outputs.check_writable(str(tmp_path / "fifo"))
+    with pytest.raises(ConfigError, match="fifo is a FIFO, not a directory"):
+        files.check_writable(str(tmp_path / "fifo"))
 
 
-def test_export_replaces_the_previous_export_whole(tmp_path):
-    model = build_model("resnet9", width=4)
-    first = outputs.export_model(model, str(tmp_path))
-    (tmp_path / "export" / "marker").write_text("old")
-    assert outputs.export_model(model, str(tmp_path)) == first
-    assert not (tmp_path / "export" / "marker").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
-    served = tf.saved_model.load(str(tmp_path / "export" / "saved_model"))
-    images = np.zeros((2, 32, 32, 3), np.uint8)
-    np.testing.assert_allclose(np.asarray(served.serve(images)["probabilities"]),
-                               np.asarray(model(images)), rtol=1e-5)
+def test_kinds_of_paths_are_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    kinds = {name: files.kind_of(str(tmp_path / name))
+             for name in ("file", "dir", "fifo", "link", "dangling", "missing")}
+    assert kinds == {"file": "a file", "dir": "a directory", "fifo": "a FIFO",
+                     "link": "a symbolic link", "dangling": "a symbolic link to nothing",
+                     "missing": "missing"}
+    assert files.kind_of("/dev/null") == "a device node"
+    assert [files.is_regular_file(str(tmp_path / name)) for name in kinds] == \
+        [True, False, False, True, False, False], "a symlink to a file is a file"
 
 
-@pytest.mark.parametrize("tail, damage", [
-    (b'{"ste', "its last line was cut short"),
-    (b'\xff\xfe\n{"step": 4}\n', "line 3 is damaged (not UTF-8 text)"),
-    (b"[3]\n", "line 3 is damaged (a JSON list, not an object)"),
-    (b'{"step": "3"}\n', "line 3 is damaged ('step' is a str)"),
-    (b'{"loss": 1}\n', "line 3 is damaged (no 'step')"),
-    (b"\n", "line 3 is damaged (not JSON"),
+@pytest.mark.parametrize("kind", ["fifo", "device node", "directory", "symlink"])
+def test_write_text_replaces_only_a_regular_file(tmp_path, kind):
+    """As root, replacing /dev/null (or a FIFO a reader waits on) with a
+    file would break every other program that uses it."""
+    path = tmp_path / "metrics.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device node":
+        if os.getuid() != 0:
+            pytest.skip("only root may make a device node")
+        null = os.stat("/dev/null")
+        os.mknod(path, stat.S_IFCHR | 0o666, null.st_rdev)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        (tmp_path / "elsewhere").write_text("keep")
+        path.symlink_to(tmp_path / "elsewhere")
+    mode = os.lstat(path).st_mode
+    with pytest.raises(ConfigError, match="not a regular file"):
+        files.write_text(str(path), "text")
+    assert os.lstat(path).st_mode == mode, "left as it was"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], \
+        "no temporary file left"
+    if kind == "symlink":
+        assert (tmp_path / "elsewhere").read_text() == "keep"
+
+
+@pytest.mark.parametrize("tail, damage, after", [
+    (b'{"ste', "its last line was cut short", []),
+    (b'\xff\xfe\n{"step": 4}\n', "line 3 is damaged (not UTF-8 text)", [{"step": 4}]),
+    (b"[3]\n", "line 3 is damaged (a JSON list, not an object)", []),
+    (b'{"step": "3"}\n', "line 3 is damaged ('step' is a str)", []),
+    (b'{"loss": 1}\n', "line 3 is damaged (no 'step')", []),
+    (b"\n", "line 3 is damaged (not JSON", []),
+    (b'{"step": NaN}\n', "line 3 is damaged (not JSON: NaN is not a JSON value", []),
 ])
-def test_metrics_are_read_up_to_the_first_damaged_line(tmp_path, tail, damage):
+def test_a_damaged_metrics_line_is_named(tmp_path, tail, damage, after):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1}\n{"step": 2}\n' + tail)
-    records, found = outputs.read_jsonl(str(path), {"step": int})
-    assert records == [{"step": 1}, {"step": 2}] and found.startswith(damage)
+    records, problems = files.read_jsonl(str(path), {"step": int})
+    assert records == [{"step": 1}, {"step": 2}, *after]
+    assert len(problems) == 1 and problems[0].startswith(damage), problems
+
+
+def test_a_damaged_metrics_line_costs_that_line_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"ste\n{"step": 3}\n\xff\xfe\n{"step": 5}\n{"step": 6')
+    records, problems = files.read_jsonl(str(path), {"step": int})
+    assert records == [{"step": 1}, {"step": 3}, {"step": 5}], "the records after it are kept"
+    assert [p.split(" (")[0] for p in problems] == [
+        "line 2 is damaged", "line 4 is damaged", "its last line was cut short"]
+    assert files.read_jsonl(str(tmp_path / "missing.jsonl")) == ([], [])
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -75,50 +124,28 @@ def test_metrics_are_read_up_to_the_first_damaged_line(tmp_path, tail, damage):
     (b"[]", "a JSON list, not an object"),
     (b'{"steps": true}', "'steps' is a bool"),
     (b"[" * 100_000, "nested too deeply"),
+    (b'{"steps": 1, "loss": NaN}', "not JSON: NaN is not a JSON value"),
 ])
 def test_a_damaged_json_file_is_one_line_naming_it_and_the_remedy(tmp_path, content, problem):
     path = tmp_path / "summary.json"
     path.write_bytes(content)
-    with pytest.raises(outputs.DamagedFileError) as raised:
-        outputs.read_json(str(path), {"steps": int}, remedy="remove it")
+    with pytest.raises(files.DamagedFileError) as raised:
+        files.read_json(str(path), {"steps": int}, remedy="remove it")
     assert str(raised.value).startswith(f"{path} is damaged ({problem}")
     assert str(raised.value).endswith("; remove it") and "\n" not in str(raised.value)
 
 
 def test_json_that_is_not_there_is_empty_and_a_fifo_is_refused_unread(tmp_path):
-    assert outputs.read_json(str(tmp_path / "missing.json")) == {}
+    assert files.read_json(str(tmp_path / "missing.json")) == {}
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(outputs.DamagedFileError, match="not a regular file"):
-        outputs.read_json(str(tmp_path / "fifo"))  # would block forever if opened
+    with pytest.raises(files.DamagedFileError, match="is a FIFO, not a regular file"):
+        files.read_json(str(tmp_path / "fifo"))  # would block forever if opened
+    with pytest.raises(files.DamagedFileError, match="is a FIFO, not a regular file"):
+        files.read_jsonl(str(tmp_path / "fifo"))
 
 
 def test_written_files_follow_the_umask(tmp_path):
-    outputs.write_json(str(tmp_path / "a.json"), {})
+    files.write_json(str(tmp_path / "a.json"), {})
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
-
-
-def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
-    mount_point, resize = tmpfs
-    resize(16)
-    model_dir = mount_point / "run"
-    flags = [*SMOKE_FLAGS, "--noevaluate", "--model=resnet9", "--model_width=4", "--train_steps=5",
-             f"--model_dir={model_dir}"]
-    assert_ok(train(flags))  # trained, not exported (E2E has --noexport)
-    (model_dir / "summary.json").unlink()  # as if killed before the export
-    used = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
-    resize_to = f"{(used + 4096 * 40) // 1024}k"  # the export (>1 MB) cannot fit
-    subprocess.run(["mount", "-o", f"remount,size={resize_to}", str(mount_point)], check=True)
-
-    result = train([*flags, "--export"])
-    assert result.returncode == 2, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "no space left" in errors[0] and "Traceback" not in result.stderr
-    assert not (model_dir / "summary.json").exists() and not (model_dir / "export").exists()
-    assert not list(model_dir.glob(".export-*")) and not list(model_dir.glob(".tmp-*"))
-
-    resize(16)
-    assert_ok(train([*flags, "--export"]))
-    assert (model_dir / "export" / "model.keras").exists()
-    assert read_summary(model_dir)["train_loss"] is not None, "the training figures, from the log"

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distributed_mpt.training import datasets, input_pipeline
+from distributed_mpt.core import pipeline
+from distributed_mpt.core.augmentation import CROP_PADDING
+from distributed_mpt.core.data import synthetic
 
 def _context(pipelines=1, pipeline_id=0, replicas=1):
     return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
@@ -20,7 +22,7 @@ def _collect(dataset):
 
 @pytest.fixture(scope="module")
 def split():
-    train, _ = datasets.make_synthetic(num_train=200, num_test=40, seed=3)
+    train, _ = synthetic.make_synthetic(num_train=200, num_test=40, seed=3)
     return train
 
 
@@ -29,10 +31,10 @@ def test_augmentation_keeps_shape_dtype_and_pixels():
     labels, indices = tf.range(6), tf.range(6)
     offsets = tf.constant([[4, 4], [0, 0], [8, 8], [4, 4], [0, 8], [2, 6]], tf.int32)
     flips = tf.constant([False, False, False, True, False, True])
-    eager, _ = input_pipeline.gather_and_augment(images, labels, indices, offsets, flips)
+    eager, _ = pipeline.gather_and_augment(images, labels, indices, offsets, flips)
     # In a tf.data map, as train_input_fn applies it.
     in_graph, _ = next(iter(tf.data.Dataset.from_tensors((indices, offsets, flips))
-                            .map(lambda *batch: input_pipeline.gather_and_augment(images, labels, *batch))))
+                            .map(lambda *batch: pipeline.gather_and_augment(images, labels, *batch))))
     for out in (eager, in_graph):
         assert out.dtype == tf.uint8 and out.shape == (6, 32, 32, 3)
     np.testing.assert_array_equal(eager, in_graph)
@@ -42,7 +44,7 @@ def test_augmentation_keeps_shape_dtype_and_pixels():
 
 
 def test_training_epoch_is_a_shuffled_permutation(split):
-    dataset_fn = input_pipeline.train_input_fn(split, global_batch_size=50, seed=1, start_step=0, num_steps=8)
+    dataset_fn = pipeline.train_input_fn(split, global_batch_size=50, seed=1, start_step=0, num_steps=8)
     batches = _collect(dataset_fn(_context()))
     assert len(batches) == 8 and all(b[0].shape == (50, 32, 32, 3) for b in batches)
     labels = np.concatenate([b[1] for b in batches[:4]])
@@ -54,9 +56,9 @@ def test_training_epoch_is_a_shuffled_permutation(split):
 
 def test_shares_of_pipelines_and_replicas_make_the_same_global_batches(split):
     kwargs = dict(global_batch_size=40, seed=7, start_step=0, num_steps=5)
-    whole = _collect(input_pipeline.train_input_fn(split, **kwargs)(_context()))
+    whole = _collect(pipeline.train_input_fn(split, **kwargs)(_context()))
     # Two workers, each with two local replicas: per-replica batches of 10.
-    shares = [_collect(input_pipeline.train_input_fn(split, **kwargs)(_context(2, p, 4))) for p in (0, 1)]
+    shares = [_collect(pipeline.train_input_fn(split, **kwargs)(_context(2, p, 4))) for p in (0, 1)]
     for step, (images, labels) in enumerate(whole):
         parts = [shares[p][2 * step + r] for p in (0, 1) for r in (0, 1)]
         np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), images)
@@ -64,8 +66,8 @@ def test_shares_of_pipelines_and_replicas_make_the_same_global_batches(split):
 
 
 def test_resuming_yields_the_remaining_batches(split):
-    full = _collect(input_pipeline.train_input_fn(split, 50, seed=2, start_step=0, num_steps=10)(_context()))
-    resumed = _collect(input_pipeline.train_input_fn(split, 50, seed=2, start_step=6, num_steps=4)(_context()))
+    full = _collect(pipeline.train_input_fn(split, 50, seed=2, start_step=0, num_steps=10)(_context()))
+    resumed = _collect(pipeline.train_input_fn(split, 50, seed=2, start_step=6, num_steps=4)(_context()))
     assert len(resumed) == 4
     for a, b in zip(full[6:], resumed):
         np.testing.assert_array_equal(a[0], b[0])
@@ -74,12 +76,12 @@ def test_resuming_yields_the_remaining_batches(split):
 
 @pytest.mark.parametrize("pipelines, replicas", [(1, 1), (1, 3), (3, 3)])
 def test_evaluation_covers_every_example_exactly_once(pipelines, replicas):
-    _, test = datasets.make_synthetic(num_train=10, num_test=103, seed=0)
+    _, test = synthetic.make_synthetic(num_train=10, num_test=103, seed=0)
     seen = collections.Counter()
     total_weight = 0.0
     for p in range(pipelines):
         for images, labels, weights in _collect(
-                input_pipeline.eval_input_fn(test, 24)(_context(pipelines, p, replicas))):
+                pipeline.eval_input_fn(test, 24)(_context(pipelines, p, replicas))):
             for image, w in zip(images, weights):
                 if w:
                     seen[image.tobytes()] += 1
@@ -92,15 +94,15 @@ def test_augmentation_matches_reflect_pad_crop_and_flip():
     """The single-gather implementation against the plain definition."""
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
-    offsets = rng.integers(0, 2 * input_pipeline.CROP_PADDING + 1, (64, 2)).astype(np.int32)
+    offsets = rng.integers(0, 2 * CROP_PADDING + 1, (64, 2)).astype(np.int32)
     flips = rng.random(64) < 0.5
     padded = np.pad(images, [(0, 0), (4, 4), (4, 4), (0, 0)], mode="reflect")
     expected = np.stack([padded[i, y:y + 32, x:x + 32][:, ::-1 if f else 1]
                          for i, ((y, x), f) in enumerate(zip(offsets, flips))])
-    augmented, _ = input_pipeline.gather_and_augment(images, np.arange(64), tf.range(64), offsets, flips)
+    augmented, _ = pipeline.gather_and_augment(images, np.arange(64), tf.range(64), offsets, flips)
     np.testing.assert_array_equal(augmented, expected)
     indices = tf.constant([5, 0, 63])
-    augmented, labels = input_pipeline.gather_and_augment(images, np.arange(64), indices,
+    augmented, labels = pipeline.gather_and_augment(images, np.arange(64), indices,
                                                 offsets[[5, 0, 63]], flips[[5, 0, 63]])
     np.testing.assert_array_equal(augmented, expected[[5, 0, 63]])
     np.testing.assert_array_equal(labels, [5, 0, 63])

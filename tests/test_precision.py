@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tensorflow as tf
 
 from conftest import REPO, subprocess_env
-from distributed_mpt.training import precision
+from distributed_mpt.core import precision
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def cpu_with(tmp_path, monkeypatch):
     def make(flags):
         cpuinfo = tmp_path / "cpuinfo"
         cpuinfo.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: [])
+        monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind: [])
         monkeypatch.setattr(precision, "cpu_bfloat16_instructions",
                             lambda: read_cpuinfo(str(cpuinfo)))
     return make
@@ -44,8 +45,8 @@ def test_auto_precision_on_a_cpu_follows_its_bfloat16_instructions(cpu_with, fla
 ])
 def test_auto_precision_on_gpus_follows_the_oldest(monkeypatch, capabilities, expected):
     gpus = [f"GPU:{i}" for i in range(len(capabilities))]
-    monkeypatch.setattr(precision.tf.config, "list_physical_devices", lambda kind: gpus)
-    monkeypatch.setattr(precision.tf.config.experimental, "get_device_details",
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind: gpus)
+    monkeypatch.setattr(tf.config.experimental, "get_device_details",
                         lambda gpu: {"compute_capability": capabilities[gpus.index(gpu)]})
     assert precision.describe_precision_choice("auto") == expected
     assert precision.resolve_precision("auto") == expected.split(":")[0]
@@ -65,7 +66,7 @@ def test_cpuinfo_that_cannot_be_read_means_no_bfloat16(tmp_path):
 _FLOAT16_DENSE = """
 import sys
 import keras, tensorflow as tf
-from distributed_mpt.training import precision
+from distributed_mpt.core import precision
 if sys.argv[1] == "set_precision":
     precision.set_precision("mixed_float16")
 else:
