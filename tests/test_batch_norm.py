@@ -11,9 +11,10 @@ import pytest
 import tensorflow as tf
 
 from conftest import subprocess_env
-from distributed_mpt.training import outputs
-from distributed_mpt.training.batch_norm import FusedBatchNormalization
-from distributed_mpt.training.models import build_model
+from distributed_mpt.core import models
+from distributed_mpt.core.data import cifar10
+from distributed_mpt.core.models.layers import FusedBatchNormalization
+from distributed_mpt.training import export
 
 
 @pytest.fixture(autouse=True)
@@ -72,19 +73,20 @@ def test_training_runs_the_fused_kernel_and_inference_keras_arithmetic():
 
 
 def test_the_keras_file_holds_keras_layers_and_the_trained_function(tmp_path):
-    model = build_model("airbench", width=8)
+    model = models.build_model(models.model_spec("airbench"), cifar10.INFO, 8)
     # Moved statistics and shifts, so that a copy that lost them would differ.
     model(np.random.default_rng(1).integers(0, 256, (8, 32, 32, 3), np.uint8), training=True)
     for layer in model.layers:
         if isinstance(layer, FusedBatchNormalization):
             layer.beta.assign(np.linspace(-0.5, 0.5, layer.beta.shape[0]))
-    outputs.export_model(model, str(tmp_path))
+    export.export_model(model, str(tmp_path), cifar10.INFO.class_names, cifar10.INFO.image_shape)
     keras_file = tmp_path / "export" / "model.keras"
     with zipfile.ZipFile(keras_file) as archive:
         config = archive.read("config.json").decode()
     assert "FusedBatchNormalization" not in config and "SideBySideConv2D" not in config
-    assert "distributed_mpt" not in config
+    assert "WhiteningConv2D" not in config and "distributed_mpt" not in config
     assert config.count('"BatchNormalization"') == 6 and config.count('"Conv2D"') == 7
+    assert config.count('"softmax"') == 1, "the model computes logits; the file, probabilities"
 
     # Loaded where this package is not imported, as a user's Keras loads it.
     images = np.random.default_rng(2).integers(0, 256, (4, 32, 32, 3), np.uint8)
@@ -97,4 +99,5 @@ def test_the_keras_file_holds_keras_layers_and_the_trained_function(tmp_path):
     subprocess.run([sys.executable, "-P", "-c", script, str(keras_file), str(loaded),
                     str(tmp_path / "images.npy")], check=True, env=subprocess_env(),
                    cwd=tmp_path, timeout=120)
-    np.testing.assert_allclose(np.load(loaded), np.asarray(model(images)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.load(loaded), np.asarray(tf.nn.softmax(model(images))),
+                               rtol=1e-5, atol=1e-6)
