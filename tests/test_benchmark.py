@@ -189,6 +189,22 @@ def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_cell_runs_the_installed_package_not_one_in_the_working_directory(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: a
+    `./distributed_mpt/` there ran in place of the package."""
+    planted = tmp_path / "distributed_mpt"
+    planted.mkdir()
+    marker = tmp_path / "planted-code-ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                         "raise SystemExit('error: the planted package ran')\n")
+    monkeypatch.chdir(tmp_path)
+    too_large = cells.Cell("mlp", "float32", batch_size=64, model_width=8, examples=32, repeats=1)
+    # The installed package's own refusal of this cell: it ran, the planted one did not.
+    with pytest.raises(RuntimeError, match=r"exited 1: error: ConfigError: the global batch of 64"):
+        cells.run_cell(too_large)
+    assert not marker.exists()
+
+
 def test_help_describes_every_section_and_flag_and_measures_nothing(capsys, nothing_measured):
     assert cli.main(["--help"]) == 0
     text = capsys.readouterr().out

@@ -19,6 +19,7 @@ import time
 from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
 from distributed_mpt.benchmark import roof
 from distributed_mpt.errors import ExitCode, first_line
+from distributed_mpt.process.stopping import helper_command
 
 # Steps of the first loop call, which traces the loop: never timed.
 WARMUP_STEPS = 2
@@ -112,8 +113,9 @@ def run_cell(cell) -> dict:
     multi_worker = getattr(cell, "strategy", None) == "multi_worker"
     if multi_worker and not cell.steps:
         raise ValueError("a multi_worker cell needs its steps fixed")
-    command = [sys.executable, "-m", "distributed_mpt.benchmark.cells", type(cell).__name__,
-               json.dumps(dataclasses.asdict(cell))]
+    # Never a `./distributed_mpt/` of the working directory (helper_command).
+    command = helper_command("distributed_mpt.benchmark.cells", type(cell).__name__,
+                             json.dumps(dataclasses.asdict(cell)))
     tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
                   else [None])
     with contextlib.ExitStack() as stack:
