@@ -230,9 +230,10 @@ def _parse_config():
 
 # ------------------------------------------------------ what the settings say
 
-def _gpus(resources) -> int:
-    """GPUs a container asks for: its limits of any `<vendor>/gpu` resource."""
-    return sum(int(v) for k, v in resources.get("limits", {}).items() if k.endswith("/gpu"))
+def _has_gpus(resources) -> bool:
+    """Does a container ask for GPUs (a limit of any `<vendor>/gpu` resource
+    but 0)? A malformed count is the Kubernetes schema's to refuse."""
+    return any(str(v) != "0" for k, v in resources.get("limits", {}).items() if k.endswith("/gpu"))
 
 
 def _last_flag(argv, flag: str):
@@ -243,7 +244,7 @@ def _last_flag(argv, flag: str):
 
 def contradictions(settings: dict, found: Findings) -> None:
     """Settings that cannot work together, whatever the variant."""
-    gpus = _gpus(settings["resources"])
+    gpus = _has_gpus(settings["resources"])
     precision, communication, workers = settings["precision"], settings["communication"], settings["workers"]
     if not gpus and precision == "mixed_float16":
         found.errors.append("settings.yaml: precision mixed_float16 without GPUs (no nvidia.com/gpu limit): "
