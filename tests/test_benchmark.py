@@ -181,6 +181,9 @@ def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, caps
              "flag --repeats=x: invalid literal for int() with base 10: 'x'"),
             ([f"--output={tmp_path}"],
              f"flag --output={tmp_path}: is a directory; name a file to write"),
+            (["--repeats=99999999999999", f"--output={output}"],
+             f"flag --repeats=99999999999999: 99999999999999 is not an integer in the range "
+             f"[1, {cells.MAX_REPEATS}]"),
             ([f"--output={tmp_path}/missing/bench.json"],
              f"flag --output={tmp_path}/missing/bench.json: is in a directory that does not "
              f"exist; create it first")):

@@ -27,6 +27,9 @@ WARMUP_STEPS = 2
 # `Cell.seconds`, judged from one short call, within these bounds.
 MIN_STEPS, MAX_STEPS = 2, 100
 CHILD_TIMEOUT_SECONDS = 900
+# Timed calls per measurement: 100 of about 2 s (Cell.seconds) take over 3
+# minutes, a quarter of the time a cell is given; more would be cut off.
+MAX_REPEATS = 100
 
 
 @dataclasses.dataclass(frozen=True)

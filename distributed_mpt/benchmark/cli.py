@@ -10,6 +10,7 @@ from absl import flags
 from distributed_mpt import config as config_lib
 from distributed_mpt.process import console, log_filter, stopping
 from distributed_mpt.training import outputs
+from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
@@ -47,7 +48,7 @@ def _flag_values() -> flags.FlagValues:
                          "or airbench.", lower_bound=1, upper_bound=1024, flag_values=fv)
     flags.DEFINE_integer("repeats", d.repeats, "Timed loop calls per measurement (about "
                          f"{d.seconds:g} s each); the fastest is reported.", lower_bound=1,
-                         flag_values=fv)
+                         upper_bound=MAX_REPEATS, flag_values=fv)
     flags.DEFINE_bool("tiny", False, "A smoke run for tests: the MLP of "
                       "width 8, batch 32, one short repeat, a 1,024-image split (flags given "
                       "explicitly still win).", flag_values=fv)
