@@ -76,9 +76,13 @@ class Findings:
     def __init__(self):
         self.errors, self.warnings, self.notes = [], [], []
 
-    def lines(self):
+    def lines(self, limit: int = 400):
+        """One line per finding, each at most about `limit` characters: a
+        schema's message can quote a whole object."""
         for kind, found in (("error", self.errors), ("warning", self.warnings), ("note", self.notes)):
-            yield from (f"{kind}: {line}" for line in dict.fromkeys(found))
+            for line in dict.fromkeys(found):
+                line = " ".join(line.split())
+                yield f"{kind}: {line if len(line) <= limit else line[:limit] + ' ...'}"
 
 
 # --------------------------------------------------------------- rendering
@@ -95,8 +99,7 @@ def render(directory: Path) -> list:
     result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True,
                             timeout=120)
     if result.returncode != 0:
-        message = " ".join(result.stderr.split())
-        raise RenderError(f"kubectl kustomize {directory} failed: {message}")
+        raise RenderError(f"kubectl kustomize {directory} failed: {result.stderr}")
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
