@@ -123,6 +123,7 @@ class LossyLink:
                     self._answer(line.decode().split())
 
     def stats(self) -> dict:
+        """Each direction's packet counts so far."""
         return {name: dict(d.counts) for name, d in self.directions.items()}
 
     def _read(self, direction: Direction) -> None:
@@ -133,10 +134,10 @@ class LossyLink:
                 packet = os.read(direction.source, READ_SIZE)
             except BlockingIOError:
                 return
-            # Any other error (the device or its namespace gone) ends the
-            # link, rather than spinning on a descriptor that stays readable.
-            # Its own time: one taken before the burst would make the packets
-            # that came during it early.
+            # (Any other error, the device or its namespace gone, ends the
+            # link rather than spinning on a descriptor that stays readable.)
+            # The packet's own time: one taken before the burst would make
+            # the packets that came during it early.
             due = time.monotonic() + self.delay
             direction.counts["read"] += 1
             if self.random.random() < self.loss:
