@@ -76,9 +76,13 @@ class Findings:
     def __init__(self):
         self.errors, self.warnings, self.notes = [], [], []
 
-    def lines(self):
+    def lines(self, limit: int = 400):
+        """One line per finding, each at most about `limit` characters: a
+        schema's message can quote a whole object."""
         for kind, found in (("error", self.errors), ("warning", self.warnings), ("note", self.notes)):
-            yield from (f"{kind}: {line}" for line in dict.fromkeys(found))
+            for line in dict.fromkeys(found):
+                line = " ".join(line.split())
+                yield f"{kind}: {line if len(line) <= limit else line[:limit] + ' ...'}"
 
 
 # --------------------------------------------------------------- rendering
@@ -95,8 +99,7 @@ def render(directory: Path) -> list:
     result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True,
                             timeout=120)
     if result.returncode != 0:
-        message = " ".join(result.stderr.split())
-        raise RenderError(f"kubectl kustomize {directory} failed: {message}")
+        raise RenderError(f"kubectl kustomize {directory} failed: {result.stderr}")
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
@@ -230,9 +233,10 @@ def _parse_config():
 
 # ------------------------------------------------------ what the settings say
 
-def _gpus(resources) -> int:
-    """GPUs a container asks for: its limits of any `<vendor>/gpu` resource."""
-    return sum(int(v) for k, v in resources.get("limits", {}).items() if k.endswith("/gpu"))
+def _has_gpus(resources) -> bool:
+    """Does a container ask for GPUs (a limit of any `<vendor>/gpu` resource
+    but 0)? A malformed count is the Kubernetes schema's to refuse."""
+    return any(str(v) != "0" for k, v in resources.get("limits", {}).items() if k.endswith("/gpu"))
 
 
 def _last_flag(argv, flag: str):
@@ -243,7 +247,7 @@ def _last_flag(argv, flag: str):
 
 def contradictions(settings: dict, found: Findings) -> None:
     """Settings that cannot work together, whatever the variant."""
-    gpus = _gpus(settings["resources"])
+    gpus = _has_gpus(settings["resources"])
     precision, communication, workers = settings["precision"], settings["communication"], settings["workers"]
     if not gpus and precision == "mixed_float16":
         found.errors.append("settings.yaml: precision mixed_float16 without GPUs (no nvidia.com/gpu limit): "

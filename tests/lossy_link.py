@@ -110,10 +110,9 @@ class LossyLink:
             timeout = self._deliver(time.monotonic())
             readable, _, _ = select.select([d.source for d in self.directions.values()] + [commands],
                                            [], [], timeout)
-            now = time.monotonic()
             for direction in self.directions.values():
                 if direction.source in readable:
-                    self._read(direction, now)
+                    self._read(direction)
             if commands in readable:
                 chunk = os.read(commands, 4096)
                 if not chunk:
@@ -121,12 +120,13 @@ class LossyLink:
                 pending += chunk
                 while b"\n" in pending:
                     line, pending = pending.split(b"\n", 1)
-                    self._answer(line.decode().split(), now)
+                    self._answer(line.decode().split())
 
     def stats(self) -> dict:
+        """Each direction's packet counts so far."""
         return {name: dict(d.counts) for name, d in self.directions.items()}
 
-    def _read(self, direction: Direction, now: float) -> None:
+    def _read(self, direction: Direction) -> None:
         # At most a burst at a time, so that a flood one way cannot starve
         # the other way or the delivery of what is due.
         for _ in range(256):
@@ -134,15 +134,18 @@ class LossyLink:
                 packet = os.read(direction.source, READ_SIZE)
             except BlockingIOError:
                 return
-            # Any other error (the device or its namespace gone) ends the
-            # link, rather than spinning on a descriptor that stays readable.
+            # (Any other error, the device or its namespace gone, ends the
+            # link rather than spinning on a descriptor that stays readable.)
+            # The packet's own time: one taken before the burst would make
+            # the packets that came during it early.
+            due = time.monotonic() + self.delay
             direction.counts["read"] += 1
             if self.random.random() < self.loss:
                 direction.counts["dropped"] += 1
             elif len(direction.queue) >= self.limit:
                 direction.counts["overflowed"] += 1
             else:
-                direction.queue.append((now + self.delay, packet))
+                direction.queue.append((due, packet))
 
     def _deliver(self, now: float):
         """Writes what is due; returns the seconds until the next packet is
@@ -162,9 +165,9 @@ class LossyLink:
                 waits.append(max(queue[0][0], self.stalled_until) - now)
         return min(waits) if waits else None
 
-    def _answer(self, words: list, now: float) -> None:
+    def _answer(self, words: list) -> None:
         if words[:1] == ["stall"] and len(words) == 2:
-            self.stalled_until = max(self.stalled_until, now + float(words[1]))
+            self.stalled_until = max(self.stalled_until, time.monotonic() + float(words[1]))
             reply = "ok"
         elif words == ["stats"]:
             reply = json.dumps(self.stats())

@@ -109,7 +109,10 @@ class Network:
         # `ip netns del` would only unname.
         for forwarder in self._forwarders:
             forwarder.close()
-        for netns in self.namespaces:
+        # The veths explicitly: a namespace's devices go when the kernel gets
+        # round to freeing it, seconds after `ip netns del` at times.
+        for veth, netns in zip(self._veths, self.namespaces):
+            subprocess.run(["ip", "link", "del", veth], capture_output=True)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{netns}", ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
@@ -160,7 +163,9 @@ class Network:
             # of either path fit the other.
             mtu = json.loads(subprocess.run(["ip", "netns", "exec", netns, "ip", "-j", "link", "show", "eth0"],
                                             check=True, capture_output=True, text=True).stdout)[0]["mtu"]
-            _ip("link", "set", DEVICE, "mtu", str(mtu), "up", netns=netns)
+            # A long queue: a forwarder kept waiting by a busy machine
+            # delays packets rather than losing more than `loss`.
+            _ip("link", "set", DEVICE, "mtu", str(mtu), "txqueuelen", "10000", "up", netns=netns)
             # A /32 beats the bridge's /24; no gateway and no ARP on a
             # point-to-point TUN device.
             _ip("route", "add", f"{peer_address}/32", "dev", DEVICE, "src", address, netns=netns)
@@ -256,7 +261,8 @@ class Group:
     """One start of every pod of a job (what a JobSet restart, or the
     operator recreating its pods, starts)."""
 
-    def __init__(self, network, pods, model_dir: Path, scratch: Path):
+    def __init__(self, network, pods, model_dir: Path, scratch: Path, flags: Sequence[str] = ()):
+        """Starts every pod with `user_flags(model_dir)`, then `flags` (the last of a flag given twice counts)."""
         self.logs = []
         self.processes = []
         bin_dir = str(Path(sys.executable).parent)  # where distributed-mpt-train is installed
@@ -269,7 +275,7 @@ class Group:
                    **pod.env}
             log = open(scratch / f"{pod.hostname}.log", "a")
             self.logs.append(log.name)
-            self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir)], env,
+            self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir), *flags], env,
                                                 stdout=log, stderr=subprocess.STDOUT))
 
     def exit_codes(self, timeout: float) -> list:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -180,13 +181,87 @@ def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, caps
             (["--repeats=x", f"--output={output}"],
              "flag --repeats=x: invalid literal for int() with base 10: 'x'"),
             ([f"--output={tmp_path}"],
-             f"flag --output={tmp_path}: is a directory; name a file to write"),
+             f"flag --output={tmp_path}: is a directory, not a regular file: name a file to write"),
+            (["--repeats=99999999999999", f"--output={output}"],
+             f"flag --repeats=99999999999999: 99999999999999 is not an integer in the range "
+             f"[1, {cells.MAX_REPEATS}]"),
             ([f"--output={tmp_path}/missing/bench.json"],
              f"flag --output={tmp_path}/missing/bench.json: is in a directory that does not "
              f"exist; create it first")):
         assert cli.main(flags) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
     assert list(tmp_path.iterdir()) == []
+
+
+def _special_files(directory: Path) -> dict:
+    """One of each kind of file that is not a regular file, by kind."""
+    import socket
+
+    made = {"a FIFO": directory / "fifo", "a socket": directory / "socket",
+            "a symbolic link to nothing": directory / "dangling"}
+    os.mkfifo(made["a FIFO"])
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(made["a socket"]))
+    listener.close()  # the socket file stays
+    made["a symbolic link to nothing"].symlink_to(directory / "nowhere")
+    try:  # as /dev/null is made: root only
+        os.mknod(directory / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        made["a device node"] = directory / "null"
+    except PermissionError:
+        pass
+    return made
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_before_measuring(
+        tmp_path, capsys, nothing_measured):
+    """The JSON is renamed over --output: a device node (as root,
+    --output=/dev/null would have replaced the system's), a FIFO or a socket
+    was replaced by a regular file. Each is left alone, before any measuring."""
+    special = _special_files(tmp_path)
+    before = {path: os.lstat(path) for path in special.values()}
+    for kind, path in special.items():
+        assert cli.main(["--tiny", f"--output={path}"]) == ExitCode.USAGE, kind
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: flag --output={path}: is {kind}, not a regular file: name a file to write"]
+    for path, status in before.items():
+        after = os.lstat(path)
+        assert (after.st_ino, after.st_mode) == (status.st_ino, status.st_mode), f"{path} was replaced"
+    assert sorted(tmp_path.iterdir()) == sorted(special.values()), "nothing written beside them"
+    print(f"refused: {', '.join(special)}")
+
+
+def test_an_output_that_becomes_a_fifo_while_measuring_is_left_alone(tmp_path, monkeypatch, capsys):
+    output = tmp_path / "bench.json"
+
+    def run_cell(cell):  # measures, while someone puts a FIFO at --output
+        if not output.exists():
+            os.mkfifo(output)
+        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+                "peak_memory_bytes": 2**20}
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+    assert cli.main(["--tiny", "--sections=training", f"--output={output}"]) == ExitCode.USAGE
+    printed = capsys.readouterr()
+    assert "training: " in printed.out, "the figures are not lost: the report has them"
+    assert [line for line in printed.err.splitlines() if line.startswith("error:")] == [
+        f"error: --output={output} is now a FIFO: not replaced; the report above is all there is"]
+    assert stat.S_ISFIFO(os.lstat(output).st_mode) and list(tmp_path.iterdir()) == [output]
+
+
+def test_a_cell_runs_the_installed_package_not_one_in_the_working_directory(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: a
+    `./distributed_mpt/` there ran in place of the package."""
+    planted = tmp_path / "distributed_mpt"
+    planted.mkdir()
+    marker = tmp_path / "planted-code-ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                         "raise SystemExit('error: the planted package ran')\n")
+    monkeypatch.chdir(tmp_path)
+    too_large = cells.Cell("mlp", "float32", batch_size=64, model_width=8, examples=32, repeats=1)
+    # The installed package's own refusal of this cell: it ran, the planted one did not.
+    with pytest.raises(RuntimeError, match=r"exited 1: error: ConfigError: the global batch of 64"):
+        cells.run_cell(too_large)
+    assert not marker.exists()
 
 
 def test_help_describes_every_section_and_flag_and_measures_nothing(capsys, nothing_measured):

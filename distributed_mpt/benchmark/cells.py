@@ -19,6 +19,7 @@ import time
 from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
 from distributed_mpt.benchmark import roof
 from distributed_mpt.errors import ExitCode, first_line
+from distributed_mpt.process.stopping import helper_command
 
 # Steps of the first loop call, which traces the loop: never timed.
 WARMUP_STEPS = 2
@@ -26,6 +27,9 @@ WARMUP_STEPS = 2
 # `Cell.seconds`, judged from one short call, within these bounds.
 MIN_STEPS, MAX_STEPS = 2, 100
 CHILD_TIMEOUT_SECONDS = 900
+# Timed calls per measurement: 100 of about 2 s (Cell.seconds) take over 3
+# minutes, a quarter of the time a cell is given; more would be cut off.
+MAX_REPEATS = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +118,9 @@ def run_cell(cell) -> dict:
     multi_worker = getattr(cell, "strategy", None) == "multi_worker"
     if multi_worker and not cell.steps:
         raise ValueError("a multi_worker cell needs its steps fixed")
-    command = [sys.executable, "-m", "distributed_mpt.benchmark.cells", type(cell).__name__,
-               json.dumps(dataclasses.asdict(cell))]
+    # Never a `./distributed_mpt/` of the working directory (helper_command).
+    command = helper_command("distributed_mpt.benchmark.cells", type(cell).__name__,
+                             json.dumps(dataclasses.asdict(cell)))
     tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
                   else [None])
     with contextlib.ExitStack() as stack:

@@ -2,14 +2,17 @@
 and the exit status (0; 1 if a section failed; 2 for bad flags)."""
 
 import os
+import stat
 import sys
 import textwrap
+from typing import Optional
 
 from absl import flags
 
 from distributed_mpt import config as config_lib
 from distributed_mpt.process import console, log_filter, stopping
 from distributed_mpt import files
+from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
@@ -27,9 +30,7 @@ def _flag_values() -> flags.FlagValues:
     flags.DEFINE_string("output", None, "Also write every figure as JSON to this file (in an "
                         "existing directory).", flag_values=fv)
     # Checked before any measuring, not found after it.
-    flags.register_validator(
-        "output", lambda path: path is None or not os.path.isdir(config_lib.user_path(path)),
-        "is a directory; name a file to write", flag_values=fv)
+    flags.register_validator("output", _regular_file_or_absent, flag_values=fv)
     flags.register_validator(
         "output", lambda path: path is None or os.path.isdir(
             os.path.dirname(os.path.abspath(config_lib.user_path(path)))),
@@ -47,11 +48,34 @@ def _flag_values() -> flags.FlagValues:
                          "or airbench.", lower_bound=1, upper_bound=1024, flag_values=fv)
     flags.DEFINE_integer("repeats", d.repeats, "Timed loop calls per measurement (about "
                          f"{d.seconds:g} s each); the fastest is reported.", lower_bound=1,
-                         flag_values=fv)
+                         upper_bound=MAX_REPEATS, flag_values=fv)
     flags.DEFINE_bool("tiny", False, "A smoke run for tests: the MLP of "
                       "width 8, batch 32, one short repeat, a 1,024-image split (flags given "
                       "explicitly still win).", flag_values=fv)
     return fv
+
+
+def output_kind(path: str) -> Optional[str]:
+    """What `path` is when it is neither absent nor a regular file (nor a
+    link to one): the JSON is written whole, to a temporary file renamed over
+    `path`, which would put a regular file in place of a device node (as
+    root, --output=/dev/null would replace the system's), a FIFO or a socket."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # a dangling link, a loop of links
+        return "a symbolic link to nothing"
+    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "a device node")
+
+
+def _regular_file_or_absent(path: Optional[str]) -> bool:
+    kind = path and output_kind(config_lib.user_path(path))
+    if kind:
+        raise flags.ValidationError(f"is {kind}, not a regular file: name a file to write")
+    return True
 
 
 def parse_options(argv) -> Options:
@@ -115,8 +139,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         print("interrupted: nothing written", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED if isinstance(e, stopping.Terminated) else EXIT_ABORTED
-    unwritten = None
-    if options.output:  # first: the report's console may fail (console.py), the file must not
+    unwritten, kind = None, options.output and output_kind(options.output)
+    if kind:  # it became one while we measured: left as it is
+        unwritten = (f"error: --output={options.output} is now {kind}: not replaced; the report "
+                     f"above is all there is")
+    elif options.output:  # first: the report's console may fail (console.py), the file must not
         try:
             files.write_json(options.output, results)
         except OSError as e:  # the disk filled, or the directory went, while it measured
