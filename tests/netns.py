@@ -117,6 +117,15 @@ class Network:
             shutil.rmtree(f"/etc/netns/{netns}", ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
+    def host_address(self) -> str:
+        """An address of this (the test's) namespace on the pods' bridge, for a
+        service the pods reach outside the cluster (the Trainer controller's
+        status endpoint, say)."""
+        address = SUBNET.format(self._subnet, 1)
+        subprocess.run(["ip", "addr", "add", f"{address}/24", "dev", self.bridge],
+                       capture_output=True)  # once; a second call finds it there
+        return address
+
     def popen(self, pod: int, command: List[str], env: Dict[str, str], **kwargs) -> subprocess.Popen:
         """Starts `command` in pod `pod`'s namespace under its hostname."""
         hostname = self._hosts[pod][0]
@@ -273,6 +282,8 @@ class Group:
             home.mkdir(parents=True, exist_ok=True)
             env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "TMPDIR": str(tmp), "HOME": str(home),
                    **pod.env}
+            if os.environ.get("PYTHONPATH"):  # the package under test, as the image would hold it
+                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
             log = open(scratch / f"{pod.hostname}.log", "a")
             self.logs.append(log.name)
             self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir), *flags], env,

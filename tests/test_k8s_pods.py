@@ -17,16 +17,22 @@ to the command: a tiny airbench on synthetic data, on CPUs, for a few steps.
 Needs root (network namespaces); skipped elsewhere, with the reason.
 """
 
+import http.server
 import json
 import signal
+import ssl
 import subprocess
+import threading
 import time
+from datetime import datetime
 
+import jsonschema
 import pytest
+import yaml
 
 import netns
 from distributed_mpt import errors
-from k8s_pods import render, training_job, training_pods
+from k8s_pods import K8S, render, training_job, training_pods
 from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
@@ -68,6 +74,13 @@ def _wait_for_a_checkpoint(network, pods, docs, group, model_dir) -> None:
         assert listening_ports(network, i) & admitted_ports(docs), f"{pods[i].hostname}:\n{group.output()}"
 
 
+def assert_a_clean_end(output: str) -> None:
+    """A job that succeeded logs no abort or crash: workers leave together,
+    after the chief's export (training/agreement.py)."""
+    for word in ("StartAbort", "crashed", "unhealthy"):
+        assert word not in output, output
+
+
 def _finished(model_dir) -> dict:
     summary = json.loads((model_dir / "summary.json").read_text())
     assert (summary["num_workers"], summary["steps"]) == (2, TRAIN_STEPS)
@@ -75,14 +88,105 @@ def _finished(model_dir) -> dict:
     return summary
 
 
+class StatusServer:
+    """Kubeflow Trainer's status endpoint as its controller serves it to a
+    TrainJob's pods (v2.2+, feature gate TrainJobStatus): HTTPS with a CA of
+    its own, a bearer token in a file, the three variables that say where;
+    it records every request."""
+
+    TOKEN = "a-projected-service-account-token"
+
+    def __init__(self, address: str, directory):
+        self.requests = []  # (arrival, headers, body)
+        self._certificate(address, directory)
+        server = self
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                server.requests.append((time.monotonic(), dict(self.headers), body))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+        self._http = http.server.ThreadingHTTPServer((address, 0), Handler)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(directory / "server.crt", directory / "server.key")
+        self._http.socket = tls.wrap_socket(self._http.socket, server_side=True)
+        (directory / "token").write_text(self.TOKEN)
+        self.env = {"KUBEFLOW_TRAINER_SERVER_URL":
+                    f"https://{address}:{self._http.server_address[1]}/apis/status",
+                    "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(directory / "ca.crt"),
+                    "KUBEFLOW_TRAINER_SERVER_TOKEN": str(directory / "token")}
+
+    @staticmethod
+    def _certificate(address, directory):
+        """A CA, and a certificate it signed for `address`, made by openssl."""
+        def openssl(*args):
+            subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+                "-out", "ca.crt", "-days", "1", "-subj", "/CN=test trainer CA")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+                "server.csr", "-subj", "/CN=kubeflow-trainer-controller")
+        (directory / "san.ext").write_text(f"subjectAltName=IP:{address}\n")
+        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
+
+    def __enter__(self):
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._http.shutdown()
+
+
+def trainer_status_schema() -> dict:
+    """TrainJob's status.trainerStatus, from the CRD the tests carry."""
+    crd = yaml.safe_load((K8S / "schemas" / "trainer.kubeflow.org_trainjobs.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
+        "trainerStatus"]
+
+
 @pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "trainjob"])
 def test_pods_train_to_the_end_on_admitted_ports(variant, tmp_path):
     docs, pods, model_dir, scratch = _job(variant, tmp_path)
-    with netns.Network([pod.names for pod in pods]) as network, Groups() as groups:
+    (tmp_path / "controller").mkdir()
+    with netns.Network([pod.names for pod in pods]) as network, Groups() as groups, \
+            StatusServer(network.host_address(), tmp_path / "controller") as status:
+        if variant == "trainjob":  # what Trainer v2's controller injects into its pods
+            for pod in pods:
+                pod.env.update(status.env)
         group = groups.start(network, pods, model_dir, scratch)
         _wait_for_a_checkpoint(network, pods, docs, group, model_dir)
         assert group.exit_codes(timeout=900) == [0, 0], group.output()
+        assert "warning: TrainJob progress" not in group.output()
+        assert_a_clean_end(group.output())
     assert _finished(model_dir)["resumed_from_step"] == 0
+    if variant == "trainjob":
+        _assert_progress_reports(status.requests)
+    else:
+        assert not status.requests, "no report where the controller offered no endpoint"
+
+
+def _assert_progress_reports(requests):
+    """The chief's reports, in the API's own schema, at most every 5 s, the
+    last at 100%."""
+    assert requests, "the chief reported its progress"
+    schema = trainer_status_schema()
+    for _, headers, body in requests:
+        assert headers["Authorization"] == f"Bearer {StatusServer.TOKEN}"
+        report = json.loads(body)
+        assert list(report) == ["trainerStatus"]
+        jsonschema.validate(report["trainerStatus"], schema)
+        datetime.fromisoformat(report["trainerStatus"]["lastUpdatedTime"].replace("Z", "+00:00"))
+    arrivals = [arrival for arrival, _, _ in requests]
+    assert all(b - a >= 4.5 for a, b in zip(arrivals, arrivals[1:])), arrivals
+    last = json.loads(requests[-1][2])["trainerStatus"]
+    assert last["progressPercentage"] == 100
+    names = {m["name"] for m in last["metrics"]}
+    assert {"eval_loss", "eval_accuracy"} <= names or {"loss", "accuracy"} <= names, names
 
 
 def test_pods_train_survive_a_lost_worker_and_resume(tmp_path):
@@ -104,4 +208,5 @@ def test_pods_train_survive_a_lost_worker_and_resume(tmp_path):
         # The controller's restart: the same pods, the same shared volume.
         group = groups.start(network, pods, model_dir, scratch)
         assert group.exit_codes(timeout=900) == [0, 0], group.output()
+        assert_a_clean_end(group.output())
     assert _finished(model_dir)["resumed_from_step"] == lost_at

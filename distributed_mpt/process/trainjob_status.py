@@ -76,8 +76,9 @@ class TrainJobStatus:
             self._latest = {"trainerStatus": status}
             self._changed.notify()
 
-    def close(self, timeout: float = _TIMEOUT_SECONDS + 1) -> None:
-        """Sends what is pending (the final progress) and stops the thread."""
+    def close(self, timeout: float = MIN_SECONDS + _TIMEOUT_SECONDS + 1) -> None:
+        """Sends what is pending (the final progress, at most MIN_SECONDS
+        later) and stops the thread."""
         with self._changed:
             self._closing = True
             self._changed.notify()
@@ -91,10 +92,12 @@ class TrainJobStatus:
                     self._changed.wait()
                 if self._latest is None:
                     return
-                # At most one request every MIN_SECONDS, except the last.
-                if last_sent is not None and not self._closing:
-                    wait = MIN_SECONDS - (time.monotonic() - last_sent)
-                    if wait > 0:
+                # At most one request every MIN_SECONDS, the last one too.
+                wait = MIN_SECONDS - (time.monotonic() - last_sent) if last_sent else 0
+                if wait > 0:
+                    if self._closing:
+                        time.sleep(wait)  # the final progress, once it may be sent
+                    else:
                         self._changed.wait(wait)
                         continue
                 payload, self._latest = self._latest, None
