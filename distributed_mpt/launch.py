@@ -45,6 +45,8 @@ _GRPC_BIND_FAILURE = "Could not start gRPC server"
 # TensorFlow's gRPC server listens on every interface (0.0.0.0:PORT), whatever
 # address TF_CONFIG gives, so a port is only usable if it is free on all of them.
 _GRPC_LISTEN_ADDRESS = "0.0.0.0"
+# A save takes seconds; an hour covers a large checkpoint on a slow disk.
+MAX_GRACE_SECONDS = 3600.0
 
 
 class PortError(UserError):
@@ -57,7 +59,11 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_restarts", 3, "Times the whole group is restarted after a worker "
                          "dies.", lower_bound=0, flag_values=fv)
     flags.DEFINE_float("grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
-                       "exit before it is killed.", lower_bound=0, flag_values=fv)
+                       "exit before it is killed.", flag_values=fv)
+    # Not absl's bounds, which let nan through: nan fails every comparison.
+    flags.register_validator("grace_seconds", lambda seconds: 0 <= seconds <= MAX_GRACE_SECONDS,
+                             f"must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g}",
+                             flag_values=fv)
 
 
 def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:

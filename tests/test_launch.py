@@ -106,11 +106,14 @@ def test_no_free_port_is_one_error_line_and_exit_2(monkeypatch, capsys):
     (["--num_workers=0", "--", "--model_dir=x"], "num_workers"),
     (["--num_workers=2"], "no training flags"),
     (["--max_restarts=-1", "--", "--model_dir=x"], "max_restarts"),
+    (["--grace_seconds=nan", "--", "--model_dir=x"], "--grace_seconds=nan: must be a number of seconds"),
+    (["--grace_seconds=inf", "--", "--model_dir=x"], "--grace_seconds=inf: must be a number of seconds"),
+    (["--grace_seconds=1e9", "--", "--model_dir=x"], "from 0 to 3600"),
 ])
 def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     assert launch.main(args) == 2
     out, err = capsys.readouterr()
-    assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err, err
     assert "started worker" not in out
 
 
