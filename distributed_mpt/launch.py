@@ -12,20 +12,24 @@ cannot go on without a peer, so when a worker dies the others are stopped and
 the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
 (diverged) are not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's)
-status; with 2 and one `error:` line when this host has no free port left.
+status; with 2 and one `error:` line when this host cannot hold that many
+workers (`max_workers`) or has no free port left.
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
 
+import bisect
 import json
+import math
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Collection, List, Optional
+from typing import Collection, List, Optional, Tuple
 
 from absl import flags
 
@@ -48,14 +52,25 @@ _GRPC_LISTEN_ADDRESS = "0.0.0.0"
 # A save takes seconds; an hour covers a large checkpoint on a slow disk.
 MAX_GRACE_SECONDS = 3600.0
 
+# What one worker costs this host (`max_workers`). Linux caps one environment
+# string ("TF_CONFIG=...") at MAX_ARG_STRLEN, 32 pages.
+_ENVIRONMENT_STRING_BYTES = 32 * os.sysconf("SC_PAGE_SIZE")
+# The launcher's open files: a worker's stdout and stderr pipes and, while
+# ports are chosen, its port's socket; then the launcher's own.
+_FILES_PER_WORKER, _FILES_OF_THE_LAUNCHER = 3, 64
+# A worker of a 2-worker airbench run on 2 cores of an AMD EPYC (TensorFlow
+# 2.21) had 110-125 threads (TensorFlow's pools, gRPC) and 317-322 MiB of
+# private memory; larger models, more data and more cores take more.
+_THREADS_PER_WORKER, _BYTES_PER_WORKER = 128, 256 * 2**20
+
 
 class PortError(UserError):
     """This host has no free TCP port left for a worker."""
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_integer("num_workers", 2, "Worker processes to start.", lower_bound=1,
-                         flag_values=fv)
+    flags.DEFINE_integer("num_workers", 2, "Worker processes to start (at most what this host "
+                         "can hold: see max_workers).", lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_restarts", 3, "Times the whole group is restarted after a worker "
                          "dies.", lower_bound=0, flag_values=fv)
     flags.DEFINE_float("grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
@@ -64,6 +79,35 @@ def _define_flags(fv: flags.FlagValues) -> None:
     flags.register_validator("grace_seconds", lambda seconds: 0 <= seconds <= MAX_GRACE_SECONDS,
                              f"must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g}",
                              flag_values=fv)
+
+
+def max_workers() -> Tuple[int, str]:
+    """The most workers this host can hold, and the limit that sets it:
+    TF_CONFIG in one environment string, this process's open files, the
+    user's processes and threads (the kernel exempts root), memory."""
+    limits = [(_most_in_one_environment_string(), "the TF_CONFIG of more would not fit in one "
+               f"environment string ({_ENVIRONMENT_STRING_BYTES:,} bytes on Linux)")]
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if files != resource.RLIM_INFINITY:
+        limits.append(((files - _FILES_OF_THE_LAUNCHER) // _FILES_PER_WORKER,
+                       f"ulimit -n is {files}, {_FILES_PER_WORKER} open files a worker"))
+    threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if threads != resource.RLIM_INFINITY and os.geteuid() != 0:
+        limits.append((threads // _THREADS_PER_WORKER,
+                       f"ulimit -u is {threads}, about {_THREADS_PER_WORKER} threads a worker"))
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limits.append((memory // _BYTES_PER_WORKER, f"this host has {memory / 2**30:.1f} GiB of "
+                   f"memory, at least {_BYTES_PER_WORKER // 2**20} MiB a worker"))
+    return min(limits)
+
+
+def _most_in_one_environment_string() -> int:
+    def entry_bytes(count):  # the longest "TF_CONFIG=...\0"; each address takes 17 at least
+        return (len(f"TF_CONFIG={worker_tf_config([65535] * count, count - 1)}") + 1
+                if count * 17 <= _ENVIRONMENT_STRING_BYTES else math.inf)
+
+    return bisect.bisect_right(range(_ENVIRONMENT_STRING_BYTES), _ENVIRONMENT_STRING_BYTES,
+                               lo=1, key=entry_bytes) - 1
 
 
 def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
@@ -90,11 +134,15 @@ def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
     return ports
 
 
-def worker_tf_configs(ports: List[int]) -> List[str]:
-    """The TF_CONFIG of each local worker; worker 0 is the chief."""
+def worker_tf_config(ports: List[int], index: int) -> str:
+    """The TF_CONFIG of local worker `index` of those on `ports`; worker 0 is the chief."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-            for i in range(len(ports))]
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def worker_tf_configs(ports: List[int]) -> List[str]:
+    """The TF_CONFIG of each local worker."""
+    return [worker_tf_config(ports, index) for index in range(len(ports))]
 
 
 class _Group:
@@ -105,8 +153,8 @@ class _Group:
         self.processes = []
         self.unbound_workers = set()  # workers that said they could not listen on their port
         self._pumps = []
-        for index, tf_config in enumerate(worker_tf_configs(ports)):
-            env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
+        for index in range(len(ports)):
+            env = dict(os.environ, TF_CONFIG=worker_tf_config(ports, index), PYTHONUNBUFFERED="1")
             process = subprocess.Popen(
                 helper_command("distributed_mpt.train", *train_flags), env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
@@ -271,6 +319,11 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     if not train_flags:
         _say("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
+             sys.stderr)
+        return EXIT_USAGE
+    most, why = max_workers()
+    if fv.num_workers > most:
+        _say(f"error: --num_workers={fv.num_workers}: this host holds at most {most} ({why})",
              sys.stderr)
         return EXIT_USAGE
     try:

@@ -106,6 +106,8 @@ def test_no_free_port_is_one_error_line_and_exit_2(monkeypatch, capsys):
     (["--num_workers=0", "--", "--model_dir=x"], "num_workers"),
     (["--num_workers=2"], "no training flags"),
     (["--max_restarts=-1", "--", "--model_dir=x"], "max_restarts"),
+    # A TF_CONFIG longer than one environment string: "Argument list too long".
+    (["--num_workers=7000", "--", "--model_dir=x"], "--num_workers=7000: this host holds at most"),
     (["--grace_seconds=nan", "--", "--model_dir=x"], "--grace_seconds=nan: must be a number of seconds"),
     (["--grace_seconds=inf", "--", "--model_dir=x"], "--grace_seconds=inf: must be a number of seconds"),
     (["--grace_seconds=1e9", "--", "--model_dir=x"], "from 0 to 3600"),
@@ -115,6 +117,45 @@ def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     out, err = capsys.readouterr()
     assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err, err
     assert "started worker" not in out
+
+
+def test_the_most_workers_tf_config_can_name_is_what_the_kernel_accepts():
+    """The bound on one environment string (MAX_ARG_STRLEN), against exec itself."""
+    most = launch._most_in_one_environment_string()
+    print(f"{most} workers in one environment string")
+
+    def start_with_the_longest_tf_config(count):
+        tf_config = launch.worker_tf_config([65535] * count, count - 1)
+        subprocess.run(["true"], env={"TF_CONFIG": tf_config}, check=True)
+
+    start_with_the_longest_tf_config(most)
+    with pytest.raises(OSError) as error:
+        start_with_the_longest_tf_config(most + 1)
+    assert error.value.errno == errno.E2BIG
+
+
+def test_num_workers_is_bounded_by_the_open_files_limit(tmp_path):
+    # (82 - 64 of the launcher's own) // 3 a worker = 6
+    result = subprocess.run(
+        ["prlimit", "--nofile=82", sys.executable, "-m", "distributed_mpt.launch",
+         "--num_workers=7", "--", f"--model_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["error: --num_workers=7: this host holds at most 6 "
+                                          "(ulimit -n is 82, 3 open files a worker)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_num_workers_is_bounded_by_the_process_limit_of_a_user(monkeypatch, capsys):
+    """Not root, whom the kernel exempts from RLIMIT_NPROC (so set here)."""
+    import resource
+
+    limits = {resource.RLIMIT_NPROC: (640, 640), resource.RLIMIT_NOFILE: (20000, 20000)}
+    monkeypatch.setattr(resource, "getrlimit", limits.get)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert launch.main(["--num_workers=6", "--", "--model_dir=x"]) == 2
+    assert capsys.readouterr().err == ("error: --num_workers=6: this host holds at most 5 "
+                                       "(ulimit -u is 640, about 128 threads a worker)\n")
 
 
 def test_output_to_a_reader_that_is_gone_is_no_traceback():
