@@ -13,7 +13,8 @@ the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
 (diverged) are not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's)
 status; with 2 and one `error:` line when this host cannot hold that many
-workers (`max_workers`) or has no free port left.
+workers (`max_workers`) or has no free port or process left, having
+stopped every worker it started.
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
@@ -66,6 +67,10 @@ _THREADS_PER_WORKER, _BYTES_PER_WORKER = 128, 256 * 2**20
 
 class PortError(UserError):
     """This host has no free TCP port left for a worker."""
+
+
+class WorkerStartError(UserError):
+    """This host could not start one more worker (no process, file or thread left)."""
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
@@ -148,23 +153,33 @@ def worker_tf_configs(ports: List[int]) -> List[str]:
 class _Group:
     """One generation of worker processes, worker i listening on ports[i]."""
 
-    def __init__(self, ports: List[int], train_flags: List[str]):
+    def __init__(self, ports: List[int]):
         self.ports = ports
         self.processes = []
         self.unbound_workers = set()  # workers that said they could not listen on their port
         self._pumps = []
-        for index in range(len(ports)):
-            env = dict(os.environ, TF_CONFIG=worker_tf_config(ports, index), PYTHONUNBUFFERED="1")
-            process = subprocess.Popen(
-                helper_command("distributed_mpt.train", *train_flags), env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
-            self.processes.append(process)
-            for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
-                pump = threading.Thread(target=self._relay, args=(source, sink, index), daemon=True)
-                pump.start()
-                self._pumps.append(pump)
-            _say(f"[launch] started worker {index} (pid {process.pid}) on port {ports[index]}")
+
+    def start(self, train_flags: List[str]) -> None:
+        """Starts worker i on ports[i], two threads relaying its output. Raises
+        WorkerStartError when this host cannot start one more; the caller
+        stops the others."""
+        for index, port in enumerate(self.ports):
+            env = dict(os.environ, TF_CONFIG=worker_tf_config(self.ports, index), PYTHONUNBUFFERED="1")
+            try:
+                process = subprocess.Popen(
+                    helper_command("distributed_mpt.train", *train_flags), env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                    start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
+                self.processes.append(process)
+                for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
+                    self._pumps.append(threading.Thread(target=self._relay, daemon=True,
+                                                        args=(source, sink, index)))
+                    self._pumps[-1].start()
+            except (OSError, RuntimeError) as e:  # RuntimeError: "can't start new thread"
+                raise WorkerStartError(f"cannot start worker {index} of {len(self.ports)} "
+                                       f"({first_line(e)}): start fewer, or raise this host's "
+                                       "limits") from None
+            _say(f"[launch] started worker {index} (pid {process.pid}) on port {port}")
 
     def _relay(self, source, sink, index: int) -> None:
         # Keep reading even when our own output is gone (`| head`): a worker
@@ -176,6 +191,7 @@ class _Group:
                 _say(f"[worker {index}] " + line.rstrip("\n"), sink)
             except (OSError, ValueError):  # e.g. a line the console's encoding cannot show
                 pass
+        source.close()  # two files a worker, not two for every worker ever started
 
     def first_failure(self) -> Optional[int]:
         """Index of a worker that exited non-zero, if any: one that failed on
@@ -211,7 +227,8 @@ class _Group:
         for process in self.processes:
             process.wait()
         for pump in self._pumps:
-            pump.join(timeout=5)
+            if pump.is_alive():  # one that failed to start never ran
+                pump.join(timeout=5)
 
     def busy_port_error(self) -> Optional[str]:
         """One line naming the ports workers could not listen on, if any did."""
@@ -239,8 +256,9 @@ def exit_status(returncode: int) -> int:
 
 def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
     """Runs the group to completion, restarting it on fresh ports after a
-    retryable failure; returns the chief's exit code. Raises PortError when
-    this host has no free port left."""
+    retryable failure; returns the chief's exit code. Raises PortError or
+    WorkerStartError when this host has no free port or process left, having
+    stopped every worker it started."""
     forwarded = []  # signals received, newest last
     groups = []  # every generation started, the running one last
 
@@ -256,8 +274,9 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
         while True:
             ports = free_ports(num_workers, avoid=used_ports)
             used_ports.update(ports)
-            group = _Group(ports, train_flags)
+            group = _Group(ports)
             groups.append(group)
+            group.start(train_flags)
             if forwarded:  # a signal came while the group was starting
                 group.signal(forwarded[-1])
             while not group.done() and group.first_failure() is None:
@@ -284,6 +303,10 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             _say(f"[launch] restart {restarts}/{max_restarts} on fresh ports: resuming from "
                  f"the latest checkpoint")
     finally:
+        # A failure of the launcher's own (no thread, no process): none of
+        # its workers may run on without it.
+        if groups and not groups[-1].done():
+            groups[-1].stop(grace_seconds)
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
@@ -328,7 +351,7 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     try:
         return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
-    except PortError as e:
+    except UserError as e:  # PortError, WorkerStartError
         _say(f"error: {e}", sys.stderr)
         return e.exit_code
 

@@ -229,6 +229,61 @@ def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():
     assert group.first_failure() == 0, "a peer's loss alone is still a failure"
 
 
+def _processes_naming(text: str) -> list:
+    """The pids of live processes whose command line names `text`."""
+    pids = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes() and _alive(int(cmdline.parent.name)):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue  # gone meanwhile
+    return pids
+
+
+# Thread exhaustion at worker 1: its process has started, the thread that
+# would relay its output cannot.
+NO_THREAD_FOR_WORKER_1 = """
+import sys, threading
+sys.path.insert(0, {repo!r})
+from distributed_mpt import launch
+
+relays, start = [], threading.Thread.start
+
+def start_or_fail(thread):
+    if getattr(thread, "_target", None) is not None and thread._target.__name__ == "_relay":
+        relays.append(thread)
+        if len(relays) == 3:
+            raise RuntimeError("can't start new thread")
+    start(thread)
+
+threading.Thread.start = start_or_fail
+sys.exit(launch.main())
+"""
+
+
+def test_a_launcher_out_of_threads_stops_every_worker_it_started(tmp_path):
+    wrapper = tmp_path / "no_thread_for_worker_1.py"
+    wrapper.write_text(NO_THREAD_FOR_WORKER_1.format(repo=str(REPO)))
+    model_dir = tmp_path / "run"
+    (tmp_path / "tmp").mkdir()
+    try:
+        result = run_module("", ["--num_workers=2", "--grace_seconds=5", "--", *WORKER_FLAGS,
+                                 "--train_steps=100000", f"--model_dir={model_dir}"],
+                            wrapper=wrapper, env=subprocess_env(TMPDIR=str(tmp_path / "tmp")),
+                            timeout=120)
+        left = _processes_naming(str(model_dir))
+    finally:
+        for pid in _processes_naming(str(model_dir)):
+            os.kill(pid, signal.SIGKILL)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert [line for line in _own_lines(result.stderr) if line] == [
+        "error: cannot start worker 1 of 2 (can't start new thread): start fewer, or raise this "
+        "host's limits"]
+    assert len(_worker_pids(result.stdout)) == 1
+    assert not left, "workers outlived the launcher"
+
+
 # Makes the first group's worker 1 use the given port, as if it had been
 # taken between the launcher's choice and the worker's start; later groups
 # get the launcher's own choice.
