@@ -13,8 +13,9 @@ the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
 (diverged) are not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's)
 status; with 2 and one `error:` line when this host cannot hold that many
-workers (`max_workers`) or has no free port or process left, having
-stopped every worker it started.
+workers (`max_workers`) or has no free port or process left. Whatever ends
+the launcher, its workers end with it: it stops them, or, killed itself, the
+kernel does (`_DIE_WITH_LAUNCHER`).
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
@@ -160,14 +161,14 @@ class _Group:
         self._pumps = []
 
     def start(self, train_flags: List[str]) -> None:
-        """Starts worker i on ports[i], two threads relaying its output. Raises
-        WorkerStartError when this host cannot start one more; the caller
-        stops the others."""
+        """Starts worker i on ports[i], two threads relaying its output. From
+        the main thread only (see _DIE_WITH_LAUNCHER). Raises WorkerStartError
+        when this host cannot start one more; the caller stops the others."""
         for index, port in enumerate(self.ports):
             env = dict(os.environ, TF_CONFIG=worker_tf_config(self.ports, index), PYTHONUNBUFFERED="1")
             try:
                 process = subprocess.Popen(
-                    helper_command("distributed_mpt.train", *train_flags), env=env,
+                    worker_command(train_flags), env=env,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                     start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
                 self.processes.append(process)
@@ -237,6 +238,34 @@ class _Group:
         busy = "; ".join(f"worker {i} could not start its gRPC server: port {self.ports[i]} is "
                          f"taken on some address of this host" for i in sorted(self.unbound_workers))
         return f"error: {busy} (see `ss -ltnp`)"
+
+
+# Each worker runs this (`python -I -c`), then execs the trainer. It asks the
+# kernel for SIGTERM when the launcher dies: a launcher killed by SIGKILL
+# stops nobody, and its workers, each in a session of its own, ran on holding
+# the --model_dir lock (the next launch got exit 144). A process group would
+# not do: SIGKILL to the launcher's pid reaches it alone. SIGTERM, not
+# SIGKILL: the workers save a checkpoint and stop, as on Ctrl-C. The request
+# survives exec, and fires when the *thread* that started the worker ends:
+# only the main thread starts workers. A launcher gone before the request
+# shows as another parent.
+_DIE_WITH_LAUNCHER = f"""\
+import ctypes, os, signal, sys
+launcher, command = int(sys.argv[1]), sys.argv[2:]
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM.value) != 0:  # PR_SET_PDEATHSIG
+    sys.exit(f"error: prctl(PR_SET_PDEATHSIG): {{os.strerror(ctypes.get_errno())}}")
+if os.getppid() != launcher:
+    sys.exit({int(EXIT_PREEMPTED)})
+os.execv(command[0], command)
+"""
+
+
+def worker_command(train_flags: List[str]) -> List[str]:
+    """The command of a worker: the trainer, which dies with this process."""
+    command = helper_command("distributed_mpt.train", *train_flags)
+    if not sys.platform.startswith("linux"):  # prctl is Linux's
+        return command
+    return [sys.executable, "-I", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
 
 
 def _say(line: str, stream=None) -> None:

@@ -241,6 +241,15 @@ def _processes_naming(text: str) -> list:
     return pids
 
 
+def _wait_until_gone(pids, timeout: float) -> float:
+    """Seconds until none of `pids` lives; fails the test after `timeout`."""
+    started = time.monotonic()
+    while [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() - started < timeout, f"still running: {pids}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
 # Thread exhaustion at worker 1: its process has started, the thread that
 # would relay its output cannot.
 NO_THREAD_FOR_WORKER_1 = """
@@ -282,6 +291,41 @@ def test_a_launcher_out_of_threads_stops_every_worker_it_started(tmp_path):
         "host's limits"]
     assert len(_worker_pids(result.stdout)) == 1
     assert not left, "workers outlived the launcher"
+
+
+def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop anyone: the kernel sends
+    its workers SIGTERM (a parent-death signal), and they save and stop,
+    freeing --model_dir for the next launch (which got exit 144)."""
+    import fcntl
+
+    model_dir = tmp_path / "run"
+    (tmp_path / "tmp").mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.launch", "--num_workers=2", "--",
+         *WORKER_FLAGS, *SMALL_MODEL, "--train_steps=100000", f"--model_dir={model_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+    seen = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in launcher.stdout:
+            seen.append(line)
+            if line.startswith("[worker 0] step") or time.monotonic() > deadline:
+                break
+        assert seen and seen[-1].startswith("[worker 0] step"), "".join(seen)[-3000:]
+        pids = _worker_pids("".join(seen))
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        seconds = _wait_until_gone(pids, timeout=120)
+        print(f"workers gone {seconds:.1f} s after the launcher's SIGKILL")
+    finally:
+        launcher.kill()
+        for pid in _processes_naming(str(model_dir)):
+            os.kill(pid, signal.SIGKILL)
+    with open(model_dir / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a worker still held it
 
 
 # Makes the first group's worker 1 use the given port, as if it had been
