@@ -12,20 +12,26 @@ cannot go on without a peer, so when a worker dies the others are stopped and
 the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
 (diverged) are not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's)
-status; with 2 and one `error:` line when this host has no free port left.
+status; with 2 and one `error:` line when this host cannot hold that many
+workers (`max_workers`) or has no free port or process left. Whatever ends
+the launcher, its workers end with it: it stops them, or, killed itself, the
+kernel does (`_DIE_WITH_LAUNCHER`).
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
 
+import bisect
 import json
+import math
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Collection, List, Optional
+from typing import Collection, List, Optional, Tuple
 
 from absl import flags
 
@@ -45,19 +51,69 @@ _GRPC_BIND_FAILURE = "Could not start gRPC server"
 # TensorFlow's gRPC server listens on every interface (0.0.0.0:PORT), whatever
 # address TF_CONFIG gives, so a port is only usable if it is free on all of them.
 _GRPC_LISTEN_ADDRESS = "0.0.0.0"
+# A save takes seconds; an hour covers a large checkpoint on a slow disk.
+MAX_GRACE_SECONDS = 3600.0
+
+# What one worker costs this host (`max_workers`). Linux caps one environment
+# string ("TF_CONFIG=...") at MAX_ARG_STRLEN, 32 pages.
+_ENVIRONMENT_STRING_BYTES = 32 * os.sysconf("SC_PAGE_SIZE")
+# The launcher's open files: a worker's stdout and stderr pipes and, while
+# ports are chosen, its port's socket; then the launcher's own.
+_FILES_PER_WORKER, _FILES_OF_THE_LAUNCHER = 3, 64
+# A worker of a 2-worker airbench run on 2 cores of an AMD EPYC (TensorFlow
+# 2.21) had 110-125 threads (TensorFlow's pools, gRPC) and 317-322 MiB of
+# private memory; larger models, more data and more cores take more.
+_THREADS_PER_WORKER, _BYTES_PER_WORKER = 128, 256 * 2**20
 
 
 class PortError(UserError):
     """This host has no free TCP port left for a worker."""
 
 
+class WorkerStartError(UserError):
+    """This host could not start one more worker (no process, file or thread left)."""
+
+
 def _define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_integer("num_workers", 2, "Worker processes to start.", lower_bound=1,
-                         flag_values=fv)
+    flags.DEFINE_integer("num_workers", 2, "Worker processes to start (at most what this host "
+                         "can hold: see max_workers).", lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_restarts", 3, "Times the whole group is restarted after a worker "
                          "dies.", lower_bound=0, flag_values=fv)
     flags.DEFINE_float("grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
-                       "exit before it is killed.", lower_bound=0, flag_values=fv)
+                       "exit before it is killed.", flag_values=fv)
+    # Not absl's bounds, which let nan through: nan fails every comparison.
+    flags.register_validator("grace_seconds", lambda seconds: 0 <= seconds <= MAX_GRACE_SECONDS,
+                             f"must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g}",
+                             flag_values=fv)
+
+
+def max_workers() -> Tuple[int, str]:
+    """The most workers this host can hold, and the limit that sets it:
+    TF_CONFIG in one environment string, this process's open files, the
+    user's processes and threads (the kernel exempts root), memory."""
+    limits = [(_most_in_one_environment_string(), "the TF_CONFIG of more would not fit in one "
+               f"environment string ({_ENVIRONMENT_STRING_BYTES:,} bytes on Linux)")]
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if files != resource.RLIM_INFINITY:
+        limits.append(((files - _FILES_OF_THE_LAUNCHER) // _FILES_PER_WORKER,
+                       f"ulimit -n is {files}, {_FILES_PER_WORKER} open files a worker"))
+    threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if threads != resource.RLIM_INFINITY and os.geteuid() != 0:
+        limits.append((threads // _THREADS_PER_WORKER,
+                       f"ulimit -u is {threads}, about {_THREADS_PER_WORKER} threads a worker"))
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limits.append((memory // _BYTES_PER_WORKER, f"this host has {memory / 2**30:.1f} GiB of "
+                   f"memory, at least {_BYTES_PER_WORKER // 2**20} MiB a worker"))
+    return min(limits)
+
+
+def _most_in_one_environment_string() -> int:
+    def entry_bytes(count):  # the longest "TF_CONFIG=...\0"; each address takes 17 at least
+        return (len(f"TF_CONFIG={worker_tf_config([65535] * count, count - 1)}") + 1
+                if count * 17 <= _ENVIRONMENT_STRING_BYTES else math.inf)
+
+    return bisect.bisect_right(range(_ENVIRONMENT_STRING_BYTES), _ENVIRONMENT_STRING_BYTES,
+                               lo=1, key=entry_bytes) - 1
 
 
 def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
@@ -84,33 +140,47 @@ def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
     return ports
 
 
-def worker_tf_configs(ports: List[int]) -> List[str]:
-    """The TF_CONFIG of each local worker; worker 0 is the chief."""
+def worker_tf_config(ports: List[int], index: int) -> str:
+    """The TF_CONFIG of local worker `index` of those on `ports`; worker 0 is the chief."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-            for i in range(len(ports))]
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def worker_tf_configs(ports: List[int]) -> List[str]:
+    """The TF_CONFIG of each local worker."""
+    return [worker_tf_config(ports, index) for index in range(len(ports))]
 
 
 class _Group:
     """One generation of worker processes, worker i listening on ports[i]."""
 
-    def __init__(self, ports: List[int], train_flags: List[str]):
+    def __init__(self, ports: List[int]):
         self.ports = ports
         self.processes = []
         self.unbound_workers = set()  # workers that said they could not listen on their port
         self._pumps = []
-        for index, tf_config in enumerate(worker_tf_configs(ports)):
-            env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
-            process = subprocess.Popen(
-                helper_command("distributed_mpt.train", *train_flags), env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
-            self.processes.append(process)
-            for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
-                pump = threading.Thread(target=self._relay, args=(source, sink, index), daemon=True)
-                pump.start()
-                self._pumps.append(pump)
-            _say(f"[launch] started worker {index} (pid {process.pid}) on port {ports[index]}")
+
+    def start(self, train_flags: List[str]) -> None:
+        """Starts worker i on ports[i], two threads relaying its output. From
+        the main thread only (see _DIE_WITH_LAUNCHER). Raises WorkerStartError
+        when this host cannot start one more; the caller stops the others."""
+        for index, port in enumerate(self.ports):
+            env = dict(os.environ, TF_CONFIG=worker_tf_config(self.ports, index), PYTHONUNBUFFERED="1")
+            try:
+                process = subprocess.Popen(
+                    worker_command(train_flags), env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                    start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
+                self.processes.append(process)
+                for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
+                    self._pumps.append(threading.Thread(target=self._relay, daemon=True,
+                                                        args=(source, sink, index)))
+                    self._pumps[-1].start()
+            except (OSError, RuntimeError) as e:  # RuntimeError: "can't start new thread"
+                raise WorkerStartError(f"cannot start worker {index} of {len(self.ports)} "
+                                       f"({first_line(e)}): start fewer, or raise this host's "
+                                       "limits") from None
+            _say(f"[launch] started worker {index} (pid {process.pid}) on port {port}")
 
     def _relay(self, source, sink, index: int) -> None:
         # Keep reading even when our own output is gone (`| head`): a worker
@@ -122,6 +192,7 @@ class _Group:
                 _say(f"[worker {index}] " + line.rstrip("\n"), sink)
             except (OSError, ValueError):  # e.g. a line the console's encoding cannot show
                 pass
+        source.close()  # two files a worker, not two for every worker ever started
 
     def first_failure(self) -> Optional[int]:
         """Index of a worker that exited non-zero, if any: one that failed on
@@ -157,7 +228,8 @@ class _Group:
         for process in self.processes:
             process.wait()
         for pump in self._pumps:
-            pump.join(timeout=5)
+            if pump.is_alive():  # one that failed to start never ran
+                pump.join(timeout=5)
 
     def busy_port_error(self) -> Optional[str]:
         """One line naming the ports workers could not listen on, if any did."""
@@ -166,6 +238,34 @@ class _Group:
         busy = "; ".join(f"worker {i} could not start its gRPC server: port {self.ports[i]} is "
                          f"taken on some address of this host" for i in sorted(self.unbound_workers))
         return f"error: {busy} (see `ss -ltnp`)"
+
+
+# Each worker runs this (`python -I -c`), then execs the trainer. It asks the
+# kernel for SIGTERM when the launcher dies: a launcher killed by SIGKILL
+# stops nobody, and its workers, each in a session of its own, ran on holding
+# the --model_dir lock (the next launch got exit 144). A process group would
+# not do: SIGKILL to the launcher's pid reaches it alone. SIGTERM, not
+# SIGKILL: the workers save a checkpoint and stop, as on Ctrl-C. The request
+# survives exec, and fires when the *thread* that started the worker ends:
+# only the main thread starts workers. A launcher gone before the request
+# shows as another parent.
+_DIE_WITH_LAUNCHER = f"""\
+import ctypes, os, signal, sys
+launcher, command = int(sys.argv[1]), sys.argv[2:]
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM.value) != 0:  # PR_SET_PDEATHSIG
+    sys.exit(f"error: prctl(PR_SET_PDEATHSIG): {{os.strerror(ctypes.get_errno())}}")
+if os.getppid() != launcher:
+    sys.exit({int(EXIT_PREEMPTED)})
+os.execv(command[0], command)
+"""
+
+
+def worker_command(train_flags: List[str]) -> List[str]:
+    """The command of a worker: the trainer, which dies with this process."""
+    command = helper_command("distributed_mpt.train", *train_flags)
+    if not sys.platform.startswith("linux"):  # prctl is Linux's
+        return command
+    return [sys.executable, "-I", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
 
 
 def _say(line: str, stream=None) -> None:
@@ -185,8 +285,9 @@ def exit_status(returncode: int) -> int:
 
 def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
     """Runs the group to completion, restarting it on fresh ports after a
-    retryable failure; returns the chief's exit code. Raises PortError when
-    this host has no free port left."""
+    retryable failure; returns the chief's exit code. Raises PortError or
+    WorkerStartError when this host has no free port or process left, having
+    stopped every worker it started."""
     forwarded = []  # signals received, newest last
     groups = []  # every generation started, the running one last
 
@@ -202,8 +303,9 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
         while True:
             ports = free_ports(num_workers, avoid=used_ports)
             used_ports.update(ports)
-            group = _Group(ports, train_flags)
+            group = _Group(ports)
             groups.append(group)
+            group.start(train_flags)
             if forwarded:  # a signal came while the group was starting
                 group.signal(forwarded[-1])
             while not group.done() and group.first_failure() is None:
@@ -230,6 +332,10 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             _say(f"[launch] restart {restarts}/{max_restarts} on fresh ports: resuming from "
                  f"the latest checkpoint")
     finally:
+        # A failure of the launcher's own (no thread, no process): none of
+        # its workers may run on without it.
+        if groups and not groups[-1].done():
+            groups[-1].stop(grace_seconds)
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
@@ -267,9 +373,14 @@ def main(argv=None) -> int:
         _say("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
              sys.stderr)
         return EXIT_USAGE
+    most, why = max_workers()
+    if fv.num_workers > most:
+        _say(f"error: --num_workers={fv.num_workers}: this host holds at most {most} ({why})",
+             sys.stderr)
+        return EXIT_USAGE
     try:
         return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
-    except PortError as e:
+    except UserError as e:  # PortError, WorkerStartError
         _say(f"error: {e}", sys.stderr)
         return e.exit_code
 

@@ -106,12 +106,56 @@ def test_no_free_port_is_one_error_line_and_exit_2(monkeypatch, capsys):
     (["--num_workers=0", "--", "--model_dir=x"], "num_workers"),
     (["--num_workers=2"], "no training flags"),
     (["--max_restarts=-1", "--", "--model_dir=x"], "max_restarts"),
+    # A TF_CONFIG longer than one environment string: "Argument list too long".
+    (["--num_workers=7000", "--", "--model_dir=x"], "--num_workers=7000: this host holds at most"),
+    (["--grace_seconds=nan", "--", "--model_dir=x"], "--grace_seconds=nan: must be a number of seconds"),
+    (["--grace_seconds=inf", "--", "--model_dir=x"], "--grace_seconds=inf: must be a number of seconds"),
+    (["--grace_seconds=1e9", "--", "--model_dir=x"], "from 0 to 3600"),
 ])
 def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     assert launch.main(args) == 2
     out, err = capsys.readouterr()
-    assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err, err
     assert "started worker" not in out
+
+
+def test_the_most_workers_tf_config_can_name_is_what_the_kernel_accepts():
+    """The bound on one environment string (MAX_ARG_STRLEN), against exec itself."""
+    most = launch._most_in_one_environment_string()
+    print(f"{most} workers in one environment string")
+
+    def start_with_the_longest_tf_config(count):
+        tf_config = launch.worker_tf_config([65535] * count, count - 1)
+        subprocess.run(["true"], env={"TF_CONFIG": tf_config}, check=True)
+
+    start_with_the_longest_tf_config(most)
+    with pytest.raises(OSError) as error:
+        start_with_the_longest_tf_config(most + 1)
+    assert error.value.errno == errno.E2BIG
+
+
+def test_num_workers_is_bounded_by_the_open_files_limit(tmp_path):
+    # (82 - 64 of the launcher's own) // 3 a worker = 6
+    result = subprocess.run(
+        ["prlimit", "--nofile=82", sys.executable, "-m", "distributed_mpt.launch",
+         "--num_workers=7", "--", f"--model_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["error: --num_workers=7: this host holds at most 6 "
+                                          "(ulimit -n is 82, 3 open files a worker)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_num_workers_is_bounded_by_the_process_limit_of_a_user(monkeypatch, capsys):
+    """Not root, whom the kernel exempts from RLIMIT_NPROC (so set here)."""
+    import resource
+
+    limits = {resource.RLIMIT_NPROC: (640, 640), resource.RLIMIT_NOFILE: (20000, 20000)}
+    monkeypatch.setattr(resource, "getrlimit", limits.get)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert launch.main(["--num_workers=6", "--", "--model_dir=x"]) == 2
+    assert capsys.readouterr().err == ("error: --num_workers=6: this host holds at most 5 "
+                                       "(ulimit -u is 640, about 128 threads a worker)\n")
 
 
 def test_output_to_a_reader_that_is_gone_is_no_traceback():
@@ -183,6 +227,105 @@ def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():
     assert group.first_failure() == 1
     group.processes = [survivor, survivor]
     assert group.first_failure() == 0, "a peer's loss alone is still a failure"
+
+
+def _processes_naming(text: str) -> list:
+    """The pids of live processes whose command line names `text`."""
+    pids = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes() and _alive(int(cmdline.parent.name)):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue  # gone meanwhile
+    return pids
+
+
+def _wait_until_gone(pids, timeout: float) -> float:
+    """Seconds until none of `pids` lives; fails the test after `timeout`."""
+    started = time.monotonic()
+    while [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() - started < timeout, f"still running: {pids}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+# Thread exhaustion at worker 1: its process has started, the thread that
+# would relay its output cannot.
+NO_THREAD_FOR_WORKER_1 = """
+import sys, threading
+sys.path.insert(0, {repo!r})
+from distributed_mpt import launch
+
+relays, start = [], threading.Thread.start
+
+def start_or_fail(thread):
+    if getattr(thread, "_target", None) is not None and thread._target.__name__ == "_relay":
+        relays.append(thread)
+        if len(relays) == 3:
+            raise RuntimeError("can't start new thread")
+    start(thread)
+
+threading.Thread.start = start_or_fail
+sys.exit(launch.main())
+"""
+
+
+def test_a_launcher_out_of_threads_stops_every_worker_it_started(tmp_path):
+    wrapper = tmp_path / "no_thread_for_worker_1.py"
+    wrapper.write_text(NO_THREAD_FOR_WORKER_1.format(repo=str(REPO)))
+    model_dir = tmp_path / "run"
+    (tmp_path / "tmp").mkdir()
+    try:
+        result = run_module("", ["--num_workers=2", "--grace_seconds=5", "--", *WORKER_FLAGS,
+                                 "--train_steps=100000", f"--model_dir={model_dir}"],
+                            wrapper=wrapper, env=subprocess_env(TMPDIR=str(tmp_path / "tmp")),
+                            timeout=120)
+        left = _processes_naming(str(model_dir))
+    finally:
+        for pid in _processes_naming(str(model_dir)):
+            os.kill(pid, signal.SIGKILL)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert [line for line in _own_lines(result.stderr) if line] == [
+        "error: cannot start worker 1 of 2 (can't start new thread): start fewer, or raise this "
+        "host's limits"]
+    assert len(_worker_pids(result.stdout)) == 1
+    assert not left, "workers outlived the launcher"
+
+
+def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop anyone: the kernel sends
+    its workers SIGTERM (a parent-death signal), and they save and stop,
+    freeing --model_dir for the next launch (which got exit 144)."""
+    import fcntl
+
+    model_dir = tmp_path / "run"
+    (tmp_path / "tmp").mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.launch", "--num_workers=2", "--",
+         *WORKER_FLAGS, *SMALL_MODEL, "--train_steps=100000", f"--model_dir={model_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+    seen = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in launcher.stdout:
+            seen.append(line)
+            if line.startswith("[worker 0] step") or time.monotonic() > deadline:
+                break
+        assert seen and seen[-1].startswith("[worker 0] step"), "".join(seen)[-3000:]
+        pids = _worker_pids("".join(seen))
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        seconds = _wait_until_gone(pids, timeout=120)
+        print(f"workers gone {seconds:.1f} s after the launcher's SIGKILL")
+    finally:
+        launcher.kill()
+        for pid in _processes_naming(str(model_dir)):
+            os.kill(pid, signal.SIGKILL)
+    with open(model_dir / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a worker still held it
 
 
 # Makes the first group's worker 1 use the given port, as if it had been
