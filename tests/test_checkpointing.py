@@ -7,17 +7,22 @@ import os
 import shutil
 from pathlib import Path
 
-import keras
 import pytest
 import tensorflow as tf
 
 from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
-from distributed_mpt.training import checkpointing
-from distributed_mpt.process import run_lock
-from distributed_mpt.training.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
-                                           DiskFullError, model_identity)
+from distributed_mpt.core import models
+from distributed_mpt.core.data import cifar10
+from distributed_mpt.core.optim import groups, optimizer as optimizer_lib
 from distributed_mpt.errors import CheckpointMismatchError, UserError
-from distributed_mpt.training.models import build_model
+from distributed_mpt.process import run_lock
+from distributed_mpt.training import checkpointing
+from distributed_mpt.training.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
+                                                    DiskFullError, model_identity)
+
+
+def build_model(name, width=64):
+    return models.build_model(models.model_spec(name), cifar10.INFO, width)
 
 
 def _checkpoints(model_dir, model=None, worker=None):
@@ -182,9 +187,9 @@ def test_training_resumes_from_the_newest_intact_checkpoint(model_dir):
     assert read_summary(model_dir)["resumed_from_step"] == 10
     assert "resuming from step 10" in result.stdout and "ckpt-15: " in result.stdout
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
-    # Cut back to the step restored (10), then a line after the first call
-    # of the resumed run (11) and at the interval (20).
-    assert steps == [1, 10, 11, 20], "metrics cut back to the step actually restored"
+    # Cut back to the step restored (10), then a line after each of the
+    # first two calls of the resumed run (11, 12) and at the interval (20).
+    assert steps == [1, 2, 10, 11, 12, 20], "metrics cut back to the step actually restored"
 
 
 def test_training_over_unreadable_checkpoints_stops_and_changes_nothing(model_dir):
@@ -229,7 +234,11 @@ def test_a_full_disk_is_one_error_that_leaves_no_partial_checkpoint(tmpfs):
 def test_checkpoint_bytes_match_the_files_written(tmp_path):
     model = build_model("resnet9", width=8)
     step = tf.Variable(0, dtype=tf.int64)
-    optimizer = keras.optimizers.SGD(momentum=0.9)
+    # The optimizer a run checkpoints: a momentum slot per trained variable.
+    optimizer = optimizer_lib.make_optimizer(
+        groups.parameter_groups(model, groups.Settings(peak_learning_rate=0.1, weight_decay=5e-4,
+                                                       momentum=0.9)),
+        lambda s: 0.1, step, loss_scaling=False)
     optimizer.build(model.trainable_variables)
     Checkpoints(str(tmp_path), None, model_identity(model, "float32"), model=model,
                 optimizer=optimizer, step=step).save(1)
