@@ -272,7 +272,7 @@ class Group:
 
     def __init__(self, network, pods, model_dir: Path, scratch: Path, flags: Sequence[str] = ()):
         """Starts every pod with `user_flags(model_dir)`, then `flags` (the last of a flag given twice counts)."""
-        self.logs = []
+        self.logs, self._starts = [], []
         self.processes = []
         bin_dir = str(Path(sys.executable).parent)  # where distributed-mpt-train is installed
         for i, pod in enumerate(pods):
@@ -284,7 +284,9 @@ class Group:
                    **pod.env}
             if os.environ.get("PYTHONPATH"):  # the package under test, as the image would hold it
                 env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-            log = open(scratch / f"{pod.hostname}.log", "a")
+            path = scratch / f"{pod.hostname}.log"
+            self._starts.append(path.stat().st_size if path.exists() else 0)  # earlier groups'
+            log = open(path, "a")
             self.logs.append(log.name)
             self.processes.append(network.popen(i, [*pod.command, *user_flags(model_dir), *flags], env,
                                                 stdout=log, stderr=subprocess.STDOUT))
@@ -305,6 +307,11 @@ class Group:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+    def own_output(self) -> str:
+        """What this group's pods wrote (not an earlier group's)."""
+        return "\n".join(Path(log).read_bytes()[start:].decode(errors="replace")
+                         for log, start in zip(self.logs, self._starts))
 
     def output(self) -> str:
         return "\n".join(f"--- {log}\n{Path(log).read_text()[-3000:]}" for log in self.logs)

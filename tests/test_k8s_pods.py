@@ -162,7 +162,7 @@ def test_pods_train_to_the_end_on_admitted_ports(variant, tmp_path):
         _wait_for_a_checkpoint(network, pods, docs, group, model_dir)
         assert group.exit_codes(timeout=900) == [0, 0], group.output()
         assert "warning: TrainJob progress" not in group.output()
-        assert_a_clean_end(group.output())
+        assert_a_clean_end(group.own_output())
     assert _finished(model_dir)["resumed_from_step"] == 0
     if variant == "trainjob":
         _assert_progress_reports(status.requests)
@@ -208,5 +208,5 @@ def test_pods_train_survive_a_lost_worker_and_resume(tmp_path):
         # The controller's restart: the same pods, the same shared volume.
         group = groups.start(network, pods, model_dir, scratch)
         assert group.exit_codes(timeout=900) == [0, 0], group.output()
-        assert_a_clean_end(group.output())
+        assert_a_clean_end(group.own_output())
     assert _finished(model_dir)["resumed_from_step"] == lost_at
