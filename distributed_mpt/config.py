@@ -11,7 +11,7 @@ from typing import Optional
 
 from distributed_mpt.core import augmentation, data, models, precision
 from distributed_mpt.core.optim import groups, rules, schedules
-from distributed_mpt.errors import ConfigError, UserError, quoted
+from distributed_mpt.errors import ConfigError, UserError
 
 # The choices of the flags below, from where each is declared once: the
 # core's registries (datasets, models, update rules) and modules.

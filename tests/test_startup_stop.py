@@ -10,7 +10,6 @@ start, and printed; the bound is generous for a loaded machine, the figure
 is what to read (docs/reliability.md states it with its load)."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import REPO, SMOKE_FLAGS, subprocess_env
 from distributed_mpt import errors

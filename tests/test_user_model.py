@@ -97,7 +97,7 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
     # The model's own softmax was dropped for training and added back once.
     assert sum(t["probability"] for t in top) == pytest.approx(1.0, abs=1e-4)
     assert len({t["probability"] for t in top}) > 1
-    assert f"--dataset=synthetic" in result.stderr and "small_cnn" in result.stderr
+    assert "--dataset=synthetic" in result.stderr and "small_cnn" in result.stderr
 
 
 @pytest.mark.parametrize("source, fragment", [

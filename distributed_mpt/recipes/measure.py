@@ -12,7 +12,6 @@ measurement cut short by a reboot costs at most the steps since a
 checkpoint. The table goes to stdout and to RUNS_DIR/results.md.
 """
 
-import json
 import math
 import os
 import statistics

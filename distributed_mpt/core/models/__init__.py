@@ -24,7 +24,7 @@ import importlib
 import importlib.util
 import os
 import re
-from typing import Optional, Tuple
+from typing import Tuple
 
 from distributed_mpt.errors import UserError, first_line, quoted
 
@@ -256,8 +256,3 @@ def _check_contract(name: str, model, info) -> None:
     if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
         raise ModelError(f"--model={quoted(name)} returns probabilities from something other "
                          f"than a final softmax layer: return logits")
-
-
-def describe(spec: Optional[ModelSpec] = None) -> str:
-    """The --model choices in one line, for help texts."""
-    return "; ".join(f"{s.name}: {s.summary}" for s in MODELS.values())
