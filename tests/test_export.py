@@ -1,12 +1,27 @@
-"""The export replaces only what this program wrote: a user's file or
-directory named `export` in --model_dir is refused, and kept as it was."""
+"""The export replaces only what this program wrote, and only whole: a user's
+file or directory named `export` in --model_dir (or a user's file inside
+it) is refused, and kept as it was; a full disk leaves the old state."""
 
+import subprocess
+
+import numpy as np
 import pytest
+import tensorflow as tf
 
-from conftest import SMOKE_FLAGS, assert_one_error_line, train
-from distributed_mpt.training import outputs
+from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary, train
+from distributed_mpt.core import models
+from distributed_mpt.core.data import cifar10
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.training.models import build_model
+from distributed_mpt.training import export
+
+
+def _build(name, width=64):
+    return models.build_model(models.model_spec(name), cifar10.INFO, width)
+
+
+def _export(model, model_dir, info=None):
+    return export.export_model(model, str(model_dir), cifar10.INFO.class_names,
+                               cifar10.INFO.image_shape, info)
 
 
 def _file(path):
@@ -24,6 +39,13 @@ def _directory(path):
     (path / "notes.txt").write_text("my notes")
 
 
+def _saved_model_and_notes(path):
+    """An export's name with a user's file beside it: the export would take
+    the file with it."""
+    (path / "saved_model").mkdir(parents=True)
+    (path / "notes.txt").write_text("my notes")
+
+
 def _contents(directory) -> dict:
     """Every path under `directory` (symlinks not followed), with the text
     of each file."""
@@ -31,24 +53,42 @@ def _contents(directory) -> dict:
             else p.is_symlink() for p in directory.rglob("*")}
 
 
-@pytest.mark.parametrize("make", [_file, _symlink, _directory], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("make", [_file, _symlink, _directory, _saved_model_and_notes],
+                         ids=lambda f: f.__name__[1:])
 def test_a_users_export_is_refused_and_kept(tmp_path, make):
     make(tmp_path / "export")
     before = _contents(tmp_path)
     with pytest.raises(ConfigError, match="not an export of this program"):
-        outputs.check_export_destination(str(tmp_path))
+        export.check_export_destination(str(tmp_path))
     with pytest.raises(ConfigError, match="not an export of this program"):
-        outputs.export_model(build_model("mlp"), str(tmp_path))
+        _export(_build("mlp"), tmp_path)
     assert _contents(tmp_path) == before  # nothing moved, no staging directory left
 
 
 def test_nothing_an_empty_directory_or_a_previous_export_is_replaceable(tmp_path):
-    outputs.check_export_destination(str(tmp_path))
+    export.check_export_destination(str(tmp_path))
     (tmp_path / "export").mkdir()
-    outputs.check_export_destination(str(tmp_path))
+    export.check_export_destination(str(tmp_path))
     (tmp_path / "export" / "saved_model").mkdir()
     (tmp_path / "export" / "classes.txt").write_text("airplane\n")
-    outputs.check_export_destination(str(tmp_path))
+    export.check_export_destination(str(tmp_path))
+
+
+def test_export_replaces_the_previous_export_whole(tmp_path):
+    model = _build("resnet9", width=4)
+    first = _export(model, tmp_path)
+    (tmp_path / "export" / "classes.txt").write_text("old")
+    (tmp_path / "export" / "model_info.json").write_text("{}")  # this export has none
+    assert _export(model, tmp_path) == first
+    assert not (tmp_path / "export" / "model_info.json").exists()
+    assert (tmp_path / "export" / "classes.txt").read_text().splitlines() == \
+        list(cifar10.INFO.class_names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    served = tf.saved_model.load(str(tmp_path / "export" / "saved_model"))
+    images = np.zeros((2, 32, 32, 3), np.uint8)
+    # The model computes logits; the export serves their softmax.
+    np.testing.assert_allclose(np.asarray(served.serve(images)["probabilities"]),
+                               np.asarray(tf.nn.softmax(model(images))), rtol=1e-5)
 
 
 def test_training_refuses_a_users_export_file_and_keeps_it(tmp_path):
@@ -60,3 +100,28 @@ def test_training_refuses_a_users_export_file_and_keeps_it(tmp_path):
     # Never moved: the next run's clean-up of debris cannot take it.
     assert (model_dir / "export").read_text() == "my notes"
     assert not list(model_dir.glob(".export-*"))
+
+
+def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
+    mount_point, resize = tmpfs
+    resize(16)
+    model_dir = mount_point / "run"
+    flags = [*SMOKE_FLAGS, "--noevaluate", "--model=resnet9", "--model_width=4", "--train_steps=5",
+             f"--model_dir={model_dir}"]
+    assert_ok(train(flags))  # trained, not exported (E2E has --noexport)
+    (model_dir / "summary.json").unlink()  # as if killed before the export
+    used = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
+    resize_to = f"{(used + 4096 * 40) // 1024}k"  # the export (>1 MB) cannot fit
+    subprocess.run(["mount", "-o", f"remount,size={resize_to}", str(mount_point)], check=True)
+
+    result = train([*flags, "--export"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0] and "Traceback" not in result.stderr
+    assert not (model_dir / "summary.json").exists() and not (model_dir / "export").exists()
+    assert not list(model_dir.glob(".export-*")) and not list(model_dir.glob(".tmp-*"))
+
+    resize(16)
+    assert_ok(train([*flags, "--export"]))
+    assert (model_dir / "export" / "model.keras").exists()
+    assert read_summary(model_dir)["train_loss"] is not None, "the training figures, from the log"

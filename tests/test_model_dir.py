@@ -1,0 +1,146 @@
+"""What a run may touch in --model_dir: a directory of the user's files is
+refused unless adopted, and a run removes only what a killed run of this
+package left, by the exact shapes of the names it makes. The killed runs
+are real processes."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, subprocess_env, train
+from distributed_mpt.errors import ConfigError
+from distributed_mpt.process import run_lock
+from distributed_mpt.process.run_lock import RunLock
+from distributed_mpt.training import checkpointing, model_dir as model_dir_lib
+
+E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
+
+
+def _tree(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+            for p in directory.rglob("*")}
+
+
+def test_a_directory_of_the_users_files_is_refused_unless_adopted(tmp_path):
+    assert model_dir_lib.check_ours(str(tmp_path / "missing")) is None
+    (tmp_path / "empty").mkdir()
+    model_dir_lib.check_ours(str(tmp_path / "empty"))
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "config.json").write_text('{"mine": 1}')
+    (users / ".tmp-notes").write_text("mine")
+    with pytest.raises(ConfigError) as raised:
+        model_dir_lib.check_ours(str(users))
+    message = str(raised.value)
+    assert "holds files this program did not write (.tmp-notes, config.json)" in message
+    assert "--adopt_model_dir" in message and "\n" not in message
+    model_dir_lib.check_ours(str(users), adopt=True)
+    model_dir_lib.mark(str(users))
+    model_dir_lib.check_ours(str(users))  # marked: ours from now on
+
+
+def test_a_run_refuses_a_directory_of_the_users_files_and_adopts_it_when_told(model_dir):
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"mine": 1}\n')
+    (model_dir / "notes.txt").write_text("mine\n")
+    before = _tree(model_dir)
+    # A process: the refusal comes before TensorFlow starts, sooner than an
+    # in-process run may wait for the log filter to pass its line on.
+    refused = train([*E2E, "--train_steps=2", f"--model_dir={model_dir}"], timeout=300)
+    assert_one_error_line(refused, "holds files this program did not write")
+    assert "--adopt_model_dir" in refused.stderr
+    assert _tree(model_dir) == before, "nothing written, nothing removed"
+
+    assert_ok(train([*E2E, "--train_steps=2", "--adopt_model_dir", f"--model_dir={model_dir}"]))
+    assert (model_dir / "notes.txt").read_text() == "mine\n", "the user's other files stay"
+    assert (model_dir / model_dir_lib.MARKER).is_file()
+    # Marked: the next run needs no flag.
+    assert_ok(train([*E2E, "--train_steps=4", f"--model_dir={model_dir}"]))
+
+
+def test_remove_debris_takes_only_what_this_package_writes(tmp_path):
+    (tmp_path / "checkpoints" / "ckpt-4_temp").mkdir(parents=True)
+    debris = [".tmp-abc123_z", ".write-test-x1y2z3w4", ".export-1a2b3c4d/saved_model/x",
+              ".export-1a2b3c4d-old/y", "checkpoints/.tmp-q1w2e3r4",
+              "checkpoints/ckpt-4_temp/part-00000-of-00001.index",
+              "checkpoints/ckpt-4.index.tempstate123", "checkpoints/checkpoint.tmp0f1e"]
+    kept = ["checkpoints/ckpt-3.index", "checkpoints/ckpt-3.data-00000-of-00001",
+            "checkpoints/checkpoint", "checkpoints/model.json", "metrics.jsonl", "notes.tmp",
+            "export/saved_model/saved_model.pb", "my.tmp-file", "tensorboard/events.out.tfevents.1",
+            # A user's names that only begin like the package's.
+            ".export-backup/notes.txt", ".tmp-notes", ".tmp-ABCDEFGH", ".tmp-abc123_z9",
+            ".write-test-notes", ".export-1a2b3c4z/x", ".export-1a2b3c4d-new/x"]
+    for name in debris + kept:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    model_dir_lib.mark(str(tmp_path))
+    with RunLock(str(tmp_path)):
+        removed = model_dir_lib.remove_debris(str(tmp_path))
+    assert len(removed) == 8
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted(kept + [run_lock.LOCK_NAME, model_dir_lib.MARKER])
+
+
+def test_remove_debris_touches_nothing_in_a_directory_not_marked_as_ours(tmp_path):
+    for name in (".tmp-abcd1234", ".export-1a2b3c4d/x", "checkpoints/checkpoint.tmp0f1e"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    before = _tree(tmp_path)
+    assert model_dir_lib.remove_debris(str(tmp_path)) == []
+    assert _tree(tmp_path) == before
+
+
+def test_what_tensorflow_leaves_when_killed_mid_save_is_debris(tmp_path):
+    """The temporary names are TensorFlow's: kill a saver while it writes and
+    check that after remove_debris only whole checkpoints are left."""
+    checkpoint_dir = tmp_path / "checkpoints"
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(checkpoint_dir)],
+                             stdout=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
+    try:
+        assert saver.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 120
+        while not list(checkpoint_dir.glob("ckpt-*_temp/*")) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        saver.send_signal(signal.SIGKILL)
+        saver.wait()
+    assert list(checkpoint_dir.glob("ckpt-*_temp")), "killed while a checkpoint was being written"
+    model_dir_lib.mark(str(tmp_path))
+    with RunLock(str(tmp_path)):
+        model_dir_lib.remove_debris(str(tmp_path))
+    for path in checkpoint_dir.iterdir():
+        assert path.name == "checkpoint" or checkpointing._CHECKPOINT_FILE.match(path.name), path
+
+
+def test_a_run_after_a_killed_run_removes_its_debris(model_dir):
+    assert_ok(train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"]))
+    for name in (".tmp-x1y2z3w4", ".export-12345678/saved_model", "checkpoints/ckpt-9_temp/part",
+                 "checkpoints/checkpoint.tmpabc"):
+        (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (model_dir / name).write_text("x")
+    (model_dir / ".export-backup").mkdir()
+    (model_dir / ".tmp-notes").write_text("mine")
+    result = train([*E2E, "--train_steps=10", f"--model_dir={model_dir}"])
+    assert_ok(result)
+    assert "removed what a killed run left" in result.stdout
+    assert not [p for p in model_dir.rglob("*") if (".tmp" in p.name or "_temp" in p.name
+                                                    or p.name.startswith(".export-"))
+                and p.name not in (".export-backup", ".tmp-notes")]
+    assert (model_dir / ".export-backup").is_dir() and (model_dir / ".tmp-notes").is_file(), \
+        "a user's names that begin like the package's are left alone"
+
+
+_SAVER = """
+import sys
+import tensorflow as tf
+from distributed_mpt.core import models
+from distributed_mpt.core.data import cifar10
+model = models.build_model(models.model_spec("mlp"), cifar10.INFO)
+manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), sys.argv[1], max_to_keep=3)
+print("saving", flush=True)
+for number in range(1, 1000):
+    manager.save(checkpoint_number=number)
+"""
