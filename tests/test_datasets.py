@@ -10,12 +10,13 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, assert_one_error_line, subprocess_env
-from distributed_mpt.training import datasets
+from distributed_mpt.core import data
+from distributed_mpt.core.data import DataSource, cifar10, synthetic
 from distributed_mpt.errors import DataUnavailableError
 
 
 def test_synthetic_labels_follow_from_images():
-    train, test = datasets.make_synthetic(num_train=500, num_test=100, seed=0)
+    train, test = synthetic.make_synthetic(num_train=500, num_test=100, seed=0)
     assert train.images.dtype == np.uint8 and train.images.shape == (500, 32, 32, 3)
     assert set(np.unique(train.labels)) == set(range(10))
     # A nearest-class-mean classifier fit on train labels test images well:
@@ -23,7 +24,7 @@ def test_synthetic_labels_follow_from_images():
     means = np.stack([train.images[train.labels == c].reshape(-1, 3072).mean(0) for c in range(10)])
     distances = ((test.images.reshape(-1, 1, 3072) - means[None]) ** 2).sum(-1)
     assert (distances.argmin(1) == test.labels).mean() > 0.9
-    again, _ = datasets.make_synthetic(num_train=500, num_test=100, seed=0)
+    again, _ = synthetic.make_synthetic(num_train=500, num_test=100, seed=0)
     np.testing.assert_array_equal(again.images, train.images)
 
 
@@ -65,8 +66,9 @@ def cifar10_copy(prepared_cifar10, tmp_path):
 
 
 def test_prepared_cifar10_loads_through_tensorflow_datasets(cifar10_copy):
-    train, test = datasets.load_dataset("cifar10", str(cifar10_copy), download=False,
-                                    synthetic_examples=0, seed=0)
+    loaded = data.load_dataset("cifar10", DataSource(str(cifar10_copy), download=False))
+    train, test = loaded.train, loaded.test
+    assert loaded.info == cifar10.INFO
     assert train.images.shape == (5 * _RECORDS_PER_FILE, 32, 32, 3) and train.images.dtype == np.uint8
     assert train.labels.dtype == np.int32 and len(test) == _RECORDS_PER_FILE
     for images, labels in [(train.images, train.labels), (test.images, test.labels)]:
@@ -79,17 +81,20 @@ def test_only_the_splits_asked_for_are_read(cifar10_copy, tmp_path):
     from conftest import write_cifar10_binary
 
     _truncate(cifar10_copy / "cifar10" / "3.0.2" / _TRAIN_RECORDS, 0)
-    (test,) = datasets.load_dataset("cifar10", str(cifar10_copy), download=False,
-                                    synthetic_examples=0, seed=0, splits=("test",))
-    assert len(test) == _RECORDS_PER_FILE
+    loaded = data.load_dataset("cifar10", DataSource(str(cifar10_copy), download=False),
+                               splits=("test",))
+    assert list(loaded.splits) == ["test"] and len(loaded.test) == _RECORDS_PER_FILE
     binary = write_cifar10_binary(tmp_path / "binary")
     for train_file in binary.glob("data_batch_*.bin"):
         train_file.unlink()
-    (test,) = datasets.load_dataset("cifar10", str(binary), False, 0, 0, splits=("test",))
-    assert len(test) == 10_000
-    train, _ = datasets.make_synthetic(num_train=500, num_test=100, seed=3)
-    (again,) = datasets.load_dataset("synthetic", None, False, 500, 3, splits=("train",))
-    np.testing.assert_array_equal(again.images, train.images)
+    loaded = data.load_dataset("cifar10", DataSource(str(binary), download=False),
+                               splits=("test",))
+    assert list(loaded.splits) == ["test"] and len(loaded.test) == 10_000
+    train, _ = synthetic.make_synthetic(num_train=500, num_test=100, seed=3)
+    again = data.load_dataset("synthetic", DataSource(seed=3, synthetic_examples=500),
+                              splits=("train",))
+    assert list(again.splits) == ["train"]
+    np.testing.assert_array_equal(again.train.images, train.images)
 
 
 def _truncate(path, size):
@@ -135,7 +140,7 @@ def test_damaged_prepared_cifar10_is_one_error_naming_the_file(cifar10_copy, dam
     dataset_dir = cifar10_copy / "cifar10" / "3.0.2"
     damage(dataset_dir / damaged)
     with pytest.raises(DataUnavailableError) as error:
-        datasets.load_dataset("cifar10", str(cifar10_copy), download=False, synthetic_examples=0, seed=0)
+        data.load_dataset("cifar10", DataSource(str(cifar10_copy), download=False))
     message = str(error.value)
     assert "\n" not in message
     named = dataset_dir if damaged == "." else dataset_dir / damaged
@@ -185,7 +190,7 @@ def test_training_on_damaged_data_exits_with_one_error_line(cifar10_copy, tmp_pa
 def test_missing_cifar10_without_download_names_the_remedies(tmp_path, caplog):
     started = time.monotonic()
     with pytest.raises(DataUnavailableError) as error:
-        datasets.load_cifar10(str(tmp_path), download=False)
+        cifar10.load_cifar10(str(tmp_path), download=False)
     message = str(error.value)
     assert time.monotonic() - started < 60
     for remedy in ("cifar-10-batches-bin/", "distributed-mpt-prepare-data",
@@ -198,21 +203,21 @@ def test_missing_cifar10_without_download_names_the_remedies(tmp_path, caplog):
 
 def test_unreachable_download_host_fails_fast(tmp_path, monkeypatch):
     # What a machine without network sees, whatever this machine has.
-    monkeypatch.setattr(datasets, "_CIFAR10_HOST", ("unreachable.invalid", 443))
+    monkeypatch.setattr(cifar10, "_CIFAR10_HOST", ("unreachable.invalid", 443))
     started = time.monotonic()
     with pytest.raises(DataUnavailableError, match="cannot be reached"):
-        datasets.load_cifar10(str(tmp_path), download=True)
+        cifar10.load_cifar10(str(tmp_path), download=True)
     assert time.monotonic() - started < 60
 
 
 def test_archive_in_the_manual_directory_is_used_and_checked(tmp_path, monkeypatch):
     # No network needed: the archive is taken from <data_dir>/downloads/manual.
-    monkeypatch.setattr(datasets, "_CIFAR10_HOST", ("unreachable.invalid", 443))
+    monkeypatch.setattr(cifar10, "_CIFAR10_HOST", ("unreachable.invalid", 443))
     manual = tmp_path / "downloads" / "manual"
     manual.mkdir(parents=True)
-    (manual / datasets.CIFAR10_ARCHIVE).write_bytes(b"not the real archive")
+    (manual / cifar10.CIFAR10_ARCHIVE).write_bytes(b"not the real archive")
     with pytest.raises(DataUnavailableError, match="checksum does not match"):
-        datasets.load_cifar10(str(tmp_path), download=False)
+        cifar10.load_cifar10(str(tmp_path), download=False)
 
 
 def test_unwritable_data_dir_is_one_clear_error(tmp_path, monkeypatch):
@@ -220,10 +225,10 @@ def test_unwritable_data_dir_is_one_clear_error(tmp_path, monkeypatch):
 
     # As if there were network: preparing would start, and must first find
     # that it cannot write.
-    monkeypatch.setattr(datasets, "_reachable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(cifar10, "_reachable", lambda *args, **kwargs: True)
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="--data_dir=.* is not writable"):
-        datasets.load_cifar10(str(tmp_path / "file" / "tfds"), download=True)
+        cifar10.load_cifar10(str(tmp_path / "file" / "tfds"), download=True)
 
 
 def test_the_official_binary_release_is_read_directly(tmp_path):
@@ -232,8 +237,8 @@ def test_the_official_binary_release_is_read_directly(tmp_path):
     write_cifar10_binary(tmp_path)
     # No tensorflow-datasets preparation, no download: nothing is written.
     before = sorted(p for p in tmp_path.rglob("*"))
-    train, test = datasets.load_dataset("cifar10", str(tmp_path), download=False,
-                                    synthetic_examples=0, seed=0)
+    loaded = data.load_dataset("cifar10", DataSource(str(tmp_path), download=False))
+    train, test = loaded.train, loaded.test
     assert sorted(p for p in tmp_path.rglob("*")) == before
     assert train.images.shape == (50_000, 32, 32, 3) and len(test) == 10_000
     assert train.images.dtype == np.uint8 and train.labels.dtype == np.int32
@@ -241,7 +246,8 @@ def test_the_official_binary_release_is_read_directly(tmp_path):
     # Planes become channels: R and B are the label, G is 100, at every pixel.
     np.testing.assert_array_equal(train.images[7, 5, 9], [7, 100, 7])
     # The directory itself may be given, too.
-    again, _ = datasets.load_dataset("cifar10", str(tmp_path / datasets.CIFAR10_BINARY_DIR), False, 0, 0)
+    again = data.load_dataset("cifar10", DataSource(str(tmp_path / cifar10.CIFAR10_BINARY_DIR),
+                                                    download=False)).train
     np.testing.assert_array_equal(again.images[:100], train.images[:100])
 
 
@@ -257,7 +263,7 @@ def test_a_damaged_binary_release_is_one_clear_error(tmp_path, damage, message):
 
     damage(write_cifar10_binary(tmp_path))
     with pytest.raises(DataUnavailableError) as error:
-        datasets.load_dataset("cifar10", str(tmp_path), download=False, synthetic_examples=0, seed=0)
+        data.load_dataset("cifar10", DataSource(str(tmp_path), download=False))
     assert message in str(error.value) and "\n" not in str(error.value)
     assert "extract the archive" in str(error.value)
 

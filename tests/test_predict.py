@@ -19,9 +19,18 @@ from PIL import Image
 
 from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
                       run_in_process, run_module, subprocess_env, train)
-from distributed_mpt.training import outputs
 from distributed_mpt import predict as predict_module
-from distributed_mpt.training.models import build_model
+from distributed_mpt.core import models
+from distributed_mpt.core.data import cifar10
+from distributed_mpt.training import export
+
+CLASS_NAMES = cifar10.INFO.class_names
+
+
+def _export_untrained(directory, info=None):
+    """An untrained tiny resnet9's export in `directory`."""
+    model = models.build_model(models.model_spec("resnet9"), cifar10.INFO, 4)
+    export.export_model(model, str(directory), CLASS_NAMES, cifar10.INFO.image_shape, info)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +38,7 @@ def model_dir(tmp_path_factory):
     """A run directory holding an untrained tiny resnet9's export: the
     signature and the command do not depend on what the model learned."""
     directory = tmp_path_factory.mktemp("run")
-    outputs.export_model(build_model("resnet9", width=4), str(directory))
+    _export_untrained(directory)
     return directory
 
 
@@ -61,7 +70,7 @@ def test_the_serving_signature_maps_images_to_probabilities(model_dir):
     assert probabilities.shape == (4, 10) and probabilities.dtype == np.float32
     np.testing.assert_allclose(probabilities.sum(axis=1), 1, rtol=1e-5)
     names = [n.decode() for n in loaded.class_names[0].numpy()]
-    assert names == list(outputs.CLASS_NAMES)
+    assert names == list(CLASS_NAMES)
     assert (model_dir / "export" / "classes.txt").read_text().splitlines() == names
 
 
@@ -89,14 +98,14 @@ def test_classifies_an_image_file_into_a_named_class(model_dir, photo):
     assert_ok(result)
     path, answer = result.stdout.strip().rsplit(": ", 1)
     name, probability = answer.split()
-    assert path == str(photo) and name in outputs.CLASS_NAMES and 0 < float(probability) <= 1
+    assert path == str(photo) and name in CLASS_NAMES and 0 < float(probability) <= 1
 
 
 def test_top_k_as_json_from_the_export_directory(model_dir, photo):
     result = predict(f"--model_dir={model_dir / 'export'}", "--top_k=3", "--json", photo)
     assert_ok(result)
     top = json.loads(result.stdout)["predictions"][0]["top"]
-    assert len(top) == 3 and {t["class"] for t in top} <= set(outputs.CLASS_NAMES)
+    assert len(top) == 3 and {t["class"] for t in top} <= set(CLASS_NAMES)
     assert [t["probability"] for t in top] == sorted((t["probability"] for t in top), reverse=True)
 
 
@@ -129,7 +138,7 @@ def synthetic_run(tmp_path_factory):
 
 
 def test_a_model_of_synthetic_data_says_so_before_its_answers(synthetic_run, photo):
-    info = json.loads((synthetic_run / "export" / outputs.MODEL_INFO_NAME).read_text())
+    info = json.loads((synthetic_run / "export" / export.MODEL_INFO_NAME).read_text())
     summary = read_summary(synthetic_run)
     assert info["dataset"] == "synthetic" and info["model"] == "mlp"
     assert info["steps"] == summary["steps"] == 20
@@ -141,6 +150,17 @@ def test_a_model_of_synthetic_data_says_so_before_its_answers(synthetic_run, pho
     assert warnings == [predict_module.SYNTHETIC_WARNING]
     assert (f"model: mlp trained 20 steps with --dataset=synthetic, test accuracy "
             f"{summary['eval_accuracy']:.4f}") in result.stderr
+    assert result.stdout.startswith(f"{photo}: ")
+
+
+def test_a_model_trained_for_no_steps_says_its_answers_are_chance(tmp_path, photo):
+    _export_untrained(tmp_path, info={"model": "resnet9", "model_width": 4,
+                                      "dataset": "cifar10", "seed": 0, "steps": 0})
+    result = predict(f"--model_dir={tmp_path}", photo)
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [predict_module.UNTRAINED_WARNING]
+    assert "trained for 0 steps" in warnings[0]
     assert result.stdout.startswith(f"{photo}: ")
 
 
@@ -189,18 +209,24 @@ def _damaged_export(damage):
     return make
 
 
-def _weightless_export(tmp_path, untrained, trained, photo):
-    """The right signature and no weights: 0.1 for every class, as an
-    untrained model would answer."""
-    class Constant(tf.Module):
-        @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.uint8, name="images")])
-        def serve(self, images):
-            return {"probabilities": tf.fill([tf.shape(images)[0], 10], 0.1)}
+def _weightless_export(class_names=True):
+    """The right signature (and, as an export has them, the class names)
+    and no weights: 0.1 for every class, as an untrained model would
+    answer."""
+    def make(tmp_path, untrained, trained, photo):
+        class Constant(tf.Module):
+            @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.uint8,
+                                                        name="images")])
+            def serve(self, images):
+                return {"probabilities": tf.fill([tf.shape(images)[0], 10], 0.1)}
 
-    module = Constant()
-    tf.saved_model.save(module, str(tmp_path / "run" / "export" / "saved_model"),
-                        signatures={"serving_default": module.serve})
-    return tmp_path / "run", [photo]
+        module = Constant()
+        if class_names:
+            module.class_names = [tf.Variable(list(CLASS_NAMES), trainable=False)]
+        tf.saved_model.save(module, str(tmp_path / "run" / "export" / "saved_model"),
+                            signatures={"serving_default": module.serve})
+        return tmp_path / "run", [photo]
+    return make
 
 
 def _checkpoint_run(config=None, weightless=False):
@@ -254,9 +280,15 @@ def _huge(path):
 
 
 def _a_png_of_a_billion_pixels(path):
-    # Only its header: a PNG that says 40,000 x 40,000 (4.8 GB decoded).
-    header = struct.pack(">I4sIIBBBBB", 13, b"IHDR", 40_000, 40_000, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + header + zlib.crc32(header[4:]).to_bytes(4, "big"))
+    # A whole PNG of 74 bytes that says 40,000 x 40,000 (4.8 GB decoded): an
+    # image of one colour compresses about 1000:1, so its size says nothing.
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + zlib.crc32(kind + data).to_bytes(4, "big"))
+
+    header = struct.pack(">IIBBBBB", 40_000, 40_000, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b""))
     return path
 
 
@@ -278,7 +310,8 @@ HOSTILE_INPUTS = {
         lambda d: (d / "saved_model.pb").write_bytes(os.urandom(1000))), "cannot be loaded"),
     "SavedModel without variables": (_damaged_export(
         lambda d: shutil.rmtree(d / "variables")), "cannot be loaded"),
-    "export without weights": (_weightless_export, "holds no trained variables"),
+    "export without weights": (_weightless_export(), "holds no trained variables"),
+    "export without class names": (_weightless_export(class_names=False), "cannot be loaded"),
     "checkpoint without weights": (_checkpoint_run(weightless=True), "does not hold the weights"),
     "config.json of another model": (_checkpoint_run({"model": "resnet9", "model_width": 4}),
                                      "does not hold the weights of the resnet9"),
@@ -289,7 +322,8 @@ HOSTILE_INPUTS = {
     "a --model_dir that does not exist": (lambda tmp_path, untrained, trained, photo: (
         tmp_path / "missing", [photo]), "is not a directory"),
     # Images: refused by kind and size before they are read.
-    "a text file as an image": (_bad_image(_text), "is not a PNG, JPEG"),
+    "a text file as an image": (_bad_image(_text),
+                                "is not an image file (Pillow reads PNG, JPEG"),
     "a truncated PNG": (lambda tmp_path, untrained, trained, photo: (
         untrained, [_cut_short(photo, tmp_path / "cut.png")]),
         "begins as a PNG image does but does not decode"),
