@@ -11,7 +11,13 @@ import tensorflow as tf
 
 from conftest import (WatchedProcess, assert_ok, checkpoint_weights, read_summary,
                       subprocess_env, train)
-from distributed_mpt.training import datasets, input_pipeline, models, optimization
+from distributed_mpt.core import models, pipeline
+from distributed_mpt.core.augmentation import Augmentation
+from distributed_mpt.core.data import ImageSplit, cifar10
+from distributed_mpt.core.optim import groups, schedules
+from distributed_mpt.core.optim.lookahead import Lookahead
+from distributed_mpt.core.optim.optimizer import GroupedOptimizer
+from distributed_mpt.core.optim.rules import Muon, NesterovSGD, orthogonalize
 
 # A tiny airbench with every part of the recipe on, on synthetic data.
 AIRBENCH94 = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
@@ -29,13 +35,13 @@ def _images(count=4, size=6):
 def test_test_time_views_are_the_ones_named():
     images = _images()
     mirror = images[:, :, ::-1]
-    assert [w for w, _ in input_pipeline.test_time_views(images, "none")] == [1.0]
-    flip = input_pipeline.test_time_views(images, "flip")
+    assert [w for w, _ in pipeline.test_time_views(images, "none")] == [1.0]
+    flip = pipeline.test_time_views(images, "flip")
     assert [w for w, _ in flip] == [0.5, 0.5]
     np.testing.assert_array_equal(flip[0][1], images)
     np.testing.assert_array_equal(flip[1][1], mirror)
 
-    six = input_pipeline.test_time_views(images, "flip_translate")
+    six = pipeline.test_time_views(images, "flip_translate")
     assert [w for w, _ in six] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
     padded = np.pad(images.numpy(), [(0, 0), (1, 1), (1, 1), (0, 0)], mode="reflect")
     down_right, up_left = padded[:, :-2, :-2], padded[:, 2:, 2:]
@@ -52,10 +58,10 @@ def test_alternating_flips_show_each_image_both_ways_in_two_epochs():
     count = 64
     images = np.zeros((count, 32, 32, 3), np.uint8)
     images[:, :, 0] = 1
-    split = datasets.ImageSplit(images, np.arange(count, dtype=np.int32))
-    dataset_fn = input_pipeline.train_input_fn(split, global_batch_size=16, seed=5, start_step=0,
-                                     num_steps=3 * count // 16,
-                                     augmentation=input_pipeline.Augmentation(0, "alternating"))
+    split = ImageSplit(images, np.arange(count, dtype=np.int32))
+    dataset_fn = pipeline.train_input_fn(split, global_batch_size=16, seed=5, start_step=0,
+                                         num_steps=3 * count // 16,
+                                         augmentation=Augmentation(0, "alternating"))
     context = tf.distribute.InputContext()
     flipped = [{}, {}, {}]  # per epoch: image -> flipped?
     for step, (batch, labels) in enumerate(dataset_fn(context)):
@@ -68,21 +74,21 @@ def test_alternating_flips_show_each_image_both_ways_in_two_epochs():
 
 
 def test_piecewise_linear_schedule_is_airbench94s():
-    schedule = optimization.learning_rate_schedule(2.0, total_steps=100, warmup_steps=23,
-                                                   kind="piecewise_linear")
+    schedule = schedules.learning_rate_schedule(2.0, total_steps=100, warmup_steps=23,
+                                                kind="piecewise_linear")
     rates = [float(schedule(step)) for step in (0, 23, 100)]
     np.testing.assert_allclose(rates, [0.4, 2.0, 0.14], rtol=1e-6)
     np.testing.assert_allclose(float(schedule(61.5)), (2.0 + 0.14) / 2, rtol=1e-6)
 
 
 def test_linear_schedule_warms_up_then_falls_to_zero():
-    schedule = optimization.learning_rate_schedule(2.0, total_steps=100, warmup_steps=20,
-                                                   kind="linear")
+    schedule = schedules.learning_rate_schedule(2.0, total_steps=100, warmup_steps=20,
+                                                kind="linear")
     np.testing.assert_allclose([float(schedule(s)) for s in (0, 10, 20, 60, 100)],
                                [0.0, 1.0, 2.0, 1.0, 0.0], atol=1e-6)
     # Without warmup, as Muon's whitening bias falls over its epochs.
-    bias_rate = optimization.learning_rate_schedule(2.0, total_steps=10, warmup_steps=0,
-                                                    kind="linear")
+    bias_rate = schedules.learning_rate_schedule(2.0, total_steps=10, warmup_steps=0,
+                                                 kind="linear")
     np.testing.assert_allclose([float(bias_rate(s)) for s in (0, 5, 10)], [2.0, 1.0, 0.0],
                                atol=1e-6)
 
@@ -94,7 +100,7 @@ def test_lookahead_pulls_every_fifth_step_and_ends_on_the_average():
     # rounding error look like a 1e-6 relative miss.
     start = np.array([[0.5], [-1.5]], np.float32)
     kernel.assign(start)
-    lookahead = optimization.Lookahead(model, total_steps=12)
+    lookahead = Lookahead(model, total_steps=12)
     average = lookahead.state.averages[0]
 
     kernel.assign(start + 1.0)
@@ -121,11 +127,65 @@ def _trained_variables(model_dir) -> list:
             for i in range(len(_TINY.trainable_variables))]
 
 
-_TINY = models.build_model("airbench", 8)
+def _build(width=8, **options):
+    return models.build_model(models.model_spec("airbench"), cifar10.INFO, width, **options)
+
+
+_TINY = _build()
 
 
 def _indices(variables) -> list:
     return [i for i, v in enumerate(_TINY.trainable_variables) if any(v is w for w in variables)]
+
+
+def _batch_norm_shifts(model) -> list:
+    """The batch-norm shifts (beta), found from the layers, not from the
+    parameter groups that are checked against them."""
+    return [layer.beta for layer in model.layers
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def _filters(model) -> list:
+    """The trained 3x3 convolution kernels (not the whitening filters)."""
+    return [layer.kernel for layer in model.layers
+            if isinstance(layer, keras.layers.Conv2D) and layer.name != "whiten"]
+
+
+def _settings(**overrides) -> groups.Settings:
+    return groups.Settings(**{**dict(peak_learning_rate=0.5, weight_decay=0.1, momentum=0.9,
+                                     shift_rate=64.0, whiten_bias_steps=10), **overrides})
+
+
+def _same(variables, expected) -> bool:
+    return len(variables) == len(expected) and all(v is w for v, w in zip(variables, expected))
+
+
+def test_the_shift_multiplier_is_the_rate_of_the_batch_norm_shifts_alone():
+    # The groups, then one step's arithmetic from random weights and a
+    # gradient of ones: each variable moves by (1 + momentum) x the run's
+    # rate x its group's rate x (1 + 2 x its decay x w) (Nesterov's first
+    # step), so shifts move 64 times as far, with the kernels' decay per step.
+    model = _build()
+    made = {group.name: group for group in groups.parameter_groups(model, _settings())}
+    assert list(made) == ["whitening bias", "filters", "shifts", "kernels"]
+    assert _same(made["shifts"].variables, _batch_norm_shifts(model))
+    assert len(made["shifts"].variables) == 6, "two batch norms in each of three stages"
+    assert made["shifts"].rate == 64 and made["shifts"].weight_decay == pytest.approx(0.1 / 64)
+    assert all(group.rate == 1 and group.schedule is None
+               for name, group in made.items() if name != "shifts")
+    rng = np.random.default_rng(3)
+    for variable in model.trainable_variables:
+        variable.assign(rng.normal(size=variable.shape).astype(np.float32))
+    start = [v.numpy() for v in model.trainable_variables]
+    optimizer = GroupedOptimizer(list(made.values()), lambda step: 0.5,
+                                 tf.Variable(0, dtype=tf.int64))
+    optimizer.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
+    group_of = {id(v): group for group in made.values() for v in group.variables}
+    for variable, w in zip(model.trainable_variables, start):
+        group = group_of[id(variable)]
+        expected = w - 1.9 * 0.5 * group.rate * (1 + 2 * group.weight_decay * w)
+        np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-5, atol=1e-6,
+                                   err_msg=variable.path)
 
 
 def test_the_shift_multiplier_speeds_up_only_batch_norm_shifts(tmp_path):
@@ -138,7 +198,7 @@ def test_the_shift_multiplier_speeds_up_only_batch_norm_shifts(tmp_path):
         assert_ok(train([*AIRBENCH94, "--train_steps=1", "--nolookahead", "--noevaluate",
                          f"--shift_lr_multiplier={multiplier}", f"--model_dir={model_dir}"]))
         runs[multiplier] = _trained_variables(model_dir)
-    shifts = _indices(models.batch_norm_shifts(_TINY))
+    shifts = _indices(_batch_norm_shifts(_TINY))
     assert len(shifts) == 6, "two batch norms in each of three stages"
     for i, (plain, fast) in enumerate(zip(runs[1], runs[64])):
         if i in shifts:
@@ -149,7 +209,7 @@ def test_the_shift_multiplier_speeds_up_only_batch_norm_shifts(tmp_path):
 
 
 def test_the_whitening_bias_trains_only_when_asked(tmp_path):
-    [bias] = _indices([models.whitening_bias(_TINY)])
+    [bias] = _indices([_TINY.get_layer("whiten").bias])
     biases = {}
     for epochs in (0, 1):
         model_dir = tmp_path / str(epochs)
@@ -166,7 +226,7 @@ def test_muon_orthogonalizes_keeping_the_singular_vectors():
     right, _ = np.linalg.qr(rng.normal(size=(64, 64)))
     spread = np.geomspace(1, 10, 64)  # singular values over a decade
     gradient = (left * spread) @ right.T
-    update = optimization.orthogonalize(tf.constant(gradient, tf.float32)).numpy()
+    update = orthogonalize(tf.constant(gradient, tf.float32)).numpy()
     in_its_basis = left.T @ update @ right  # diagonal if the singular vectors are kept
     singular = np.diag(in_its_basis)
     assert 0.5 < singular.min() and singular.max() < 1.5, "near 1, not spread over a decade"
@@ -177,36 +237,53 @@ def test_muon_orthogonalizes_keeping_the_singular_vectors():
 def test_a_muon_step_renormalizes_the_filter_and_steps_along_the_orthogonalized_momentum():
     kernel = keras.Variable(np.random.default_rng(1).normal(size=(3, 3, 4, 8)), dtype="float32")
     bias = keras.Variable(np.zeros(8), dtype="float32")
-    optimizer = optimization.SGDWithMuon(0.5, momentum=0.9, muon_variables=[kernel],
-                                         muon_rate_ratio=0.2, muon_momentum=0.6)
+    optimizer = GroupedOptimizer([groups.ParameterGroup("filters", (kernel,), Muon(0.6), rate=0.2),
+                                  groups.ParameterGroup("others", (bias,), NesterovSGD(0.9))],
+                                 lambda step: 0.5, tf.Variable(0, dtype=tf.int64))
     gradient = tf.constant(np.random.default_rng(2).normal(size=(3, 3, 4, 8)), tf.float32)
     start = kernel.numpy()
     optimizer.apply_gradients([(gradient, kernel), (tf.ones(8), bias)])
     # First step: momentum = gradient, Nesterov direction = 1.6 x gradient,
     # whose orthogonalization is that of the gradient.
     renormalized = start * np.sqrt(8) / np.linalg.norm(start)
-    step = optimization.orthogonalize(tf.reshape(1.6 * gradient, [-1, 8])).numpy().reshape(start.shape)
+    step = orthogonalize(tf.reshape(1.6 * gradient, [-1, 8])).numpy().reshape(start.shape)
     np.testing.assert_allclose(kernel.numpy(), renormalized - 0.2 * 0.5 * step, rtol=1e-4, atol=1e-5)
     # The other variables take SGD's step: 0.5 x (1 + 0.9) Nesterov.
     np.testing.assert_allclose(bias.numpy(), -0.95 * np.ones(8), rtol=1e-6)
 
 
-def test_under_muon_the_filters_carry_no_weight_decay_and_the_whitening_bias_decays_as_a_shift():
-    decay = {}
-    for muon in (False, True):
-        model = models.build_model("airbench", 8, weight_decay=0.1, shift_lr_multiplier=64,
-                                   muon=muon)
-        bias = models.whitening_bias(model)
-        bias.assign(tf.ones_like(bias))
-        with tf.GradientTape() as tape:
-            penalty = tf.add_n(model.losses)
-        [*filters, bias_gradient] = tape.gradient(
-            penalty, [*models.convolution_filters(model), bias])
-        decay[muon] = ([0.0 if g is None else float(tf.reduce_max(tf.abs(g))) for g in filters],
-                       bias_gradient.numpy())
-    assert min(decay[False][0]) > 0 and max(decay[True][0]) == 0
-    np.testing.assert_allclose(decay[False][1], 2 * 0.1, rtol=1e-6)  # d/dw of 0.1 w^2
-    np.testing.assert_allclose(decay[True][1], 2 * 0.1 / 64, rtol=1e-6)
+@pytest.mark.parametrize("rule", ["sgd", "muon"])
+def test_under_muon_the_filters_carry_no_weight_decay_and_the_whitening_bias_decays_as_a_shift(
+        rule):
+    # The groups' decay, and the update it causes: one step of zero
+    # gradients, so that the decay is all that moves a variable.
+    muon = rule == "muon"
+    model = _build()
+    made = {group.name: group for group in groups.parameter_groups(
+        model, _settings(filters_rule=rule, filters_rate=0.4 if muon else 1.0,
+                         filters_momentum=0.6))}
+    filters, bias = made["filters"], made["whitening bias"]
+    assert _same(filters.variables, _filters(model)) and len(filters.variables) == 6
+    assert isinstance(filters.rule, Muon if muon else NesterovSGD)
+    assert filters.weight_decay == (0.0 if muon else 0.1)
+    assert _same(bias.variables, [model.get_layer("whiten").bias])
+    assert bias.weight_decay == pytest.approx(0.1 / 64 if muon else 0.1)
+
+    bias.variables[0].assign(tf.ones_like(bias.variables[0]))
+    start = {id(v): v.numpy() for v in model.trainable_variables}
+    optimizer = GroupedOptimizer(list(made.values()), lambda step: 0.5,
+                                 tf.Variable(0, dtype=tf.int64))
+    optimizer.apply_gradients([(tf.zeros_like(v), v) for v in model.trainable_variables])
+    for kernel in filters.variables:
+        w = start[id(kernel)]
+        # Muon only renormalizes (its step along a zero momentum is zero);
+        # SGD's decay pulls every filter toward zero: 1.9 x 0.5 x 2 x 0.1 w.
+        expected = w * np.sqrt(w.shape[-1]) / np.linalg.norm(w) if muon else w * (1 - 0.19)
+        np.testing.assert_allclose(kernel.numpy(), expected, rtol=1e-5, atol=1e-7,
+                                   err_msg=kernel.path)
+    # SGD: decay 0.1 at the run's rate 0.5. Muon: decay 0.1 / 64 at its own
+    # rate, 64 x the peak 0.5 at the first step: the same pull per step.
+    np.testing.assert_allclose(bias.variables[0].numpy(), 1 - 1.9 * 0.5 * 2 * 0.1, rtol=1e-5)
 
 
 def test_under_muon_the_whitening_bias_trains_at_the_shifts_rate(tmp_path):
@@ -214,7 +291,7 @@ def test_under_muon_the_whitening_bias_trains_at_the_shifts_rate(tmp_path):
     # the peak rate (a 1-step run has no warmup): the bias moves 64 times as
     # far as SGD moves it. Its rate's fall over its epochs is the linear
     # schedule's, checked with the schedules.
-    [bias] = _indices([models.whitening_bias(_TINY)])
+    [bias] = _indices([_TINY.get_layer("whiten").bias])
     moved = {}
     for optimizer in ("sgd", "muon"):
         model_dir = tmp_path / optimizer
