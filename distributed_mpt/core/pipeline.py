@@ -7,7 +7,7 @@ gathered, augmented as whole batches, and travel to the device as uint8, where
 the model casts and normalizes them. Which images form global batch k of epoch
 e, and how each is augmented, depends only on (seed, e, k): never on how many
 workers or replicas share the work. That is what makes N replicas at batch b
-train exactly like one replica at batch N*b, and a resumed run continue with
+train like one replica at batch N*b (to float32 round-off), and a resumed run continue with
 the very batches it would have seen.
 """
 

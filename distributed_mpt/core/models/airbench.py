@@ -29,7 +29,7 @@ def build(info: DatasetInfo, width: int, identity_init: bool = True) -> keras.Mo
         x = conv(channels)(x)
         if pool:
             x = keras.layers.MaxPooling2D()(x)
-        # Synchronized for exact N-replica equivalence, as in resnet9;
+        # Synchronized, so that N replicas train like one, as in resnet9;
         # momentum 0.6 and epsilon 1e-12 are airbench's (its PyTorch 0.4).
         x = FusedBatchNormalization(momentum=0.6, epsilon=1e-12, scale=False, synchronized=True)(x)
         return keras.layers.Activation("gelu")(x)
