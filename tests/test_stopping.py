@@ -74,18 +74,23 @@ def test_the_acknowledgement_starts_a_line_of_its_own_on_a_terminal(tmp_path):
 
 
 def test_a_stop_before_training_exits_at_once_having_trained_nothing(tmp_path):
+    # Once TensorFlow has started (its start-up watchdog came and went: a
+    # stop during the start-up is startup_watchdog.py's, test_startup_stop.py),
+    # the run prepares its data and model: 50,000 synthetic images and the
+    # MLP take a second or more, and a stop there exits at once.
     model_dir = tmp_path / "run"
-    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=100",
-                                                   f"--model_dir={model_dir}"])
-    # The log filter starts just before the stop owner, and before TensorFlow.
-    deadline = time.monotonic() + 120
-    while not _children(run.process.pid, "distributed_mpt.process.log_filter"):
+    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--synthetic_examples=50000",
+                                                   "--train_steps=100", f"--model_dir={model_dir}"])
+    deadline = time.monotonic() + 300
+    while not _children(run.process.pid, "distributed_mpt.process.startup_watchdog"):
         assert time.monotonic() < deadline and run.process.poll() is None, run.output()
-        time.sleep(0.05)
-    time.sleep(0.5)
+        time.sleep(0.01)
+    while _children(run.process.pid, "distributed_mpt.process.startup_watchdog"):
+        assert time.monotonic() < deadline and run.process.poll() is None, run.output()
+        time.sleep(0.01)
     run.process.send_signal(signal.SIGTERM)
     assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
-    assert "SIGTERM before training started" in run.output()
+    assert "SIGTERM before training started" in run.output(), run.output()[-3000:]
     assert "Traceback" not in run.output()
     assert not (model_dir / "checkpoints").exists()
 
@@ -137,8 +142,8 @@ def test_helper_processes_never_import_from_the_working_directory(planted, tmp_p
         cwd=cwd, capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
     assert "is not writable" in result.stderr
-    # The peer watchdog: its deadline ends the shell that started it.
-    watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.peer_watchdog"))
+    # The start-up watchdog: its deadline ends the shell that started it.
+    watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.startup_watchdog"))
     shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5; sleep 60"], cwd=cwd,
                            capture_output=True, text=True, timeout=60)
     assert shell.returncode == -stopping.PEER_TIMEOUT_SIGNAL, shell.stderr
