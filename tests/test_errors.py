@@ -15,9 +15,6 @@ from distributed_mpt.errors import ExitCode, first_line
 RELIABILITY = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
 
-@pytest.mark.xfail(reason="package bug: docs/reliability.md's exit-code table was not regenerated "
-                          "when b9fc39d changed ExitCode.KILLED's meaning in errors.py (the peer "
-                          "watchdog became the start-up watchdog)", strict=True)
 def test_the_documented_table_is_the_one_in_errors_py():
     assert errors.exit_code_table() in RELIABILITY.read_text(), \
         "regenerate docs/reliability.md's table with errors.exit_code_table()"
