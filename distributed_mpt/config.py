@@ -25,6 +25,7 @@ OPTIMIZERS = tuple(rules.UPDATE_RULES)
 MOMENTUM_FORMS = rules.MOMENTUM_FORMS
 FREEZES = groups.FREEZES
 FLIPS = augmentation.FLIPS
+AIRBENCH_ACTIVATIONS = models.AIRBENCH_ACTIVATIONS
 TTA_VIEWS = augmentation.TTA_VIEWS
 # A progress line at least this often, whatever --log_every_steps says.
 PROGRESS_SECONDS = 20
@@ -143,6 +144,17 @@ class TrainConfig:
         True, "airbench: start each 3x3 convolution as the identity on its first c_in filters "
         "(airbench94's dirac_ initialization), so that each block passes its input through at "
         "first; --noidentity_init: every filter random, as PyTorch initializes them.")
+    activation: str = _option(
+        "gelu", "airbench: the activation of its convolution stages. gelu (airbench94's), silu "
+        "(the 2025 record's), relu (which TensorFlow fuses into batch norm); GELU and SiLU are "
+        "compiled into one pass each way on CPUs (core/models/cpu_layers.py).",
+        AIRBENCH_ACTIVATIONS)
+    bn_momentum: float = _option(
+        0.6, "airbench: its batch norms' momentum in Keras' sense (the weight of the old moving "
+        "statistics; airbench94: 0.6, the 2025 record: 0.5566).")
+    whiten_images: int = _option(
+        5000, "airbench: how many of the first training images its whitening filters are "
+        "computed from (airbench94: 5000, the 2025 record: 960).")
     lookahead: bool = _option(
         False, "airbench94's lookahead: every 5 steps the weights (and batch-norm statistics) "
         "move to an exponential moving average of themselves, of decay 0.95^5 x "
@@ -246,6 +258,10 @@ def _validate(c: TrainConfig) -> None:
     _choice("eval_tta", c.eval_tta, TTA_VIEWS)
     _choice("momentum_form", c.momentum_form, MOMENTUM_FORMS)
     _choice("whiten_bias_freeze", c.whiten_bias_freeze, FREEZES)
+    _choice("activation", c.activation, AIRBENCH_ACTIVATIONS)
+    _require(0 <= c.bn_momentum < 1, f"--bn_momentum={c.bn_momentum} must be in [0, 1)")
+    _require(2 <= c.whiten_images <= _MAX_EXAMPLES,
+             f"--whiten_images={c.whiten_images} must be in [2, {_MAX_EXAMPLES:,}]")
     _require(c.dataset != "image_folder" or bool(c.data_dir),
              "--dataset=image_folder needs --data_dir: the folder of class folders "
              "(DATA_DIR/train/<class>/<images>)")

@@ -131,3 +131,20 @@ def test_airbench_convolutions_start_as_the_identity_unless_told_otherwise():
         first = min(kernel.shape[2:])
         assert np.all(kernel[..., :first] != 0), "--noidentity_init: every filter random"
         np.testing.assert_array_equal(kernel[..., first:], identity[..., first:])
+
+
+def test_airbench_options_reach_its_layers():
+    train, _ = synthetic.make_synthetic(num_train=600, num_test=1, seed=0)
+    model = build_model("airbench", width=8, activation="silu", bn_momentum=0.5,
+                        whiten_images=100)
+    models.initialize_from_data(model, train.images)
+    activations = [layer.get_config()["activation"] for layer in model.layers
+                   if isinstance(layer, keras.layers.Activation)]
+    assert activations == ["gelu"] + ["silu"] * 6, "the whitening layer's stays GELU"
+    assert {layer.momentum for layer in model.layers
+            if isinstance(layer, keras.layers.BatchNormalization)} == {0.5}
+    whiten = model.get_layer("whiten")
+    np.testing.assert_array_equal(whiten.get_weights()[0], whiten.whitening_filters(train.images[:100]))
+    assert not np.array_equal(whiten.get_weights()[0], whiten.whitening_filters(train.images))
+    with pytest.raises(models.ModelError, match="tanh"):
+        build_model("airbench", width=8, activation="tanh")

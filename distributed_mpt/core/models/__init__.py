@@ -78,6 +78,11 @@ class ModelSpec:
         return self.builder.rpartition(":")[2] if self.is_users else self.name
 
 
+# airbench's stages' activation: airbench94's exact GELU, the 2025 record's
+# SiLU (hiverge/cifar10-speedrun), or ReLU, which TensorFlow fuses into
+# batch norm (--activation).
+AIRBENCH_ACTIVATIONS = ("gelu", "silu", "relu")
+
 MODELS = {spec.name: spec for spec in (
     ModelSpec("mlp", "the original notebook's network", "distributed_mpt.core.models.mlp:build",
               Defaults(0.05, 0.05, 1.0, 0.9, 0.0, 0.0, why=(
@@ -96,7 +101,7 @@ MODELS = {spec.name: spec for spec in (
                   "airbench94's rate, momentum and weight decay, converted (docs/recipes.md): "
                   "0.1875 at batch 128 and an L2 coefficient of 6.65e-4; the warmup is for the "
                   "default cosine schedule (the recipes set airbench94's own).")),
-              options=("identity_init",)),
+              options=("identity_init", "activation", "bn_momentum", "whiten_images")),
 )}
 
 # A user's network: the classic CIFAR ResNet recipe (He et al. 2016, sec.
