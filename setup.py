@@ -17,6 +17,10 @@ setup(
         "importlib_resources",
         "absl-py",
         "numpy",
+        # Decodes the images of --dataset=image_folder and of predict, with a
+        # pixel bound read from the header before decoding (core/data/images.py);
+        # TensorFlow's decoders read only PNG, JPEG, GIF and BMP, and decode first.
+        "pillow",
         # ml_dtypes 0.7 registers NumPy promoters for its new complex types one
         # at a time, and NumPy 2.4 scans the list each time: `import ml_dtypes`
         # took 1.27 s instead of 0.10 s with 0.6.0 (one run each), and every
