@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -169,6 +170,41 @@ def checkpoint_weights(model_dir) -> dict:
     reader = tf.train.load_checkpoint(str(Path(model_dir) / "checkpoints"))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
             if name not in ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE")}
+
+
+def weights_of_one_and_two_replicas(common, tmp_path, global_batch: int = 32):
+    """Trains `common` flags on one replica and on two (logical CPU devices)
+    at the same global batch, each into a model directory of its own under
+    tmp_path; returns both final checkpoints (`checkpoint_weights`), which
+    hold the same names."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", f"--per_replica_batch_size={global_batch}",
+                     f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+                     f"--per_replica_batch_size={global_batch // 2}", f"--model_dir={two}"]))
+    assert read_summary(two)["num_replicas"] == 2
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    assert single.keys() == mirrored.keys()
+    return single, mirrored
+
+
+def weights_of_whole_and_resumed(common, tmp_path, steps: int):
+    """Trains `common` flags (a run of `steps` steps) once uninterrupted and
+    once stopped by SIGTERM after its first progress line, then resumed;
+    returns both final checkpoints (`checkpoint_weights`), which hold the
+    same names."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert_ok(train([*common, f"--model_dir={whole}"]))
+    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
+                         env=subprocess_env())
+    run.wait_for(rf"^step +\d+/{steps}", timeout=180)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == 143, run.output()
+    assert_ok(train([*common, f"--model_dir={stopped}"]))
+    assert 0 < read_summary(stopped)["resumed_from_step"] < steps
+    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
+    assert expected.keys() == resumed.keys()
+    return expected, resumed
 
 
 def assert_one_error_line(result, fragment, exit_code=2):

@@ -19,12 +19,22 @@ def restore_policy():
 
 @pytest.mark.parametrize("count, width, per_row", [(5, 7, 8), (16, 3, 16), (3, 3, 2)])
 def test_side_by_side_is_the_convolution_with_its_gradients(count, width, per_row):
+    _assert_the_convolution(lambda x, k: layers.side_by_side(
+        lambda rows: tf.nn.conv2d(rows, k, 1, "SAME"), x, per_row, gap=1),
+        images=(count, width, width, 4), kernel=(3, 3, 4, 6))
+
+
+def _assert_the_convolution(convolve, images, kernel):
+    """convolve(images, kernel) has the outputs and gradients (of images and
+    kernel) of tf.nn.conv2d's stride-1 "same" convolution, on random values
+    of the shapes given."""
     rng = np.random.default_rng(0)
-    images = tf.constant(rng.normal(size=(count, width, width, 4)), tf.float32)
-    kernel = tf.constant(rng.normal(size=(3, 3, 4, 6)), tf.float32)
+    images = tf.constant(rng.normal(size=images), tf.float32)
+    kernel = tf.constant(rng.normal(size=kernel), tf.float32)
     # A loss that weighs every output differently, so that an output moved
-    # to another pixel or image would change the gradients.
-    weights = tf.constant(rng.normal(size=(count, width, width, 6)), tf.float32)
+    # to another pixel or image, or a tap read from the wrong shift, would
+    # change the gradients.
+    weights = tf.constant(rng.normal(size=(*images.shape[:3], kernel.shape[3])), tf.float32)
 
     def outputs_and_gradients(convolve):
         with tf.GradientTape() as tape:
@@ -34,11 +44,10 @@ def test_side_by_side_is_the_convolution_with_its_gradients(count, width, per_ro
         return [outputs, *tape.gradient(loss, [images, kernel])]
 
     direct = outputs_and_gradients(lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"))
-    rearranged = outputs_and_gradients(lambda x, k: layers.side_by_side(
-        lambda rows: tf.nn.conv2d(rows, k, 1, "SAME"), x, per_row, gap=1))
-    for expected, actual in zip(direct, rearranged):
+    for name, expected, actual in zip(("outputs", "image gradient", "kernel gradient"),
+                                      direct, outputs_and_gradients(convolve)):
         assert actual.shape == expected.shape
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
 def _convolution_ops(width, policy, channels=8):
@@ -77,26 +86,9 @@ def test_the_layer_computes_what_keras_conv2d_computes(monkeypatch):
                          [(5, 7, 3, 4, 6), (3, 3, 3, 8, 5), (2, 6, 5, 3, 4)])
 def test_the_weight_gradient_by_taps_is_the_convolutions(count, width, kernel_size, channels,
                                                          filters):
-    rng = np.random.default_rng(0)
-    images = tf.constant(rng.normal(size=(count, width, width, channels)), tf.float32)
-    kernel = tf.constant(rng.normal(size=(kernel_size, kernel_size, channels, filters)), tf.float32)
-    # Every output weighed differently: a tap read from the wrong shift
-    # would change the kernel's gradient.
-    weights = tf.constant(rng.normal(size=(count, width, width, filters)), tf.float32)
-
-    def outputs_and_gradients(convolve):
-        with tf.GradientTape() as tape:
-            tape.watch([images, kernel])
-            outputs = convolve(images, kernel)
-            loss = tf.reduce_sum(outputs * weights)
-        return [outputs, *tape.gradient(loss, [images, kernel])]
-
-    direct = outputs_and_gradients(lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"))
-    by_taps = outputs_and_gradients(layers.convolve_with_weight_gradient_by_taps)
-    for name, expected, actual in zip(("outputs", "image gradient", "kernel gradient"),
-                                      direct, by_taps):
-        assert actual.shape == expected.shape
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4, err_msg=name)
+    _assert_the_convolution(layers.convolve_with_weight_gradient_by_taps,
+                            images=(count, width, width, channels),
+                            kernel=(kernel_size, kernel_size, channels, filters))
 
 
 def _gradient_ops(width, policy, channels=8):

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
-                      read_summary, read_terminal, subprocess_env, train)
+                      read_summary, read_terminal, subprocess_env, train,
+                      weights_of_one_and_two_replicas)
 from distributed_mpt.training.loop import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
@@ -186,15 +187,8 @@ def test_each_precision_trains(model_dir, precision):
 def test_two_mirrored_replicas_match_one_replica_at_the_same_global_batch(
         tmp_path, precision, rtol, atol):
     common = [*SMOKE_FLAGS, "--train_steps=8", f"--precision={precision}", "--noevaluate"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert_ok(train([*common, "--strategy=default", "--per_replica_batch_size=32",
-                     f"--model_dir={one}"]))
-    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
-                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
-    assert read_summary(two)["num_replicas"] == 2
-    assert read_summary(two)["global_batch_size"] == 32
-    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
-    assert single.keys() == mirrored.keys()
+    single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
+    assert read_summary(tmp_path / "two")["global_batch_size"] == 32
     assert single["step/.ATTRIBUTES/VARIABLE_VALUE"] == mirrored["step/.ATTRIBUTES/VARIABLE_VALUE"] == 8
     kernels = [n for n in single if single[n].ndim == 2]
     assert len(kernels) >= 6, "weights and momentum slots of three Dense layers"

@@ -4,14 +4,13 @@ get (N replicas train like one, a resume ends with the weights of an
 uninterrupted run, the export and predict), and a broken one refused before
 any training with one line naming it."""
 
-import signal
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import (WatchedProcess, assert_ok, assert_one_error_line, checkpoint_weights,
-                      read_summary, run_in_process, subprocess_env, train)
+from conftest import (assert_ok, assert_one_error_line, run_in_process, subprocess_env, train,
+                      weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
 
 # A plain Keras network as a user writes one: its own normalization, Keras'
 # BatchNormalization (unsynchronized, as Keras makes it) and a softmax at
@@ -49,12 +48,7 @@ def model_file(tmp_path_factory):
 
 def test_it_trains_on_two_replicas_as_on_one(model_file, tmp_path):
     common = [*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=8"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
-    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
-                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
-    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
-    assert single.keys() == mirrored.keys()
+    single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
     # Batch norm's moving statistics among them: synchronized across replicas.
     assert any("moving_variance" in name for name in single)
     for name in single:
@@ -67,17 +61,7 @@ def test_it_trains_on_two_replicas_as_on_one(model_file, tmp_path):
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(model_file, tmp_path):
     common = [*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=80", "--steps_per_loop=2",
               "--log_every_steps=2"]
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    assert_ok(train([*common, f"--model_dir={whole}"]))
-    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
-                         env=subprocess_env())
-    run.wait_for(r"^step +\d+/80", timeout=180)
-    run.process.send_signal(signal.SIGTERM)
-    assert run.finish(timeout=120) == 143, run.output()
-    assert_ok(train([*common, f"--model_dir={stopped}"]))
-    assert 0 < read_summary(stopped)["resumed_from_step"] < 80
-    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
-    assert expected.keys() == resumed.keys()
+    expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=80)
     for name in expected:
         np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-6,
                                    err_msg=name)
