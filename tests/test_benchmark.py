@@ -131,7 +131,7 @@ def test_by_default_float32_and_what_auto_picks_are_measured(tmp_path, monkeypat
                                                              cpu_instructions, measured):
     """No emulated precision by default: on a CPU without bfloat16
     instructions a mixed_bfloat16 cell of resnet9 took over 15 minutes."""
-    from distributed_mpt.training import precision
+    from distributed_mpt.core import precision
 
     precisions = []
 
