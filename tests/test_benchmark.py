@@ -36,6 +36,7 @@ def _assert_figures(report: dict, names) -> None:
                     f"{name}: {figure} = {value!r} in {row}"
 
 
+@pytest.mark.slow
 def test_tiny_run_of_the_entry_point_reports_every_section(tmp_path):
     output = tmp_path / "bench.json"
     script = Path(sys.executable).with_name("distributed-mpt-benchmark")  # distributed_mpt.benchmark:run

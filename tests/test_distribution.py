@@ -22,6 +22,9 @@ from distributed_mpt.process.distribution import resolve_strategy_name
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.launch import free_ports, worker_tf_configs
 
+# Every test here starts several workers: the full suite only (README).
+pytestmark = pytest.mark.slow
+
 TWO_WORKERS = resolve_cluster({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]}, '
                                             '"task": {"type": "worker", "index": 0}}'})
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))

@@ -63,6 +63,7 @@ def test_an_image_folder_trains_and_predict_names_its_classes(folder, tmp_path):
     assert "image_folder test:" in evaluated.stdout and "(18 images)" in evaluated.stdout
 
 
+@pytest.mark.slow
 def test_two_replicas_evaluate_every_test_image_once(folder, tmp_path):
     run = tmp_path / "run"
     assert_ok(train([*FLAGS, f"--data_dir={folder}", "--strategy=mirrored", "--cpu_replicas=2",

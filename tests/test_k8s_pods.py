@@ -35,7 +35,8 @@ from distributed_mpt import errors
 from k8s_pods import K8S, render, training_job, training_pods
 from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]
 
 def listening_ports(network, pod: int) -> set:
     ss = subprocess.run(["ip", "netns", "exec", network.namespaces[pod], "ss", "-Hltn"],

@@ -24,6 +24,9 @@ import pytest
 from conftest import REPO, SMALL_MODEL, SMOKE_FLAGS, read_summary, run_module, subprocess_env
 from distributed_mpt import errors, launch
 
+# Every test here starts several workers: the full suite only (README).
+pytestmark = pytest.mark.slow
+
 WORKER_FLAGS = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
                 "--peer_timeout_seconds=60", "--noevaluate"]
 SLURM_BATCH = REPO / "launch" / "slurm.sbatch"

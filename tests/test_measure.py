@@ -3,6 +3,8 @@ one command, resumable, and the table of what the runs reached."""
 
 import json
 
+import pytest
+
 from conftest import assert_ok, run_module
 
 # The MLP recipe, shortened as a user would shorten it, on synthetic data.
@@ -10,6 +12,7 @@ SHORT = ["--", "--dataset=synthetic", "--synthetic_examples=512", "--train_steps
          "--per_replica_batch_size=32", "--noexport", "--steps_per_loop=3"]
 
 
+@pytest.mark.slow
 def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path):
     runs = tmp_path / "runs"
     first = run_module("distributed_mpt.recipes.measure",

@@ -40,7 +40,8 @@ from distributed_mpt import errors
 from k8s_pods import render, training_pods
 from netns import TRAIN_STEPS, Groups, checkpointed_step
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]
 needs_tun = pytest.mark.skipif(netns.tun_unavailable() is not None, reason=str(netns.tun_unavailable()))
 
 # docs/clusters.md promises an end within about 20 s of a cut (8 s measured

@@ -164,6 +164,7 @@ def test_a_model_trained_for_no_steps_says_its_answers_are_chance(tmp_path, phot
     assert result.stdout.startswith(f"{photo}: ")
 
 
+@pytest.mark.slow
 def test_a_float16_model_predicts_on_a_cpu_without_onednn_reference_kernels(tmp_path, photo):
     """A model trained in mixed_float16 (a GPU's default) computes in float16
     wherever it is loaded; on a CPU TensorFlow would fuse its layers into a
