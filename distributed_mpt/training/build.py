@@ -115,7 +115,9 @@ def _group_settings(config: TrainConfig, plan: RunPlan) -> groups.Settings:
         filters_rate=config.muon_learning_rate / plan.learning_rate if muon else 1.0,
         filters_momentum=config.muon_momentum, shift_rate=config.shift_lr_multiplier,
         whiten_bias_steps=round(config.whiten_bias_epochs * plan.steps_per_epoch),
-        whiten_bias_freeze=config.whiten_bias_freeze)
+        whiten_bias_freeze=config.whiten_bias_freeze,
+        muon_weight_decay=config.muon_weight_decay, muon_renormalize=config.muon_renormalize,
+        muon_newton_schulz=config.muon_newton_schulz, total_steps=plan.total_steps)
 
 
 def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,

@@ -1,0 +1,130 @@
+"""The parts of the 2025 record (hiverge/cifar10-speedrun) brought over as
+options: each does the record's arithmetic (checked against NumPy), touches
+only what it names, and keeps the loop's promises (N replicas = 1 replica,
+a step-exact resume)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from distributed_mpt.core.optim import groups
+from distributed_mpt.core.optim.optimizer import GroupedOptimizer
+from distributed_mpt.core.optim.rules import (NEWTON_SCHULZ, Muon, NesterovSGD, orthogonalize,
+                                              periodic_renormalization)
+
+
+def _record_renormalizations(total: int) -> list:
+    """The record's Muon.step bookkeeping, written out as it has it."""
+    step_count, last_norm_step, due = 0, 0, []
+    for _ in range(total):
+        step_count += 1
+        norm_freq = 2 + int(15 * (step_count / total))
+        renormalize = step_count - last_norm_step >= norm_freq
+        if renormalize:
+            last_norm_step = step_count
+        due.append(renormalize)
+    return due
+
+
+def test_periodic_renormalization_is_the_2025_records_schedule():
+    for total in (1, 2, 7, 200, 243, 1000):
+        assert periodic_renormalization(total) == _record_renormalizations(total), total
+    steps = [i for i, due in enumerate(periodic_renormalization(243)) if due]
+    assert steps[:3] == [1, 3, 5], "every second step at first (steps counted from 0)"
+    gaps = np.diff(steps)
+    assert gaps[0] == 2 and gaps[-1] == 16
+    # The gap asked for grows to 2 + 15 = 17 at the last step; the run ends
+    # 13 steps after its last renormalization, before the next is due.
+    assert steps[-1] == 229
+
+
+def _kernel_and_gradient():
+    rng = np.random.default_rng(1)
+    kernel = rng.normal(size=(3, 3, 4, 8)).astype(np.float32)
+    gradient = rng.normal(size=(3, 3, 4, 8)).astype(np.float32)
+    return kernel, gradient
+
+
+def _newton_schulz(matrix, coefficients, steps=3):
+    """Newton-Schulz in NumPy: X <- a X + (b A + c A^2) X, A = X X^T, on the
+    wide orientation."""
+    a, b, c = coefficients
+    x = matrix.astype(np.float64)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / np.linalg.norm(x)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("name", list(NEWTON_SCHULZ))
+def test_newton_schulz_iterates_with_the_coefficients_named(name):
+    assert list(NEWTON_SCHULZ) == ["airbench", "speedrun2025"]
+    matrix = np.random.default_rng(3).normal(size=(8, 20))
+    for shape in (matrix, matrix.T):  # the tall one through its transpose
+        got = orthogonalize(tf.constant(shape, tf.float32), coefficients=NEWTON_SCHULZ[name])
+        np.testing.assert_allclose(got.numpy(), _newton_schulz(shape, NEWTON_SCHULZ[name]),
+                                   rtol=1e-4, atol=1e-5)
+    other = NEWTON_SCHULZ["speedrun2025" if name == "airbench" else "airbench"]
+    assert np.abs(_newton_schulz(matrix, other) - _newton_schulz(matrix, NEWTON_SCHULZ[name])
+                  ).max() > 1e-3, "the coefficients make a difference"
+
+
+@pytest.mark.parametrize("step, table", [(0, [True, False]), (1, [True, False]),
+                                         (5, [False, True]), (0, None)])
+def test_a_muon_step_renormalizes_when_its_table_says_and_decays_after_the_step(step, table):
+    # The table is read at the run's step (past its end: its last entry);
+    # None renormalizes every step. Then (w - rate x update) x (1 - rate x
+    # lambda), rate = the group's 0.2 x the run's 0.5.
+    start, gradient = _kernel_and_gradient()
+    kernel = keras.Variable(start)
+    rule = Muon(0.6, weight_decay=0.3, renormalize_steps=table,
+                coefficients=NEWTON_SCHULZ["speedrun2025"])
+    optimizer = GroupedOptimizer([groups.ParameterGroup("filters", (kernel,), rule, rate=0.2)],
+                                 lambda s: 0.5, tf.Variable(step, dtype=tf.int64))
+    optimizer.apply_gradients([(tf.constant(gradient), kernel)])
+    due = table is None or table[min(step, len(table) - 1)]
+    rate = 0.2 * 0.5
+    # First step: momentum = gradient, Nesterov direction = 1.6 x gradient.
+    update = _newton_schulz(1.6 * gradient.reshape(-1, 8), NEWTON_SCHULZ["speedrun2025"])
+    scaled = start * np.sqrt(8) / np.linalg.norm(start) if due else start
+    want = (scaled - rate * update.reshape(start.shape)) * (1 - rate * 0.3)
+    np.testing.assert_allclose(kernel.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_without_the_records_options_a_muon_step_is_airbench94_muons():
+    start, gradient = _kernel_and_gradient()
+    kernel = keras.Variable(start)
+    optimizer = GroupedOptimizer([groups.ParameterGroup("filters", (kernel,), Muon(0.6), rate=0.2)],
+                                 lambda s: 0.5, tf.Variable(3, dtype=tf.int64))
+    optimizer.apply_gradients([(tf.constant(gradient), kernel)])
+    update = _newton_schulz(1.6 * gradient.reshape(-1, 8), NEWTON_SCHULZ["airbench"])
+    want = start * np.sqrt(8) / np.linalg.norm(start) - 0.1 * update.reshape(start.shape)
+    np.testing.assert_allclose(kernel.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_settings_reach_the_filters_rule_and_only_it():
+    from distributed_mpt.core import models
+    from distributed_mpt.core.data import cifar10
+
+    model = models.build_model(models.model_spec("airbench"), cifar10.INFO, 8)
+    settings = groups.Settings(peak_learning_rate=0.5, weight_decay=0.1, momentum=0.9,
+                               filters_rule="muon", filters_rate=0.4, filters_momentum=0.6,
+                               momentum_form="pytorch", whiten_bias_steps=3,
+                               muon_weight_decay=0.05, muon_renormalize="periodic",
+                               muon_newton_schulz="speedrun2025", total_steps=30)
+    made = {group.name: group for group in groups.parameter_groups(model, settings)}
+    rule = made["filters"].rule
+    assert isinstance(rule, Muon) and rule.momentum == 0.6 and rule.weight_decay == 0.05
+    assert rule.coefficients == NEWTON_SCHULZ["speedrun2025"]
+    assert list(rule.renormalize_steps) == periodic_renormalization(30)
+    assert made["filters"].weight_decay == 0.0
+    for name in ("whitening bias", "shifts", "kernels"):
+        assert isinstance(made[name].rule, NesterovSGD) and made[name].rule.form == "pytorch"
+    plain = groups.parameter_groups(model, groups.Settings(0.5, 0.1, 0.9, filters_rule="muon"))
+    rule = plain[1].rule
+    assert (rule.weight_decay, rule.renormalize_steps, rule.coefficients) == (
+        0.0, None, NEWTON_SCHULZ["airbench"])
