@@ -128,3 +128,76 @@ def test_the_settings_reach_the_filters_rule_and_only_it():
     rule = plain[1].rule
     assert (rule.weight_decay, rule.renormalize_steps, rule.coefficients) == (
         0.0, None, NEWTON_SCHULZ["airbench"])
+
+
+def test_color_jitter_shifts_then_scales_the_normalized_image():
+    from distributed_mpt.core import pipeline
+
+    normalized = np.random.default_rng(0).normal(size=(2, 4, 4, 3)).astype(np.float32)
+    jitter = np.array([[0.1, 1.1], [-0.2, 0.9]], np.float32)
+    got = pipeline.jitter_colors(tf.constant(normalized), tf.constant(jitter)).numpy()
+    want = (normalized + jitter[:, 0, None, None, None]) * jitter[:, 1, None, None, None]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _jitter_of_each_image(pipelines=1, seed=5, epochs=2, count=64, batch=16, on_device=False,
+                          **augmentation):
+    """{(epoch, image): (brightness, contrast)} over `epochs`, read from
+    `pipelines` input pipelines; each image is its own label (or index)."""
+    from distributed_mpt.core import pipeline
+    from distributed_mpt.core.augmentation import Augmentation
+    from distributed_mpt.core.data import ImageSplit
+
+    split = ImageSplit(np.zeros((count, 32, 32, 3), np.uint8), np.arange(count, dtype=np.int32))
+    dataset_fn = pipeline.train_input_fn(
+        split, global_batch_size=batch, seed=seed, start_step=0,
+        num_steps=epochs * count // batch, images_on_device=on_device,
+        augmentation=Augmentation(0, "none", **augmentation))
+    seen = {}
+    for index in range(pipelines):
+        context = tf.distribute.InputContext(pipelines, index, pipelines)
+        for step, parts in enumerate(dataset_fn(context)):
+            assert len(parts) == (4 if on_device else 3), "the batch, then the jitter"
+            assert parts[-1].dtype == tf.float32 and parts[-1].shape[1:] == [2]
+            for image, values in zip(parts[0 if on_device else 1].numpy(), parts[-1].numpy()):
+                seen[(step // (count // batch), image)] = tuple(values)
+    return seen
+
+
+def test_color_jitter_is_drawn_per_image_per_epoch_from_the_seed_alone():
+    one = _jitter_of_each_image(brightness=0.14, contrast=0.13)
+    assert len(one) == 2 * 64
+    assert one == _jitter_of_each_image(brightness=0.14, contrast=0.13), "deterministic"
+    assert one == _jitter_of_each_image(2, brightness=0.14, contrast=0.13), "however split"
+    assert one == _jitter_of_each_image(on_device=True, brightness=0.14, contrast=0.13)
+    assert one != _jitter_of_each_image(seed=6, brightness=0.14, contrast=0.13)
+    brightness, contrast = np.array(list(one.values())).T
+    assert 0.07 < np.abs(brightness).max() <= 0.14
+    assert 0.06 < np.abs(contrast - 1).max() <= 0.13
+    assert all(one[(0, i)] != one[(1, i)] for i in range(64)), "drawn anew each epoch"
+    only_contrast = np.array(list(_jitter_of_each_image(contrast=0.13).values()))
+    assert not only_contrast[:, 0].any() and only_contrast[:, 1].std() > 0
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_without_jitter_the_batches_are_what_they_were(on_device):
+    from distributed_mpt.core import pipeline
+    from distributed_mpt.core.augmentation import Augmentation
+    from distributed_mpt.core.data import ImageSplit
+
+    split = ImageSplit(np.zeros((32, 32, 32, 3), np.uint8), np.zeros(32, np.int32))
+    plain = pipeline.train_input_fn(split, 16, seed=0, start_step=0, num_steps=1,
+                                    images_on_device=on_device, augmentation=Augmentation())
+    assert len(next(iter(plain(tf.distribute.InputContext())))) == (3 if on_device else 2)
+
+
+def test_flip_translate_mean_weighs_airbench94s_six_views_alike():
+    from distributed_mpt.core import pipeline
+
+    images = tf.constant(np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3)), tf.uint8)
+    six = pipeline.test_time_views(images, "flip_translate")
+    mean = pipeline.test_time_views(images, "flip_translate_mean")
+    np.testing.assert_allclose([w for w, _ in mean], [1 / 6] * 6)
+    assert len(mean) == len(six) == 6
+    for (_, view), (_, want) in zip(mean, six):
+        np.testing.assert_array_equal(view, want)
