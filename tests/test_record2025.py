@@ -201,3 +201,109 @@ def test_flip_translate_mean_weighs_airbench94s_six_views_alike():
     assert len(mean) == len(six) == 6
     for (_, view), (_, want) in zip(mean, six):
         np.testing.assert_array_equal(view, want)
+
+
+def _tiny_airbench():
+    from distributed_mpt.core import models
+    from distributed_mpt.core.data import cifar10
+
+    keras.utils.set_random_seed(0)  # the same weights in every call
+    return models.build_model(models.model_spec("airbench"), cifar10.INFO, 8)
+
+
+def test_the_jitter_goes_in_between_the_normalization_and_the_rest_of_the_same_model():
+    from distributed_mpt.core import models, pipeline
+
+    model = _tiny_airbench()
+    normalize, rest = models.split_at_normalization(model, "airbench")
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3)).astype(np.uint8)
+    # No jitter (b = 0, c = 1): the model itself.
+    identity = tf.constant([[0.0, 1.0]] * 3)
+    np.testing.assert_allclose(rest(pipeline.jitter_colors(normalize(images), identity)),
+                               model(images), rtol=1e-5, atol=1e-5)
+    assert {id(v) for v in rest.trainable_variables} == {id(v) for v in model.trainable_variables}
+    # A jitter is the model on the jittered normalized images.
+    jitter = np.array([[0.3, 1.1], [-0.2, 0.9], [0.0, 1.05]], np.float32)
+    normalized = normalize(images).numpy()
+    jittered = (normalized + jitter[:, :1, None, None]) * jitter[:, 1:, None, None]
+    np.testing.assert_allclose(rest(pipeline.jitter_colors(normalize(images), jitter)),
+                               rest(jittered), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_without_a_normalize_layer_cannot_take_jitter():
+    from distributed_mpt.core import models
+
+    images = keras.Input((32, 32, 3), dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    model = keras.Model(images, keras.layers.Dense(10)(x))
+    with pytest.raises(models.ModelError, match="--model=mine.py:net: color jitter") as error:
+        models.split_at_normalization(model, "mine.py:net")
+    assert "\n" not in str(error.value)
+
+
+def _evaluator(views, fraction, batch=16):
+    """A Trainer of a tiny airbench whose weights are spread (a random
+    network on random images is too unsure of everything), for evaluation."""
+    from distributed_mpt.core.steps import Trainer
+
+    model = _tiny_airbench()
+    for variable in model.trainable_variables:
+        variable.assign(variable * 3.0)
+    return Trainer(model, None, tf.distribute.get_strategy(), tf.Variable(0, dtype=tf.int64),
+                   global_batch_size=batch, eval_views=views, eval_tta_fraction=fraction)
+
+
+def _test_split(count=100):
+    from distributed_mpt.core.data import ImageSplit
+
+    rng = np.random.default_rng(1)
+    return ImageSplit(rng.integers(0, 256, (count, 32, 32, 3)).astype(np.uint8),
+                      rng.integers(0, 10, count).astype(np.int32))
+
+
+def _scores(logits, labels):
+    """Accuracy and mean cross-entropy of `logits`, in NumPy."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return (np.mean(logits.argmax(1) == labels),
+            -log_probabilities[np.arange(len(labels)), labels].mean())
+
+
+def test_selective_tta_augments_only_the_least_confident_images():
+    from distributed_mpt.core import pipeline
+
+    trainer, split = _evaluator("flip_translate_mean", 0.25), _test_split()
+    views = pipeline.test_time_views(tf.constant(split.images), "flip_translate_mean")
+    logits = [trainer.model(view, training=False).numpy().astype(np.float64) for _, view in views]
+    plain = logits[0]
+    confidence = tf.nn.softmax(plain).numpy().max(axis=1)
+    chosen = np.argsort(confidence, kind="stable")[:25]
+    final = plain.copy()
+    final[chosen] = np.mean(logits, axis=0)[chosen]
+    assert (final.argmax(1) != plain.argmax(1)).any(), "TTA changes some answers"
+    result = trainer.evaluate(split)
+    accuracy, loss = _scores(final, split.labels)
+    assert result["eval_examples"] == 100
+    assert result["eval_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert result["eval_loss"] == pytest.approx(loss, rel=1e-4)
+    assert result["eval_accuracy_without_tta"] == pytest.approx(_scores(plain, split.labels)[0])
+    # Not the most confident quarter, nor any other: the least.
+    final[chosen] = plain[chosen]
+    confident = np.argsort(confidence, kind="stable")[-25:]
+    final[confident] = np.mean(logits, axis=0)[confident]
+    assert _scores(final, split.labels)[1] != pytest.approx(result["eval_loss"], rel=1e-4)
+
+
+def test_selective_tta_of_every_image_is_full_tta_and_of_none_the_plain_view():
+    split = _test_split()
+    full = _evaluator("flip_translate_mean", 1.0).evaluate(split)
+    every = _evaluator("flip_translate_mean", 1.0)._evaluate_selectively(split, 1.0)
+    assert every.keys() == full.keys()
+    for key in full:
+        assert every[key] == pytest.approx(full[key], rel=1e-5), key
+    plain = _evaluator("none", 1.0).evaluate(split)
+    none = _evaluator("flip_translate_mean", 0.001).evaluate(split)  # int(100 x 0.001) = 0
+    assert none["eval_accuracy"] == none["eval_accuracy_without_tta"] == plain["eval_accuracy"]
+    assert none["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
+    assert full["eval_accuracy"] != plain["eval_accuracy"] or \
+        full["eval_loss"] != pytest.approx(plain["eval_loss"], rel=1e-3), "TTA does something"
