@@ -3,10 +3,15 @@ options: each does the record's arithmetic (checked against NumPy), touches
 only what it names, and keeps the loop's promises (N replicas = 1 replica,
 a step-exact resume)."""
 
+import signal
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from conftest import (WatchedProcess, assert_ok, assert_one_error_line, checkpoint_weights,
+                      read_summary, subprocess_env, train)
 
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
@@ -307,3 +312,67 @@ def test_selective_tta_of_every_image_is_full_tta_and_of_none_the_plain_view():
     assert none["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
     assert full["eval_accuracy"] != plain["eval_accuracy"] or \
         full["eval_loss"] != pytest.approx(plain["eval_loss"], rel=1e-3), "TTA does something"
+
+
+# A tiny airbench94_muon with every option of the record on, on synthetic data.
+RECORD = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
+          "--model_width=8", "--per_replica_batch_size=32", "--lr_schedule=linear",
+          "--warmup_epochs=0", "--shift_lr_multiplier=64", "--whiten_bias_epochs=1",
+          "--crop_padding=2", "--flip=alternating", "--precision=float32", "--noexport",
+          "--optimizer=muon", "--muon_renormalize=periodic", "--muon_weight_decay=0.05",
+          "--muon_newton_schulz=speedrun2025", "--brightness_jitter=0.14",
+          "--contrast_jitter=0.13"]
+
+
+def test_two_replicas_match_one_with_every_option_of_the_record(tmp_path):
+    # The second run keeps the split on its devices: the jitter travels
+    # with the indices there.
+    common = [*RECORD, "--train_steps=4", "--eval_tta=flip_translate_mean",
+              "--eval_tta_fraction=0.25"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2", "--data_on_device",
+                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
+    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
+    assert single.keys() == mirrored.keys()
+    for name in single:
+        # Muon lifts float32 round-off (see test_airbench94.py's bound).
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-4,
+                                   err_msg=name)
+    a, b = read_summary(one), read_summary(two)
+    assert a["eval_examples"] == b["eval_examples"]
+    for key in ("eval_accuracy", "eval_accuracy_without_tta"):
+        assert abs(a[key] - b[key]) <= 1 / a["eval_examples"] + 1e-9, key
+
+
+def test_a_resumed_run_with_every_option_of_the_record_ends_as_an_uninterrupted_one(tmp_path):
+    # The renormalization table, the jitter and the frozen bias all hang on
+    # the step, which the checkpoint holds.
+    common = [*RECORD, "--train_steps=40", "--noevaluate", "--steps_per_loop=4"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert_ok(train([*common, f"--model_dir={whole}"]))
+    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
+                         env=subprocess_env())
+    run.wait_for(r"^step +\d+/40", timeout=300)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=300) != 0, "stopped early, with a checkpoint"
+    assert_ok(train([*common, f"--model_dir={stopped}"]))
+    resumed_from = read_summary(stopped)["resumed_from_step"]
+    assert 0 < resumed_from < 40
+    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_jitter_with_a_users_model_without_normalize_is_one_error_line(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text("import keras\n\n\ndef net(info):\n"
+                      "    images = keras.Input(info.image_shape, dtype='uint8')\n"
+                      "    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))\n"
+                      "    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))\n")
+    result = train(["--dataset=synthetic", "--synthetic_examples=256", "--precision=float32",
+                    f"--model={source}:net", "--brightness_jitter=0.1", "--train_steps=2",
+                    f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "color jitter (--brightness_jitter, --contrast_jitter) needs")
