@@ -23,6 +23,8 @@ COMMUNICATIONS = ("auto", "ring", "nccl")
 LR_SCHEDULES = schedules.SCHEDULES
 OPTIMIZERS = tuple(rules.UPDATE_RULES)
 MOMENTUM_FORMS = rules.MOMENTUM_FORMS
+MUON_RENORMALIZATIONS = rules.MUON_RENORMALIZATIONS
+NEWTON_SCHULZ = tuple(rules.NEWTON_SCHULZ)
 FREEZES = groups.FREEZES
 FLIPS = augmentation.FLIPS
 AIRBENCH_ACTIVATIONS = models.AIRBENCH_ACTIVATIONS
@@ -123,6 +125,21 @@ class TrainConfig:
         0.24, "--optimizer=muon: the filters' peak learning rate (not scaled with the batch: "
         "Muon's step size does not depend on the gradient's); it follows --lr_schedule.")
     muon_momentum: float = _option(0.6, "--optimizer=muon: the filters' Nesterov momentum.")
+    muon_weight_decay: float = _option(
+        0.0, "--optimizer=muon: after each step the filters are multiplied by 1 - Muon's rate x "
+        "this (the 2025 record's decoupled decay, hiverge/cifar10-speedrun); a renormalization "
+        "undoes it, so it acts between them (--muon_renormalize=periodic).")
+    muon_renormalize: str = _option(
+        "every_step", "--optimizer=muon: when a filter is scaled back to a norm of sqrt(output "
+        "channels). every_step (airbench94_muon). periodic (the 2025 record, "
+        "hiverge/cifar10-speedrun): before step n (from 1) if n minus the last such n is at "
+        "least 2 + floor(15 n / total steps): every 2nd step at first, every 17th at the end.",
+        MUON_RENORMALIZATIONS)
+    muon_newton_schulz: str = _option(
+        "airbench", "--optimizer=muon: the quintic Newton-Schulz coefficients of the "
+        "orthogonalization. airbench: (3.4445, -4.7750, 2.0315), airbench94_muon's. "
+        "speedrun2025: (3.4576, -4.7391, 2.0843), the 2025 record's (hiverge/cifar10-speedrun).",
+        NEWTON_SCHULZ)
     weight_decay: Optional[float] = _option(
         None, "L2 coefficient c on kernels (2 c w added to their gradient, as c |w|^2 added to "
         "the mean loss); batch-norm shifts get c / --shift_lr_multiplier; biases and scales "
@@ -168,6 +185,14 @@ class TrainConfig:
         "with probability 1/2. alternating (airbench94's): each image flipped at random once, "
         "then all of them flipped on every odd epoch, so that every image is seen both ways "
         "in any two epochs. none.", FLIPS)
+    brightness_jitter: float = _option(
+        0.0, "Color jitter of the 2025 record (hiverge/cifar10-speedrun: 0.1399): each training "
+        "image in each epoch gets b ~ U(-this, this) added to its normalized pixels (in standard "
+        "deviations); needs a model whose normalization is a layer named 'normalize'. 0: none.")
+    contrast_jitter: float = _option(
+        0.0, "Color jitter of the 2025 record (0.1308): each training image's normalized pixels, "
+        "after --brightness_jitter, multiplied by c ~ U(1 - this, 1 + this) in each epoch. 0: "
+        "none.")
     seed: int = _option(0, "Seed of initialization, shuffling and augmentation.")
     steps_per_loop: int = _option(
         50, "At most this many optimizer steps per tf.function call (less Python overhead); "
@@ -191,7 +216,12 @@ class TrainConfig:
         "none", "Test-time augmentation: classify each test image by the mean logits of several "
         "views. flip: the image and its mirror image. flip_translate (airbench94's): those two, "
         "weighted 1/2, and both again shifted by one pixel up-left and down-right, 1/8 each. "
+        "flip_translate_mean (the 2025 record's): the same six, 1/6 each. "
         "Runs evaluate with and without, so that each shows what it buys.", TTA_VIEWS)
+    eval_tta_fraction: float = _option(
+        1.0, "Test-time augmentation only for this fraction of the test images: those whose plain "
+        "view is least confident (lowest top softmax probability; the 2025 record, "
+        "hiverge/cifar10-speedrun: 0.25); the others keep the plain view's logits.")
     export: bool = _option(True, "Export a SavedModel and a .keras file at the end.")
 
     def __post_init__(self):
@@ -259,6 +289,16 @@ def _validate(c: TrainConfig) -> None:
     _choice("momentum_form", c.momentum_form, MOMENTUM_FORMS)
     _choice("whiten_bias_freeze", c.whiten_bias_freeze, FREEZES)
     _choice("activation", c.activation, AIRBENCH_ACTIVATIONS)
+    _choice("muon_renormalize", c.muon_renormalize, MUON_RENORMALIZATIONS)
+    _choice("muon_newton_schulz", c.muon_newton_schulz, NEWTON_SCHULZ)
+    _require(math.isfinite(c.muon_weight_decay) and c.muon_weight_decay >= 0,
+             f"--muon_weight_decay={c.muon_weight_decay} must be >= 0")
+    _require(math.isfinite(c.brightness_jitter) and 0 <= c.brightness_jitter <= 10,
+             f"--brightness_jitter={c.brightness_jitter} must be in [0, 10] (standard deviations)")
+    _require(0 <= c.contrast_jitter < 1,
+             f"--contrast_jitter={c.contrast_jitter} must be in [0, 1) (a fraction of the contrast)")
+    _require(0 < c.eval_tta_fraction <= 1,
+             f"--eval_tta_fraction={c.eval_tta_fraction} must be in (0, 1]")
     _require(0 <= c.bn_momentum < 1, f"--bn_momentum={c.bn_momentum} must be in [0, 1)")
     _require(2 <= c.whiten_images <= _MAX_EXAMPLES,
              f"--whiten_images={c.whiten_images} must be in [2, {_MAX_EXAMPLES:,}]")
@@ -336,7 +376,7 @@ RESUME_MAY_CHANGE = (
     "epochs", "train_steps", "per_replica_batch_size", "model_dir", "adopt_model_dir",
     "data_dir", "download", "strategy", "cpu_replicas", "communication", "steps_per_loop",
     "log_every_steps", "checkpoint_every_steps", "xla", "data_on_device", "peer_timeout_seconds",
-    "evaluate", "eval_every_epochs", "eval_tta", "export")
+    "evaluate", "eval_every_epochs", "eval_tta", "eval_tta_fraction", "export")
 
 
 def training_flags(c: TrainConfig) -> dict:

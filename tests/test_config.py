@@ -70,6 +70,18 @@ def test_shipped_recipes_parse(tmp_path):
     (["--recipe=nope"], "--recipe=nope is not one of the shipped recipes"),
     (["--recipe=cpu_cnn", "--recipe", "mlp"], "--recipe given 2 times (cpu_cnn, mlp): one recipe"),
     (["--seed=-1"], "seed"),
+    # The 2025 record's options (tests/test_record2025.py).
+    (["--muon_weight_decay=-0.1"], "--muon_weight_decay=-0.1 must be >= 0"),
+    (["--muon_weight_decay=inf"], "--muon_weight_decay=inf: inf is not a decimal number"),
+    (["--muon_renormalize=sometimes"], "--muon_renormalize=sometimes: value should be one of <every_step|periodic>"),
+    (["--muon_newton_schulz=exact"], "--muon_newton_schulz=exact: value should be one of <airbench|speedrun2025>"),
+    (["--brightness_jitter=-0.1"], "--brightness_jitter=-0.1 must be in [0, 10]"),
+    (["--brightness_jitter=11"], "--brightness_jitter=11.0 must be in [0, 10]"),
+    (["--contrast_jitter=1"], "--contrast_jitter=1.0 must be in [0, 1)"),
+    (["--contrast_jitter=-0.5"], "--contrast_jitter=-0.5 must be in [0, 1)"),
+    (["--eval_tta_fraction=0"], "--eval_tta_fraction=0.0 must be in (0, 1]"),
+    (["--eval_tta_fraction=1.5"], "--eval_tta_fraction=1.5 must be in (0, 1]"),
+    (["--eval_tta=flip_translate_median"], "--eval_tta=flip_translate_median: value should be one of <none|flip|flip_translate|flip_translate_mean>"),
     ([f"--seed={2**31}"], "seed"),
 ])
 def test_bad_values_raise_one_line(tmp_path, argv, fragment):

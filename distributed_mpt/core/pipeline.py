@@ -46,6 +46,15 @@ def gather_and_augment(images, labels, indices, offsets, flips, crop_padding=CRO
     return augmented, tf.gather(labels, indices)
 
 
+def jitter_colors(normalized: tf.Tensor, jitter: tf.Tensor) -> tf.Tensor:
+    """The 2025 record's color jitter (hiverge/cifar10-speedrun): images
+    `normalized` [B, H, W, C] (per channel, as the model normalizes them)
+    become (normalized + b) x c, where jitter [B, 2] holds each image's
+    brightness shift b and contrast factor c."""
+    jitter = tf.cast(jitter, normalized.dtype)
+    return (normalized + jitter[:, 0, None, None, None]) * jitter[:, 1, None, None, None]
+
+
 def _reflect(position: tf.Tensor, size: int) -> tf.Tensor:
     """Maps positions up to size - 1 outside [0, size) back inside, as
     tf.pad's REFLECT mode does (-1 -> 1, size -> size - 2)."""
@@ -95,6 +104,10 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
     With `images_on_device`, it yields `(indices, offsets, flips)` instead:
     the caller keeps the split on the device and applies `gather_and_augment`
     there, so only a few bytes per image cross from the host each step.
+    If `augmentation.jitters_colors`, each batch ends with float32 [B, 2]
+    color jitter (brightness shift, contrast factor), drawn like the crops
+    from (seed, epoch) and the position in the epoch, for `jitter_colors`
+    after the model's normalization.
 
     The global batch must fit the split at least once; `trainer.plan_run`
     checks that, with the flags to change, before any pipeline is built.
@@ -130,7 +143,14 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
             else:
                 flips = tf.zeros([used], tf.bool)
             share = lambda x: _pipeline_share(x, epoch_steps, context, replica_batch)
-            return tf.data.Dataset.from_tensor_slices((share(order), share(offsets), share(flips)))
+            parts = (share(order), share(offsets), share(flips))
+            if augmentation.jitters_colors:
+                brightness = augmentation.brightness * tf.random.stateless_uniform(
+                    [used], seed=tf.stack([seed + 4, e]), minval=-1.0, maxval=1.0)
+                contrast = 1.0 + augmentation.contrast * tf.random.stateless_uniform(
+                    [used], seed=tf.stack([seed + 5, e]), minval=-1.0, maxval=1.0)
+                parts += (share(tf.stack([brightness, contrast], axis=1)),)
+            return tf.data.Dataset.from_tensor_slices(parts)
 
         # `do_not_convert`: these functions branch on Python values only, so
         # autograph's rewrite of each (in every process) would buy nothing.
@@ -141,7 +161,9 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
         if not images_on_device:
             images, labels = _host_tensors(split)
             batches = batches.map(tf.autograph.experimental.do_not_convert(
-                lambda *batch: gather_and_augment(images, labels, *batch, padding)),
+                lambda indices, offsets, flips, *jitter: (
+                    *gather_and_augment(images, labels, indices, offsets, flips, padding),
+                    *jitter)),
                                   num_parallel_calls=tf.data.AUTOTUNE)
         return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
@@ -152,11 +174,14 @@ def test_time_views(images: tf.Tensor, views: str) -> list:
     """The views of a batch of test `images` (uint8 [B, H, W, C]) that
     test-time augmentation averages, as (weight, images) pairs whose weights
     sum to 1. `views` (one of augmentation.TTA_VIEWS): none, flip (the image and its
-    mirror image, 1/2 each), or flip_translate (airbench94's six: those two at
+    mirror image, 1/2 each), flip_translate (airbench94's six: those two at
     1/4 each, and both again shifted one pixel up-left and one pixel
-    down-right, reflect-padded, at 1/8 each)."""
+    down-right, reflect-padded, at 1/8 each), or flip_translate_mean (the
+    2025 record's: the same six, 1/6 each)."""
     if views == "none":
         return [(1.0, images)]
+    if views == "flip_translate_mean":
+        return [(1 / 6, view) for _, view in test_time_views(images, "flip_translate")]
     pairs = [(1.0, images)]  # (weight of the view and its mirror image, the view)
     if views == "flip_translate":
         height, width = images.shape[1:3]
@@ -171,11 +196,13 @@ def eval_steps(num_examples: int, global_batch_size: int) -> int:
     return -(-num_examples // global_batch_size)
 
 
-def eval_input_fn(split: ImageSplit, global_batch_size: int
+def eval_input_fn(split: ImageSplit, global_batch_size: int, with_indices: bool = False
                   ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """A `dataset_fn` yielding `(images, labels, weights)` per-replica batches
     that cover every example exactly once across all pipelines; padding
-    examples carry weight 0, so no image is dropped or counted twice."""
+    examples carry weight 0, so no image is dropped or counted twice. With
+    `with_indices`, each batch ends with the examples' int32 indices in the
+    split."""
     num_examples = len(split)
     steps = eval_steps(num_examples, global_batch_size)
 
@@ -188,7 +215,8 @@ def eval_input_fn(split: ImageSplit, global_batch_size: int
         weights = share(tf.cast(positions < num_examples, tf.float32))
         return (tf.data.Dataset.from_tensor_slices((indices, weights))
                 .map(tf.autograph.experimental.do_not_convert(
-                    lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w)))
+                    lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w,
+                                  *([i] if with_indices else []))))
                 .prefetch(tf.data.AUTOTUNE)
                 .with_options(_options()))
 

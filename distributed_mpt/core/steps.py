@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from distributed_mpt.core import pipeline
@@ -73,7 +74,12 @@ class Trainer:
     skipping a non-finite step; eval_views: test-time augmentation (one of
     augmentation.TTA_VIEWS); xla: compile the forward and backward pass;
     device_split: the training split kept on the device (batches are then
-    indices, offsets and flips, gathered with `crop_padding`).
+    indices, offsets and flips, gathered with `crop_padding`); jitter_split:
+    for color jitter (the batches then end with it), the model's
+    normalization layer and the rest of the model
+    (models.split_at_normalization); eval_tta_fraction: test-time
+    augmentation for that fraction of the test images only, the least
+    confident (see `evaluate`).
     """
 
     def __init__(self, model: keras.Model, optimizer, strategy: tf.distribute.Strategy,
@@ -81,12 +87,14 @@ class Trainer:
                  label_smoothing: float = 0.0, loss_scaling: bool = False,
                  lookahead: Optional[Lookahead] = None, eval_views: str = "none",
                  xla: bool = False, device_split: Optional[ImageSplit] = None,
-                 crop_padding: int = CROP_PADDING):
+                 crop_padding: int = CROP_PADDING, jitter_split: Optional[tuple] = None,
+                 eval_tta_fraction: float = 1.0):
         self.model, self.optimizer, self.step = model, optimizer, step
         self.strategy = strategy
         self._global_batch_size, self._num_workers = global_batch_size, num_workers
         self._loss_scaling, self._lookahead, self._eval_views = loss_scaling, lookahead, eval_views
-        self._crop_padding = crop_padding
+        self._crop_padding, self._jitter_split = crop_padding, jitter_split
+        self._eval_tta_fraction = eval_tta_fraction
         with strategy.scope():
             self._train_sums = _sum_accumulator(LoopTotals.PER_STEP)
             # loss sum, correct, examples, correct without test-time augmentation
@@ -116,6 +124,7 @@ class Trainer:
         # Python values only and are marked `do_not_convert`.
         self._train_loop = tf.function(self._train_loop_fn)
         self._eval_loop = tf.function(self._eval_loop_fn)
+        self._predict_step = tf.function(self._predict_step_fn)
 
     @property
     def images_on_device(self) -> bool:
@@ -139,25 +148,89 @@ class Trainer:
         """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
         `split`, each example counted once across all workers. With test-time
         augmentation, also `eval_accuracy_without_tta`, so that every run
-        shows what it buys."""
-        batch = self._global_batch_size
-        iterator = iter(self.strategy.distribute_datasets_from_function(
-            pipeline.eval_input_fn(split, batch)))
-        loss_sum, correct, examples, plain_correct = (float(x) for x in self._eval_loop(
-            iterator, tf.constant(pipeline.eval_steps(len(split), batch))).numpy())
+        shows what it buys. With an `eval_tta_fraction` below 1, only the
+        int(N x fraction) images whose plain view is least confident (lowest
+        top softmax probability; ties by index) are augmented, as the 2025
+        record does; the others are scored by their plain view."""
+        if self._eval_views != "none" and self._eval_tta_fraction < 1:
+            return self._evaluate_selectively(split, self._eval_tta_fraction)
+        loss_sum, correct, examples, plain_correct = self._evaluate_sums(split)
         result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
                   "eval_examples": int(round(examples))}
         if self._eval_views != "none":
             result["eval_accuracy_without_tta"] = plain_correct / examples
         return result
 
+    def _evaluate_sums(self, split: ImageSplit) -> tuple:
+        """The loss sum, correct count (with test-time augmentation), example
+        count and correct count of the plain view, over all of `split`."""
+        batch = self._global_batch_size
+        iterator = iter(self.strategy.distribute_datasets_from_function(
+            pipeline.eval_input_fn(split, batch)))
+        return tuple(float(x) for x in self._eval_loop(
+            iterator, tf.constant(pipeline.eval_steps(len(split), batch))).numpy())
+
+    def _evaluate_selectively(self, split: ImageSplit, fraction: float) -> dict:
+        """`evaluate` in two passes: the plain view of every image (its
+        per-image results gathered from all replicas, so that every worker
+        chooses alike), then every view of the chosen ones."""
+        plain = self._plain_predictions(split)
+        chosen = np.argsort(plain["confidence"], kind="stable")[:int(len(split) * fraction)]
+        others = np.ones(len(split), bool)
+        others[chosen] = False
+        loss_sum, correct = 0.0, 0.0
+        if len(chosen):
+            loss_sum, correct, _, _ = self._evaluate_sums(
+                ImageSplit(split.images[chosen], split.labels[chosen]))
+        count = len(split)
+        return {"eval_loss": (loss_sum + float(plain["loss"][others].sum())) / count,
+                "eval_accuracy": (correct + float(plain["correct"][others].sum())) / count,
+                "eval_examples": count,
+                "eval_accuracy_without_tta": float(plain["correct"].sum()) / count}
+
+    def _plain_predictions(self, split: ImageSplit) -> dict:
+        """Per image of `split`, in its order, the plain view's `confidence`
+        (top softmax probability), `correct` (1 or 0) and `loss`, as NumPy
+        arrays; each image computed once across all workers."""
+        dataset = self.strategy.distribute_datasets_from_function(
+            pipeline.eval_input_fn(split, self._global_batch_size, with_indices=True))
+        results = {name: np.zeros(len(split), np.float32)
+                   for name in ("confidence", "correct", "loss")}
+        seen = np.zeros(len(split), bool)
+        for batch in dataset:
+            index, weight, *values = (x.numpy() for x in self._predict_step(*batch))
+            real = weight > 0  # padding repeats the last image, at weight 0
+            for name, value in zip(results, values):
+                results[name][index[real]] = value[real]
+            seen[index[real]] = True
+        if not seen.all():  # a broken promise of eval_input_fn, not bad input
+            raise RuntimeError(f"the plain predictions missed {int((~seen).sum())} images")
+        return results
+
+    @tf.autograph.experimental.do_not_convert
+    def _predict_step_fn(self, images, labels, weights, indices):
+        """The plain view's per-image results of one global batch, gathered
+        from every replica: indices, weights, confidence, correct, loss."""
+        def per_replica(images, labels, weights, indices):
+            logits = tf.cast(self.model(images, training=False), tf.float32)
+            return (indices, weights, tf.reduce_max(tf.nn.softmax(logits), axis=-1),
+                    _is_correct(labels, logits),
+                    self._per_example_loss(self._eval_loss, labels, logits))
+        outputs = self.strategy.run(per_replica, args=(images, labels, weights, indices))
+        return [self.strategy.gather(x, axis=0) for x in outputs]
+
     def _per_example_loss(self, loss_fn, labels, logits):
         return loss_fn(tf.one_hot(labels, logits.shape[-1]), logits)
 
-    def _compute_gradients(self, images, labels):
+    def _compute_gradients(self, images, labels, jitter=None):
         model = self.model
         with tf.GradientTape() as tape:
-            logits = tf.cast(model(images, training=True), tf.float32)
+            if jitter is None:
+                logits = model(images, training=True)
+            else:  # the same variables, the jitter between normalization and the rest
+                normalize, rest = self._jitter_split
+                logits = rest(pipeline.jitter_colors(normalize(images), jitter), training=True)
+            logits = tf.cast(logits, tf.float32)
             losses = self._per_example_loss(self._train_loss, labels, logits)
             # Averaged over the global batch, so that the all-reduced sum of
             # replica gradients is the gradient of the global batch.
@@ -170,12 +243,13 @@ class Trainer:
 
     @tf.autograph.experimental.do_not_convert
     def _train_step(self, *batch):
-        if self._device_split is not None:  # batch: indices, crop offsets, flips
-            images, labels = pipeline.gather_and_augment(*self._device_split, *batch,
+        if self._device_split is not None:  # batch: indices, crop offsets, flips[, jitter]
+            images, labels = pipeline.gather_and_augment(*self._device_split, *batch[:3],
                                                          self._crop_padding)
-        else:
-            images, labels = batch
-        gradients, loss, loss_sum, correct = self._gradients(images, labels)
+            jitter = batch[3:]
+        else:  # images, labels[, jitter]
+            images, labels, *jitter = batch
+        gradients, loss, loss_sum, correct = self._gradients(images, labels, *jitter)
         context = tf.distribute.get_replica_context()
         if self._loss_scaling:
             # Keras' LossScaleOptimizer decides to skip a step from each

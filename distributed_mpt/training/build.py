@@ -58,6 +58,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"drop --xla, or use it with one replica")
         _check_memory(model, config)
         models.initialize_from_data(model, dataset.train.images)
+        jitter_split = (models.split_at_normalization(model, config.model)
+                        if _augmentation(config).jitters_colors else None)
         lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
         optimizer = make_optimizer(groups.parameter_groups(model, _group_settings(config, plan)),
                                    schedule, step, loss_scaling=plan.loss_scaling)
@@ -71,7 +73,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                       loss_scaling=plan.loss_scaling, lookahead=lookahead,
                       eval_views=config.eval_tta, xla=config.xla,
                       device_split=dataset.train if config.data_on_device else None,
-                      crop_padding=config.crop_padding)
+                      crop_padding=config.crop_padding, jitter_split=jitter_split,
+                      eval_tta_fraction=config.eval_tta_fraction)
     return Built(trainer, trained_global_batch, lookahead)
 
 
@@ -115,7 +118,9 @@ def _group_settings(config: TrainConfig, plan: RunPlan) -> groups.Settings:
         filters_rate=config.muon_learning_rate / plan.learning_rate if muon else 1.0,
         filters_momentum=config.muon_momentum, shift_rate=config.shift_lr_multiplier,
         whiten_bias_steps=round(config.whiten_bias_epochs * plan.steps_per_epoch),
-        whiten_bias_freeze=config.whiten_bias_freeze)
+        whiten_bias_freeze=config.whiten_bias_freeze,
+        muon_weight_decay=config.muon_weight_decay, muon_renormalize=config.muon_renormalize,
+        muon_newton_schulz=config.muon_newton_schulz, total_steps=plan.total_steps)
 
 
 def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,
@@ -125,4 +130,9 @@ def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: Ima
     return trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
         split, plan.global_batch_size, config.seed, start_step, plan.total_steps - start_step,
         images_on_device=trainer.images_on_device,
-        augmentation=Augmentation(config.crop_padding, config.flip)))
+        augmentation=_augmentation(config)))
+
+
+def _augmentation(config: TrainConfig) -> Augmentation:
+    return Augmentation(config.crop_padding, config.flip, config.brightness_jitter,
+                        config.contrast_jitter)

@@ -172,6 +172,27 @@ def initialize_from_data(model, train_images) -> None:
             layer.initialize_from_data(train_images)
 
 
+def split_at_normalization(model, name: str):
+    """(the layer named "normalize" that `model` applies to its uint8 input
+    first, a model of the same variables from that layer's output to the
+    logits): where color jitter of the normalized image goes in. Built-in
+    models start with `layers.normalized_input`; a user's model without
+    such a layer raises ModelError (`name`: its --model)."""
+    import keras
+
+    try:
+        normalize = model.get_layer("normalize")
+        if normalize.input is not model.inputs[0]:
+            raise ValueError("its input is not the model's")
+        return normalize, keras.Model(normalize.output, model.output)
+    except Exception as e:  # noqa: BLE001 - no such layer, or a model Keras cannot cut there
+        raise ModelError(
+            f"--model={quoted(name)}: color jitter (--brightness_jitter, --contrast_jitter) "
+            f"needs a functional model whose first layer after its uint8 input is a "
+            f"Normalization named 'normalize' (layers.normalized_input), and this one has none "
+            f"({type(e).__name__}: {quoted(first_line(e))}); drop the jitter flags") from None
+
+
 def has_batch_norm(model) -> bool:
     """Whether `model` all-reduces inside its forward pass when replicas
     train together (synchronized batch norm), which XLA-compiling a

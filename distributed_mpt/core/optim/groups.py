@@ -52,7 +52,11 @@ class Settings:
     run's); momentum_form: SGD's (rules.NesterovSGD); shift_rate: batch-norm
     shifts' multiple of the rate, their decay divided by it so that their
     decay per step is the kernels'; whiten_bias_steps: how long airbench's
-    whitening bias trains, and whiten_bias_freeze how it stops.
+    whitening bias trains, and whiten_bias_freeze how it stops. Muon's
+    options (the 2025 record's; rules.Muon): muon_weight_decay,
+    muon_renormalize (one of rules.MUON_RENORMALIZATIONS), muon_newton_schulz
+    (a rules.NEWTON_SCHULZ key), and total_steps, the run's length, which
+    the periodic renormalization's table spans.
     """
 
     peak_learning_rate: float
@@ -65,6 +69,10 @@ class Settings:
     shift_rate: float = 1.0
     whiten_bias_steps: int = 0
     whiten_bias_freeze: str = "coast"
+    muon_weight_decay: float = 0.0
+    muon_renormalize: str = "every_step"
+    muon_newton_schulz: str = "airbench"
+    total_steps: int = 0
 
 
 def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
@@ -84,7 +92,7 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     import keras
 
     s = settings
-    sgd = make_rule("sgd", s.momentum, s.momentum_form)
+    sgd = make_rule("sgd", s.momentum, s)
     bias = _whitening_bias(model)
     shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, keras.layers.BatchNormalization) and layer.center
@@ -97,8 +105,7 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     muon = s.filters_rule == "muon"
     groups = [
         ParameterGroup("filters", tuple(filters),
-                       make_rule(s.filters_rule, s.filters_momentum if muon else s.momentum,
-                                 s.momentum_form),
+                       make_rule(s.filters_rule, s.filters_momentum if muon else s.momentum, s),
                        rate=s.filters_rate, weight_decay=0.0 if muon else s.weight_decay),
         ParameterGroup("shifts", tuple(shifts), sgd, rate=s.shift_rate,
                        weight_decay=s.weight_decay / s.shift_rate),

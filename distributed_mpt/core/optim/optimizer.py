@@ -30,6 +30,12 @@ class GroupedOptimizer(keras.optimizers.Optimizer):
         self.groups, self._schedule, self._step = list(groups), schedule, step
         self._slot_names = sorted({slot for g in self.groups for slot in g.rule.slots})
 
+    @property
+    def step(self) -> tf.Variable:
+        """The run's step variable (read-only: the training loop advances
+        it), for rules whose arithmetic depends on the step."""
+        return self._step
+
     def build(self, variables):
         if self.built:
             return
