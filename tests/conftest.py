@@ -172,15 +172,15 @@ def checkpoint_weights(model_dir) -> dict:
             if name not in ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE")}
 
 
-def weights_of_one_and_two_replicas(common, tmp_path, global_batch: int = 32):
+def weights_of_one_and_two_replicas(common, tmp_path, global_batch: int = 32, two_only=()):
     """Trains `common` flags on one replica and on two (logical CPU devices)
     at the same global batch, each into a model directory of its own under
-    tmp_path; returns both final checkpoints (`checkpoint_weights`), which
-    hold the same names."""
+    tmp_path (`two_only`: flags of the second run alone); returns both final
+    checkpoints (`checkpoint_weights`), which hold the same names."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert_ok(train([*common, "--strategy=default", f"--per_replica_batch_size={global_batch}",
                      f"--model_dir={one}"]))
-    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
+    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2", *two_only,
                      f"--per_replica_batch_size={global_batch // 2}", f"--model_dir={two}"]))
     assert read_summary(two)["num_replicas"] == 2
     single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
@@ -197,9 +197,9 @@ def weights_of_whole_and_resumed(common, tmp_path, steps: int):
     assert_ok(train([*common, f"--model_dir={whole}"]))
     run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
                          env=subprocess_env())
-    run.wait_for(rf"^step +\d+/{steps}", timeout=180)
+    run.wait_for(rf"^step +\d+/{steps}", timeout=300)
     run.process.send_signal(signal.SIGTERM)
-    assert run.finish(timeout=120) == 143, run.output()
+    assert run.finish(timeout=300) == 143, run.output()
     assert_ok(train([*common, f"--model_dir={stopped}"]))
     assert 0 < read_summary(stopped)["resumed_from_step"] < steps
     expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)

@@ -2,15 +2,14 @@
 what airbench does, touch only what they should, and keep the loop's
 promises (N replicas = 1 replica, a resume that is step-exact)."""
 
-import signal
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (WatchedProcess, assert_ok, checkpoint_weights, read_summary,
-                      subprocess_env, train)
+from conftest import (assert_ok, checkpoint_weights, train, weights_of_one_and_two_replicas,
+                      weights_of_whole_and_resumed)
 from distributed_mpt.core import models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import ImageSplit, cifar10
@@ -302,6 +301,7 @@ def test_under_muon_the_whitening_bias_trains_at_the_shifts_rate(tmp_path):
     np.testing.assert_allclose(moved["muon"], 64 * moved["sgd"], rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, steps, atol", [
     ("sgd", 10, 2e-5),
     # Muon's orthogonalization lifts the gradient's smallest singular
@@ -313,33 +313,18 @@ def test_under_muon_the_whitening_bias_trains_at_the_shifts_rate(tmp_path):
 def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path, optimizer, steps, atol):
     common = [*AIRBENCH94, f"--train_steps={steps}", "--noevaluate", f"--optimizer={optimizer}",
               *(["--nolookahead"] if optimizer == "muon" else [])]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
-    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2",
-                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
-    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
-    assert single.keys() == mirrored.keys()
+    single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
     if optimizer == "sgd":
         assert any(name.startswith("lookahead/") for name in single), "the averages are saved"
     for name in single:
         np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=atol, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
     # Lookahead's averages and the alternating flips live across the stop.
     common = [*AIRBENCH94, "--train_steps=120", "--noevaluate", "--steps_per_loop=5"]
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    assert_ok(train([*common, f"--model_dir={whole}"]))
-    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
-                         env=subprocess_env())
-    run.wait_for(r"^step +\d+/120", timeout=120)
-    run.process.send_signal(signal.SIGTERM)
-    assert run.finish(timeout=120) != 0, "stopped early, with a checkpoint"
-    assert_ok(train([*common, f"--model_dir={stopped}"]))
-    resumed_from = read_summary(stopped)["resumed_from_step"]
-    assert 0 < resumed_from < 120
-    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
-    assert expected.keys() == resumed.keys()
+    expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=120)
     for name in expected:
         np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-6,
                                    err_msg=name)

@@ -3,15 +3,14 @@ options: each does the record's arithmetic (checked against NumPy), touches
 only what it names, and keeps the loop's promises (N replicas = 1 replica,
 a step-exact resume)."""
 
-import signal
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (WatchedProcess, assert_ok, assert_one_error_line, checkpoint_weights,
-                      read_summary, subprocess_env, train)
+from conftest import (assert_one_error_line, read_summary, train, weights_of_one_and_two_replicas,
+                      weights_of_whole_and_resumed)
 
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
@@ -324,43 +323,30 @@ RECORD = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
           "--contrast_jitter=0.13"]
 
 
+@pytest.mark.slow
 def test_two_replicas_match_one_with_every_option_of_the_record(tmp_path):
     # The second run keeps the split on its devices: the jitter travels
     # with the indices there.
     common = [*RECORD, "--train_steps=4", "--eval_tta=flip_translate_mean",
               "--eval_tta_fraction=0.25"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert_ok(train([*common, "--strategy=default", f"--model_dir={one}"]))
-    assert_ok(train([*common, "--strategy=mirrored", "--cpu_replicas=2", "--data_on_device",
-                     "--per_replica_batch_size=16", f"--model_dir={two}"]))
-    single, mirrored = checkpoint_weights(one), checkpoint_weights(two)
-    assert single.keys() == mirrored.keys()
+    single, mirrored = weights_of_one_and_two_replicas(common, tmp_path,
+                                                      two_only=["--data_on_device"])
     for name in single:
         # Muon lifts float32 round-off (see test_airbench94.py's bound).
         np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-4,
                                    err_msg=name)
-    a, b = read_summary(one), read_summary(two)
+    a, b = read_summary(tmp_path / "one"), read_summary(tmp_path / "two")
     assert a["eval_examples"] == b["eval_examples"]
     for key in ("eval_accuracy", "eval_accuracy_without_tta"):
         assert abs(a[key] - b[key]) <= 1 / a["eval_examples"] + 1e-9, key
 
 
+@pytest.mark.slow
 def test_a_resumed_run_with_every_option_of_the_record_ends_as_an_uninterrupted_one(tmp_path):
     # The renormalization table, the jitter and the frozen bias all hang on
     # the step, which the checkpoint holds.
     common = [*RECORD, "--train_steps=40", "--noevaluate", "--steps_per_loop=4"]
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    assert_ok(train([*common, f"--model_dir={whole}"]))
-    run = WatchedProcess("distributed_mpt.train", [*common, f"--model_dir={stopped}"],
-                         env=subprocess_env())
-    run.wait_for(r"^step +\d+/40", timeout=300)
-    run.process.send_signal(signal.SIGTERM)
-    assert run.finish(timeout=300) != 0, "stopped early, with a checkpoint"
-    assert_ok(train([*common, f"--model_dir={stopped}"]))
-    resumed_from = read_summary(stopped)["resumed_from_step"]
-    assert 0 < resumed_from < 40
-    expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
-    assert expected.keys() == resumed.keys()
+    expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=40)
     for name in expected:
         np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-5,
                                    err_msg=name)

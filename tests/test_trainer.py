@@ -220,6 +220,7 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
         "summary.json still says what the last finished run did"
 
 
+@pytest.mark.slow
 def test_steps_per_loop_xla_and_device_data_give_the_same_weights(tmp_path):
     # Loop calls grow from one step as the pace becomes known: "looped" runs
     # calls of 1, 1 and 6 steps, "plain" eight calls of one.
@@ -257,6 +258,7 @@ def test_evaluation_and_progress_every_epoch_are_logged(model_dir):
     assert read_summary(model_dir)["eval_examples"] == 1024 // 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "resnet9", "airbench"])
 @pytest.mark.parametrize("batch, steps", [(16, 10), (1024, 10), (256, 60)])
 def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, model, batch, steps):
@@ -280,6 +282,7 @@ def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, m
         assert summary["eval_accuracy"] > 0.5, "learned the learnable synthetic labels"
 
 
+@pytest.mark.slow
 def test_two_replicas_at_the_largest_batch_keep_the_mlp_finite(model_dir):
     # The case that diverged with one default for every model: 2 x 1024.
     result = train(["--dataset=synthetic", "--synthetic_examples=8192", "--model=mlp",

@@ -107,6 +107,7 @@ def test_a_model_flag_that_names_nothing_is_refused_without_tensorflow(tmp_path)
     assert_one_error_line(result, "is not one of mlp, resnet9, airbench")
 
 
+@pytest.mark.slow
 def test_workers_whose_model_files_differ_refuse_together(tmp_path):
     """The same flag, `--model=my_models.py:small_cnn`, read from another
     file on each worker (another working directory, a stale copy on one
