@@ -33,7 +33,8 @@ def test_shipped_recipes_parse(tmp_path):
 
     recipes = resources.files("distributed_mpt") / "recipes"
     names = sorted(p.name for p in recipes.iterdir() if p.name.endswith(".flags"))
-    assert names == ["cpu_cnn.flags", "cpu_cnn94.flags", "mlp.flags", "resnet9.flags"]
+    assert names == ["cpu_cnn.flags", "cpu_cnn94.flags", "cpu_cnn94_muon.flags", "mlp.flags",
+                     "resnet9.flags"]
     for name in names:
         text = (recipes / name).read_text()
         assert "accuracy" in text.lower(), f"{name} must say what accuracy it reaches"
