@@ -79,12 +79,7 @@ def test_a_lock_file_that_is_not_a_regular_file_is_refused_unopened(tmp_path):
 
 # A run takes the lock, then marks the directory as the package's: a
 # second run may come between the two.
-@pytest.mark.parametrize("marked", [True, pytest.param(False, marks=pytest.mark.xfail(
-    reason="package bug: training/model_dir.py check_ours() counts the package's own .lock as "
-           "a user's file, so a run that starts while another holds the lock but has not yet "
-           "marked the directory (or in a directory holding only an old .lock) is refused with "
-           "exit 2 'holds files this program did not write (.lock)' instead of the retryable "
-           "busy exit", strict=True))], ids=["marked", "lock only"])
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "lock only"])
 def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_dir, marked):
     model_dir.mkdir()
     holder = _hold_lock(model_dir, mark=marked)

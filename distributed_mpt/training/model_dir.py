@@ -73,7 +73,11 @@ def check_ours(model_dir: str, adopt: bool = False) -> None:
     model.json), naming some of them; `adopt` (--adopt_model_dir) accepts it."""
     if adopt or not os.path.isdir(model_dir) or is_ours(model_dir):
         return
-    entries = sorted(os.listdir(model_dir))
+    # Not the lock file: a run holds it before it marks the directory, so a
+    # second run started at that moment (or after a run killed in between)
+    # finds only the lock, and must go on to be told the directory is busy,
+    # or take it over, as the lock decides.
+    entries = sorted(set(os.listdir(model_dir)) - {LOCK_NAME})
     if entries:
         raise ConfigError(
             f"--model_dir={quoted(model_dir)} holds files this program did not write "
