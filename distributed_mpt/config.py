@@ -133,8 +133,8 @@ class TrainConfig:
         "every_step", "--optimizer=muon: when a filter is scaled back to a norm of sqrt(output "
         "channels). every_step (airbench94_muon). periodic (the 2025 record, "
         "hiverge/cifar10-speedrun): before step n (from 1) if n minus the last such n is at "
-        "least 2 + floor(15 n / total steps): every 2nd step at first, every 17th at the end.",
-        MUON_RENORMALIZATIONS)
+        "least 2 + floor(15 n / total steps): every 2nd step at first, up to every 17th at the "
+        "end.", MUON_RENORMALIZATIONS)
     muon_newton_schulz: str = _option(
         "airbench", "--optimizer=muon: the quintic Newton-Schulz coefficients of the "
         "orthogonalization. airbench: (3.4445, -4.7750, 2.0315), airbench94_muon's. "
