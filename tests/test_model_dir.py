@@ -28,6 +28,14 @@ def test_a_directory_of_the_users_files_is_refused_unless_adopted(tmp_path):
     assert model_dir_lib.check_ours(str(tmp_path / "missing")) is None
     (tmp_path / "empty").mkdir()
     model_dir_lib.check_ours(str(tmp_path / "empty"))
+    # What another run writes before its marker: the lock, its write test and
+    # the marker's temporary file. Left to the lock (CI saw two runs started
+    # together end in exit 2, "files this program did not write", not busy).
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    for name in (run_lock.LOCK_NAME, ".write-test-ab12cd_3", ".tmp-x9y8z7w6"):
+        (starting / name).write_text("")
+    model_dir_lib.check_ours(str(starting))
     users = tmp_path / "users"
     users.mkdir()
     (users / "config.json").write_text('{"mine": 1}')

@@ -73,11 +73,13 @@ def check_ours(model_dir: str, adopt: bool = False) -> None:
     model.json), naming some of them; `adopt` (--adopt_model_dir) accepts it."""
     if adopt or not os.path.isdir(model_dir) or is_ours(model_dir):
         return
-    # Not the lock file: a run holds it before it marks the directory, so a
-    # second run started at that moment (or after a run killed in between)
-    # finds only the lock, and must go on to be told the directory is busy,
-    # or take it over, as the lock decides.
-    entries = sorted(set(os.listdir(model_dir)) - {LOCK_NAME})
+    # Not what a run of this package writes before its marker: the lock file,
+    # and, by their exact shapes, the write test and the marker's temporary
+    # file. A second run started at that moment (or after a run killed in
+    # between) must go on to the lock, to be told the directory is busy or
+    # to take it over, as the lock decides.
+    entries = sorted(name for name in os.listdir(model_dir)
+                     if name != LOCK_NAME and not any(p.fullmatch(name) for p in DEBRIS[""]))
     if entries:
         raise ConfigError(
             f"--model_dir={quoted(model_dir)} holds files this program did not write "
