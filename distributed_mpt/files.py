@@ -10,6 +10,7 @@ a huge or undecodable file is one clear error naming the file, never a
 hang or a traceback.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -79,8 +80,12 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
                           f"choose a directory (it is created if missing)")
     try:
         os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=WRITE_TEST_PREFIX):
-            pass
+        descriptor, path = tempfile.mkstemp(dir=directory, prefix=WRITE_TEST_PREFIX)
+        os.close(descriptor)
+        # Gone already is fine: a run holding the directory's lock may have
+        # removed it as a killed run's debris; it was written, which is the test.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     except OSError as e:
         raise ConfigError(f"{flag}={quoted(directory)} is not writable ({e.strerror}); "
                           f"choose a directory you can write to") from None

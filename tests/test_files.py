@@ -149,3 +149,21 @@ def test_written_files_follow_the_umask(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_write_test_removed_by_another_run_still_proves_the_directory_writable(tmp_path,
+                                                                                monkeypatch):
+    # A run holding the lock removes what looks like a killed run's write
+    # test; a second run's own, taken in that moment, is then gone at once.
+    import tempfile
+
+    make = tempfile.mkstemp
+
+    def made_then_removed(**kwargs):
+        descriptor, path = make(**kwargs)
+        os.remove(path)
+        return descriptor, path
+
+    monkeypatch.setattr(tempfile, "mkstemp", made_then_removed)
+    files.check_writable(str(tmp_path / "run"))
+    assert list((tmp_path / "run").iterdir()) == []
