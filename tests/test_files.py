@@ -155,15 +155,15 @@ def test_a_write_test_removed_by_another_run_still_proves_the_directory_writable
                                                                                 monkeypatch):
     # A run holding the lock removes what looks like a killed run's write
     # test; a second run's own, taken in that moment, is then gone at once.
-    import tempfile
+    # Patched at os.open, which every way of making the file goes through.
+    create = os.open
 
-    make = tempfile.mkstemp
+    def created_then_removed(path, *args, **kwargs):
+        descriptor = create(path, *args, **kwargs)
+        if os.path.basename(path).startswith(files.WRITE_TEST_PREFIX):
+            os.remove(path)
+        return descriptor
 
-    def made_then_removed(**kwargs):
-        descriptor, path = make(**kwargs)
-        os.remove(path)
-        return descriptor, path
-
-    monkeypatch.setattr(tempfile, "mkstemp", made_then_removed)
+    monkeypatch.setattr(os, "open", created_then_removed)
     files.check_writable(str(tmp_path / "run"))
     assert list((tmp_path / "run").iterdir()) == []
