@@ -3,6 +3,9 @@ into CIFAR-10's classes.
 
 Classify images:   distributed-mpt-predict --model_dir=runs/r9 cat.png ship.jpg --top_k=3
 Evaluate:          distributed-mpt-predict --model_dir=runs/r9 --evaluate [--data_dir=DIR]
+With test-time augmentation, as the cpu_cnn94_muon recipe evaluates:
+                   distributed-mpt-predict --model_dir=runs/r9 --evaluate \
+                       --tta=flip_translate_mean --tta_fraction=0.25
 As JSON:           distributed-mpt-predict --model_dir=runs/r9 --json cat.png
 
 --model_dir is a training run's directory or its export/ directory. The
@@ -34,6 +37,7 @@ from absl import flags
 
 from distributed_mpt import cli, files
 from distributed_mpt.config import DATASETS, TrainConfig, user_path
+from distributed_mpt.core.augmentation import TTA_VIEWS
 from distributed_mpt.core.data import DatasetInfo, images
 from distributed_mpt.errors import (CheckpointMismatchError, ConfigError, ExitCode, first_line,
                                     quoted)
@@ -41,8 +45,6 @@ from distributed_mpt.process import log_filter
 from distributed_mpt.training.export import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                              SAVED_MODEL_DIR, model_info)
 
-# Images per call when evaluating: bounds memory, not accuracy.
-EVAL_BATCH_SIZE = 500
 MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = images.MAX_IMAGE_BYTES, images.MAX_IMAGE_PIXELS
 
 SYNTHETIC_WARNING = (
@@ -69,6 +71,13 @@ def _flag_values() -> flags.FlagValues:
                       "--data_dir.", flag_values=fv)
     cli.define_integer(fv, "synthetic_examples", None, "As in training (default: the model's): "
                        "--dataset=synthetic's test split has a fifth as many.")
+    flags.DEFINE_enum("tta", "none", TTA_VIEWS, "Test-time augmentation, as training's "
+                      "--eval_tta: classify each image by the mean logits of these views of it "
+                      "(flip, flip_translate, flip_translate_mean); none: the image alone.",
+                      flag_values=fv)
+    cli.define_float(fv, "tta_fraction", 1.0, "As training's --eval_tta_fraction: augment only "
+                     "this fraction of the images, those whose plain view is least confident.",
+                     upper=1.0)
     cli.define_integer(fv, "top_k", 1, "Classes to print per image, most probable first.",
                        lower=1, upper=10)
     flags.DEFINE_bool("json", False, "Print one JSON object instead of lines.", flag_values=fv)
@@ -262,14 +271,15 @@ def _quiet_tensorflow():
         logger.setLevel(level)
 
 
-def evaluate(probabilities, test_images: np.ndarray, labels: np.ndarray) -> dict:
-    """Mean cross-entropy and accuracy of `probabilities` over all `test_images`."""
-    loss, correct = 0.0, 0
-    for start in range(0, len(labels), EVAL_BATCH_SIZE):
-        p = probabilities(test_images[start:start + EVAL_BATCH_SIZE])
-        y = labels[start:start + EVAL_BATCH_SIZE]
-        loss -= float(np.log(np.maximum(p[np.arange(len(y)), y], 1e-7)).sum())  # Keras' clip
-        correct += int((p.argmax(axis=1) == y).sum())
+def evaluate(probabilities, test_images: np.ndarray, labels: np.ndarray, views: str = "none",
+             fraction: float = 1.0) -> dict:
+    """Mean cross-entropy and accuracy of `probabilities` over all
+    `test_images`, with test-time `views` as `class_probabilities`."""
+    from distributed_mpt.core.test_time import class_probabilities
+
+    p = class_probabilities(probabilities, test_images, views, fraction)
+    loss = -float(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-7)).sum())  # Keras' clip
+    correct = int((p.argmax(axis=1) == labels).sum())
     return {"loss": loss / len(labels), "accuracy": correct / len(labels), "examples": len(labels)}
 
 
@@ -296,6 +306,8 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         raise ConfigError("--model_dir is required: a training run's directory or its export/")
     if not paths and not fv.evaluate:
         raise ConfigError("nothing to do: give image files to classify, or --evaluate")
+    if not fv.tta_fraction > 0:
+        raise ConfigError(f"--tta_fraction={fv.tta_fraction} must be in (0, 1]")
     if fv.synthetic_examples is not None:  # bounded as in training, before the model loads
         _checked_config({"synthetic_examples": fv.synthetic_examples})
     for path in paths:  # bad files fail before the model loads (and are read again after)
@@ -311,20 +323,25 @@ def _predict(fv: flags.FlagValues, argv) -> int:
     if fv.evaluate:
         result["evaluation"] = _evaluate_on_test_split(classifier, fv)
     if paths:
+        from distributed_mpt.core.test_time import class_probabilities
+
         size = classifier.image_shape[:2]
         batch = np.stack([images.read_image(path, size) for path in paths])
         names = classifier.class_names
         result["predictions"] = [
             {"file": path, "top": [{"class": names[i], "probability": float(p[i])}
                                    for i in np.argsort(-p)[:fv.top_k]]}
-            for path, p in zip(paths, classifier.probabilities(batch))]
+            for path, p in zip(paths, class_probabilities(classifier.probabilities, batch,
+                                                          fv.tta, fv.tta_fraction))]
     if fv.json:
         print(json.dumps(result, indent=2))
         return ExitCode.OK
     if "evaluation" in result:
         e = result["evaluation"]
+        views = ("" if e["tta"] == "none" else
+                 f", test-time views {e['tta']} for {e['tta_fraction']:.0%} of them")
         print(f"{e['dataset']} test: loss {e['loss']:.4f}, accuracy {e['accuracy']:.4f} "
-              f"({e['examples']} images)")
+              f"({e['examples']} images{views})")
     for prediction in result.get("predictions", []):
         # quoted: a newline in a file's name must not forge a line of answers.
         print(f"{quoted(prediction['file'], 10_000)}: " + ", ".join(
@@ -347,8 +364,9 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
                              image_size=classifier.image_shape[0],
                              test_fraction=split.test_fraction)
     test = data.load_dataset(split.dataset, source, splits=("test",)).test
-    return {"dataset": split.dataset,
-            **evaluate(classifier.probabilities, test.images, test.labels)}
+    return {"dataset": split.dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
+            **evaluate(classifier.probabilities, test.images, test.labels, fv.tta,
+                       fv.tta_fraction)}
 
 
 def run() -> None:

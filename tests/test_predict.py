@@ -197,6 +197,37 @@ def test_a_run_without_export_is_evaluated_from_its_checkpoint_on_its_own_data(
     assert answer["evaluation"]["accuracy"] > 0.5, "synthetic labels are learnable"
 
 
+def test_evaluate_with_test_time_views_reproduces_the_runs_own_evaluation(tmp_path, photo):
+    """A run evaluated with the 2025 record's selective views; predict's
+    --tta, from the export (probabilities only), gives back its numbers, and
+    --tta=none the plain view's, so that a trained model is re-scored with
+    other views without training again."""
+    run = tmp_path / "run"
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=2", "--precision=float32", "--export",
+                     "--eval_tta=flip_translate_mean", "--eval_tta_fraction=0.25",
+                     f"--model_dir={run}"]))
+    summary = read_summary(run)
+
+    def evaluation(*flags):
+        result = predict(f"--model_dir={run}", "--evaluate", "--json", *flags)
+        assert_ok(result)
+        return json.loads(result.stdout)["evaluation"]
+
+    views = evaluation("--tta=flip_translate_mean", "--tta_fraction=0.25")
+    assert views["accuracy"] == pytest.approx(summary["eval_accuracy"], abs=1e-9)
+    assert views["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    assert views["examples"] == summary["eval_examples"] == 204
+    plain = evaluation()
+    assert plain["accuracy"] == pytest.approx(summary["eval_accuracy_without_tta"], abs=1e-9)
+    assert abs(plain["loss"] - views["loss"]) > 1e-4, "the views change the answers"
+    result = predict(f"--model_dir={run}", "--evaluate", "--tta=flip")
+    assert_ok(result)
+    assert "(204 images, test-time views flip for 100% of them)" in result.stdout
+    result = predict(f"--model_dir={run}", "--tta=flip_translate", photo)
+    assert_ok(result)
+    assert result.stdout.startswith(f"{photo}: ")
+
+
 # The hostile inputs: each `make(tmp_path, untrained, trained, photo)` builds
 # the bad thing in tmp_path and returns the directory that must be left as it
 # was and predict's arguments; `untrained` and `trained` are the fixtures'
@@ -339,6 +370,11 @@ HOSTILE_INPUTS = {
     "--synthetic_examples=-1": (_flags("--synthetic_examples=-1"), "must be a positive"),
     "--synthetic_examples=10**11": (_flags(f"--synthetic_examples={10**11}"),
                                     "larger than this program accepts"),
+    # Test-time views: named ones, for a fraction in (0, 1].
+    "--tta=rotate": (_flags("--tta=rotate"), "--tta"),
+    "--tta_fraction=0": (_flags("--tta=flip", "--tta_fraction=0"), "must be in (0, 1]"),
+    "--tta_fraction=1.5": (_flags("--tta=flip", "--tta_fraction=1.5"), "--tta_fraction"),
+    "--tta_fraction=nan": (_flags("--tta=flip", "--tta_fraction=nan"), "--tta_fraction"),
 }
 
 

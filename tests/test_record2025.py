@@ -196,11 +196,11 @@ def test_without_jitter_the_batches_are_what_they_were(on_device):
 
 
 def test_flip_translate_mean_weighs_airbench94s_six_views_alike():
-    from distributed_mpt.core import pipeline
+    from distributed_mpt.core import test_time
 
     images = tf.constant(np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3)), tf.uint8)
-    six = pipeline.test_time_views(images, "flip_translate")
-    mean = pipeline.test_time_views(images, "flip_translate_mean")
+    six = test_time.views_of(images, "flip_translate")
+    mean = test_time.views_of(images, "flip_translate_mean")
     np.testing.assert_allclose([w for w, _ in mean], [1 / 6] * 6)
     assert len(mean) == len(six) == 6
     for (_, view), (_, want) in zip(mean, six):
@@ -274,10 +274,10 @@ def _scores(logits, labels):
 
 
 def test_selective_tta_augments_only_the_least_confident_images():
-    from distributed_mpt.core import pipeline
+    from distributed_mpt.core import test_time
 
     trainer, split = _evaluator("flip_translate_mean", 0.25), _test_split()
-    views = pipeline.test_time_views(tf.constant(split.images), "flip_translate_mean")
+    views = test_time.views_of(tf.constant(split.images), "flip_translate_mean")
     logits = [trainer.model(view, training=False).numpy().astype(np.float64) for _, view in views]
     plain = logits[0]
     confidence = tf.nn.softmax(plain).numpy().max(axis=1)
@@ -362,3 +362,32 @@ def test_jitter_with_a_users_model_without_normalize_is_one_error_line(tmp_path)
                     f"--model={source}:net", "--brightness_jitter=0.1", "--train_steps=2",
                     f"--model_dir={tmp_path / 'run'}"])
     assert_one_error_line(result, "color jitter (--brightness_jitter, --contrast_jitter) needs")
+
+
+@pytest.mark.parametrize("views, fraction", [("flip_translate_mean", 0.25), ("flip", 1.0)])
+def test_a_model_that_gives_probabilities_is_scored_as_training_scores_it(views, fraction):
+    """An export gives probabilities, not logits: test_time.class_probabilities
+    (what distributed-mpt-predict --tta runs) must give training's own
+    evaluation's answers, image by image, though its batches split the chosen
+    images. (Its loss on a normal model: test_predict.py; this model's logits
+    are spread so far that its probabilities underflow.)"""
+    from distributed_mpt.core import test_time
+
+    trainer, split = _evaluator(views, fraction), _test_split()
+    probabilities = lambda x: tf.nn.softmax(  # noqa: E731
+        tf.cast(trainer.model(x, training=False), tf.float32)).numpy()
+    p = test_time.class_probabilities(probabilities, split.images, views, fraction, batch_size=7)
+    plain = test_time.class_probabilities(probabilities, split.images, batch_size=7)
+    # What training's evaluation computes, image by image: the views' logits averaged.
+    pairs = test_time.views_of(tf.constant(split.images), views)
+    logits = sum(w * trainer.model(view, training=False).numpy().astype(np.float64)
+                 for w, view in pairs)
+    chosen = np.argsort(plain.max(axis=1), kind="stable")[:int(len(plain) * fraction)]
+    want = plain.argmax(1)
+    want[chosen] = logits.argmax(1)[chosen]
+    np.testing.assert_array_equal(p.argmax(1), want)
+    assert (p.argmax(1) != plain.argmax(1)).any(), "the views change some answers"
+    result = trainer.evaluate(split)
+    assert np.mean(p.argmax(1) == split.labels) == pytest.approx(result["eval_accuracy"], abs=1e-9)
+    assert np.mean(plain.argmax(1) == split.labels) == pytest.approx(
+        result["eval_accuracy_without_tta"], abs=1e-9)

@@ -244,6 +244,13 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     again = train(flags)
     assert_ok(again)
     assert "holds a finished run of 10 steps" in again.stdout
+    assert "predict" not in again.stdout
+    # Other test-time views do not re-score it: it says what does.
+    views = train([*flags, "--eval_tta=flip", "--eval_tta_fraction=0.5"])
+    assert_ok(views)
+    assert (f"Its test results are with --eval_tta=none --eval_tta_fraction=1.0; to score it "
+            f"with others: distributed-mpt-predict --model_dir={model_dir} --evaluate "
+            f"--tta=flip --tta_fraction=0.5") in views.stdout
     # Other data is refused, finished run or not: never two runs in one model.
     assert_one_error_line(train([*flags, "--seed=7"]),
                           "holds a run trained otherwise: this run changes --seed=0 to 7")

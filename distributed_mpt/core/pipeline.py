@@ -1,5 +1,5 @@
 """The tf.data pipelines that feed an `ImageSplit` to every replica, and the
-augmentation of training and test images.
+augmentation of training images (test images' views: test_time.py).
 
 The whole split stays in host memory as uint8 (150 MB for CIFAR-10's train
 split). Each epoch is a seeded permutation of indices; batches of indices are
@@ -168,27 +168,6 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
         return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
     return dataset_fn
-
-
-def test_time_views(images: tf.Tensor, views: str) -> list:
-    """The views of a batch of test `images` (uint8 [B, H, W, C]) that
-    test-time augmentation averages, as (weight, images) pairs whose weights
-    sum to 1. `views` (one of augmentation.TTA_VIEWS): none, flip (the image and its
-    mirror image, 1/2 each), flip_translate (airbench94's six: those two at
-    1/4 each, and both again shifted one pixel up-left and one pixel
-    down-right, reflect-padded, at 1/8 each), or flip_translate_mean (the
-    2025 record's: the same six, 1/6 each)."""
-    if views == "none":
-        return [(1.0, images)]
-    if views == "flip_translate_mean":
-        return [(1 / 6, view) for _, view in test_time_views(images, "flip_translate")]
-    pairs = [(1.0, images)]  # (weight of the view and its mirror image, the view)
-    if views == "flip_translate":
-        height, width = images.shape[1:3]
-        padded = tf.pad(images, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
-        pairs = [(0.5, images), (0.25, padded[:, :height, :width]), (0.25, padded[:, 2:, 2:])]
-    return [(weight / 2, view) for weight, image in pairs
-            for view in (image, tf.reverse(image, axis=[2]))]
 
 
 def eval_steps(num_examples: int, global_batch_size: int) -> int:

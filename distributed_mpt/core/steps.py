@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distributed_mpt.core import pipeline
+from distributed_mpt.core import pipeline, test_time
 from distributed_mpt.core.augmentation import CROP_PADDING
 from distributed_mpt.core.data import ImageSplit
 from distributed_mpt.core.optim.lookahead import Lookahead
@@ -308,7 +308,7 @@ class Trainer:
         # CIFAR-10's classes are symmetric under a horizontal flip and small
         # shifts, and the model was trained on such views: averaging their
         # logits removes part of the model's variance.
-        views = pipeline.test_time_views(images, self._eval_views)
+        views = test_time.views_of(images, self._eval_views)
         view_logits = [tf.cast(self.model(view, training=False), tf.float32) for _, view in views]
         logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
         plain_correct = _is_correct(labels, view_logits[0])

@@ -103,6 +103,14 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
     print(f"{config.model_dir} holds a finished run of {resumed.start_step} steps (see "
           f"summary.json); nothing to train. To train longer, pass a larger --epochs or "
           f"--train_steps.", flush=True)
+    scored = {name: resumed.previous_config.get(name, getattr(TrainConfig, name))
+              for name in ("eval_tta", "eval_tta_fraction")}
+    if config.evaluate and scored != {name: getattr(config, name) for name in scored}:
+        # Other test-time views asked of a finished run: say what does it.
+        print(f"Its test results are with --eval_tta={scored['eval_tta']} "
+              f"--eval_tta_fraction={scored['eval_tta_fraction']}; to score it with others: "
+              f"distributed-mpt-predict --model_dir={config.model_dir} --evaluate "
+              f"--tta={config.eval_tta} --tta_fraction={config.eval_tta_fraction}", flush=True)
     if config.export and not export.export_is_whole(config.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
