@@ -175,7 +175,7 @@ class Trainer:
         per-image results gathered from all replicas, so that every worker
         chooses alike), then every view of the chosen ones."""
         plain = self._plain_predictions(split)
-        chosen = np.argsort(plain["confidence"], kind="stable")[:int(len(split) * fraction)]
+        chosen = test_time.least_confident(plain["confidence"], fraction)
         others = np.ones(len(split), bool)
         others[chosen] = False
         loss_sum, correct = 0.0, 0.0

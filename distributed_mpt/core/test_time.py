@@ -11,8 +11,8 @@ def views_of(images: tf.Tensor, views: str) -> list:
     """The views of a batch of test `images` (uint8 [B, H, W, C]) that
     test-time augmentation averages, as (weight, images) pairs whose weights
     sum to 1. `views` (one of augmentation.TTA_VIEWS): none, flip (the image
-    and its mirror image, 1/2 each), flip_translate (airbench94's six: those two at
-    1/4 each, and both again shifted one pixel up-left and one pixel
+    and its mirror image, 1/2 each), flip_translate (airbench94's six: those
+    two at 1/4 each, and both again shifted one pixel up-left and one pixel
     down-right, reflect-padded, at 1/8 each), or flip_translate_mean (the
     2025 record's: the same six, 1/6 each)."""
     if views == "none":
@@ -26,6 +26,13 @@ def views_of(images: tf.Tensor, views: str) -> list:
         pairs = [(0.5, images), (0.25, padded[:, :height, :width]), (0.25, padded[:, 2:, 2:])]
     return [(weight / 2, view) for weight, image in pairs
             for view in (image, tf.reverse(image, axis=[2]))]
+
+
+def least_confident(confidence: np.ndarray, fraction: float) -> np.ndarray:
+    """Indices of the int(N x `fraction`) images of lowest `confidence` (top
+    softmax probability of the plain view; ties by index): those that
+    selective test-time augmentation (the 2025 record's) augments."""
+    return np.argsort(confidence, kind="stable")[:int(len(confidence) * fraction)]
 
 
 def class_probabilities(probabilities, some_images: np.ndarray, views: str = "none",
@@ -54,7 +61,7 @@ def class_probabilities(probabilities, some_images: np.ndarray, views: str = "no
                        for weight, view in views_of(tf.constant(batch), views))
         return tf.nn.softmax(log_mean.astype(np.float32)).numpy()
 
-    chosen = np.argsort(plain.max(axis=1), kind="stable")[:int(len(plain) * fraction)]
+    chosen = least_confident(plain.max(axis=1), fraction)
     result = plain.copy()
     if len(chosen):
         result[chosen] = batched(augmented, some_images[chosen])
