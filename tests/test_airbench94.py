@@ -10,13 +10,14 @@ import tensorflow as tf
 
 from conftest import (assert_ok, checkpoint_weights, train, weights_of_one_and_two_replicas,
                       weights_of_whole_and_resumed)
-from distributed_mpt.core import models, pipeline, test_time
+from distributed_mpt.core import data, models, pipeline, test_time
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import ImageSplit, cifar10
 from distributed_mpt.core.optim import groups, schedules
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
 from distributed_mpt.core.optim.rules import Muon, NesterovSGD, orthogonalize
+from distributed_mpt.core.steps import Trainer
 
 # A tiny airbench with every part of the recipe on, on synthetic data.
 AIRBENCH94 = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
@@ -217,6 +218,58 @@ def test_the_whitening_bias_trains_only_when_asked(tmp_path):
         biases[epochs] = _trained_variables(model_dir)[bias]
     assert not biases[0].any()
     assert biases[1].any()
+
+
+def _ops_of(concrete_function) -> list:
+    """The op types of a traced function, its nested functions' included."""
+    graph = concrete_function.graph.as_graph_def()
+    return ([node.op for node in graph.node]
+            + [node.op for function in graph.library.function for node in function.node_def])
+
+
+@pytest.mark.parametrize("freeze", groups.FREEZES)
+def test_once_the_whitening_bias_freezes_its_backward_pass_is_skipped_and_nothing_changes(freeze):
+    # Two trainers from the same weights on the same batches, one told that
+    # the bias freezes after 3 steps: 7 steps in calls of 2 and 5 (the second
+    # call crosses the freeze and is split), then the same weights, and
+    # optimizer slots, to float32 round-off.
+    dataset = data.load_dataset("synthetic", data.DataSource(synthetic_examples=256))
+    strategy = tf.distribute.get_strategy()
+    results, trainers = {}, {}
+    for pruned in (False, True):
+        keras.utils.set_random_seed(0)
+        model = _build(width=4)
+        step = tf.Variable(0, dtype=tf.int64)
+        made = groups.parameter_groups(model, _settings(whiten_bias_steps=3,
+                                                        whiten_bias_freeze=freeze))
+        optimizer = GroupedOptimizer(made, schedules.learning_rate_schedule(0.05, 7, 0, "linear"),
+                                     step)
+        optimizer.build(model.trainable_variables)
+        frozen = [(g.train_steps, g.variables) for g in made if g.train_steps is not None]
+        assert [(steps, _same(variables, [model.get_layer("whiten").bias]))
+                for steps, variables in frozen] == [(3, True)]
+        trainer = Trainer(model, optimizer, strategy, step, global_batch_size=32,
+                          frozen=frozen if pruned else ())
+        iterator = iter(strategy.distribute_datasets_from_function(
+            pipeline.train_input_fn(dataset.train, 32, seed=0, start_step=0, num_steps=7)))
+        for steps in (2, 5):
+            trainer.train(iterator, steps)
+        assert int(step.numpy()) == 7
+        results[pruned] = [v.numpy() for v in (*model.weights, *optimizer.variables)]
+        trainers[pruned] = trainer
+    for name, (whole, pruned) in enumerate(zip(results[False], results[True])):
+        np.testing.assert_allclose(pruned, whole, rtol=1e-5, atol=1e-7, err_msg=str(name))
+
+    # The skipped part: the first convolution's input gradient, which only
+    # the bias needs (the other convolutions' are still computed).
+    images, labels = next(iter(pipeline.train_input_fn(
+        dataset.train, 32, seed=0, start_step=0, num_steps=1)(tf.distribute.InputContext())))
+    compute = tf.function(trainers[True]._compute_gradients)
+    [bias] = [i for i, v in enumerate(trainers[True].model.trainable_variables)
+              if v.path.startswith("whiten/")]
+    counts = [_ops_of(compute.get_concrete_function(images, labels, frozen=frozen))
+              .count("Conv2DBackpropInput") for frozen in ((), (bias,))]
+    assert counts[1] == counts[0] - 1 >= 5, counts
 
 
 def test_muon_orthogonalizes_keeping_the_singular_vectors():

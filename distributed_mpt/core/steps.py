@@ -9,7 +9,7 @@ the calls, and the run around it, are training/'s.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -79,7 +79,11 @@ class Trainer:
     normalization layer and the rest of the model
     (models.split_at_normalization); eval_tta_fraction: test-time
     augmentation for that fraction of the test images only, the least
-    confident (see `evaluate`).
+    confident (see `evaluate`); frozen: pairs (steps, variables) of
+    trainable variables that train for the first `steps` steps only (a
+    parameter group's `train_steps`): from that step on the loop does not
+    compute their gradient and passes zeros, which their group ignores or
+    lets its momentum run out on, as it would any gradient by then.
     """
 
     def __init__(self, model: keras.Model, optimizer, strategy: tf.distribute.Strategy,
@@ -88,13 +92,18 @@ class Trainer:
                  lookahead: Optional[Lookahead] = None, eval_views: str = "none",
                  xla: bool = False, device_split: Optional[ImageSplit] = None,
                  crop_padding: int = CROP_PADDING, jitter_split: Optional[tuple] = None,
-                 eval_tta_fraction: float = 1.0):
+                 eval_tta_fraction: float = 1.0,
+                 frozen: Sequence[Tuple[int, Sequence[tf.Variable]]] = ()):
         self.model, self.optimizer, self.step = model, optimizer, step
         self.strategy = strategy
         self._global_batch_size, self._num_workers = global_batch_size, num_workers
         self._loss_scaling, self._lookahead, self._eval_views = loss_scaling, lookahead, eval_views
         self._crop_padding, self._jitter_split = crop_padding, jitter_split
         self._eval_tta_fraction = eval_tta_fraction
+        index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+        # (step, indices into model.trainable_variables), by step.
+        self._freezes = sorted((steps, tuple(index[id(v)] for v in variables))
+                               for steps, variables in frozen)
         with strategy.scope():
             self._train_sums = _sum_accumulator(LoopTotals.PER_STEP)
             # loss sum, correct, examples, correct without test-time augmentation
@@ -140,9 +149,25 @@ class Trainer:
         """Runs `num_steps` optimizer steps, fewer if a stop was requested
         (`stop_requests` > 0; `step` says where it stopped). This worker's
         `seconds_per_step` in the previous call travels with the metrics, so
-        that every worker gets the same totals back."""
-        totals = self._train_loop(iterator, tf.constant(num_steps), tf.constant(seconds_per_step))
-        return LoopTotals.all_reduced(totals.numpy(), self.strategy.num_replicas_in_sync)
+        that every worker gets the same totals back. A call that crosses a
+        step where variables freeze is two loop calls, one on each side."""
+        totals, step = NO_TOTALS, int(self.step.numpy())
+        for steps, frozen in self._segments(step, step + num_steps):
+            vector = self._train_loop(iterator, tf.constant(steps), tf.constant(seconds_per_step),
+                                      frozen=frozen)
+            totals += LoopTotals.all_reduced(vector.numpy(), self.strategy.num_replicas_in_sync)
+            if totals.stop_requests:
+                break
+        return totals
+
+    def _segments(self, start: int, end: int):
+        """The steps start .. end - 1 as runs of (count, frozen indices):
+        a new run at each step where variables freeze."""
+        bounds = sorted({start, end, *(s for s, _ in self._freezes if start < s < end)})
+        bounds = bounds if len(bounds) > 1 else [start, start]  # a call of 0 steps
+        for first, last in zip(bounds, bounds[1:]):
+            frozen = tuple(sorted(i for s, indices in self._freezes if s <= first for i in indices))
+            yield last - first, frozen
 
     def evaluate(self, split: ImageSplit) -> dict:
         """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
@@ -222,9 +247,17 @@ class Trainer:
     def _per_example_loss(self, loss_fn, labels, logits):
         return loss_fn(tf.one_hot(labels, logits.shape[-1]), logits)
 
-    def _compute_gradients(self, images, labels, jitter=None):
+    def _compute_gradients(self, images, labels, jitter=None, frozen=()):
         model = self.model
-        with tf.GradientTape() as tape:
+        variables = model.trainable_variables
+        sources = [v for i, v in enumerate(variables) if i not in frozen]
+        # Frozen variables are not watched, so that the backward pass that
+        # only they need is never built (airbench's whitening bias: the first
+        # convolution's input gradient and the whitening activation's). They
+        # get zeros instead.
+        with tf.GradientTape(watch_accessed_variables=not frozen) as tape:
+            if frozen:
+                tape.watch([v.value for v in sources])  # Keras' variables hold TensorFlow's
             if jitter is None:
                 logits = model(images, training=True)
             else:  # the same variables, the jitter between normalization and the rest
@@ -238,18 +271,21 @@ class Trainer:
             if model.losses:  # a user's model may carry regularizers of its own
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             scaled_loss = self.optimizer.scale_loss(loss)
-        gradients = tape.gradient(scaled_loss, model.trainable_variables)
+        computed = iter(tape.gradient(scaled_loss, sources))
+        gradients = [tf.zeros_like(v) if i in frozen else next(computed)
+                     for i, v in enumerate(variables)]
         return gradients, loss, tf.reduce_sum(losses), tf.reduce_sum(_is_correct(labels, logits))
 
     @tf.autograph.experimental.do_not_convert
-    def _train_step(self, *batch):
+    def _train_step(self, *batch, frozen=()):
         if self._device_split is not None:  # batch: indices, crop offsets, flips[, jitter]
             images, labels = pipeline.gather_and_augment(*self._device_split, *batch[:3],
                                                          self._crop_padding)
             jitter = batch[3:]
         else:  # images, labels[, jitter]
             images, labels, *jitter = batch
-        gradients, loss, loss_sum, correct = self._gradients(images, labels, *jitter)
+        gradients, loss, loss_sum, correct = self._gradients(images, labels, *jitter,
+                                                             frozen=frozen)
         context = tf.distribute.get_replica_context()
         if self._loss_scaling:
             # Keras' LossScaleOptimizer decides to skip a step from each
@@ -273,7 +309,7 @@ class Trainer:
         skipped = nonfinite / context.num_replicas_in_sync
         self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
 
-    def _train_loop_fn(self, iterator, num_steps, seconds_per_step):
+    def _train_loop_fn(self, iterator, num_steps, seconds_per_step, frozen=()):
         stop = tf.constant(False)
         for _ in tf.range(num_steps):
             # Looked at before every step, so that a stop waits for the step
@@ -281,7 +317,7 @@ class Trainer:
             stop = self._stop_agreed()
             if stop:
                 break
-            self.strategy.run(self._train_step, args=next(iterator))
+            self.strategy.run(self._train_step, args=next(iterator), kwargs={"frozen": frozen})
             # Every step counts, applied or skipped: the one counter that the
             # schedule, the lookahead and the groups' training steps read.
             self.step.assign_add(1)

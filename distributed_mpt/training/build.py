@@ -61,8 +61,9 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
         jitter_split = (models.split_at_normalization(model, config.model)
                         if _augmentation(config).jitters_colors else None)
         lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
-        optimizer = make_optimizer(groups.parameter_groups(model, _group_settings(config, plan)),
-                                   schedule, step, loss_scaling=plan.loss_scaling)
+        parameter_groups = groups.parameter_groups(model, _group_settings(config, plan))
+        optimizer = make_optimizer(parameter_groups, schedule, step,
+                                   loss_scaling=plan.loss_scaling)
         # Built here, not lazily in the first step: MirroredStrategy
         # cannot create slot variables inside the traced step.
         optimizer.build(model.trainable_variables)
@@ -74,7 +75,9 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                       eval_views=config.eval_tta, xla=config.xla,
                       device_split=dataset.train if config.data_on_device else None,
                       crop_padding=config.crop_padding, jitter_split=jitter_split,
-                      eval_tta_fraction=config.eval_tta_fraction)
+                      eval_tta_fraction=config.eval_tta_fraction,
+                      frozen=[(group.train_steps, group.variables) for group in parameter_groups
+                              if group.train_steps is not None])
     return Built(trainer, trained_global_batch, lookahead)
 
 
