@@ -49,7 +49,7 @@ ROW_WIDTH = 64
 # batched matrix product per tap: the 7-pixel 256 -> 256 weight gradient at
 # batch 1536 ran at 552 GFLOP/s instead of 491 as one product, the 3-pixel
 # one at 523 instead of 480 (bfloat16, timed alone on 2 cores of the AMD EPYC
-# Zen 5; 2, 8 and 16 parts: 480-550).
+# Zen 5; 2, 8 and 16 parts: 480-548).
 TAP_ROW_PARTS = 4
 # The activations with a compiled form, by their Keras names (an export names
 # its activation, so that Keras alone can load it). Not ReLU: TensorFlow
@@ -171,9 +171,9 @@ def weight_gradient_by_taps(images, output_gradient, kernel_shape):
     parts = TAP_ROW_PARTS if rows and rows % TAP_ROW_PARTS == 0 else 1
     padded = tf.pad(images, [[0, 0], [kernel_height // 2] * 2, [kernel_width // 2] * 2, [0, 0]])
     gradient = tf.reshape(output_gradient, [parts, -1, filters])
-    taps = [tf.linalg.matmul(tf.reshape(padded[:, i:i + height, j:j + width], [parts, -1, channels]),
-                             gradient, transpose_a=True)
-            for i in range(kernel_height) for j in range(kernel_width)]
+    shifted = [tf.reshape(padded[:, i:i + height, j:j + width], [parts, -1, channels])
+               for i in range(kernel_height) for j in range(kernel_width)]
+    taps = [tf.linalg.matmul(images_at_tap, gradient, transpose_a=True) for images_at_tap in shifted]
     summed = tf.reduce_sum(tf.cast(tf.stack(taps), tf.float32), axis=1)  # [taps, in, out]
     return tf.cast(tf.reshape(summed, kernel_shape), images.dtype)
 
