@@ -245,7 +245,7 @@ def test_once_the_whitening_bias_freezes_its_backward_pass_is_skipped_and_nothin
         optimizer = GroupedOptimizer(made, schedules.learning_rate_schedule(0.05, 7, 0, "linear"),
                                      step)
         optimizer.build(model.trainable_variables)
-        frozen = [(g.train_steps, g.variables) for g in made if g.train_steps is not None]
+        frozen = groups.freezes(made)
         assert [(steps, _same(variables, [model.get_layer("whiten").bias]))
                 for steps, variables in frozen] == [(3, True)]
         trainer = Trainer(model, optimizer, strategy, step, global_batch_size=32,

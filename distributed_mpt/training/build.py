@@ -76,8 +76,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                       device_split=dataset.train if config.data_on_device else None,
                       crop_padding=config.crop_padding, jitter_split=jitter_split,
                       eval_tta_fraction=config.eval_tta_fraction,
-                      frozen=[(group.train_steps, group.variables) for group in parameter_groups
-                              if group.train_steps is not None])
+                      frozen=groups.freezes(parameter_groups))
     return Built(trainer, trained_global_batch, lookahead)
 
 

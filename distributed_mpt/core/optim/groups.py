@@ -126,6 +126,14 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     return [group for group in groups if group.variables]
 
 
+def freezes(groups: List[ParameterGroup]) -> List[Tuple[int, Tuple]]:
+    """(train_steps, variables) of each group that trains for a number of
+    steps only: what the training loop leaves out of the gradient from that
+    step on (steps.Trainer's `frozen`)."""
+    return [(group.train_steps, group.variables) for group in groups
+            if group.train_steps is not None]
+
+
 def _whitening_bias(model):
     """The bias of the model's whitening layer, or None."""
     from distributed_mpt.core.models.layers import WhiteningConv2D
