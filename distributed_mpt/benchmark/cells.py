@@ -119,7 +119,8 @@ def run_cell(cell) -> dict:
     if multi_worker and not cell.steps:
         raise ValueError("a multi_worker cell needs its steps fixed")
     # Never a `./distributed_mpt/` of the working directory (helper_command).
-    command = helper_command("distributed_mpt.benchmark.cells", type(cell).__name__,
+    # A measurement defined elsewhere names the module whose process runs it.
+    command = helper_command(getattr(cell, "module", "distributed_mpt.benchmark.cells"), type(cell).__name__,
                              json.dumps(dataclasses.asdict(cell)))
     tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
                   else [None])
@@ -157,10 +158,11 @@ def _environment(tf_config) -> dict:
     return dict(environment, TF_CONFIG=tf_config) if tf_config else environment
 
 
-def main() -> int:
-    """The cell process: measures the cell given as its kind and JSON, prints
-    its figures; returns the exit status."""
-    kind, measure_cell = _MEASURES[sys.argv[1]]
+def main(measures=None) -> int:
+    """The cell process: measures the cell given as its kind and JSON (with
+    the function `measures`, by default the cells' and roofs', has for its
+    kind), prints its figures; returns the exit status."""
+    kind, measure_cell = (measures or _MEASURES)[sys.argv[1]]
     try:
         figures = measure_cell(kind(**json.loads(sys.argv[2])))
     except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report

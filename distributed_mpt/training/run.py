@@ -13,7 +13,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import data, models, precision
-from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
+from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE, linear_rule_warning
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.training import export
@@ -65,6 +65,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset.info, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
+            beyond_rule = linear_rule_warning(plan.global_batch_size, len(dataset.train))
+            if is_chief and beyond_rule:
+                files.warn(beyond_rule)
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 

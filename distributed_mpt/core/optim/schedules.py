@@ -11,6 +11,14 @@ SCHEDULES = ("cosine", "linear", "piecewise_linear")
 # momentum 0.9 is the classic CIFAR ResNet recipe (He et al. 2016, sec. 4.2).
 REFERENCE_BATCH_SIZE = 128
 
+# Where the linear rule is known to fail (docs/scaling.md, "The rules at
+# scale"). Goyal et al. 2017 (arXiv:1706.02677) kept ImageNet accuracy with
+# it and a warmup up to a global batch of 8192, and lost it above; Keskar et
+# al. 2017 (arXiv:1609.04836) measured a generalization gap on CIFAR-10 at
+# batches of 10% of the training split. Above either, a run warns.
+LINEAR_RULE_LIMIT = 8192
+LARGE_BATCH_FRACTION = 0.1
+
 
 def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
                          ceiling: float = 0.0) -> float:
@@ -24,6 +32,25 @@ def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
     """
     rate = base_learning_rate * global_batch_size / REFERENCE_BATCH_SIZE
     return min(rate, ceiling) if ceiling > 0 else rate
+
+
+def linear_rule_limit(train_examples: int) -> int:
+    """The largest global batch at which the linear rule is known to hold
+    for a training split of `train_examples`."""
+    return min(LINEAR_RULE_LIMIT, int(LARGE_BATCH_FRACTION * train_examples))
+
+
+def linear_rule_warning(global_batch_size: int, train_examples: int) -> str:
+    """Why `global_batch_size` is beyond where the linear rule is known to
+    hold, for a `warning:` line; empty when it is not."""
+    limit = linear_rule_limit(train_examples)
+    if global_batch_size <= limit:
+        return ""
+    return (f"a global batch of {global_batch_size} is above {limit}, where the linear "
+            f"learning-rate rule is known to fail (ImageNet above 8192, Goyal et al. 2017; "
+            f"CIFAR-10 at 10% of its training split, Keskar et al. 2017): expect lower "
+            f"accuracy than at a smaller batch; lower --per_replica_batch_size, and see "
+            f"docs/scaling.md (the package has no layer-wise rule such as LARS or LAMB)")
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int,
