@@ -33,7 +33,7 @@ def summary(name: str) -> str:
 
 def measured(name: str) -> str:
     """What recipe `name` reached: its header's "# Measured" lines, which the
-    results ledger renders (ledger.py), in one paragraph."""
+    results ledger renders (render.py), in one paragraph."""
     with open(path(name)) as f:
         lines = f.read().splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("# Measured")), None)

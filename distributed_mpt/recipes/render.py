@@ -1,5 +1,5 @@
 """What the README, the recipes' headers and docs/recipes.md say about the
-measured runs, rendered from the results ledger (ledger.py), and the check
+measured runs, rendered from the results ledger (records.py), and the check
 that they say it: `python -m distributed_mpt.recipes.ledger --check` (what a
 test runs) or `--write`.
 
@@ -23,8 +23,8 @@ from typing import List, Optional
 
 from distributed_mpt import files, recipes
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.recipes import ledger as ledger_lib, suite
-from distributed_mpt.recipes.ledger import Ledger, statistics_of, variant, wall_seconds
+from distributed_mpt.recipes import records, suite
+from distributed_mpt.recipes.records import Ledger, statistics_of, variant, wall_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 CIFAR10_TRAIN_EXAMPLES = 50_000
@@ -90,7 +90,7 @@ def time_ratio(ledger: Ledger, runs: List[dict]) -> Optional[float]:
 def _unfinished(ledger: Ledger, run: dict) -> str:
     """A run stopped before its end: its rate, what its epochs would take, its curve."""
     rate = run["examples_per_second"]
-    epochs = float(ledger_lib.recipe_flags(run["recipe"]).get("epochs", 0))
+    epochs = float(records.recipe_flags(run["recipe"]).get("epochs", 0))
     curve = ", ".join(f"{100 * e['eval_accuracy']:.1f}% after {e['epoch']} epochs"
                       for e in run.get("evaluations", []))
     return (f"{rate} examples/s, so {epochs:g} epochs take about "
@@ -317,7 +317,7 @@ def main(write: bool, collect: bool = True) -> int:
     if not (REPO / "README.md").exists():
         raise ConfigError(f"--check and --write work in a source checkout; {REPO} has no "
                           f"README.md")
-    ledger = ledger_lib.load()
+    ledger = records.load()
     differ = {path: text for path, text in rendered(ledger, suite.count_tests() if collect
                                                     else None).items()
               if path.read_text() != text}

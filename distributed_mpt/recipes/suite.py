@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.recipes import ledger as ledger_lib
-from distributed_mpt.recipes.ledger import Ledger, wall_seconds
+from distributed_mpt.recipes import records
+from distributed_mpt.recipes.records import Ledger, wall_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 # The README's lines on each suite: what finds them there, and how they begin.
@@ -86,8 +86,8 @@ def time_tests(suite: str, conditions: str) -> int:
     outcome = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     tests = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|xfailed|xpassed|"
                                            r"errors?)", outcome))
-    machine = ledger_lib.describe_machine()
-    ledger = ledger_lib.load()
+    machine = records.describe_machine()
+    ledger = records.load()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip() or None
     records = [] if machine["machine"] in ledger.machines else [machine]
@@ -99,6 +99,6 @@ def time_tests(suite: str, conditions: str) -> int:
                     "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
                     "machine": machine["machine"], "conditions": conditions,
                     "outcome": outcome})
-    ledger_lib.append(ledger.path, records)
+    records.append(ledger.path, records)
     print(f"recorded in {ledger.path}: {tests} tests in {seconds:.0f} s ({outcome})")
     return result.returncode
