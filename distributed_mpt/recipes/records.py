@@ -1,7 +1,7 @@
 """The results ledger's records: every measured run of a recipe, one JSON
-object a line in `ledger.jsonl` beside the recipes, in the order the runs
-ran; read, checked, summed up and added to here (ledger.py lists it and
-renders from it, measure.py adds to it).
+object a line in `ledger.jsonl` beside the recipes (the runs of a session in
+the order they ran); read, checked, summed up and added to here (ledger.py
+lists it and renders from it, measure.py adds to it).
 
 Three kinds of record (`kind`):
   machine  `machine` (its key), `cpu` (what it is), `column` (the README
