@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["distributed_mpt", "distributed_mpt.*"]),
-    package_data={"distributed_mpt": ["recipes/*.flags"]},
+    package_data={"distributed_mpt": ["recipes/*.flags", "recipes/ledger.jsonl"]},
     install_requires=[
         "tensorflow>=2.16",  # Keras 3
         "tensorflow-datasets>=4.9",

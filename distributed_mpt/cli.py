@@ -17,6 +17,11 @@ from distributed_mpt.errors import ConfigError, ExitCode, UserError, first_line,
 
 HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "-helpfull")
 
+# absl files a flag under the module that called DEFINE: without this, every
+# number flag defined through define_integer/define_float would be listed in
+# --help under "distributed_mpt.cli", apart from its entry point's others.
+flags.disclaim_key_flags()
+
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
@@ -53,9 +58,9 @@ def wants_help(argv: List[str]) -> bool:
     return bool(set(HELP_FLAGS) & set(argv))
 
 
-def show_help(doc: str, fv: flags.FlagValues) -> int:
-    """Prints the entry point's docstring and its flags; returns 0."""
-    print(doc + "\nFlags:\n" + fv.get_help())
+def show_help(doc: str, fv: flags.FlagValues, epilogue: str = "") -> int:
+    """Prints the entry point's docstring, its flags and `epilogue`; returns 0."""
+    print(doc + "\nFlags:\n" + fv.get_help() + ("\n\n" + epilogue if epilogue else ""))
     return ExitCode.OK
 
 

@@ -4,7 +4,7 @@ into CIFAR-10's classes.
 Classify images:   distributed-mpt-predict --model_dir=runs/r9 cat.png ship.jpg --top_k=3
 Evaluate:          distributed-mpt-predict --model_dir=runs/r9 --evaluate [--data_dir=DIR]
 With test-time augmentation, as the cpu_cnn94_muon recipe evaluates:
-                   distributed-mpt-predict --model_dir=runs/r9 --evaluate \
+                   distributed-mpt-predict --model_dir=runs/r9 --evaluate \\
                        --tta=flip_translate_mean --tta_fraction=0.25
 As JSON:           distributed-mpt-predict --model_dir=runs/r9 --json cat.png
 

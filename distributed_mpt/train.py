@@ -37,9 +37,8 @@ def _flag_values() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_enum("recipe", None, recipes.names(),
                       "A shipped recipe, read as a --flagfile (flags given explicitly override "
-                      "it); its header lists the runs it was measured in. " +
-                      " ".join(f"{name}: {recipes.summary(name)}" for name in recipes.names()),
-                      flag_values=fv)
+                      "it). What each is, what it reached and the flags it sets: \"Recipes\", "
+                      "at the end of this help.", flag_values=fv)
     for field in dataclasses.fields(config_lib.TrainConfig):
         help_text = field.metadata["help"]
         if field.name in models.USER_DEFAULTS.values():
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
     """Runs training from command-line flags; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if cli.wants_help(argv):
-        return cli.show_help(__doc__, _flag_values())
+        return cli.show_help(__doc__, _flag_values(), recipes.describe_all())
 
     def train() -> int:
         config = parse_config(argv)

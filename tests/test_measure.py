@@ -14,9 +14,10 @@ SHORT = ["--", "--dataset=synthetic", "--synthetic_examples=512", "--train_steps
 
 @pytest.mark.slow
 def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path):
-    runs = tmp_path / "runs"
+    runs, ledger = tmp_path / "runs", tmp_path / "ledger.jsonl"
     first = run_module("distributed_mpt.recipes.measure",
-                       ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}", *SHORT])
+                       ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}",
+                        f"--ledger={ledger}", "--conditions=a test", *SHORT], timeout=900)
     assert_ok(first)
     results = json.loads((runs / "results.json").read_text())["runs"]
     assert [r["seed"] for r in results] == [0, 1, 2]
@@ -25,11 +26,38 @@ def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == 2 + 3
 
     # Started again: every seed is a finished run, read back, not trained again.
+    # Each run is a record of the ledger, with what it set and where it ran.
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    machine, *recorded = records
+    assert machine["kind"] == "machine" and "cores of" in machine["cpu"]
+    assert [(r["kind"], r["recipe"], r["seed"]) for r in recorded] == [("run", "mlp", s)
+                                                                      for s in (0, 1, 2)]
+    for record, summary in zip(recorded, results):
+        assert record["eval_accuracy"] == summary["eval_accuracy"]
+        assert record["wall_seconds"] == summary["wall_seconds"]
+        assert record["machine"] == machine["machine"] and record["conditions"] == "a test"
+        assert record["flags"]["train_steps"] == "6" and record["flags"]["model"] == "mlp"
+        assert "data_dir" not in record["flags"] and record["commit"]
+
+    # Started again: every seed is a finished run, read back, not trained again,
+    # nor recorded twice.
     again = run_module("distributed_mpt.recipes.measure",
-                       ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}", *SHORT])
+                       ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}",
+                        f"--ledger={ledger}", *SHORT], timeout=900)
     assert_ok(again)
     assert again.stdout.count("holds a finished run") == 3
     assert (runs / "results.md").read_text() == table
+    assert [json.loads(line) for line in ledger.read_text().splitlines()] == records
+
+
+def test_a_damaged_ledger_is_refused_before_any_training(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"kind": "machine"\n')
+    result = run_module("distributed_mpt.recipes.measure",
+                        ["--recipe=mlp", f"--runs_dir={tmp_path / 'runs'}",
+                         f"--ledger={ledger}", *SHORT])
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert str(ledger) in result.stderr and not (tmp_path / "runs").exists()
 
 
 def test_bad_seeds_are_one_error_line(tmp_path):

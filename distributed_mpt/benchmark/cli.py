@@ -19,7 +19,7 @@ the others still run, and the exit status is 1.
       distributed-mpt-benchmark --models=resnet9 --batch_sizes=128
   How close the CPU recipe's training comes to the roof, in the precision
   training picks here:
-      distributed-mpt-benchmark --models=airbench --batch_sizes=512 \
+      distributed-mpt-benchmark --models=airbench --batch_sizes=512 \\
           --precisions=auto --sections=roof,compute
   A smoke run, for tests:
       distributed-mpt-benchmark --tiny --output=/tmp/bench.json

@@ -9,12 +9,14 @@ RUNS_DIR/seed-S; the flags after `--` go to every run. It is resumable:
 started again, a finished seed is read back as it is and a stopped one
 resumes from its checkpoint (distributed-mpt-train's own rules), so a
 measurement cut short by a reboot costs at most the steps since a
-checkpoint. The table goes to stdout and to RUNS_DIR/results.md.
+checkpoint. The table goes to stdout and to RUNS_DIR/results.md, and each
+finished run into the results ledger (--ledger; by default the one beside
+the recipes, in a source checkout the repository's), from which
+`python -m distributed_mpt.recipes.ledger --write` renders the figures the
+README and the recipes state.
 """
 
-import math
 import os
-import statistics
 import subprocess
 import sys
 from typing import List
@@ -24,12 +26,8 @@ from absl import flags
 from distributed_mpt import cli, files, recipes
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import stopping
-
-# Two-sided 95% quantiles of Student's t for n - 1 degrees of freedom
-# (n = 2..30); beyond, the normal's 1.96 is within 4%.
-_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-          2.060, 2.056, 2.052, 2.048, 2.045)
+from distributed_mpt.recipes import records
+from distributed_mpt.recipes.records import statistics_of
 
 
 def _flag_values() -> flags.FlagValues:
@@ -38,6 +36,12 @@ def _flag_values() -> flags.FlagValues:
     flags.DEFINE_string("seeds", "0-4", "Seeds: a range A-B, or a list A,B,C.", flag_values=fv)
     flags.DEFINE_string("runs_dir", None, "Where each seed's run goes (RUNS_DIR/seed-S) and "
                         "results.md (default runs/RECIPE).", flag_values=fv)
+    flags.DEFINE_string("ledger", records.PATH, "The results ledger each finished run is added "
+                        "to (with this machine, the commit and the flags), from which the "
+                        "README and the recipes' figures are rendered; '' for none.",
+                        flag_values=fv)
+    flags.DEFINE_string("conditions", None, "What else ran on the machine meanwhile, for the "
+                        "ledger (\"quiet\", \"tests at nice 10\").", flag_values=fv)
     return fv
 
 
@@ -54,14 +58,6 @@ def seeds_of(text: str) -> List[int]:
     if not seeds or len(seeds) > 1000 or min(seeds) < 0:
         raise ConfigError(f"--seeds={quoted(text)} must name 1 to 1000 seeds, none negative")
     return seeds
-
-
-def statistics_of(accuracies: List[float]) -> dict:
-    """n, mean, sample standard deviation and the 95% interval of the mean."""
-    n, mean = len(accuracies), statistics.fmean(accuracies)
-    std = statistics.stdev(accuracies) if n > 1 else math.nan
-    half = (_T_975[n - 2] if n <= 30 else 1.96) * std / math.sqrt(n) if n > 1 else math.nan
-    return {"n": n, "mean": mean, "std": std, "interval": (mean - half, mean + half)}
 
 
 def table(recipe: str, summaries: List[dict]) -> str:
@@ -99,7 +95,10 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
     if not fv.recipe:
         raise ConfigError("--recipe is required: the recipe to measure")
     runs_dir = os.path.expanduser(fv.runs_dir or os.path.join("runs", fv.recipe))
-    summaries = []
+    book = os.path.expanduser(fv.ledger)
+    if book and os.path.lexists(book):  # a damaged ledger is found now, not hours later
+        records.load(book)
+    summaries, finished = [], []
     for seed in seeds_of(fv.seeds):
         model_dir = os.path.join(runs_dir, f"seed-{seed}")
         command = stopping.helper_command("distributed_mpt.train", f"--recipe={fv.recipe}",
@@ -115,13 +114,22 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
             print(f"[measure] seed {seed} ended with {code}; run the same command again to "
                   f"resume", file=sys.stderr, flush=True)
             return code if code > 0 else 128 - code
-        summary = files.read_json(os.path.join(model_dir, "summary.json"))
+        summary_path = os.path.join(model_dir, "summary.json")
+        summary = files.read_json(summary_path)
         summaries.append({**summary, "seed": seed})
+        finished.append((seed, summary, summary_path))
     text = table(fv.recipe, summaries)
     files.write_text(os.path.join(runs_dir, "results.md"), text)
     files.write_json(os.path.join(runs_dir, "results.json"),
                      {"recipe": fv.recipe, "train_flags": train_flags, "runs": summaries})
     print(text, end="")
+    if book:
+        added = records.record_runs(book, fv.recipe, finished, train_flags, " ".join(
+            ["python -m distributed_mpt.recipes.measure", *own, "--", *train_flags]),
+            fv.conditions)
+        print(f"[measure] {sum(r['kind'] == 'run' for r in added)} run(s) added to {book}; "
+              f"`python -m distributed_mpt.recipes.ledger --write` renders the figures",
+              flush=True)
     return ExitCode.OK
 
 

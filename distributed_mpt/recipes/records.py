@@ -1,0 +1,272 @@
+"""The results ledger's records: every measured run of a recipe, one JSON
+object a line in `ledger.jsonl` beside the recipes (the runs of a session in
+the order they ran); read, checked, summed up and added to here (ledger.py
+lists it and renders from it, measure.py adds to it).
+
+Three kinds of record (`kind`):
+  machine  `machine` (its key), `cpu` (what it is), `column` (the README
+           column it is counted in: machines of one CPU class share one).
+  run      `id`, `recipe`, `flags` (what the run's flagfile and command set,
+           without where the data and the run live), `set` (the runs that
+           are summed up together: one recipe, machine and flags), `session`
+           (runs made in one sitting, in the ledger's order; null if alone),
+           `against` (the recipe it alternated with, whose runs in the same
+           sessions give its time ratio), `command`, `commit` (the code run;
+           null if not known), `recorded_in` (the commit that first stated
+           the figures), `date`, `machine`, `precision`, `seed`,
+           `eval_accuracy`, `eval_accuracy_without_tta`, `wall_seconds` (or
+           `wall_minutes` where only those were recorded), `examples_per_second`,
+           `shared` (other processes used the cores), `conditions`, `notes`;
+           `evaluations` and `finished` where a run logged a curve or stopped early.
+  tests    a timed run of the test suite: `suite`, `tests`, `wall_seconds`,
+           `command`, `commit`, `recorded_in`, `date`, `machine`, `conditions`.
+A field not known is null: nothing here is estimated.
+"""
+
+import json
+import math
+import os
+import re
+import statistics
+from importlib import resources
+from typing import Dict, List, Optional
+
+from distributed_mpt import files
+from distributed_mpt.errors import ConfigError
+
+PATH = str(resources.files(__package__) / "ledger.jsonl")
+
+# Flags that say where the data and the run live, or which seed: not what a
+# recipe is. A run's `flags` leave them out, and so does a recipe compared
+# with them.
+_PLACE = frozenset({"data_dir", "download", "model_dir", "adopt_model_dir", "seed"})
+
+# Two-sided 95% quantiles of Student's t for n - 1 degrees of freedom
+# (n = 2..30); beyond, the normal's 1.96 is within 4%.
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+          2.060, 2.056, 2.052, 2.048, 2.045)
+
+
+def statistics_of(values: List[float]) -> dict:
+    """n, mean, sample standard deviation, the 95% interval of the mean
+    (Student's t), min and max."""
+    n, mean = len(values), statistics.fmean(values)
+    std = statistics.stdev(values) if n > 1 else math.nan
+    half = (_T_975[n - 2] if n <= 30 else 1.96) * std / math.sqrt(n) if n > 1 else math.nan
+    return {"n": n, "mean": mean, "std": std, "interval": (mean - half, mean + half),
+            "min": min(values), "max": max(values)}
+
+
+def flags_of_text(text: str) -> Dict[str, object]:
+    """The flags a flagfile (or a command's `--flag` words, one a line) sets:
+    {name: value as written}, `--name` True and `--noname` False, the last
+    of a name winning as absl has it; without the place flags (_PLACE)."""
+    found = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("--"):
+            continue
+        name, equals, value = line[2:].partition("=")
+        if not equals:
+            name, value = (name[2:], False) if name.startswith("no") else (name, True)
+        found[name] = value
+    return {name: value for name, value in found.items() if name not in _PLACE}
+
+
+def recipe_flags(recipe: str) -> Dict[str, object]:
+    """What the shipped recipe sets now."""
+    from distributed_mpt import recipes
+    with open(recipes.path(recipe)) as f:
+        return flags_of_text(f.read())
+
+
+def as_flag(name: str, value) -> str:
+    """`--name=value`, `--name` or `--noname`."""
+    return f"--{name}" if value is True else f"--no{name}" if value is False else \
+        f"--{name}={value}"
+
+
+def variant(flags: dict, recipe: str) -> str:
+    """How `flags` differ from what `recipe` sets now, as the flags that
+    would make it so ("--activation=silu"); "" if they do not."""
+    shipped = recipe_flags(recipe)
+    differ = [as_flag(name, flags[name]) if name in flags else f"without --{name}"
+              for name in [*shipped, *(n for n in flags if n not in shipped)]
+              if flags.get(name) != shipped.get(name)]
+    if len(differ) > 3:
+        return f"another recipe's flags ({len(differ)} differ)"
+    return " ".join(differ)
+
+
+def wall_seconds(run: dict) -> Optional[float]:
+    """The run's wall time in seconds, from whichever unit it was recorded in."""
+    if run.get("wall_seconds") is not None:
+        return run["wall_seconds"]
+    return None if run.get("wall_minutes") is None else 60 * run["wall_minutes"]
+
+
+class Ledger:
+    """The records of a ledger file, by kind, checked against each other."""
+
+    def __init__(self, records: List[dict], path: str = PATH):
+        self.path = path
+        self.machines = {r["machine"]: r for r in records if r["kind"] == "machine"}
+        self.runs = [r for r in records if r["kind"] == "run"]
+        self.tests = [r for r in records if r["kind"] == "tests"]
+        self.sets: Dict[str, List[dict]] = {}
+        for run in self.runs:
+            self.sets.setdefault(run["set"], []).append(run)
+        self._check()
+
+    def _check(self) -> None:
+        ids = [run["id"] for run in self.runs]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{self.path}: run ids repeat: "
+                            f"{sorted({i for i in ids if ids.count(i) > 1})}")
+        for name, runs in self.sets.items():
+            first = runs[0]
+            for run in runs:
+                if run["machine"] not in self.machines:
+                    raise ConfigError(f"{self.path}: run {run['id']} names machine "
+                                    f"{run['machine']!r}, which has no machine record")
+                for key in ("recipe", "machine", "flags", "against"):
+                    if run.get(key) != first.get(key):
+                        raise ConfigError(f"{self.path}: set {name!r} mixes runs of different "
+                                        f"{key} ({first['id']}, {run['id']}): a set is one "
+                                        f"recipe's flags on one machine")
+
+    def column(self, run: dict) -> str:
+        return self.machines[run["machine"]]["column"]
+
+    def baselines(self, runs: List[dict]) -> List[dict]:
+        """The runs of the recipe `runs` alternated with, in their sessions."""
+        against, sessions = runs[0].get("against"), {r["session"] for r in runs}
+        return [r for r in self.runs if against and r["recipe"] == against
+                and r["session"] in sessions and r["session"] is not None]
+
+    def pair_ratios(self, runs: List[dict]) -> List[float]:
+        """Each run's wall time over that of the last run of the recipe it
+        alternated with before it in its session."""
+        ratios = []
+        for run in runs:
+            before = self.runs[:self.runs.index(run)]
+            last = [r for r in before if r in self.baselines([run])]
+            if last and wall_seconds(run) and wall_seconds(last[-1]):
+                ratios.append(wall_seconds(run) / wall_seconds(last[-1]))
+        return ratios
+
+
+def load(path: str = PATH) -> Ledger:
+    """The ledger in `path`. DamagedFileError if a line is damaged: the ledger is
+    the repository's, written by hand and by measure.py, never cut short."""
+    records, problems = files.read_jsonl(path, {"kind": str})
+    if problems:
+        raise files.DamagedFileError(f"{path}: {'; '.join(problems)}")
+    if not records and not os.path.exists(path):
+        raise ConfigError(f"there is no ledger at {path}")
+    return Ledger(records, path)
+
+
+def append(path: str, records: List[dict]) -> None:
+    """Adds `records` at the end of the ledger in `path` (written whole, as
+    every file of the package; a new ledger if there is none)."""
+    text = files.read_text(path, "the ledger is a text file of JSON lines") or ""
+    if text and not text.endswith("\n"):
+        raise files.DamagedFileError(f"{path}: its last line was cut short; mend it "
+                                     f"before appending")
+    Ledger(files.read_jsonl(path, {"kind": str})[0] + records, path)  # the result is consistent
+    files.write_text(path, text + "".join(json.dumps(r, sort_keys=False) + "\n"
+                                          for r in records))
+
+
+def _commit() -> str:
+    """The package's code: its git commit (with -dirty for uncommitted
+    changes) in a checkout, else its version."""
+    import subprocess
+    from distributed_mpt import __version__
+    try:
+        described = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                                   cwd=os.path.dirname(__file__), capture_output=True,
+                                   text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        described = None
+    if described and described.returncode == 0 and described.stdout.strip():
+        return described.stdout.strip()
+    return f"distributed_mpt {__version__}"
+
+
+def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List[str],
+                command: str, conditions: Optional[str]) -> List[dict]:
+    """Adds to the ledger in `path` a record for each (seed, summary,
+    summary path) of `finished` runs of `recipe` that it does not hold yet
+    (a measurement run again reads its finished runs back: they are not
+    measured twice), and this machine's record if it is new. Returns the
+    records added."""
+    import datetime
+    from distributed_mpt import recipes
+    existing = files.read_jsonl(path, {"kind": str})[0]
+    machine, commit = describe_machine(), _commit()
+    given = []
+    for arg in train_flags:  # `--name value`, as absl takes it too, becomes `--name=value`
+        if given and not arg.startswith("-") and "=" not in given[-1]:
+            given[-1] += "=" + arg
+        else:
+            given.append(arg)
+    with open(recipes.path(recipe)) as f:
+        run_flags = flags_of_text(f.read() + "\n" + "\n".join(given))
+    label = variant(run_flags, recipe)
+    if len(label.split()) > 3 or label.startswith("another"):  # a set's name, not a list
+        import hashlib
+        digest = hashlib.sha1(json.dumps(run_flags, sort_keys=True).encode()).hexdigest()
+        label = f"flags {digest[:8]}"
+    records = [] if any(r.get("machine") == machine["machine"] for r in existing) else [machine]
+    ids = {r.get("id") for r in existing}
+
+    def end_of(summary_path):
+        return datetime.datetime.fromtimestamp(os.path.getmtime(summary_path),
+                                               datetime.timezone.utc)
+    first_end = end_of(finished[0][2]).strftime("%Y-%m-%d %H:%M UTC") if finished else None
+    for seed, summary, summary_path in finished:
+        ended = end_of(summary_path)
+        run_id = f"{recipe}/{ended.strftime('%Y-%m-%dT%H:%M:%SZ')}/seed-{seed}"
+        if run_id in ids:
+            continue
+        records.append({
+            "kind": "run", "id": run_id, "recipe": recipe,
+            "set": f"{recipe}@{commit} on {machine['machine']}" + (f" {label}" if label else ""),
+            "session": f"{recipe} measured by measure.py, {first_end}", "against": None,
+            "command": command,
+            "commit": commit, "recorded_in": None, "date": ended.date().isoformat(),
+            "machine": machine["machine"], "precision": summary.get("precision"), "seed": seed,
+            "eval_accuracy": summary.get("eval_accuracy"),
+            "eval_accuracy_without_tta": summary.get("eval_accuracy_without_tta"),
+            "wall_seconds": summary.get("wall_seconds"),
+            "examples_per_second": summary.get("examples_per_second"),
+            "shared": None, "conditions": conditions, "notes": None, "flags": run_flags})
+    if not any(r["kind"] == "run" for r in records):
+        return []
+    append(path, records)
+    return records
+
+
+def describe_machine(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """A machine record for this host, from /proc/cpuinfo: its CPU's model,
+    family and model numbers, cores this process may use, and its widest
+    vector and bfloat16 instructions."""
+    fields = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    isa = ", ".join(i.upper() for i in ("avx512_bf16", "amx_bf16", "avx512f", "avx2")
+                    if i in flags) or "no AVX2"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu = (f"{cores} cores of an {fields.get('model name', 'unknown CPU')} (family "
+           f"{fields.get('cpu family', '?')}, model {fields.get('model', '?')}) with {isa}")
+    return {"kind": "machine", "machine": re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-"),
+            "cpu": cpu, "column": cpu}

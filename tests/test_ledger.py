@@ -1,0 +1,100 @@
+"""The results ledger (distributed_mpt/recipes/ledger.jsonl) and what is
+rendered from it: the README's table and figures, each recipe's headline,
+docs/recipes.md's tables of runs. The repository agrees with it, a figure
+typed by hand is caught, and a recipe holds its flags and a short header."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import REPO, assert_ok, run_module
+
+LEDGER = "distributed_mpt.recipes.ledger"
+RECIPES = REPO / "distributed_mpt" / "recipes"
+
+
+def test_readme_recipes_and_docs_say_what_the_ledger_says():
+    result = run_module(LEDGER, ["--check", "--nocount_tests"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow  # collecting the tests imports TensorFlow: a minute or more
+def test_readme_states_the_number_of_tests_a_fresh_collection_finds():
+    result = run_module(LEDGER, ["--check"], timeout=1800)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_each_recipe_is_its_flags_and_a_header_of_at_most_10_lines():
+    for path in sorted(RECIPES.glob("*.flags")):
+        lines = path.read_text().splitlines()
+        header = [line for line in lines if line.startswith("#")]
+        assert lines[:len(header)] == header, f"{path.name}: comments among the flags"
+        assert len(header) <= 10, f"{path.name}: a header of {len(header)} lines"
+        assert all(line.startswith("--") for line in lines[len(header):]), path.name
+        assert any(line.startswith("# Measured") for line in header), path.name
+
+
+def _copy_of_the_repository(tmp_path):
+    """The package, the README and docs/, where the check can be run on edits."""
+    for part in ("distributed_mpt", "docs"):
+        shutil.copytree(REPO / part, tmp_path / part,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    return tmp_path
+
+
+def _check(copy, *flags):
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    return subprocess.run([sys.executable, "-m", LEDGER, *flags], cwd=copy, text=True,
+                          capture_output=True, env=subprocess_env(PYTHONPATH=str(copy)),
+                          timeout=300)
+
+
+def test_a_figure_typed_over_the_ledgers_is_caught_and_rendered_back(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    readme = (copy / "README.md").read_text()
+    assert "**94.10%** mean of 6 runs" in readme
+    (copy / "README.md").write_text(readme.replace("**94.10%** mean of 6", "**94.20%** mean of 6"))
+    caught = _check(copy, "--check", "--nocount_tests")
+    assert caught.returncode == 1 and "README.md disagrees with the ledger" in caught.stdout
+    assert_ok(_check(copy, "--write", "--nocount_tests"))
+    assert (copy / "README.md").read_text() == readme
+
+
+def test_a_run_changed_in_the_ledger_changes_every_figure_drawn_from_it(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    ledger = copy / "distributed_mpt" / "recipes" / "ledger.jsonl"
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    run = next(r for r in records if r.get("id") == "cpu_cnn94_muon/c773f04/seed-0")
+    run["eval_accuracy"] = 0.9462  # 94.02% -> 94.62%: the mean of six moves by 0.10
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
+    caught = _check(copy, "--check", "--nocount_tests")
+    assert caught.returncode == 1
+    for path in ("README.md", "distributed_mpt/recipes/cpu_cnn94_muon.flags", "docs/recipes.md"):
+        assert f"{path} disagrees with the ledger" in caught.stdout, caught.stdout
+    assert_ok(_check(copy, "--write", "--nocount_tests"))
+    assert "**94.20%** mean of 6 runs" in (copy / "README.md").read_text()
+    header = (copy / "distributed_mpt/recipes/cpu_cnn94_muon.flags").read_text()
+    assert "94.20% mean of 6 runs" in header
+    assert _check(copy, "--check", "--nocount_tests").returncode == 0
+
+
+def test_a_damaged_ledger_is_one_error_line(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    ledger = copy / "distributed_mpt" / "recipes" / "ledger.jsonl"
+    ledger.write_text(ledger.read_text() + '{"kind": "run", "id": \n')
+    result = _check(copy, "--check", "--nocount_tests")
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert "line" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_the_ledger_lists_a_recipes_runs():
+    result = run_module(LEDGER, ["cpu_cnn94_muon"])
+    assert_ok(result)
+    assert "## cpu_cnn94_muon@c773f04: `cpu_cnn94_muon` (as shipped)" in result.stdout
+    assert "| 5 | c773f04 | 94.29% | 93.14% | 559.6 s | 696 |" in result.stdout
+    bad = run_module(LEDGER, ["no_such_recipe"])
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no_such_recipe is not one")

@@ -1,0 +1,17 @@
+"""The README's quick start refers to what the repository holds: the image
+it classifies ships, and where that image comes from is said beside it."""
+
+from conftest import REPO
+
+
+def test_the_quick_starts_image_ships():
+    from distributed_mpt.core.data import images
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines()
+                   if line.startswith("distributed-mpt-predict"))
+    image = REPO / command.split()[-1]
+    assert image.is_file(), f"{image} is not in the repository"
+    assert images.read_image(str(image)).shape == (128, 128, 3)
+    # Where it comes from, and on what terms, is said beside it.
+    said = " ".join((REPO / "docs" / "using-the-model.md").read_text().split())
+    assert f"`{command.split()[-1]}`" in said and "is test image 6" in said
