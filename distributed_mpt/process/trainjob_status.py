@@ -237,7 +237,7 @@ def _https_endpoint(url: str) -> Tuple[str, int, str]:
         raise _Refused(f"{where} holds spaces or control characters")
     try:
         parts = urllib.parse.urlsplit(url)
-        port = parts.port or 443
+        port = 443 if parts.port is None else parts.port
     except ValueError:
         raise _Refused(f"{where} is not a URL") from None
     if parts.scheme != "https" or not parts.hostname:
