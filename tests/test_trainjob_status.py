@@ -60,6 +60,7 @@ def report(env, capfd, progress=50):
     out, err = capfd.readouterr()
     print(f"close() took {seconds:.2f} s (its bound: {CLOSE_SECONDS:g} s)")
     assert seconds < CLOSE_ROOM_SECONDS
+    assert all(line.startswith("warning: ") for line in err.splitlines()), err
     return seconds, [line for line in err.splitlines() if "TrainJob" in line], out + err
 
 

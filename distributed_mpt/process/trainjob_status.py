@@ -58,6 +58,7 @@ CLOSE_SECONDS = MIN_SECONDS + REQUEST_SECONDS + 1
 # The controller refuses requests over 64 KiB and answers with the status it
 # applied or a Kubernetes Status (kubeflow/trainer v2.3,
 # pkg/statusserver/server.go): a longer answer is not its, and is not read.
+# (http.client bounds the headers: 100 lines of 64 KiB.)
 MAX_ANSWER_BYTES = 1 << 16
 # A projected service-account token is a JWT of about 1 KB, a CA bundle a
 # few KB: far larger files are not what the controller mounts.
@@ -77,7 +78,8 @@ class TrainJobStatus:
     """Sends the newest progress to the TrainJob; `close()` sends the last."""
 
     def __init__(self, url: str, ca_cert: str, token_file: str):
-        """Raises _Refused if `url` is not https or `ca_cert` holds no CA."""
+        """Raises _Refused, saying why, if `url` is not https or `ca_cert`
+        holds no CA certificate."""
         self._url, self._token_file = url, token_file
         self._host, self._port, self._path = _https_endpoint(url)
         self._tls = _tls_trusting(ca_cert)
