@@ -47,13 +47,12 @@ def serve(tmp_path):
         yield start
 
 
-def report(env, capfd, progress=50):
-    """One report as the chief sends it, then close(): the seconds close()
-    took, the lines of stderr that are about the TrainJob, and the whole
-    output (stdout and stderr)."""
+def report(env, capfd):
+    """One report as the chief sends it, then close(), within its bound: the
+    lines of stderr about the TrainJob, and the whole output."""
     status = TrainJobStatus.from_environment(env)
     assert status is not None, capfd.readouterr().err
-    status.update(progress, 60.4, {"loss": 1.5, "accuracy": 0.25})
+    status.update(50, 60.4, {"loss": 1.5, "accuracy": 0.25})
     began = time.monotonic()
     status.close()
     seconds = time.monotonic() - began
@@ -61,7 +60,7 @@ def report(env, capfd, progress=50):
     print(f"close() took {seconds:.2f} s (its bound: {CLOSE_SECONDS:g} s)")
     assert seconds < CLOSE_ROOM_SECONDS
     assert all(line.startswith("warning: ") for line in err.splitlines()), err
-    return seconds, [line for line in err.splitlines() if "TrainJob" in line], out + err
+    return [line for line in err.splitlines() if "TrainJob" in line], out + err
 
 
 def assert_one_warning(lines, fragment):
@@ -81,7 +80,7 @@ def test_the_controller_gets_each_report_with_the_token(serve, capfd):
     # Kubernetes writes the token without a newline; a file a person wrote has one.
     with open(server.env["KUBEFLOW_TRAINER_SERVER_TOKEN"], "a") as f:
         f.write("\n")
-    _, warnings, output = report(server.env, capfd)
+    warnings, output = report(server.env, capfd)
     assert not warnings
     assert_no_part_of_the_token(output)
     ((_, headers, body),) = server.requests
@@ -141,7 +140,7 @@ def token_in_the_status_line(handler, number):
 ], ids=["endless body", "endless headers", "401 quoting the token", "token in status line"])
 def test_a_hostile_answer_costs_one_warning(serve, capfd, answer, fragment):
     server = serve(answer)
-    _, warnings, output = report(server.env, capfd)
+    warnings, output = report(server.env, capfd)
     assert_one_warning(warnings, fragment)
     assert_no_part_of_the_token(output)
     assert len(server.requests) == 1
@@ -169,7 +168,7 @@ def test_a_redirect_is_never_followed(serve, capfd, status):
         handler.end_headers()
     try:
         server = serve(redirect)
-        _, warnings, output = report(server.env, capfd)
+        warnings, output = report(server.env, capfd)
         time.sleep(0.5)  # for a connection made at the end of close()
         assert not elsewhere.received, elsewhere.received
     finally:
@@ -221,14 +220,13 @@ def test_garbage_for_a_handshake_or_another_ca_certificate(serve, capfd):
     garbage = Listener(reply=b"HTTP/1.1 200 OK\r\n\r\n" + os.urandom(4096))
     ours, theirs = serve(), serve()
     try:
-        _, warnings, output = report(
+        warnings, output = report(
             {**ours.env, "KUBEFLOW_TRAINER_SERVER_URL": f"https://127.0.0.1:{garbage.port}/"},
             capfd)
         assert_one_warning(warnings, "TLS failed")
     finally:
         garbage.close()
-    _, warnings, output_too = report({**ours.env, "KUBEFLOW_TRAINER_SERVER_URL": theirs.url},
-                                     capfd)
+    warnings, output_too = report({**ours.env, "KUBEFLOW_TRAINER_SERVER_URL": theirs.url}, capfd)
     assert_one_warning(warnings, "its certificate is not trusted")
     assert not theirs.requests
     assert_no_part_of_the_token(output + output_too)
@@ -277,8 +275,7 @@ def test_a_token_file_that_holds_no_token(serve, capfd, tmp_path, kind, fragment
     else:
         path.write_text({"newline inside": f"{TOKEN[:20]}\n{TOKEN[20:]}",
                          "not ASCII": f"{TOKEN}\u00e9", "huge": TOKEN * 2000, "empty": ""}[kind])
-    _, warnings, output = report({**server.env, "KUBEFLOW_TRAINER_SERVER_TOKEN": str(path)},
-                                 capfd)
+    warnings, output = report({**server.env, "KUBEFLOW_TRAINER_SERVER_TOKEN": str(path)}, capfd)
     assert_one_warning(warnings, fragment)
     assert not server.requests
     assert_no_part_of_the_token(output)
