@@ -204,13 +204,13 @@ def test_a_trickling_server_holds_neither_the_thread_nor_the_final_report(serve,
     began = time.monotonic()
     status.close()
     seconds = time.monotonic() - began
+    _, err = capfd.readouterr()
     print(f"close() took {seconds:.2f} s (its bound: {CLOSE_SECONDS:g} s); the trickle was cut "
           f"after {hung_up_after} s")
     assert seconds < CLOSE_ROOM_SECONDS
     assert len(server.requests) == 2, "the final report was sent"
     assert json.loads(server.requests[1][2])["trainerStatus"]["progressPercentage"] == 100
     assert hung_up_after and hung_up_after[0] < REQUEST_SECONDS + 10
-    _, err = capfd.readouterr()
     warnings = [line for line in err.splitlines() if "TrainJob" in line]
     assert_one_warning(warnings, "no complete answer within 5.0 s")
     assert_no_part_of_the_token(err)
