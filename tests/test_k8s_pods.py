@@ -17,23 +17,20 @@ to the command: a tiny airbench on synthetic data, on CPUs, for a few steps.
 Needs root (network namespaces); skipped elsewhere, with the reason.
 """
 
-import http.server
 import json
 import signal
-import ssl
 import subprocess
-import threading
 import time
 from datetime import datetime
 
 import jsonschema
 import pytest
-import yaml
 
 import netns
 from distributed_mpt import errors
 from k8s_pods import K8S, render, training_job, training_pods
 from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
+from status_server import StatusServer, trainer_status_schema
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]
@@ -87,67 +84,6 @@ def _finished(model_dir) -> dict:
     assert (summary["num_workers"], summary["steps"]) == (2, TRAIN_STEPS)
     assert summary["eval_accuracy"] > 0.5
     return summary
-
-
-class StatusServer:
-    """Kubeflow Trainer's status endpoint as its controller serves it to a
-    TrainJob's pods (v2.2+, feature gate TrainJobStatus): HTTPS with a CA of
-    its own, a bearer token in a file, the three variables that say where;
-    it records every request."""
-
-    TOKEN = "a-projected-service-account-token"
-
-    def __init__(self, address: str, directory):
-        self.requests = []  # (arrival, headers, body)
-        self._certificate(address, directory)
-        server = self
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                server.requests.append((time.monotonic(), dict(self.headers), body))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-        self._http = http.server.ThreadingHTTPServer((address, 0), Handler)
-        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        tls.load_cert_chain(directory / "server.crt", directory / "server.key")
-        self._http.socket = tls.wrap_socket(self._http.socket, server_side=True)
-        (directory / "token").write_text(self.TOKEN)
-        self.env = {"KUBEFLOW_TRAINER_SERVER_URL":
-                    f"https://{address}:{self._http.server_address[1]}/apis/status",
-                    "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(directory / "ca.crt"),
-                    "KUBEFLOW_TRAINER_SERVER_TOKEN": str(directory / "token")}
-
-    @staticmethod
-    def _certificate(address, directory):
-        """A CA, and a certificate it signed for `address`, made by openssl."""
-        def openssl(*args):
-            subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-                "-out", "ca.crt", "-days", "1", "-subj", "/CN=test trainer CA")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-                "server.csr", "-subj", "/CN=kubeflow-trainer-controller")
-        (directory / "san.ext").write_text(f"subjectAltName=IP:{address}\n")
-        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
-
-    def __enter__(self):
-        threading.Thread(target=self._http.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self._http.shutdown()
-
-
-def trainer_status_schema() -> dict:
-    """TrainJob's status.trainerStatus, from the CRD the tests carry."""
-    crd = yaml.safe_load((K8S / "schemas" / "trainer.kubeflow.org_trainjobs.yaml").read_text())
-    (version,) = crd["spec"]["versions"]
-    return version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
-        "trainerStatus"]
 
 
 @pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "trainjob"])

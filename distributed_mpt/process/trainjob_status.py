@@ -12,37 +12,80 @@ progress.md). The chief POSTs `{"trainerStatus": {"progressPercentage",
 "lastUpdatedTime"}}` at most every MIN_SECONDS, from a thread of its own so
 that a slow server never slows training. A report that fails is one warning,
 never a failed run.
+
+The server and the three variables are untrusted (DESIGN.md, decision 8). A
+server that answers without end, trickles its answer, redirects or breaks
+TLS costs a warning and at most REQUEST_SECONDS of this thread: never the
+run's memory, and never more than CLOSE_SECONDS of its end. The token goes
+only over verified HTTPS to the URL's host: `https` alone, with the injected
+CA alone, and no redirect followed (urllib carries the Authorization header
+across them, to any host and scheme). No message holds the token or a part
+of it: a warning says what went wrong in this module's words, the C
+library's or OpenSSL's, never in the server's (its status line, headers and
+body may echo the header back) nor in http.client's, which quote them.
 """
 
 import datetime
+import http.client
 import json
 import os
+import re
+import socket
 import ssl
+import stat
 import sys
 import threading
 import time
-import urllib.request
-from typing import Mapping, Optional
+import urllib.parse
+from typing import Mapping, Optional, Tuple
 
 from distributed_mpt.errors import first_line, quoted
+from distributed_mpt.files import kind_of
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
 TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # The controller asks for no more than one update every 5 seconds.
 MIN_SECONDS = 5.0
-_TIMEOUT_SECONDS = 5.0
+# One report as a whole: connection, TLS handshake, request and answer. A
+# timeout on each socket operation alone lets a server that sends a byte
+# every few seconds hold the thread, and the final report, for ever.
+REQUEST_SECONDS = 5.0
+# The most close() adds to the end of a run, whatever the server does: the
+# final report's turn (MIN_SECONDS after the last), the report, a second to
+# close the connection.
+CLOSE_SECONDS = MIN_SECONDS + REQUEST_SECONDS + 1
+# The controller refuses requests over 64 KiB and answers with the status it
+# applied or a Kubernetes Status (kubeflow/trainer v2.3,
+# pkg/statusserver/server.go): a longer answer is not its, and is not read.
+# (http.client bounds the headers: 100 lines of 64 KiB.)
+MAX_ANSWER_BYTES = 1 << 16
+# A projected service-account token is a JWT of about 1 KB, a CA bundle a
+# few KB: far larger files are not what the controller mounts.
+MAX_TOKEN_BYTES = 1 << 16
+MAX_CA_BYTES = 1 << 20
+# RFC 6750's b64token, what a bearer token is made of: nothing else goes
+# into a header (a newline would forge one) or into a message.
+_BEARER_TOKEN = re.compile(rb"[A-Za-z0-9._~+/-]+=*")
+
+
+class _Refused(Exception):
+    """Why the reporter, or one report, cannot go on, in words of this
+    module that may be printed as they are."""
 
 
 class TrainJobStatus:
     """Sends the newest progress to the TrainJob; `close()` sends the last."""
 
     def __init__(self, url: str, ca_cert: str, token_file: str):
+        """Raises _Refused, saying why, if `url` is not https or `ca_cert`
+        holds no CA certificate."""
         self._url, self._token_file = url, token_file
-        self._tls = ssl.create_default_context(cafile=ca_cert)
+        self._host, self._port, self._path = _https_endpoint(url)
+        self._tls = _tls_trusting(ca_cert)
         self._latest: Optional[dict] = None
         self._changed = threading.Condition()
-        self._closing = False
+        self._close_by: Optional[float] = None  # time.monotonic(), once close() is called
         self._warned = False
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                         name="trainjob-status")
@@ -51,15 +94,15 @@ class TrainJobStatus:
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ
                          ) -> Optional["TrainJobStatus"]:
-        """A sender if Kubeflow Trainer injected its endpoint, else None."""
+        """A sender if Kubeflow Trainer injected its endpoint, else None
+        (after one warning if the endpoint is unusable)."""
         values = [environ.get(name) for name in (URL_ENV, CA_CERT_ENV, TOKEN_ENV)]
         if not all(values):
             return None
         try:
             return cls(*values)
-        except (OSError, ssl.SSLError) as e:  # a CA file that cannot be read
-            _warn(f"TrainJob progress is not reported: {CA_CERT_ENV}={quoted(values[1])} "
-                  f"cannot be used ({quoted(first_line(e))})")
+        except _Refused as e:
+            _warn(f"TrainJob progress is not reported: {e}")
             return None
 
     def update(self, progress_percent: float, eta_seconds: Optional[float],
@@ -76,50 +119,206 @@ class TrainJobStatus:
             self._latest = {"trainerStatus": status}
             self._changed.notify()
 
-    def close(self, timeout: float = MIN_SECONDS + _TIMEOUT_SECONDS + 1) -> None:
+    def close(self) -> None:
         """Sends what is pending (the final progress, at most MIN_SECONDS
-        later) and stops the thread."""
+        later) and stops the thread; returns within CLOSE_SECONDS, whatever
+        the server does."""
         with self._changed:
-            self._closing = True
+            # The thread's own deadline, a second before the join's: it ends
+            # by itself, its connection closed, rather than being left behind.
+            self._close_by = time.monotonic() + CLOSE_SECONDS - 1
             self._changed.notify()
-        self._thread.join(timeout)
+        self._thread.join(CLOSE_SECONDS)
 
     def _send_loop(self) -> None:
-        last_sent = None
+        last_sent = -MIN_SECONDS
         while True:
             with self._changed:
-                while self._latest is None and not self._closing:
+                while self._latest is None and self._close_by is None:
                     self._changed.wait()
                 if self._latest is None:
                     return
                 # At most one request every MIN_SECONDS, the last one too.
-                wait = MIN_SECONDS - (time.monotonic() - last_sent) if last_sent else 0
+                wait = last_sent + MIN_SECONDS - time.monotonic()
                 if wait > 0:
-                    if self._closing:
-                        time.sleep(wait)  # the final progress, once it may be sent
-                    else:
-                        self._changed.wait(wait)
-                        continue
+                    self._changed.wait(wait)
+                    continue
                 payload, self._latest = self._latest, None
-            self._post(payload)
+                deadline = time.monotonic() + REQUEST_SECONDS
+                if self._close_by is not None:
+                    deadline = min(deadline, self._close_by)
+            if deadline - time.monotonic() < 1:  # the report before took nearly all its time
+                self._failed("the final progress had no time left")
+                return
+            self._post(payload, deadline)
             last_sent = time.monotonic()
 
-    def _post(self, payload: dict) -> None:
+    def _post(self, payload: dict, deadline: float) -> None:
+        """One report, over by `deadline` (time.monotonic())."""
+        seconds = deadline - time.monotonic()
         try:
-            with open(self._token_file) as f:  # rotated by Kubernetes: read every time
-                token = f.read().strip()
-            request = urllib.request.Request(
-                self._url, data=json.dumps(payload).encode(), method="POST",
-                headers={"Authorization": f"Bearer {token}",
-                         "Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=_TIMEOUT_SECONDS,
-                                        context=self._tls) as response:
-                response.read()
+            token = _bearer_token(self._token_file)  # rotated by Kubernetes: read every time
+            connection = _Connection(self._host, self._port, self._tls, deadline)
+            try:
+                connection.request("POST", self._path, body=json.dumps(payload).encode(),
+                                   headers={"Authorization": f"Bearer {token}",
+                                            "Content-Type": "application/json"})
+                answer = connection.getresponse()
+                if 300 <= answer.status < 400:
+                    raise _Refused(f"it answered {answer.status}, a redirect, which the token "
+                                   f"never follows")
+                if not 200 <= answer.status < 300:
+                    raise _Refused(f"it answered {answer.status}")
+                if len(answer.read(MAX_ANSWER_BYTES + 1)) > MAX_ANSWER_BYTES:
+                    raise _Refused(f"it answered with more than {MAX_ANSWER_BYTES:,} bytes")
+            finally:
+                connection.close()
         except Exception as e:  # noqa: BLE001 - reporting must never stop a run
-            if not self._warned:  # once: a server that is down stays down
-                self._warned = True
-                _warn(f"TrainJob progress not reported to {quoted(self._url)} "
-                      f"({type(e).__name__}: {quoted(first_line(e))}); training goes on")
+            self._failed(_why(e, seconds))
+
+    def _failed(self, why: str) -> None:
+        """A warning for the first report that failed: a server that is down
+        stays down."""
+        if not self._warned:
+            self._warned = True
+            _warn(f"TrainJob progress not reported to {quoted(self._url)} "
+                  f"({quoted(why, 400)}); training goes on")
+
+
+class _DeadlineSocket(ssl.SSLSocket):
+    """A TLS socket whose operations all end by one `deadline`
+    (time.monotonic()): each waits at most for the time left."""
+
+    deadline = float("inf")
+
+    def do_handshake(self, block=False):
+        self.settimeout(_seconds_left(self.deadline))
+        return super().do_handshake(block)
+
+    def recv_into(self, buffer, nbytes=None, flags=0):
+        self.settimeout(_seconds_left(self.deadline))
+        return super().recv_into(buffer, nbytes, flags)
+
+    def send(self, data, flags=0):  # sendall() sends through it
+        self.settimeout(_seconds_left(self.deadline))
+        return super().send(data, flags)
+
+
+class _Connection(http.client.HTTPSConnection):
+    """The connection of one request, over by `deadline` (name resolution
+    aside, which the resolver's own timeouts bound). http.client follows no
+    redirect, and reads no more of an answer than it is asked for."""
+
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext, deadline: float):
+        super().__init__(host, port, context=tls)
+        self._deadline = deadline
+
+    def connect(self):
+        plain = socket.create_connection((self.host, self.port), _seconds_left(self._deadline))
+        try:
+            self.sock = self._context.wrap_socket(plain, server_hostname=self.host,
+                                                  do_handshake_on_connect=False)
+        except BaseException:
+            plain.close()
+            raise
+        self.sock.deadline = self._deadline
+        self.sock.do_handshake()
+
+
+def _seconds_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the report's time is up")
+    return left
+
+
+def _https_endpoint(url: str) -> Tuple[str, int, str]:
+    """The host, port and path of `url`, which must be https://host[:port]/path."""
+    where = f"{URL_ENV}={quoted(url)}"
+    if not (url.isascii() and url.isprintable()) or " " in url:
+        raise _Refused(f"{where} holds spaces or control characters")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = 443 if parts.port is None else parts.port
+    except ValueError:
+        raise _Refused(f"{where} is not a URL") from None
+    if parts.scheme != "https" or not parts.hostname:
+        raise _Refused(f"{where} is not an https:// URL: the token goes over verified TLS only")
+    if parts.username is not None:
+        raise _Refused(f"{where} holds a user name: the token is the only credential sent")
+    return parts.hostname, port, urllib.parse.urlunsplit(("", "", parts.path or "/",
+                                                           parts.query, ""))
+
+
+def _tls_trusting(ca_cert: str) -> ssl.SSLContext:
+    """A TLS context that trusts the CA certificates of `ca_cert` alone and
+    checks the server's name. The file is read here, once and bounded:
+    OpenSSL is given its text, never its path."""
+    where = f"{CA_CERT_ENV}={quoted(ca_cert)}"
+    data = _read_bounded(ca_cert, MAX_CA_BYTES, where)
+    # Not ssl.create_default_context(cadata=...): given an empty file, it
+    # would trust the system's CAs instead.
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the host name
+    try:
+        tls.load_verify_locations(cadata=data.decode("ascii"))
+    except UnicodeDecodeError:
+        raise _Refused(f"{where} is not a PEM certificate (not ASCII text)") from None
+    except (ssl.SSLError, ValueError) as e:
+        raise _Refused(f"{where} is not a PEM certificate ({quoted(first_line(e))})") from None
+    if not tls.cert_store_stats()["x509_ca"]:
+        raise _Refused(f"{where} holds no CA certificate")
+    tls.sslsocket_class = _DeadlineSocket
+    return tls
+
+
+def _bearer_token(path: str) -> str:
+    """The token in the file at `path` (one trailing newline allowed)."""
+    where = f"{TOKEN_ENV}={quoted(path)}"
+    data = _read_bounded(path, MAX_TOKEN_BYTES, where)
+    token = data[:-1] if data.endswith(b"\n") else data
+    if not token:
+        raise _Refused(f"{where} is empty")
+    if not _BEARER_TOKEN.fullmatch(token):  # the message says nothing of what it holds
+        raise _Refused(f"{where} does not hold a bearer token (RFC 6750 allows letters, "
+                       f"digits, -._~+/ and a trailing =)")
+    return token.decode("ascii")
+
+
+def _read_bounded(path: str, limit: int, where: str) -> bytes:
+    """The bytes of the regular file at `path` (a symbolic link to one
+    included), at most `limit` of them. A FIFO would block the open, a device
+    node never end: neither is opened, and the check is repeated on what
+    was opened (without blocking), in case the path changed in between."""
+    try:
+        if stat.S_ISREG(os.stat(path).st_mode):
+            descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            with open(descriptor, "rb") as f:
+                if stat.S_ISREG(os.fstat(descriptor).st_mode):
+                    data = f.read(limit + 1)
+                    if len(data) > limit:
+                        raise _Refused(f"{where} is larger than {limit:,} bytes")
+                    return data
+    except OSError as e:
+        raise _Refused(f"{where} cannot be read ({e.strerror})") from None
+    raise _Refused(f"{where} is {kind_of(os.path.realpath(path))}, not a regular file")
+
+
+def _why(error: Exception, seconds: float) -> str:
+    """What went wrong with a report, in words that cannot hold the token;
+    `seconds`: the time the report had."""
+    if isinstance(error, _Refused):
+        return str(error)
+    if isinstance(error, ssl.SSLCertVerificationError):  # OpenSSL's words, the URL's host
+        return f"its certificate is not trusted: {error.verify_message}"
+    if isinstance(error, ssl.SSLError):
+        return f"TLS failed: {error.reason or type(error).__name__}"
+    if isinstance(error, TimeoutError):
+        return f"no complete answer within {seconds:.1f} s"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if isinstance(error, http.client.HTTPException):
+        return f"not an HTTP answer ({type(error).__name__})"
+    return type(error).__name__
 
 
 def _warn(message: str) -> None:
