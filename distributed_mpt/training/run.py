@@ -21,7 +21,7 @@ from distributed_mpt.training.agreement import check_workers_agree, leave_togeth
 from distributed_mpt.training.build import Built, build, train_input
 from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
-from distributed_mpt.training.plan import RunPlan, plan_run
+from distributed_mpt.training.plan import RunPlan, plan_run, short_run_warning
 from distributed_mpt.training.reporting import Reporter
 from distributed_mpt.training.resumption import continue_with, refuse_other_training, resume
 
@@ -65,6 +65,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset.info, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
+            if is_chief and (warning := short_run_warning(config, plan, len(dataset.train))):
+                files.warn(warning)
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 
