@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_ok, checkpoint_weights, read_summary, subprocess_env, train
+from conftest import (assert_ok, checkpoint_weights, read_summary, subprocess_env, train,
+                      weights_of_one_and_two_replicas)
 from distributed_mpt.core import batch_norm, models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.models.cpu_layers import FusedBatchNormalization
@@ -188,3 +189,21 @@ def test_unconverged_statistics_are_recalibrated_and_evaluation_then_matches_tra
     saved = checkpoint_weights(tmp_path / "auto")
     name = next(n for n in saved if "moving_variance" in n)
     assert not np.allclose(saved[name], checkpoint_weights(tmp_path / "kept")[name], rtol=0.1)
+
+
+# --- N replicas train like one, batch norm synchronized ------------------------
+
+
+def test_two_replicas_train_a_network_of_six_batch_norms_like_one(tmp_path):
+    # airbench: three stages of two synchronized batch norms each. One
+    # replica trains them with the fused kernel, two with Keras' all-reduced
+    # E[x^2] - E[x]^2; training amplifies the round-off of either (README:
+    # as much as reordering a batch's examples on one replica does).
+    common = ["--dataset=synthetic", "--synthetic_examples=512", "--model=airbench",
+              "--model_width=4", "--train_steps=8", "--warmup_epochs=0", "--precision=float32",
+              "--steps_per_loop=4", "--noevaluate", "--noexport"]
+    single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
+    assert sum("moving_variance" in name for name in single) == 6
+    for name in single:
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
