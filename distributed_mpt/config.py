@@ -9,7 +9,7 @@ import math
 import os
 from typing import Optional
 
-from distributed_mpt.core import augmentation, data, models, precision
+from distributed_mpt.core import augmentation, batch_norm, data, models, precision
 from distributed_mpt.core.optim import groups, rules, schedules
 from distributed_mpt.errors import ConfigError, UserError
 
@@ -29,6 +29,7 @@ FREEZES = groups.FREEZES
 FLIPS = augmentation.FLIPS
 AIRBENCH_ACTIVATIONS = models.AIRBENCH_ACTIVATIONS
 TTA_VIEWS = augmentation.TTA_VIEWS
+BN_RECALIBRATIONS = batch_norm.RECALIBRATIONS
 # A progress line at least this often, whatever --log_every_steps says.
 PROGRESS_SECONDS = 20
 # The flags each model has a default of its own for (models.Defaults).
@@ -79,8 +80,8 @@ class TrainConfig:
         "auto", "auto: mixed_float16 on GPUs of compute capability 7.0+, mixed_bfloat16 on "
         "CPUs with bfloat16 instructions (AVX512_BF16 or AMX; how much faster than float32: "
         "docs/performance.md), else float32 (bfloat16 is emulated and slower without them, "
-        "float16 on every CPU). mixed_float16 scales "
-        "the loss dynamically; mixed_bfloat16 needs no scaling.", PRECISIONS)
+        "float16 on every CPU). mixed_float16 scales the loss dynamically; mixed_bfloat16 "
+        "needs no scaling.", PRECISIONS)
     strategy: str = _option("auto", "auto picks multi_worker for a cluster, mirrored for "
                             "several GPUs or --cpu_replicas, one_device for one GPU, else "
                             "default.", STRATEGIES)
@@ -222,6 +223,10 @@ class TrainConfig:
         1.0, "Test-time augmentation only for this fraction of the test images: those whose plain "
         "view is least confident (lowest top softmax probability; the 2025 record, "
         "hiverge/cifar10-speedrun: 0.25); the others keep the plain view's logits.")
+    bn_recalibration: str = _option(
+        "auto", f"After the last step, set batch norm's moving statistics to those of "
+        f"{batch_norm.RECALIBRATION_IMAGES:,} unaugmented training images. auto: where momentum "
+        f"** steps > {batch_norm.INITIAL_WEIGHT_LIMIT:g} (core/batch_norm.py).", BN_RECALIBRATIONS)
     export: bool = _option(True, "Export a SavedModel and a .keras file at the end.")
 
     def __post_init__(self):
@@ -286,6 +291,7 @@ def _validate(c: TrainConfig) -> None:
     _choice("flip", c.flip, FLIPS)
     _choice("optimizer", c.optimizer, OPTIMIZERS)
     _choice("eval_tta", c.eval_tta, TTA_VIEWS)
+    _choice("bn_recalibration", c.bn_recalibration, BN_RECALIBRATIONS)
     _choice("momentum_form", c.momentum_form, MOMENTUM_FORMS)
     _choice("whiten_bias_freeze", c.whiten_bias_freeze, FREEZES)
     _choice("activation", c.activation, AIRBENCH_ACTIVATIONS)
@@ -376,7 +382,7 @@ RESUME_MAY_CHANGE = (
     "epochs", "train_steps", "per_replica_batch_size", "model_dir", "adopt_model_dir",
     "data_dir", "download", "strategy", "cpu_replicas", "communication", "steps_per_loop",
     "log_every_steps", "checkpoint_every_steps", "xla", "data_on_device", "peer_timeout_seconds",
-    "evaluate", "eval_every_epochs", "eval_tta", "eval_tta_fraction", "export")
+    "evaluate", "eval_every_epochs", "eval_tta", "eval_tta_fraction", "bn_recalibration", "export")
 
 
 def training_flags(c: TrainConfig) -> dict:

@@ -1,5 +1,7 @@
 """The fused batch norm is Keras' batch norm, faster: the same outputs, moving
-statistics and gradients, and saved models that hold Keras' own layer."""
+statistics and gradients, and saved models that hold Keras' own layer. Moving
+statistics that a short run cannot have made converge are recalibrated over
+training images, so that evaluation matches training."""
 
 import subprocess
 import sys
@@ -10,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import subprocess_env
-from distributed_mpt.core import models
+from conftest import (assert_ok, checkpoint_weights, read_summary, subprocess_env, train,
+                      weights_of_one_and_two_replicas)
+from distributed_mpt.core import batch_norm, models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.models.cpu_layers import FusedBatchNormalization
 from distributed_mpt.training import export
@@ -102,3 +105,105 @@ def test_the_keras_file_holds_keras_layers_and_the_trained_function(tmp_path):
                    cwd=tmp_path, timeout=120)
     np.testing.assert_allclose(np.load(loaded), np.asarray(tf.nn.softmax(model(images))),
                                rtol=1e-5, atol=1e-6)
+
+
+# --- moving statistics that a short run cannot have made converge -------------
+
+# MobileNet's momentum (keras.applications): a run of tens of steps leaves
+# the moving statistics nearly the initial ones (0.999 ** 40 = 0.96).
+SLOW_STATISTICS = '''
+import keras
+
+
+def slow_statistics(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Rescaling(1 / 255)(images)
+    x = keras.layers.Conv2D(8, 3, use_bias=False)(x)
+    x = keras.layers.BatchNormalization(momentum=0.999)(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+'''
+
+
+def test_recalibration_sets_each_moving_statistic_to_the_mean_of_the_batches_statistics():
+    model = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.Conv2D(4, 3),
+                              FusedBatchNormalization(momentum=0.999, synchronized=True),
+                              keras.layers.ReLU(),
+                              keras.layers.BatchNormalization(momentum=0.9, synchronized=True)])
+    first, second = batch_norm.batch_norm_layers(model)
+    first.beta.assign([0.5, -0.5, 1.0, 0.0])  # so that the second layer sees shifted inputs
+    rng = np.random.default_rng(3)
+    batches = [rng.normal(2.0, 3.0, (16, 6, 6, 3)).astype(np.float32) for _ in range(3)]
+    strategy = tf.distribute.get_strategy()
+
+    def recalibrate():
+        batch_norm.recalibrate(model, strategy, iter([(b, np.zeros(16)) for b in batches]),
+                               len(batches), [first, second])
+
+    recalibrate()
+    inputs = [model.layers[0](b) for b in batches]  # what the first layer normalizes
+    expected = np.mean([tf.reduce_mean(x, [0, 1, 2]) for x in inputs], 0)
+    np.testing.assert_allclose(first.moving_mean, expected, rtol=1e-5, atol=1e-6)
+    expected = np.mean([tf.math.reduce_variance(x, [0, 1, 2]) for x in inputs], 0)
+    np.testing.assert_allclose(first.moving_variance, expected, rtol=1e-5)
+    # The second layer's inputs, as training computes them: the first
+    # normalized with each batch's statistics.
+    inputs = [tf.nn.relu(tf.nn.batch_normalization(x, *tf.nn.moments(x, [0, 1, 2]), first.beta,
+                                                   first.gamma, first.epsilon)) for x in inputs]
+    expected = np.mean([tf.math.reduce_variance(x, [0, 1, 2]) for x in inputs], 0)
+    np.testing.assert_allclose(second.moving_variance, expected, rtol=1e-4)
+    assert (first.momentum, second.momentum) == (0.999, 0.9), "the momenta are given back"
+
+    statistics = [keras.ops.convert_to_numpy(v) for v in (first.moving_mean, second.moving_variance)]
+    recalibrate()  # what a run resumed after it (a lost export) does again
+    for before, after in zip(statistics, (first.moving_mean, second.moving_variance)):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_unconverged_statistics_are_recalibrated_and_evaluation_then_matches_training(tmp_path):
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW_STATISTICS)
+    flags = ["--dataset=synthetic", "--synthetic_examples=1024", f"--model={path}:slow_statistics",
+             "--per_replica_batch_size=32", "--train_steps=40", "--learning_rate=0.5",
+             "--warmup_epochs=0", "--precision=float32", "--steps_per_loop=10", "--noexport"]
+    kept = train([*flags, "--bn_recalibration=off", f"--model_dir={tmp_path / 'kept'}"])
+    assert_ok(kept)
+    assert "recalibrating" not in kept.stdout
+    result = train([*flags, f"--model_dir={tmp_path / 'auto'}"])
+    assert_ok(result)
+    notes = [line for line in result.stdout.splitlines() if line.startswith("recalibrating")]
+    assert notes[0] == ("recalibrating the moving statistics of 1 of 1 batch-norm layers over 1,024 "
+                     "unaugmented training images (at momentum 0.999, 40 steps leave the initial "
+                     "statistics 96% of their weight; --bn_recalibration=off keeps them)")
+    before, after = read_summary(tmp_path / "kept"), read_summary(tmp_path / "auto")
+    print(f"train accuracy {after['train_accuracy']:.3f}; evaluated with the moving statistics "
+          f"as trained {before['eval_accuracy']:.3f}, recalibrated {after['eval_accuracy']:.3f}")
+    assert before["train_accuracy"] == after["train_accuracy"] > 0.5, "the same training"
+    assert before["eval_accuracy"] < after["train_accuracy"] - 0.3
+    assert after["eval_accuracy"] > after["train_accuracy"] - 0.1
+    assert after["bn_recalibration"] == {"layers": 1, "images": 1024}
+    assert before["bn_recalibration"] is None
+    # The checkpoint holds them: predict reading it, or a lost export made
+    # again, evaluates as the run did.
+    saved = checkpoint_weights(tmp_path / "auto")
+    name = next(n for n in saved if "moving_variance" in n)
+    assert not np.allclose(saved[name], checkpoint_weights(tmp_path / "kept")[name], rtol=0.1)
+
+
+# --- N replicas train like one, batch norm synchronized ------------------------
+
+
+def test_two_replicas_train_a_network_of_six_batch_norms_like_one(tmp_path):
+    # airbench: three stages of two synchronized batch norms each. One
+    # replica trains them with the fused kernel, two with Keras' all-reduced
+    # E[x^2] - E[x]^2; training amplifies the round-off of either (README:
+    # as much as reordering a batch's examples on one replica does).
+    common = ["--dataset=synthetic", "--synthetic_examples=512", "--model=airbench",
+              "--model_width=4", "--train_steps=8", "--warmup_epochs=0", "--precision=float32",
+              "--steps_per_loop=4", "--noevaluate", "--noexport"]
+    single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
+    assert sum("moving_variance" in name for name in single) == 6
+    for name in single:
+        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)

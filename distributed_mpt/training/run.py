@@ -12,7 +12,8 @@ import tensorflow as tf
 from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.core import data, models, precision
+from distributed_mpt.core import batch_norm, data, models, pipeline, precision
+from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE, linear_rule_warning
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
@@ -21,7 +22,7 @@ from distributed_mpt.training.agreement import check_workers_agree, leave_togeth
 from distributed_mpt.training.build import Built, build, train_input
 from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
-from distributed_mpt.training.plan import RunPlan, plan_run
+from distributed_mpt.training.plan import RunPlan, plan_run, short_run_warning
 from distributed_mpt.training.reporting import Reporter
 from distributed_mpt.training.resumption import continue_with, refuse_other_training, resume
 
@@ -65,9 +66,11 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset.info, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
-            beyond_rule = linear_rule_warning(plan.global_batch_size, len(dataset.train))
-            if is_chief and beyond_rule:
-                files.warn(beyond_rule)
+            if is_chief:
+                for warning in (short_run_warning(config, plan, len(dataset.train)),
+                                linear_rule_warning(plan.global_batch_size, len(dataset.train))):
+                    if warning:
+                        files.warn(warning)
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 
@@ -78,8 +81,11 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
+            recalibrated = _recalibrate_batch_norm(built, config, plan, dataset.train, checkpoints,
+                                                   reporter)
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
                                train_metrics, throughput)
+            summary["bn_recalibration"] = recalibrated
             _evaluate_and_export(built, config, dataset, reporter, summary, export_model=is_chief)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             if is_chief:
@@ -177,6 +183,41 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
         "device": distribution.describe_devices(),
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
+
+
+def _recalibrate_batch_norm(built: Built, config: TrainConfig, plan: RunPlan,
+                            train_split: data.ImageSplit, checkpoints: Checkpoints,
+                            reporter: Reporter) -> Optional[dict]:
+    """Recalibrates batch norm's moving statistics if --bn_recalibration
+    says so (core/batch_norm.py), and saves them into the last checkpoint:
+    a finished run exported again, and predict reading the checkpoint, get
+    them too. Returns what summary.json says of it (None: not done)."""
+    trainer = built.trainer
+    if config.bn_recalibration == "off":
+        return None
+    steps = int(trainer.step.numpy())
+    every = batch_norm.batch_norm_layers(trainer.model)
+    layers = every if config.bn_recalibration == "on" else batch_norm.unconverged(trainer.model,
+                                                                                   steps)
+    if not layers:
+        return None
+    batches = batch_norm.recalibration_batches(len(train_split), plan.global_batch_size)
+    images = batches * plan.global_batch_size
+    heaviest = max(layers, key=lambda layer: batch_norm.initial_weight(layer, steps))
+    weight = batch_norm.initial_weight(heaviest, steps)
+    why = ("--bn_recalibration=on" if config.bn_recalibration == "on" else
+           f"at momentum {heaviest.momentum:g}, {steps} steps leave the initial statistics "
+           f"{weight:.0%} of their weight; --bn_recalibration=off keeps them")
+    activity = (f"recalibrating the moving statistics of {len(layers)} of {len(every)} batch-norm "
+                f"layers over {images:,} unaugmented training images")
+    reporter.say(f"{activity} ({why})")
+    iterator = iter(trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
+        train_split, plan.global_batch_size, config.seed, 0, batches,
+        augmentation=Augmentation(crop_padding=0, flip="none"))))
+    with reporter.doing(activity):
+        batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
+        checkpoints.save(steps)
+    return {"layers": len(layers), "images": images}
 
 
 def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Dataset,
