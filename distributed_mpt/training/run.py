@@ -66,11 +66,12 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset.info, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
-            if is_chief:
-                for warning in (short_run_warning(config, plan, len(dataset.train)),
-                                linear_rule_warning(plan.global_batch_size, len(dataset.train))):
-                    if warning:
-                        files.warn(warning)
+            # One warning at most: a batch too large for the data is both,
+            # and the short run's says what to do about it.
+            warning = (short_run_warning(config, plan, len(dataset.train))
+                       or linear_rule_warning(plan.global_batch_size, len(dataset.train)))
+            if is_chief and warning:
+                files.warn(warning)
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 
