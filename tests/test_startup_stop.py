@@ -76,6 +76,20 @@ def test_sigterm_while_tensorflow_is_imported_ends_the_worker_at_once(tmp_path):
     assert seconds < BOUND_SECONDS, output
 
 
+def test_sigusr1_while_tensorflow_is_imported_is_a_stop_like_sigterm(tmp_path):
+    """What `sbatch --signal=USR1@120` sends: held pending while TensorFlow
+    starts, and acted on by the start-up watchdog (it ended the worker with
+    no word, exit 138, and left a new --model_dir behind)."""
+    process = _start([*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={tmp_path / 'run'}"])
+    _wait_until(lambda: any(b"startup_watchdog" in cmd for _, cmd in _children(process.pid)),
+                120, "start-up watchdog", process)
+    process.send_signal(signal.SIGUSR1)
+    process.wait(timeout=120)
+    output = process.stdout.read()
+    assert process.returncode == -signal.SIGKILL, output  # 137: retryable
+    assert "SIGUSR1 while TensorFlow started: stopping" in output
+
+
 def test_sigterm_while_waiting_for_peers_ends_the_worker_at_once(tmp_path):
     ports = []
     for _ in range(2):

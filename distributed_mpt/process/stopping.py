@@ -1,8 +1,11 @@
 """How a training process stops: the one owner of its stop signals.
 
 SIGTERM (what Kubernetes, SLURM and the launcher send) and SIGINT (Ctrl-C)
-mean "stop, keeping what was done". What that takes depends on the phase
-the process is in:
+mean "stop, keeping what was done", and so do SIGHUP (the terminal closed,
+an ssh connection dropped) and SIGUSR1 and SIGUSR2 (what `sbatch
+--signal=USR1@120` sends ahead of a job's time limit): each of them is
+treated exactly as SIGTERM. What that takes depends on the phase the process
+is in:
 
 - STARTING, before TensorFlow: nothing is trained, so a stop exits at once
   with ExitCode.PREEMPTED (retryable).
@@ -46,7 +49,7 @@ from typing import Callable, List, Optional
 
 from distributed_mpt.errors import EXIT_ABORTED, EXIT_KILLED, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 # How the start-up watchdog ends a worker that TensorFlow holds while it starts
 # for its peers: signals it cannot block or swallow (SIGALRM is never
@@ -85,7 +88,7 @@ def ignore_stop_signals() -> None:
 
 
 def pending_stop_signal(pid: int) -> Optional[signal.Signals]:
-    """SIGTERM or SIGINT if one is pending (blocked) in process `pid`; None
+    """A stop signal (STOP_SIGNALS) pending (blocked) in process `pid`; None
     also where there is no /proc (not Linux)."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -204,7 +207,8 @@ def tensorflow_starting():
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised as Ctrl-C is (see `stops_interrupting`)."""
+    """A stop signal other than Ctrl-C, raised as Ctrl-C is (see
+    `stops_interrupting`)."""
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -214,15 +218,18 @@ def _raise_terminated(signum, frame) -> None:
 @contextlib.contextmanager
 def stops_interrupting():
     """For a process with nothing to save when it is stopped (the benchmark):
-    in the block SIGTERM raises Terminated, a KeyboardInterrupt as Ctrl-C
-    raises, in the main thread, so that the `finally`s on the way out run and
-    end its child processes (by default SIGTERM ends the process at once, and
-    a child measuring a cell ran on for up to 15 minutes)."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    in the block every stop signal but Ctrl-C's raises Terminated, a
+    KeyboardInterrupt as Ctrl-C raises, in the main thread, so that the
+    `finally`s on the way out run and end its child processes (by default
+    SIGTERM ends the process at once, and a child measuring a cell ran on for
+    up to 15 minutes)."""
+    others = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT]
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in others}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None:
