@@ -13,6 +13,7 @@ hang or a traceback.
 import contextlib
 import errno
 import json
+import math
 import os
 import stat
 import sys
@@ -130,6 +131,14 @@ def write_json(path: str, data) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
+def finite_values(record: dict) -> dict:
+    """`record` with each NaN or infinite number made None (null): a measured
+    loss may be infinite, and JSON has no such number (Python would write
+    `Infinity`, which standard readers refuse)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
+
+
 def read_text(path: str, remedy: str) -> Optional[str]:
     """The text of the regular file at `path`, decoded strictly as UTF-8;
     None if there is nothing there. Anything else (a FIFO, a directory, a
@@ -205,7 +214,7 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
 def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]]:
     """The JSON object in `text` and None, or None and what is wrong."""
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         return None, "nested too deeply"
     except ValueError as e:
@@ -224,3 +233,12 @@ def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]
 def _refuse_constant(name: str):
     """NaN and Infinity are not JSON, and this program never writes them."""
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number, which `1e400` is, but not one Python can hold: it would
+    become an infinity, carried into every record after it."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{quoted(text, 40)} is too large a number")
+    return value

@@ -135,6 +135,13 @@ class Checkpoints:
             path, {"model": str, "precision": str, "variable_shapes": list},
             remedy="it says which model the checkpoints beside it hold: restore an intact copy, "
                    "or start again in an empty --model_dir")
+        shapes = stored.get("variable_shapes", [])
+        if not all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                   for shape in shapes):
+            raise files.DamagedFileError(
+                f"{quoted(path)} is damaged (its variable_shapes are not lists of sizes); it "
+                f"says which model the checkpoints beside it hold: restore an intact copy, or "
+                f"start again in an empty --model_dir")
         if not stored:
             if checkpoints_on_disk(self._shared_dir):
                 raise CheckpointMismatchError(
