@@ -111,7 +111,7 @@ def test_a_stop_before_training_exits_at_once_having_trained_nothing(tmp_path):
     assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
     assert "SIGTERM before training started" in run.output(), run.output()[-3000:]
     assert "Traceback" not in run.output()
-    assert not (model_dir / "checkpoints").exists()
+    assert not model_dir.exists(), "a stop before training leaves no new --model_dir"
 
 
 def _children(pid: int, command: str) -> list:
@@ -163,7 +163,7 @@ def test_helper_processes_never_import_from_the_working_directory(planted, tmp_p
     assert "is not writable" in result.stderr
     # The start-up watchdog: its deadline ends the shell that started it.
     watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.startup_watchdog"))
-    shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5; sleep 60"], cwd=cwd,
+    shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5 ''; sleep 60"], cwd=cwd,
                            capture_output=True, text=True, timeout=60)
     assert shell.returncode == -stopping.PEER_TIMEOUT_SIGNAL, shell.stderr
     assert not marker.exists(), marker.read_text()

@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import stat
 import time
@@ -93,16 +94,20 @@ class RunLock:
         """Gives the directory up (closing the file drops the lock). With
         `remove_model_dir_if_unused`, for a directory this run created, the
         directory goes too if it holds nothing but the lock file and
-        `own_files` (names): removed while the lock is still held, so no
-        other run can have taken it."""
+        `own_files` (names of files or directories): removed while the lock
+        is still held, so no other run can have taken it."""
         if self._fd is None:
             return
         model_dir = os.path.dirname(self.path)
         left = set(os.listdir(model_dir))
         if remove_model_dir_if_unused and left <= {LOCK_NAME, *own_files}:
             try:
-                for name in left:
-                    os.remove(os.path.join(model_dir, name))
+                for name in sorted(left - {LOCK_NAME}) + [LOCK_NAME]:  # the lock file last
+                    path = os.path.join(model_dir, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.remove(path)
                 os.rmdir(model_dir)
             except OSError:
                 pass  # something appeared meanwhile: leave the directory

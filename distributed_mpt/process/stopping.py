@@ -109,6 +109,7 @@ class _Owner:
         self.phase = Phase.STARTING
         self.requested = False
         self._on_request: Optional[Callable[[], None]] = None
+        self.undo_start: Optional[Callable[[], None]] = None  # see `on_stop_before_training`
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -148,6 +149,11 @@ class _Owner:
             # the lock, and the next run removes what is left.
             _say_now(f"{sig.name} before training started: exiting with {EXIT_PREEMPTED:d} "
                      f"(retryable); nothing was trained yet")
+            if self.undo_start is not None:
+                try:
+                    self.undo_start()
+                except Exception:  # noqa: BLE001 - what cannot be undone stays; the exit must not
+                    pass
             os._exit(EXIT_PREEMPTED)
         if self.requested:
             if sig == signal.SIGINT:
@@ -238,6 +244,15 @@ def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None
     (a library caller, a test) there is nothing to do."""
     if _owner is not None:
         _owner.enter(phase, on_request)
+
+
+def on_stop_before_training(undo: Optional[Callable[[], None]]) -> None:
+    """`undo()` is called (from another thread, the main thread running on)
+    when a stop comes before training, right before the process exits: it
+    removes what the start wrote, so that a stopped start leaves nothing
+    new. None: nothing to undo."""
+    if _owner is not None:
+        _owner.undo_start = undo
 
 
 def requested() -> bool:

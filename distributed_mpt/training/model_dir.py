@@ -29,6 +29,9 @@ MARKER = ".distributed_mpt"
 # directory or FIFO where a file belongs, is refused before training, not
 # found after hours of it.
 DIRECTORIES = ("checkpoints", "tensorboard")  # and export/: check_export_destination
+# What a run writes into a new directory before its first step: all that a
+# stop there removes again (the lock file aside).
+BEFORE_TRAINING = (MARKER, "config.json", "metrics.jsonl", "tensorboard")
 FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints/model.json",
          "checkpoints/checkpoint")
 # What a killed run leaves, by the exact shape of the names this package
@@ -141,5 +144,5 @@ def remove_matching(directory: str, patterns) -> List[str]:
     return removed
 
 
-__all__ = ["DEBRIS", "DIRECTORIES", "EXPORT_DIR", "FILES", "MARKER", "check_layout", "check_ours",
+__all__ = ["BEFORE_TRAINING", "DEBRIS", "DIRECTORIES", "EXPORT_DIR", "FILES", "MARKER", "check_layout", "check_ours",
            "is_ours", "mark", "remove_debris", "remove_matching"]
