@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import secrets
 import stat
 import sys
 import tempfile
@@ -22,8 +23,9 @@ from typing import List, Optional, Tuple
 
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
 
-# Prefixes of the temporary names this module writes under: what a killed
-# run can leave behind (training/model_dir.py clears it).
+# Prefixes of the temporary names this module writes under, each followed
+# by owner_tag(): what a killed run can leave behind (training/model_dir.py
+# clears it, and only what carries the tag of a run that held the lock).
 TEMPORARY_PREFIX = ".tmp-"          # write_text, before its rename
 WRITE_TEST_PREFIX = ".write-test-"  # check_writable
 
@@ -32,6 +34,20 @@ WRITE_TEST_PREFIX = ".write-test-"  # check_writable
 MAX_READ_BYTES = 1 << 28
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+_owner_tag = (0, "")
+
+
+def owner_tag() -> str:
+    """This process's mark on the temporary names it makes: its pid and a
+    random part (`4242-9f3ab2c1`), which the lock file records while the
+    process holds a --model_dir (process/run_lock.py). A name without the tag
+    of a run that held the lock is the user's, whatever it looks like."""
+    global _owner_tag
+    if _owner_tag[0] != os.getpid():  # a forked child is another writer
+        _owner_tag = (os.getpid(), f"{os.getpid()}-{secrets.token_hex(4)}")
+    return _owner_tag[1]
 
 
 class DamagedFileError(UserError):
@@ -81,7 +97,8 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
                           f"choose a directory (it is created if missing)")
     try:
         os.makedirs(directory, exist_ok=True)
-        descriptor, path = tempfile.mkstemp(dir=directory, prefix=WRITE_TEST_PREFIX)
+        descriptor, path = tempfile.mkstemp(dir=directory,
+                                            prefix=f"{WRITE_TEST_PREFIX}{owner_tag()}-")
         os.close(descriptor)
         # Gone already is fine: a run holding the directory's lock may have
         # removed it as a killed run's debris; it was written, which is the test.
@@ -107,7 +124,7 @@ def write_text(path: str, text: str) -> None:
     replace anything but a regular file."""
     check_replaceable(path)
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=TEMPORARY_PREFIX,
+    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=f"{TEMPORARY_PREFIX}{owner_tag()}-",
                                      delete=False) as f:
         try:
             f.write(text)

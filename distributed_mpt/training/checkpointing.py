@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line, quoted
-from distributed_mpt.training.model_dir import DEBRIS, remove_matching
+from distributed_mpt.training.model_dir import debris, remove_matching
 
 MAX_TO_KEEP = 3
 
@@ -272,7 +272,7 @@ class Checkpoints:
     def _remove_partial(self, step: int) -> None:
         """Removes what a failed save of `step` wrote (its data files count
         only once its index, written last, exists)."""
-        remove_matching(self._own_dir, DEBRIS["checkpoints"])
+        remove_matching(self._own_dir, debris([files.owner_tag()])["checkpoints"])
         prefix = os.path.join(self._own_dir, f"ckpt-{step}")
         if not os.path.exists(prefix + ".index"):
             remove_matching(self._own_dir, [re.compile(rf"ckpt-{step}\.data-.*")])

@@ -54,7 +54,7 @@ def _run(config: TrainConfig) -> int:
             if new_model_dir:  # a stop before training leaves nothing new
                 stopping.on_stop_before_training(lambda: lock.release(
                     remove_model_dir_if_unused=True, own_files=model_dir.BEFORE_TRAINING))
-            removed = model_dir.remove_debris(config.model_dir)
+            removed = model_dir.remove_debris(config.model_dir, lock.previous_tags)
             if removed:
                 print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
             model_dir.mark(config.model_dir)
