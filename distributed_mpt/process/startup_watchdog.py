@@ -35,13 +35,14 @@ class StartupWatchdog:
     start), for a multi-worker job; None: no deadline."""
 
     def __init__(self, timeout_seconds: Optional[float] = None, peers: Sequence[str] = (),
-                 new_model_dir: Optional[str] = None):
+                 new_model_dir: Optional[str] = None, own_files: Sequence[str] = ()):
         """new_model_dir: the --model_dir this process created (it holds its
-        lock), to be removed if the worker is ended before training."""
+        lock), removed if the worker is ended before training and it holds
+        nothing but the lock file and `own_files` (names)."""
         deadline = "none" if timeout_seconds is None else str(timeout_seconds)
         self._command = stopping.helper_command(
             "distributed_mpt.process.startup_watchdog", str(os.getpid()), deadline,
-            new_model_dir or "", *peers)
+            new_model_dir or "", ",".join(own_files), *peers)
 
     def __enter__(self):
         self._process = subprocess.Popen(self._command)
@@ -84,14 +85,13 @@ def _watch(parent: int, timeout: Optional[float], peers) -> bool:
     return True
 
 
-def _remove_new_model_dir(parent: int, model_dir: str) -> None:
+def _remove_new_model_dir(parent: int, model_dir: str, own_files: Sequence[str]) -> None:
     """Once the ended `parent` is gone (and with it its lock), removes the
-    `model_dir` it created, under the lock, if it holds nothing but what a
-    run writes before training; a run that took the directory meanwhile
+    `model_dir` it created, under the lock, if it holds nothing but the
+    lock file and `own_files`; a run that took the directory meanwhile
     keeps it."""
     from distributed_mpt.errors import UserError
     from distributed_mpt.process.run_lock import RunLock
-    from distributed_mpt.training.model_dir import BEFORE_TRAINING
 
     gone_by = time.monotonic() + 60
     while os.getppid() == parent and time.monotonic() < gone_by:
@@ -100,12 +100,12 @@ def _remove_new_model_dir(parent: int, model_dir: str) -> None:
         lock = RunLock(model_dir)
     except UserError:
         return
-    lock.release(remove_model_dir_if_unused=True, own_files=BEFORE_TRAINING)
+    lock.release(remove_model_dir_if_unused=True, own_files=own_files)
 
 
 if __name__ == "__main__":
     stopping.ignore_stop_signals()
-    worker, model_dir = int(sys.argv[1]), sys.argv[3]
-    if _watch(worker, None if sys.argv[2] == "none" else float(sys.argv[2]), sys.argv[4:]) \
+    worker, model_dir, own = int(sys.argv[1]), sys.argv[3], sys.argv[4].split(",")
+    if _watch(worker, None if sys.argv[2] == "none" else float(sys.argv[2]), sys.argv[5:]) \
             and model_dir:
-        _remove_new_model_dir(worker, model_dir)
+        _remove_new_model_dir(worker, model_dir, own)

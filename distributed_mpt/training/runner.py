@@ -63,7 +63,8 @@ def _run(config: TrainConfig) -> int:
         # a stop in its place, and bounds the wait for the peers.
         peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
         deadline = config.peer_timeout_seconds if cluster else None
-        with stopping.tensorflow_starting(), StartupWatchdog(deadline, peers, new_model_dir):
+        watchdog = StartupWatchdog(deadline, peers, new_model_dir, model_dir.BEFORE_TRAINING)
+        with stopping.tensorflow_starting(), watchdog:
             # TensorFlow is imported only now, behind the log filter.
             from distributed_mpt.process import distribution
             from distributed_mpt.training.run import train_and_evaluate
