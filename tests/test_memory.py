@@ -164,3 +164,21 @@ def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
                                   "parameters: training it needs about 33.6 GB, more than the ")
     assert f"left under the memory limit of cgroup /" in result.stderr
     assert "(1.5 GB, " + limit_file + ")" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["resnet9", "airbench"])
+def test_counting_the_parameters_changes_no_initial_weight(name):
+    """Keras draws initializers' seeds from Python's generator: a count that
+    drew them too gave every run other initial weights than its seed's."""
+    import keras
+    import numpy as np
+
+    from distributed_mpt.core.data import cifar10
+
+    spec = models.model_spec(name)
+    keras.utils.set_random_seed(0)
+    plain = models.build_model(spec, cifar10.INFO, 8).get_weights()
+    keras.utils.set_random_seed(0)
+    models.parameter_count(spec, cifar10.INFO, 8)
+    counted_first = models.build_model(spec, cifar10.INFO, 8).get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(plain, counted_first))

@@ -173,6 +173,7 @@ def parameter_count(spec: ModelSpec, info, width: int = 64, **options):
     if spec.is_users:
         return None
     import math
+    import random
 
     import tensorflow as tf
 
@@ -180,9 +181,15 @@ def parameter_count(spec: ModelSpec, info, width: int = 64, **options):
     # it needs weights that exist, and changes no shape.
     if "identity_init" in spec.options:
         options = {**options, "identity_init": False}
-    with tf.Graph().as_default():
-        model = _import_builder(spec.builder)(info, width, **options)
-        return sum(math.prod(weight.shape) for weight in model.weights)
+    # Keras draws each initializer's seed from Python's generator: put it
+    # back, so that the model built next is the one built without a count.
+    state = random.getstate()
+    try:
+        with tf.Graph().as_default():
+            model = _import_builder(spec.builder)(info, width, **options)
+            return sum(math.prod(weight.shape) for weight in model.weights)
+    finally:
+        random.setstate(state)
 
 
 def initialize_from_data(model, train_images) -> None:
