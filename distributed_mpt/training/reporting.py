@@ -121,7 +121,8 @@ class Reporter:
         self._writer.flush()
         if self._status is not None:
             self._status.update(100 * step / self._total_steps, eta_seconds,
-                                {k: record[k] for k in _STATUS_METRICS if k in record})
+                                {k: record[k] for k in _STATUS_METRICS
+                                 if record.get(k) is not None})
         width = len(str(self._total_steps))
         parts = [f"step {step:>{width}}/{self._total_steps}"]
         for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
