@@ -7,6 +7,7 @@ float() would take `0x10`, `1_000`, `١٢` (Arabic-Indic digits), `nan` and
 `inf`, none of which a user means for a step count or a learning rate.
 """
 
+import math
 import re
 import sys
 from typing import Callable, List
@@ -28,7 +29,7 @@ _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 class _StrictIntegerParser(flags.IntegerParser):
     def convert(self, argument):
-        if isinstance(argument, str) and not _INTEGER.fullmatch(argument.strip()):
+        if isinstance(argument, str) and not is_decimal_integer(argument):
             raise ValueError(f"{quoted(argument, 40)} is not a whole number in decimal digits")
         return super().convert(argument)
 
@@ -37,7 +38,15 @@ class _StrictFloatParser(flags.FloatParser):
     def convert(self, argument):
         if isinstance(argument, str) and not _FLOAT.fullmatch(argument.strip()):
             raise ValueError(f"{quoted(argument, 40)} is not a decimal number")
-        return super().convert(argument)
+        value = super().convert(argument)
+        if not math.isfinite(value):  # `1e400` is written in decimals, and is infinity
+            raise ValueError(f"{quoted(argument, 40)} is too large for a number")
+        return value
+
+
+def is_decimal_integer(text: str) -> bool:
+    """Whether `text` is a whole number in ASCII decimal digits."""
+    return bool(_INTEGER.fullmatch(text.strip()))
 
 
 def define_integer(fv: flags.FlagValues, name: str, default, help: str, lower=None,

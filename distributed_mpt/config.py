@@ -267,11 +267,15 @@ def _choice(name: str, value: str, choices) -> None:
 # Bounds that catch a typo (an extra zero, 10**9) before it becomes an
 # out-of-memory crash or a silent hang hours later.
 _MAX_STEPS = 10**9
+_STEP_COUNTS = ("train_steps", "epochs", "warmup_epochs", "whiten_bias_epochs", "eval_every_epochs",
+                "steps_per_loop", "log_every_steps", "checkpoint_every_steps")
 _MAX_EXAMPLES = 2_000_000    # synthetic images: 3 KB each in memory
 _MAX_WIDTH = 1024            # resnet9 at 1024 already has 1.7 billion weights
 _MAX_BATCH = 65_536
 _MAX_CPU_REPLICAS = 64       # logical devices: TensorFlow stalls creating 100,000
 _MAX_MULTIPLIER = 1e4
+_MAX_DECAY = 1e2             # 5e-4 trains; divided by a multiplier (>= 1e-4) still finite
+_MAX_PEER_TIMEOUT_SECONDS = 7 * 24 * 3600  # peers not up in a week: waiting for nothing
 # Far above any rate that trains (airbench94's peak is 1.5 at batch 1024),
 # and low enough that scaled by any global batch it stays finite.
 _MAX_RATE = 1e3
@@ -282,6 +286,9 @@ _MAX_CROP_PADDING = 31
 
 
 def _validate(c: TrainConfig) -> None:
+    for name, value in vars(c).items():  # a config.json read back passes no flag parser
+        _require(math.isfinite(value) if isinstance(value, float) else name not in _PER_MODEL
+                 or isinstance(value, int), f"--{name}={value} must be a finite number")
     _require(bool(c.model_dir), "--model_dir is required: where checkpoints, logs and the exported model go")
     _choice("dataset", c.dataset, DATASETS)
     _choice("precision", c.precision, PRECISIONS)
@@ -320,16 +327,15 @@ def _validate(c: TrainConfig) -> None:
                  "peer_timeout_seconds"):
         value = getattr(c, name)
         _require(value > 0, f"--{name}={value} must be a positive integer")
-    for name in _PER_MODEL:
-        value = getattr(c, name)
-        _require(isinstance(value, (int, float)) and math.isfinite(value),
-                 f"--{name}={value} must be a finite number")
-    _require(math.isfinite(c.epochs) and (c.epochs > 0 or c.train_steps > 0),
+    _require(c.epochs > 0 or c.train_steps > 0,
              f"--epochs={c.epochs} must be a positive number (or set --train_steps)")
-    for name, limit in (("train_steps", _MAX_STEPS), ("epochs", _MAX_STEPS),
+    # What a run derives from each (steps, rates, a deadline) stays finite.
+    for name, limit in (*((name, _MAX_STEPS) for name in _STEP_COUNTS),
                         ("synthetic_examples", _MAX_EXAMPLES), ("model_width", _MAX_WIDTH),
-                        ("per_replica_batch_size", _MAX_BATCH),
-                        ("cpu_replicas", _MAX_CPU_REPLICAS)):
+                        ("per_replica_batch_size", _MAX_BATCH), ("cpu_replicas", _MAX_CPU_REPLICAS),
+                        ("peer_timeout_seconds", _MAX_PEER_TIMEOUT_SECONDS),
+                        ("max_learning_rate", _MAX_RATE), *((name, _MAX_DECAY) for name in
+                                                            ("weight_decay", "muon_weight_decay"))):
         value = getattr(c, name)
         _require(value <= limit, f"--{name}={value} is larger than this program accepts ({limit:,})")
     _require(c.train_steps >= 0, f"--train_steps={c.train_steps} must be >= 0 (0 means: use --epochs)")
@@ -342,20 +348,17 @@ def _validate(c: TrainConfig) -> None:
     _require(0 <= c.momentum < 1, f"--momentum={c.momentum} must be in [0, 1)")
     _require(c.weight_decay >= 0, f"--weight_decay={c.weight_decay} must be >= 0")
     _require(0 <= c.label_smoothing < 1, f"--label_smoothing={c.label_smoothing} must be in [0, 1)")
-    _require(math.isfinite(c.shift_lr_multiplier) and 0 < c.shift_lr_multiplier <= _MAX_MULTIPLIER,
-             f"--shift_lr_multiplier={c.shift_lr_multiplier} must be in (0, {_MAX_MULTIPLIER}]")
+    _require(1 / _MAX_MULTIPLIER <= c.shift_lr_multiplier <= _MAX_MULTIPLIER, f"--shift_lr_"
+             f"multiplier={c.shift_lr_multiplier} must be in [{1 / _MAX_MULTIPLIER:g}, {_MAX_MULTIPLIER:g}]")
     _require(0 < c.muon_learning_rate <= _MAX_RATE,
              f"--muon_learning_rate={c.muon_learning_rate} must be in (0, {_MAX_RATE:g}]")
     _require(0 <= c.muon_momentum < 1, f"--muon_momentum={c.muon_momentum} must be in [0, 1)")
     _require(c.optimizer == "sgd" or c.model != "mlp",
-             "--optimizer=muon trains convolution filters, and the mlp has none: use "
-             "--optimizer=sgd")
-    _require(math.isfinite(c.whiten_bias_epochs) and c.whiten_bias_epochs >= 0,
-             f"--whiten_bias_epochs={c.whiten_bias_epochs} must be >= 0")
+             "--optimizer=muon trains convolution filters, and the mlp has none: use --optimizer=sgd")
+    _require(c.whiten_bias_epochs >= 0, f"--whiten_bias_epochs={c.whiten_bias_epochs} must be >= 0")
     _require(0 <= c.crop_padding <= _MAX_CROP_PADDING,
              f"--crop_padding={c.crop_padding} must be in [0, {_MAX_CROP_PADDING}] (pixels)")
-    # Seeds feed numpy (< 2**32) and TensorFlow's stateless ops (int32, with
-    # small offsets added).
+    # Seeds feed numpy (< 2**32) and TensorFlow's stateless ops (int32, plus small offsets).
     _require(0 <= c.seed < 2**31 - 16, f"--seed={c.seed} must be in [0, {2**31 - 16})")
     _require(c.eval_every_epochs >= 0,
              f"--eval_every_epochs={c.eval_every_epochs} must be >= 0 (0: only at the end)")
@@ -373,11 +376,9 @@ _PER_WORKER = ("model_dir", "adopt_model_dir", "data_dir", "download", "peer_tim
 
 
 # Flags that a resumed run may set otherwise than the run it continues: its
-# length, its batch (the rate is rescaled, and it says so), where things
-# are, how it runs and reports, and its evaluation. Every other flag shapes
-# what is trained (rate, decay, smoothing, momentum, schedule, optimizer,
-# augmentation, data, model), and a resume refuses to change it, so that a
-# new flag is refused unless it is declared here.
+# length, its batch (the rate is rescaled, and it says so), where things are,
+# how it runs and reports, and its evaluation. Every other flag shapes what is
+# trained, and a resume refuses to change it: a new flag is refused unless declared here.
 RESUME_MAY_CHANGE = (
     "epochs", "train_steps", "per_replica_batch_size", "model_dir", "adopt_model_dir",
     "data_dir", "download", "strategy", "cpu_replicas", "communication", "steps_per_loop",
@@ -386,15 +387,13 @@ RESUME_MAY_CHANGE = (
 
 
 def training_flags(c: TrainConfig) -> dict:
-    """The fields that shape what is trained, by flag name (see
-    RESUME_MAY_CHANGE), the per-model defaults resolved."""
+    """The fields that shape what is trained, by flag name (see RESUME_MAY_CHANGE)."""
     return {field.name: getattr(c, field.name) for field in dataclasses.fields(c)
             if field.name not in RESUME_MAY_CHANGE}
 
 
 def shared_flags(c: TrainConfig) -> dict:
-    """The fields that every worker of one job must set alike, by flag name
-    (the per-model defaults resolved): all but the per-worker ones, so that a
-    new field is checked unless it is declared per-worker."""
+    """The fields that every worker of one job must set alike, by flag name: all
+    but the per-worker ones, so that a new field is checked unless declared so."""
     return {field.name: getattr(c, field.name) for field in dataclasses.fields(c)
             if field.name not in _PER_WORKER}

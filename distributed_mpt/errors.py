@@ -57,8 +57,8 @@ class ExitCode(enum.IntEnum):
         "the peers of a multi-worker job were not all up within --peer_timeout_seconds; "
         "they may still be scheduled")
     PREEMPTED = status_of_signal(signal.SIGTERM), (
-        "stopped by SIGTERM or Ctrl-C after saving a checkpoint at the step reached, or before "
-        "training started; a restart resumes from that step")
+        "stopped by SIGTERM, Ctrl-C, SIGHUP, SIGUSR1 or SIGUSR2 after saving a checkpoint at the "
+        "step reached, or before training started; a restart resumes from that step")
     MODEL_DIR_BUSY = 144, (
         "another run holds --model_dir; on Kubernetes a replacement chief waiting for a lost "
         "node's NFS lock to expire (about 90 s): a restart with backoff gets it")

@@ -13,7 +13,9 @@ hang or a traceback.
 import contextlib
 import errno
 import json
+import math
 import os
+import secrets
 import stat
 import sys
 import tempfile
@@ -21,8 +23,9 @@ from typing import List, Optional, Tuple
 
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
 
-# Prefixes of the temporary names this module writes under: what a killed
-# run can leave behind (training/model_dir.py clears it).
+# Prefixes of the temporary names this module writes under, each followed
+# by owner_tag(): what a killed run can leave behind (training/model_dir.py
+# clears it, and only what carries the tag of a run that held the lock).
 TEMPORARY_PREFIX = ".tmp-"          # write_text, before its rename
 WRITE_TEST_PREFIX = ".write-test-"  # check_writable
 
@@ -31,6 +34,20 @@ WRITE_TEST_PREFIX = ".write-test-"  # check_writable
 MAX_READ_BYTES = 1 << 28
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+_owner_tag = (0, "")
+
+
+def owner_tag() -> str:
+    """This process's mark on the temporary names it makes: its pid and a
+    random part (`4242-9f3ab2c1`), which the lock file records while the
+    process holds a --model_dir (process/run_lock.py). A name without the tag
+    of a run that held the lock is the user's, whatever it looks like."""
+    global _owner_tag
+    if _owner_tag[0] != os.getpid():  # a forked child is another writer
+        _owner_tag = (os.getpid(), f"{os.getpid()}-{secrets.token_hex(4)}")
+    return _owner_tag[1]
 
 
 class DamagedFileError(UserError):
@@ -80,7 +97,8 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
                           f"choose a directory (it is created if missing)")
     try:
         os.makedirs(directory, exist_ok=True)
-        descriptor, path = tempfile.mkstemp(dir=directory, prefix=WRITE_TEST_PREFIX)
+        descriptor, path = tempfile.mkstemp(dir=directory,
+                                            prefix=f"{WRITE_TEST_PREFIX}{owner_tag()}-")
         os.close(descriptor)
         # Gone already is fine: a run holding the directory's lock may have
         # removed it as a killed run's debris; it was written, which is the test.
@@ -106,7 +124,7 @@ def write_text(path: str, text: str) -> None:
     replace anything but a regular file."""
     check_replaceable(path)
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=TEMPORARY_PREFIX,
+    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=f"{TEMPORARY_PREFIX}{owner_tag()}-",
                                      delete=False) as f:
         try:
             f.write(text)
@@ -128,6 +146,14 @@ def write_json(path: str, data) -> None:
     an infinity is a bug upstream: ValueError, not a file other readers
     refuse)."""
     write_text(path, json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def finite_values(record: dict) -> dict:
+    """`record` with each NaN or infinite number made None (null): a measured
+    loss may be infinite, and JSON has no such number (Python would write
+    `Infinity`, which standard readers refuse)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
 
 
 def read_text(path: str, remedy: str) -> Optional[str]:
@@ -205,7 +231,7 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
 def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]]:
     """The JSON object in `text` and None, or None and what is wrong."""
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         return None, "nested too deeply"
     except ValueError as e:
@@ -224,3 +250,12 @@ def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]
 def _refuse_constant(name: str):
     """NaN and Infinity are not JSON, and this program never writes them."""
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number, which `1e400` is, but not one Python can hold: it would
+    become an infinity, carried into every record after it."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{quoted(text, 40)} is too large a number")
+    return value

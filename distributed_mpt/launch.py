@@ -6,7 +6,8 @@ group when one dies.
 
 Each worker is `python -P -m distributed_mpt.train <train flags>` with its own
 TF_CONFIG on 127.0.0.1 and a port free on every address of this host; its
-output is prefixed with `[worker i]`. Ctrl-C and SIGTERM are forwarded to
+output is prefixed with `[worker i]`. Ctrl-C, SIGTERM and the other stop
+signals (SIGHUP, SIGUSR1, SIGUSR2: process/stopping.py) are forwarded to
 every worker (which save a checkpoint and stop). MultiWorkerMirroredStrategy
 cannot go on without a peer, so when a worker dies the others are stopped and
 the whole group is started again on fresh ports, up to --max_restarts times;
@@ -35,6 +36,7 @@ from typing import Collection, List, Optional, Tuple
 
 from absl import flags
 
+from distributed_mpt import cli
 from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PEER_TIMEOUT,
                                     EXIT_PREEMPTED, EXIT_USAGE, ConsoleError, ExitCode, UserError,
                                     status_of_signal, first_line)
@@ -53,6 +55,8 @@ _GRPC_BIND_FAILURE = "Could not start gRPC server"
 _GRPC_LISTEN_ADDRESS = "0.0.0.0"
 # A save takes seconds; an hour covers a large checkpoint on a slow disk.
 MAX_GRACE_SECONDS = 3600.0
+# Far more restarts than a group that keeps failing deserves.
+_MAX_RESTARTS = 10_000
 
 # What one worker costs this host (`max_workers`). Linux caps one environment
 # string ("TF_CONFIG=...") at MAX_ARG_STRLEN, 32 pages.
@@ -75,12 +79,13 @@ class WorkerStartError(UserError):
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_integer("num_workers", 2, "Worker processes to start (at most what this host "
-                         "can hold: see max_workers).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("max_restarts", 3, "Times the whole group is restarted after a worker "
-                         "dies.", lower_bound=0, flag_values=fv)
-    flags.DEFINE_float("grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
-                       "exit before it is killed.", flag_values=fv)
+    # Decimal digits only, as training's flags (cli.py).
+    cli.define_integer(fv, "num_workers", 2, "Worker processes to start (at most what this host "
+                       "can hold: see max_workers).", lower=1)
+    cli.define_integer(fv, "max_restarts", 3, "Times the whole group is restarted after a worker "
+                       "dies.", lower=0, upper=_MAX_RESTARTS)
+    cli.define_float(fv, "grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
+                     "exit before it is killed.")
     # Not absl's bounds, which let nan through: nan fails every comparison.
     flags.register_validator("grace_seconds", lambda seconds: 0 <= seconds <= MAX_GRACE_SECONDS,
                              f"must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g}",

@@ -180,7 +180,11 @@ def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, caps
             (["--sections=", f"--output={output}"],
              f"--sections: nothing given; choose from {', '.join(SECTIONS)}"),
             (["--repeats=x", f"--output={output}"],
-             "flag --repeats=x: invalid literal for int() with base 10: 'x'"),
+             "flag --repeats=x: x is not a whole number in decimal digits"),
+            (["--batch_sizes=0x20", f"--output={output}"],
+             "--batch_sizes=0x20 must be whole numbers in decimal digits"),
+            (["--model_width=1_0", f"--output={output}"],
+             "flag --model_width=1_0: 1_0 is not a whole number in decimal digits"),
             ([f"--output={tmp_path}"],
              f"flag --output={tmp_path}: is a directory, not a regular file: name a file to write"),
             (["--repeats=99999999999999", f"--output={output}"],
@@ -247,6 +251,29 @@ def test_an_output_that_becomes_a_fifo_while_measuring_is_left_alone(tmp_path, m
     assert [line for line in printed.err.splitlines() if line.startswith("error:")] == [
         f"error: --output={output} is now a FIFO: not replaced; the report above is all there is"]
     assert stat.S_ISFIFO(os.lstat(output).st_mode) and list(tmp_path.iterdir()) == [output]
+
+
+def test_an_output_through_a_symbolic_link_writes_the_file_it_names(tmp_path, monkeypatch,
+                                                                   capsys):
+    """A link to a regular file passes the check before measuring; after the
+    run the file it names is written, and the link stays a link (it was a
+    refusal after the whole run, and the figures were lost)."""
+    target = tmp_path / "results" / "bench.json"
+    target.parent.mkdir()
+    target.write_text("{}\n")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+
+    def run_cell(cell):
+        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+                "peak_memory_bytes": 2**20}
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+    assert cli.main(["--tiny", "--sections=training", f"--output={link}"]) == ExitCode.OK
+    assert "error" not in capsys.readouterr().err
+    assert link.is_symlink() and link.resolve() == target
+    assert json.loads(target.read_text())["sections"]["training"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["bench.json"], "no temporary file"
 
 
 def test_a_cell_runs_the_installed_package_not_one_in_the_working_directory(tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ directories. A full disk is a real tmpfs where the test may mount one."""
 import json
 import os
 import shutil
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -166,6 +168,72 @@ def test_a_damaged_model_json_is_one_error_naming_it(tmp_path, content):
     assert raised.value.exit_code == 2
 
 
+def _special(kind):
+    """Makes a thing of `kind` at a path: what a user, a script or a broken
+    copy can leave where a checkpoint file belongs."""
+    def make(path):
+        path.unlink()
+        if kind == "FIFO":
+            os.mkfifo(path)
+        elif kind == "socket":  # as bind() leaves one; bind() limits the path's length
+            os.mknod(path, stat.S_IFSOCK | 0o600)
+        elif kind == "link to /dev/zero":
+            path.symlink_to("/dev/zero")
+        else:
+            path.mkdir()
+    return make
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "socket", "link to /dev/zero", "directory"])
+@pytest.mark.parametrize("suffix", ["index", "data-00000-of-00001"])
+def test_a_checkpoint_file_that_is_not_a_file_is_refused_unread(tmp_path, kind, suffix):
+    """TensorFlow opened a FIFO at a checkpoint's index or data file and waited
+    for a writer forever. Each kind is refused, with one line, before any of
+    it is opened, and stays as it was."""
+    _save_steps(tmp_path, [1, 2])
+    path = Path(tmp_path, "checkpoints", f"ckpt-2.{suffix}")
+    _special(kind)(path)
+    restorer, _ = _checkpoints(tmp_path)
+    outcome = []
+
+    def restore():
+        try:
+            restorer.restore_latest()
+        except Exception as e:  # noqa: BLE001 - the outcome is asserted below
+            outcome.append(e)
+
+    reader = threading.Thread(target=restore, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():  # let a reader blocked on the FIFO go, then fail
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"restoring waited on the {kind} at {path.name}")
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointDamagedError), outcome
+    message = str(outcome[0])
+    assert f"ckpt-2.{suffix}" in message and "not a checkpoint file" in message
+    assert "\n" not in message
+    assert os.path.lexists(path) and not path.is_file() or kind == "directory"
+
+
+def test_a_checkpoint_whose_name_is_not_its_step_is_skipped(tmp_path):
+    """A copy of ckpt-2 named with a number no run reaches, or a later step,
+    became the newest checkpoint: each restart resumed from step 2 and
+    trained the same steps again, and the run never finished."""
+    _save_steps(tmp_path, [1, 2])
+    directory = Path(tmp_path, "checkpoints")
+    for number in ("99999999999999999999999", "7"):
+        for path in directory.glob("ckpt-2.*"):
+            shutil.copy(path, directory / path.name.replace("ckpt-2", f"ckpt-{number}"))
+    restorer, step = _checkpoints(tmp_path)
+    restored = restorer.restore_latest()
+    assert (restored.step, int(step.numpy())) == (2, 2)
+    assert [Path(p).name for p, _ in restored.skipped] == ["ckpt-99999999999999999999999",
+                                                           "ckpt-7"]
+    line = restored.describe()
+    assert "larger than any step" in line and "holds step 2, not the step its name says" in line
+    assert "resuming from step 2 " in line and "\n" not in line
+
+
 def test_checkpoints_without_an_index_file_still_count(tmp_path):
     _save_steps(tmp_path, [1])
     Path(tmp_path, "checkpoints", "checkpoint").unlink()
@@ -190,6 +258,20 @@ def test_training_resumes_from_the_newest_intact_checkpoint(model_dir):
     # Cut back to the step restored (10), then a line after each of the
     # first two calls of the resumed run (11, 12) and at the interval (20).
     assert steps == [1, 2, 10, 11, 12, 20], "metrics cut back to the step actually restored"
+
+
+def test_training_over_a_fifo_at_a_checkpoint_file_is_one_error_line(model_dir):
+    assert_ok(train([*E2E, "--train_steps=10", f"--model_dir={model_dir}"]))
+    data = _data(model_dir, 10)
+    data.unlink()
+    os.mkfifo(data)
+    before = _snapshot(model_dir)
+    # A process with a deadline: the run waited for a writer to the FIFO forever.
+    result = train([*E2E, "--train_steps=20", f"--model_dir={model_dir}"], timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is a FIFO, not a checkpoint file" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and _snapshot(model_dir) == before
 
 
 def test_training_over_unreadable_checkpoints_stops_and_changes_nothing(model_dir):

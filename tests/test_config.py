@@ -84,6 +84,19 @@ def test_shipped_recipes_parse(tmp_path):
     (["--eval_tta_fraction=1.5"], "--eval_tta_fraction=1.5 must be in (0, 1]"),
     (["--eval_tta=flip_translate_median"], "--eval_tta=flip_translate_median: value should be one of <none|flip|flip_translate|flip_translate_mean>"),
     ([f"--seed={2**31}"], "seed"),
+    # Finite, but what a run derives from them would not be (steps, rates,
+    # a deadline): each bounded, the bound said.
+    (["--warmup_epochs=1e308"], "--warmup_epochs=1e+308 is larger than this program accepts"),
+    (["--whiten_bias_epochs=1e308"], "--whiten_bias_epochs=1e+308 is larger than this program"),
+    (["--learning_rate=1e400"], "--learning_rate=1e400: 1e400 is too large for a number"),
+    (["--max_learning_rate=1e300"], "--max_learning_rate=1e+300 is larger than this program"),
+    (["--weight_decay=1e300"], "--weight_decay=1e+300 is larger than this program accepts"),
+    (["--muon_weight_decay=1e300"], "--muon_weight_decay=1e+300 is larger than this program"),
+    (["--shift_lr_multiplier=1e-300"], "--shift_lr_multiplier=1e-300 must be in [0.0001, 10000]"),
+    (["--peer_timeout_seconds=99999999999999999999"], "--peer_timeout_seconds=99999999999999999999 "
+                                                      "is larger than this program accepts (604,800)"),
+    (["--steps_per_loop=99999999999999999999"], "--steps_per_loop=99999999999999999999 is larger"),
+    (["--eval_every_epochs=99999999999999999999"], "--eval_every_epochs=99999999999999999999 is"),
 ])
 def test_bad_values_raise_one_line(tmp_path, argv, fragment):
     with pytest.raises(ConfigError) as error:
@@ -96,7 +109,9 @@ def test_bad_values_raise_one_line(tmp_path, argv, fragment):
     ("learning_rate", float("inf"), "--learning_rate=inf must be a finite number"),
     ("warmup_epochs", float("inf"), "--warmup_epochs=inf must be a finite number"),
     ("weight_decay", float("nan"), "--weight_decay=nan must be a finite number"),
-    ("epochs", float("nan"), "--epochs=nan must be a positive number"),
+    ("epochs", float("nan"), "--epochs=nan must be a finite number"),
+    ("max_learning_rate", float("inf"), "--max_learning_rate=inf must be a finite number"),
+    ("test_fraction", float("nan"), "--test_fraction=nan must be a finite number"),
 ])
 def test_a_config_not_from_flags_is_validated_alike(field, value, fragment):
     """What a config.json read back holds (predict rebuilds a model from

@@ -111,9 +111,15 @@ def test_no_free_port_is_one_error_line_and_exit_2(monkeypatch, capsys):
     (["--max_restarts=-1", "--", "--model_dir=x"], "max_restarts"),
     # A TF_CONFIG longer than one environment string: "Argument list too long".
     (["--num_workers=7000", "--", "--model_dir=x"], "--num_workers=7000: this host holds at most"),
-    (["--grace_seconds=nan", "--", "--model_dir=x"], "--grace_seconds=nan: must be a number of seconds"),
-    (["--grace_seconds=inf", "--", "--model_dir=x"], "--grace_seconds=inf: must be a number of seconds"),
+    (["--grace_seconds=nan", "--", "--model_dir=x"], "--grace_seconds=nan: nan is not a decimal number"),
+    (["--grace_seconds=inf", "--", "--model_dir=x"], "--grace_seconds=inf: inf is not a decimal number"),
     (["--grace_seconds=1e9", "--", "--model_dir=x"], "from 0 to 3600"),
+    (["--grace_seconds=1e400", "--", "--model_dir=x"], "1e400 is too large for a number"),
+    # Decimal digits only, as training's flags: Python's int() takes these.
+    (["--num_workers=\u0661", "--", "--model_dir=x"], "is not a whole number in decimal digits"),
+    (["--num_workers=1_000", "--", "--model_dir=x"], "1_000 is not a whole number"),
+    (["--num_workers=0x5f", "--", "--model_dir=x"], "0x5f is not a whole number"),
+    (["--max_restarts=99999999999", "--", "--model_dir=x"], "range [0, 10000]"),
 ])
 def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     assert launch.main(args) == 2

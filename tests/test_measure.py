@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import assert_ok, run_module
+from distributed_mpt.errors import ConfigError
 
 # The MLP recipe, shortened as a user would shorten it, on synthetic data.
 SHORT = ["--", "--dataset=synthetic", "--synthetic_examples=512", "--train_steps=6",
@@ -64,3 +65,12 @@ def test_bad_seeds_are_one_error_line(tmp_path):
     result = run_module("distributed_mpt.recipes.measure",
                         ["--recipe=mlp", "--seeds=0-x", f"--runs_dir={tmp_path}"])
     assert result.returncode == 2 and result.stderr.startswith("error: --seeds=0-x")
+
+
+@pytest.mark.parametrize("seeds", ["0-99999999999999", "\u0661-\u0662", "0x1,2", "1_0", "1-2-3"])
+def test_seeds_are_decimal_and_counted_before_they_are_made(seeds):
+    """A range of 10^14 seeds was made, as a list, before it was counted."""
+    from distributed_mpt.recipes.measure import seeds_of
+
+    with pytest.raises(ConfigError, match=r"^--seeds="):
+        seeds_of(seeds)

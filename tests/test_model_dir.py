@@ -3,6 +3,7 @@ refused unless adopted, and a run removes only what a killed run of this
 package left, by the exact shapes of the names it makes. The killed runs
 are real processes."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def test_a_directory_of_the_users_files_is_refused_unless_adopted(tmp_path):
     # together end in exit 2, "files this program did not write", not busy).
     starting = tmp_path / "starting"
     starting.mkdir()
-    for name in (run_lock.LOCK_NAME, ".write-test-ab12cd_3", ".tmp-x9y8z7w6"):
+    for name in (run_lock.LOCK_NAME, ".write-test-4242-9f3ab2c1-ab12cd_3",
+                 ".tmp-4242-9f3ab2c1-x9y8z7w6"):
         (starting / name).write_text("")
     model_dir_lib.check_ours(str(starting))
     users = tmp_path / "users"
@@ -69,35 +71,44 @@ def test_a_run_refuses_a_directory_of_the_users_files_and_adopts_it_when_told(mo
     assert_ok(train([*E2E, "--train_steps=4", f"--model_dir={model_dir}"]))
 
 
-def test_remove_debris_takes_only_what_this_package_writes(tmp_path):
+TAG = "4242-9f3ab2c1"  # a killed run's owner tag, as its lock file records it
+
+
+def test_remove_debris_takes_only_what_carries_a_killed_runs_tag(tmp_path):
     (tmp_path / "checkpoints" / "ckpt-4_temp").mkdir(parents=True)
-    debris = [".tmp-abc123_z", ".write-test-x1y2z3w4", ".export-1a2b3c4d/saved_model/x",
-              ".export-1a2b3c4d-old/y", "checkpoints/.tmp-q1w2e3r4",
+    debris = [f".tmp-{TAG}-abc123_z", f".write-test-{TAG}-x1y2z3w4",
+              f".export-{TAG}-1a2b3c4d/saved_model/x", f".export-{TAG}-1a2b3c4d-old/y",
+              f"checkpoints/.tmp-{TAG}-q1w2e3r4",
               "checkpoints/ckpt-4_temp/part-00000-of-00001.index",
               "checkpoints/ckpt-4.index.tempstate123", "checkpoints/checkpoint.tmp0f1e"]
     kept = ["checkpoints/ckpt-3.index", "checkpoints/ckpt-3.data-00000-of-00001",
             "checkpoints/checkpoint", "checkpoints/model.json", "metrics.jsonl", "notes.tmp",
             "export/saved_model/saved_model.pb", "my.tmp-file", "tensorboard/events.out.tfevents.1",
-            # A user's names that only begin like the package's.
+            # A user's names, among them the shapes the package made before
+            # its names carried a tag: nothing proves they are the package's.
             ".export-backup/notes.txt", ".tmp-notes", ".tmp-ABCDEFGH", ".tmp-abc123_z9",
-            ".write-test-notes", ".export-1a2b3c4z/x", ".export-1a2b3c4d-new/x"]
+            ".tmp-abc123_z", ".write-test-x1y2z3w4", ".export-1a2b3c4d/x", ".write-test-notes",
+            # Another run's tag, or one made to look like it.
+            ".tmp-4242-9f3ab2c2-abc123_z", f".export-{TAG}-1a2b3c4d-new/x",
+            f"checkpoints/.tmp-1-{TAG[5:]}-q1w2e3r4"]
     for name in debris + kept:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     model_dir_lib.mark(str(tmp_path))
     with RunLock(str(tmp_path)):
-        removed = model_dir_lib.remove_debris(str(tmp_path))
+        removed = model_dir_lib.remove_debris(str(tmp_path), [TAG])
     assert len(removed) == 8
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == sorted(kept + [run_lock.LOCK_NAME, model_dir_lib.MARKER])
 
 
 def test_remove_debris_touches_nothing_in_a_directory_not_marked_as_ours(tmp_path):
-    for name in (".tmp-abcd1234", ".export-1a2b3c4d/x", "checkpoints/checkpoint.tmp0f1e"):
+    for name in (f".tmp-{TAG}-abcd1234", f".export-{TAG}-1a2b3c4d/x",
+                 "checkpoints/checkpoint.tmp0f1e"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     before = _tree(tmp_path)
-    assert model_dir_lib.remove_debris(str(tmp_path)) == []
+    assert model_dir_lib.remove_debris(str(tmp_path), [TAG]) == []
     assert _tree(tmp_path) == before
 
 
@@ -118,27 +129,34 @@ def test_what_tensorflow_leaves_when_killed_mid_save_is_debris(tmp_path):
     assert list(checkpoint_dir.glob("ckpt-*_temp")), "killed while a checkpoint was being written"
     model_dir_lib.mark(str(tmp_path))
     with RunLock(str(tmp_path)):
-        model_dir_lib.remove_debris(str(tmp_path))
+        model_dir_lib.remove_debris(str(tmp_path), [])
     for path in checkpoint_dir.iterdir():
         assert path.name == "checkpoint" or checkpointing._CHECKPOINT_FILE.match(path.name), path
 
 
-def test_a_run_after_a_killed_run_removes_its_debris(model_dir):
+def test_a_run_after_a_killed_run_removes_its_debris_and_only_that(model_dir):
     assert_ok(train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"]))
-    for name in (".tmp-x1y2z3w4", ".export-12345678/saved_model", "checkpoints/ckpt-9_temp/part",
-                 "checkpoints/checkpoint.tmpabc"):
+    # What a run killed mid-write leaves: its record in the lock file, and
+    # temporary names carrying the tag that record names.
+    (model_dir / run_lock.LOCK_NAME).write_text(json.dumps(
+        {"host": "h", "pid": 4242, "since": "2026-01-01T00:00:00+0000", "tag": TAG}) + "\n")
+    for name in (f".tmp-{TAG}-x1y2z3w4", f".export-{TAG}-12345678/saved_model",
+                 "checkpoints/ckpt-9_temp/part", "checkpoints/checkpoint.tmpabc"):
         (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (model_dir / name).write_text("x")
-    (model_dir / ".export-backup").mkdir()
-    (model_dir / ".tmp-notes").write_text("mine")
+    # The user's, in the shapes the package's names had before they carried a tag.
+    users = [".export-backup/notes", ".tmp-notes", ".tmp-x1y2z3w4", ".export-12345678/mine",
+             ".write-test-abcd1234"]
+    for name in users:
+        (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (model_dir / name).write_text("mine")
     result = train([*E2E, "--train_steps=10", f"--model_dir={model_dir}"])
     assert_ok(result)
     assert "removed what a killed run left" in result.stdout
-    assert not [p for p in model_dir.rglob("*") if (".tmp" in p.name or "_temp" in p.name
-                                                    or p.name.startswith(".export-"))
-                and p.name not in (".export-backup", ".tmp-notes")]
-    assert (model_dir / ".export-backup").is_dir() and (model_dir / ".tmp-notes").is_file(), \
-        "a user's names that begin like the package's are left alone"
+    assert not [p for p in model_dir.rglob("*") if TAG in p.name or "_temp" in p.name
+                or p.name.startswith("checkpoint.tmp")]
+    for name in users:
+        assert (model_dir / name).read_text() == "mine", f"the user's {name} is left alone"
 
 
 _SAVER = """

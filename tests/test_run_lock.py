@@ -60,6 +60,40 @@ def test_a_second_holder_is_refused_and_a_killed_holder_blocks_nobody(tmp_path):
         pass
 
 
+@pytest.mark.parametrize("content", [b"my notes\n", b'{"pid": 1}\n', b"\xff\xfe", b"[]"])
+def test_a_lock_file_of_the_users_is_refused_not_emptied(tmp_path, content):
+    """A `.lock` of the user's (their notes, a JSON file of theirs) was
+    emptied by the next run; a hard link to one would empty their file."""
+    path = tmp_path / run_lock.LOCK_NAME
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as raised:
+        RunLock(str(tmp_path))
+    assert "holds something this program did not write" in str(raised.value)
+    assert "\n" not in str(raised.value)
+    assert path.read_bytes() == content, "left as it was"
+
+
+def test_a_hard_link_at_the_lock_file_is_refused(tmp_path):
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("")
+    (tmp_path / "run").mkdir()
+    os.link(theirs, tmp_path / "run" / run_lock.LOCK_NAME)
+    with pytest.raises(ConfigError, match="holds something this program did not write"):
+        RunLock(str(tmp_path / "run"))
+    assert theirs.read_text() == ""
+
+
+def test_a_run_over_a_users_lock_file_is_one_error_line(model_dir):
+    model_dir.mkdir()
+    (model_dir / run_lock.LOCK_NAME).write_text("the key to the shed\n")
+    result = train([*E2E, "--train_steps=2", f"--model_dir={model_dir}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds something this program did not write" in errors[0]
+    assert (model_dir / run_lock.LOCK_NAME).read_text() == "the key to the shed\n"
+    assert sorted(p.name for p in model_dir.iterdir()) == [run_lock.LOCK_NAME]
+
+
 def test_the_lock_file_is_never_followed_through_a_symlink(tmp_path):
     target = tmp_path / "elsewhere"
     target.write_text("keep")

@@ -74,6 +74,22 @@ def test_sigterm_while_tensorflow_is_imported_ends_the_worker_at_once(tmp_path):
     assert errors.ExitCode(128 + signal.SIGKILL).retryable
     assert "SIGTERM while TensorFlow started: stopping" in output
     assert seconds < BOUND_SECONDS, output
+    assert not (tmp_path / "run").exists(), "a stop during start-up leaves no new --model_dir"
+
+
+def test_sigusr1_while_tensorflow_is_imported_is_a_stop_like_sigterm(tmp_path):
+    """What `sbatch --signal=USR1@120` sends: held pending while TensorFlow
+    starts, and acted on by the start-up watchdog (it ended the worker with
+    no word, exit 138, and left a new --model_dir behind)."""
+    process = _start([*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={tmp_path / 'run'}"])
+    _wait_until(lambda: any(b"startup_watchdog" in cmd for _, cmd in _children(process.pid)),
+                120, "start-up watchdog", process)
+    process.send_signal(signal.SIGUSR1)
+    process.wait(timeout=120)
+    output = process.stdout.read()
+    assert process.returncode == -signal.SIGKILL, output  # 137: retryable
+    assert "SIGUSR1 while TensorFlow started: stopping" in output
+    assert not (tmp_path / "run").exists(), "a stop during start-up leaves no new --model_dir"
 
 
 def test_sigterm_while_waiting_for_peers_ends_the_worker_at_once(tmp_path):
@@ -111,3 +127,18 @@ def test_sigterm_before_tensorflow_exits_preempted(tmp_path):
     # Killed by the default handler before ours is installed (-15), or ours: 143.
     assert process.returncode in (-signal.SIGTERM, errors.EXIT_PREEMPTED)
     assert seconds < BOUND_SECONDS
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_just_after_the_lock_is_taken_leaves_no_new_model_dir(tmp_path):
+    """The lock and the marker are written before TensorFlow starts; a stop
+    then (here: as soon as the lock file appears) exited at once and left
+    the new directory behind, holding them."""
+    model_dir = tmp_path / "run"
+    process = _start([*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={model_dir}"])
+    _wait_until(lambda: (model_dir / ".lock").exists(), 120, "lock file", process)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    output = process.stdout.read()
+    assert process.returncode in (errors.EXIT_PREEMPTED, -signal.SIGKILL), output
+    assert not model_dir.exists(), f"left {sorted(p.name for p in model_dir.iterdir())}"

@@ -51,6 +51,25 @@ def test_a_stop_waits_for_the_step_under_way_only(tmp_path):
     assert f"ckpt-{stopped.group(1)}\"" in index.splitlines()[0]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2],
+                         ids=lambda sig: sig.name)
+def test_a_closed_terminal_or_slurms_warning_signal_stops_like_sigterm(tmp_path, sig):
+    """SIGHUP (a terminal closed, an ssh connection dropped) and SIGUSR1 or
+    SIGUSR2 (`sbatch --signal=USR1@120`, ahead of the time limit) ended the
+    run at once without a checkpoint: now each saves and exits 143."""
+    model_dir = tmp_path / "run"
+    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=100000",
+                                                   f"--model_dir={model_dir}"])
+    run.wait_for(r"^step +\d+/100000", timeout=300)
+    run.process.send_signal(sig)
+    assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
+    assert f"{sig.name}: stopping after the steps under way, with a checkpoint" in run.output()
+    stopped = re.search(r"stopped by a signal at step (\d+); checkpoint saved", run.output())
+    assert stopped, run.output()[-3000:]
+    index = (model_dir / "checkpoints" / "checkpoint").read_text()
+    assert f"ckpt-{stopped.group(1)}\"" in index.splitlines()[0]
+
+
 def test_the_acknowledgement_starts_a_line_of_its_own_on_a_terminal(tmp_path):
     import pty
 
@@ -92,7 +111,7 @@ def test_a_stop_before_training_exits_at_once_having_trained_nothing(tmp_path):
     assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
     assert "SIGTERM before training started" in run.output(), run.output()[-3000:]
     assert "Traceback" not in run.output()
-    assert not (model_dir / "checkpoints").exists()
+    assert not model_dir.exists(), "a stop before training leaves no new --model_dir"
 
 
 def _children(pid: int, command: str) -> list:
@@ -144,7 +163,7 @@ def test_helper_processes_never_import_from_the_working_directory(planted, tmp_p
     assert "is not writable" in result.stderr
     # The start-up watchdog: its deadline ends the shell that started it.
     watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.startup_watchdog"))
-    shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5; sleep 60"], cwd=cwd,
+    shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5 '' ''; sleep 60"], cwd=cwd,
                            capture_output=True, text=True, timeout=60)
     assert shell.returncode == -stopping.PEER_TIMEOUT_SIGNAL, shell.stderr
     assert not marker.exists(), marker.read_text()

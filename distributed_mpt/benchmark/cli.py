@@ -35,6 +35,7 @@ from typing import Optional
 
 from absl import flags
 
+from distributed_mpt import cli
 from distributed_mpt import config as config_lib
 from distributed_mpt.process import console, log_filter, stopping
 from distributed_mpt import files
@@ -42,7 +43,7 @@ from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
-                                    first_line)
+                                    first_line, quoted)
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 # Every section measured, the mixed policy included (emulated, but small).
@@ -70,11 +71,11 @@ def _flag_values() -> flags.FlagValues:
                       "what training's --precision=auto picks here (float32 on CPUs without "
                       "bfloat16 instructions); mixed: mixed_float16 on GPUs, mixed_bfloat16 on "
                       "CPUs, emulated on those. scaling uses the first.", flag_values=fv)
-    flags.DEFINE_integer("model_width", d.model_width, "Channels of the first stage of resnet9 "
-                         "or airbench.", lower_bound=1, upper_bound=1024, flag_values=fv)
-    flags.DEFINE_integer("repeats", d.repeats, "Timed loop calls per measurement (about "
-                         f"{d.seconds:g} s each); the fastest is reported.", lower_bound=1,
-                         upper_bound=MAX_REPEATS, flag_values=fv)
+    cli.define_integer(fv, "model_width", d.model_width, "Channels of the first stage of "
+                       "resnet9 or airbench.", lower=1, upper=1024)
+    cli.define_integer(fv, "repeats", d.repeats, "Timed loop calls per measurement (about "
+                       f"{d.seconds:g} s each); the fastest is reported.", lower=1,
+                       upper=MAX_REPEATS)
     flags.DEFINE_bool("tiny", False, "A smoke run for tests: the MLP of "
                       "width 8, batch 32, one short repeat, a 1,024-image split (flags given "
                       "explicitly still win).", flag_values=fv)
@@ -97,6 +98,12 @@ def output_kind(path: str) -> Optional[str]:
     return next((kind for test, kind in kinds if test(mode)), "a device node")
 
 
+def _written_path(output: str) -> str:
+    """Where --output is written: a symbolic link's target, so that the file
+    the link names is replaced (atomically) and the link stays a link."""
+    return os.path.realpath(output)
+
+
 def _regular_file_or_absent(path: Optional[str]) -> bool:
     kind = path and output_kind(config_lib.user_path(path))
     if kind:
@@ -113,10 +120,10 @@ def parse_options(argv) -> Options:
         raise ConfigError(first_line(e)) from None
     if len(rest) > 1:
         raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
-    try:
-        batch_sizes = tuple(int(b) for b in fv.batch_sizes)
-    except ValueError:
-        raise ConfigError(f"--batch_sizes={','.join(fv.batch_sizes)} must be integers") from None
+    if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
+        raise ConfigError(f"--batch_sizes={quoted(','.join(fv.batch_sizes))} must be whole "
+                          f"numbers in decimal digits")
+    batch_sizes = tuple(int(b) for b in fv.batch_sizes)
     given = {name: fv[name].value for name in ("model_width", "repeats")}
     given["output"] = config_lib.user_path(fv.output)
     given.update(sections=tuple(fv.sections), models=tuple(fv.models), batch_sizes=batch_sizes,
@@ -153,7 +160,7 @@ def main(argv=None) -> int:
     try:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
-            files.check_writable(os.path.dirname(os.path.abspath(options.output)), "--output")
+            files.check_writable(os.path.dirname(_written_path(options.output)), "--output")
         # TensorFlow's C++ start-up lines, off the report; SIGTERM ends the cells too.
         with log_filter.filtering(), stopping.stops_interrupting():
             results = run_benchmark(options)
@@ -169,10 +176,12 @@ def main(argv=None) -> int:
                      f"above is all there is")
     elif options.output:  # first: the report's console may fail (console.py), the file must not
         try:
-            files.write_json(options.output, results)
+            files.write_json(_written_path(options.output), results)
         except OSError as e:  # the disk filled, or the directory went, while it measured
             unwritten = (f"error: cannot write --output={options.output} ({e.strerror}): the "
                          f"report above is all there is")
+        except UserError as e:  # it became a link to a link that is no file, meanwhile
+            unwritten = f"error: {e}; the report above is all there is"
     print(format_report(results), flush=True)
     if unwritten:
         print(unwritten, file=sys.stderr, flush=True)

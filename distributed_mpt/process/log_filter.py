@@ -10,7 +10,7 @@ DMPT_VERBOSE=1 keeps them all.
 
 The filter is a process, not a thread: TensorFlow holds the GIL while it
 waits for multi-worker peers, and a thread could not drain the pipe then. It
-ignores SIGINT and SIGTERM (stopping.ignore_stop_signals) and ends when every
+ignores the stop signals (stopping.ignore_stop_signals) and ends when every
 writer has closed the pipe, so the last lines of a process that is killed or
 aborts still arrive.
 """

@@ -5,7 +5,10 @@ the life of the run. The operating system drops the lock when the process
 ends, however it ends (exit, exception, SIGKILL, OOM killer), so a killed run
 never blocks its successor and there is no stale lock to clear by hand. The
 file itself stays; while the lock is held it names the holder (host, pid,
-start time), so that a refused run can say who has the directory.
+start time), so that a refused run can say who has the directory, and the
+owner tag its temporary names carry (files.owner_tag): a killed holder's
+record stays, and proves to its successor which leftovers are its. A file
+there that holds anything else is the user's, and is refused, not emptied.
 
 What the lock guarantees, and where:
 - One machine (any local file system, or a pod's volume on one node's
@@ -29,13 +32,17 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import stat
 import time
 
+from distributed_mpt import files
 from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError, quoted
 
 LOCK_NAME = ".lock"
+# A holder record is about 120 bytes; a longer file is not one.
+_RECORD_BYTES = 4096
 
 
 class ModelDirBusyError(UserError):
@@ -82,10 +89,20 @@ class RunLock:
             raise ConfigError(
                 f"cannot lock {self.path} ({e.strerror}): the file system of --model_dir "
                 f"offers no locks; choose a --model_dir on a local disk or NFSv4") from None
+        # What is there is ours to replace only if a run wrote it: empty (a
+        # run released it), or the record of a holder that was killed, whose
+        # owner tag proves which temporary files it left (model_dir.py).
+        found = _read_record(self._fd)
+        if found is None:
+            os.close(self._fd)
+            raise ConfigError(f"{quoted(self.path)} holds something this program did not write "
+                              f"there (a lock file is empty or names the run holding it): move "
+                              f"it away, and run again")
+        self.previous_tags = [found["tag"]] if isinstance(found.get("tag"), str) else []
         # Written only once the lock is ours, so the file always names the
         # current holder (or, for a moment, nobody).
         holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tag": files.owner_tag()}
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(holder) + "\n").encode(), 0)
 
@@ -93,16 +110,20 @@ class RunLock:
         """Gives the directory up (closing the file drops the lock). With
         `remove_model_dir_if_unused`, for a directory this run created, the
         directory goes too if it holds nothing but the lock file and
-        `own_files` (names): removed while the lock is still held, so no
-        other run can have taken it."""
+        `own_files` (names of files or directories): removed while the lock
+        is still held, so no other run can have taken it."""
         if self._fd is None:
             return
         model_dir = os.path.dirname(self.path)
         left = set(os.listdir(model_dir))
         if remove_model_dir_if_unused and left <= {LOCK_NAME, *own_files}:
             try:
-                for name in left:
-                    os.remove(os.path.join(model_dir, name))
+                for name in sorted(left - {LOCK_NAME}) + [LOCK_NAME]:  # the lock file last
+                    path = os.path.join(model_dir, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.remove(path)
                 os.rmdir(model_dir)
             except OSError:
                 pass  # something appeared meanwhile: leave the directory
@@ -118,6 +139,24 @@ class RunLock:
 
     def __exit__(self, *exc_info):
         self.release()
+
+
+def _read_record(fd: int):
+    """The holder record in the lock file: {} if it is empty, None if it
+    holds anything else (a user's file, a hard link to one)."""
+    if os.fstat(fd).st_nlink > 1:  # emptying it would empty another name's file
+        return None
+    text = os.pread(fd, _RECORD_BYTES + 1, 0)
+    if not text:
+        return {}
+    try:
+        record = json.loads(text.decode())
+    except ValueError:  # UnicodeDecodeError too
+        return None
+    if len(text) > _RECORD_BYTES or not isinstance(record, dict) or \
+            not {"host", "pid", "since"} <= set(record):
+        return None
+    return record
 
 
 def _read_holder(fd: int) -> str:

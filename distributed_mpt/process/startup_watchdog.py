@@ -10,7 +10,9 @@ holds it for the whole wait. This process sees a stop signal pending in
 /proc within POLL_SECONDS and ends the worker as stopping.py's policy says,
 so that Kubernetes' SIGTERM during a rollout, or Kueue's preemption of a job
 that has just started, is obeyed at once. It ignores those signals itself,
-so that a signal sent to the whole process group cannot take it away.
+so that a signal sent to the whole process group cannot take it away. A
+--model_dir that the worker created is removed again once the worker is
+gone, as a stop before training leaves nothing new (stopping.py).
 """
 
 import os
@@ -32,10 +34,15 @@ class StartupWatchdog:
     timeout_seconds how long they may take to be up (from the watchdog's
     start), for a multi-worker job; None: no deadline."""
 
-    def __init__(self, timeout_seconds: Optional[float] = None, peers: Sequence[str] = ()):
+    def __init__(self, timeout_seconds: Optional[float] = None, peers: Sequence[str] = (),
+                 new_model_dir: Optional[str] = None, own_files: Sequence[str] = ()):
+        """new_model_dir: the --model_dir this process created (it holds its
+        lock), removed if the worker is ended before training and it holds
+        nothing but the lock file and `own_files` (names)."""
         deadline = "none" if timeout_seconds is None else str(timeout_seconds)
         self._command = stopping.helper_command(
-            "distributed_mpt.process.startup_watchdog", str(os.getpid()), deadline, *peers)
+            "distributed_mpt.process.startup_watchdog", str(os.getpid()), deadline,
+            new_model_dir or "", ",".join(own_files), *peers)
 
     def __enter__(self):
         self._process = subprocess.Popen(self._command)
@@ -55,18 +62,19 @@ def _is_up(address: str) -> bool:
         return False
 
 
-def _watch(parent: int, timeout: Optional[float], peers) -> None:
+def _watch(parent: int, timeout: Optional[float], peers) -> bool:
+    """Ends `parent` on a stop or at the deadline; returns whether it did."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while deadline is None or time.monotonic() < deadline:
         if os.getppid() != parent:
-            return  # the parent is gone
+            return False  # the parent is gone
         stop = stopping.pending_stop_signal(parent)
         if stop is not None:
             end = stopping.WAITING_WORKER_STOP_SIGNAL
             print(f"{stop.name} while TensorFlow started: stopping (nothing trained yet; exit "
                   f"status {status_of_signal(end)}, retryable)", file=sys.stderr, flush=True)
             os.kill(parent, end)
-            return
+            return True
         time.sleep(POLL_SECONDS)
     missing = [p for p in peers if not _is_up(p)] or peers
     end = stopping.PEER_TIMEOUT_SIGNAL
@@ -74,9 +82,30 @@ def _watch(parent: int, timeout: Optional[float], peers) -> None:
           f"{', '.join(missing)}; check that every worker was started with the same cluster "
           f"(exit status {status_of_signal(end)}, retryable)", file=sys.stderr, flush=True)
     os.kill(parent, end)
+    return True
+
+
+def _remove_new_model_dir(parent: int, model_dir: str, own_files: Sequence[str]) -> None:
+    """Once the ended `parent` is gone (and with it its lock), removes the
+    `model_dir` it created, under the lock, if it holds nothing but the
+    lock file and `own_files`; a run that took the directory meanwhile
+    keeps it."""
+    from distributed_mpt.errors import UserError
+    from distributed_mpt.process.run_lock import RunLock
+
+    gone_by = time.monotonic() + 60
+    while os.getppid() == parent and time.monotonic() < gone_by:
+        time.sleep(POLL_SECONDS / 4)
+    try:
+        lock = RunLock(model_dir)
+    except UserError:
+        return
+    lock.release(remove_model_dir_if_unused=True, own_files=own_files)
 
 
 if __name__ == "__main__":
     stopping.ignore_stop_signals()
-    _watch(int(sys.argv[1]), None if sys.argv[2] == "none" else float(sys.argv[2]),
-           sys.argv[3:])
+    worker, model_dir, own = int(sys.argv[1]), sys.argv[3], sys.argv[4].split(",")
+    if _watch(worker, None if sys.argv[2] == "none" else float(sys.argv[2]), sys.argv[5:]) \
+            and model_dir:
+        _remove_new_model_dir(worker, model_dir, own)

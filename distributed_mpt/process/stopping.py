@@ -1,8 +1,11 @@
 """How a training process stops: the one owner of its stop signals.
 
 SIGTERM (what Kubernetes, SLURM and the launcher send) and SIGINT (Ctrl-C)
-mean "stop, keeping what was done". What that takes depends on the phase
-the process is in:
+mean "stop, keeping what was done", and so do SIGHUP (the terminal closed,
+an ssh connection dropped) and SIGUSR1 and SIGUSR2 (what `sbatch
+--signal=USR1@120` sends ahead of a job's time limit): each of them is
+treated exactly as SIGTERM. What that takes depends on the phase the process
+is in:
 
 - STARTING, before TensorFlow: nothing is trained, so a stop exits at once
   with ExitCode.PREEMPTED (retryable).
@@ -46,7 +49,7 @@ from typing import Callable, List, Optional
 
 from distributed_mpt.errors import EXIT_ABORTED, EXIT_KILLED, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 # How the start-up watchdog ends a worker that TensorFlow holds while it starts
 # for its peers: signals it cannot block or swallow (SIGALRM is never
@@ -85,7 +88,7 @@ def ignore_stop_signals() -> None:
 
 
 def pending_stop_signal(pid: int) -> Optional[signal.Signals]:
-    """SIGTERM or SIGINT if one is pending (blocked) in process `pid`; None
+    """A stop signal (STOP_SIGNALS) pending (blocked) in process `pid`; None
     also where there is no /proc (not Linux)."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -106,6 +109,7 @@ class _Owner:
         self.phase = Phase.STARTING
         self.requested = False
         self._on_request: Optional[Callable[[], None]] = None
+        self.undo_start: Optional[Callable[[], None]] = None  # see `on_stop_before_training`
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -145,6 +149,11 @@ class _Owner:
             # the lock, and the next run removes what is left.
             _say_now(f"{sig.name} before training started: exiting with {EXIT_PREEMPTED:d} "
                      f"(retryable); nothing was trained yet")
+            if self.undo_start is not None:
+                try:
+                    self.undo_start()
+                except Exception:  # noqa: BLE001 - what cannot be undone stays; the exit must not
+                    pass
             os._exit(EXIT_PREEMPTED)
         if self.requested:
             if sig == signal.SIGINT:
@@ -204,7 +213,8 @@ def tensorflow_starting():
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised as Ctrl-C is (see `stops_interrupting`)."""
+    """A stop signal other than Ctrl-C, raised as Ctrl-C is (see
+    `stops_interrupting`)."""
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -214,15 +224,18 @@ def _raise_terminated(signum, frame) -> None:
 @contextlib.contextmanager
 def stops_interrupting():
     """For a process with nothing to save when it is stopped (the benchmark):
-    in the block SIGTERM raises Terminated, a KeyboardInterrupt as Ctrl-C
-    raises, in the main thread, so that the `finally`s on the way out run and
-    end its child processes (by default SIGTERM ends the process at once, and
-    a child measuring a cell ran on for up to 15 minutes)."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    in the block every stop signal but Ctrl-C's raises Terminated, a
+    KeyboardInterrupt as Ctrl-C raises, in the main thread, so that the
+    `finally`s on the way out run and end its child processes (by default
+    SIGTERM ends the process at once, and a child measuring a cell ran on for
+    up to 15 minutes)."""
+    others = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT]
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in others}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None:
@@ -231,6 +244,15 @@ def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None
     (a library caller, a test) there is nothing to do."""
     if _owner is not None:
         _owner.enter(phase, on_request)
+
+
+def on_stop_before_training(undo: Optional[Callable[[], None]]) -> None:
+    """`undo()` is called (from another thread, the main thread running on)
+    when a stop comes before training, right before the process exits: it
+    removes what the start wrote, so that a stopped start leaves nothing
+    new. None: nothing to undo."""
+    if _owner is not None:
+        _owner.undo_start = undo
 
 
 def requested() -> bool:

@@ -47,17 +47,15 @@ def _flag_values() -> flags.FlagValues:
 
 def seeds_of(text: str) -> List[int]:
     """"0-4" -> [0, 1, 2, 3, 4]; "1,5" -> [1, 5]; ConfigError otherwise."""
-    try:
-        if "-" in text:
-            first, last = (int(x) for x in text.split("-"))
-            seeds = list(range(first, last + 1))
-        else:
-            seeds = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--seeds={quoted(text)} is not a range A-B or a list A,B,C") from None
-    if not seeds or len(seeds) > 1000 or min(seeds) < 0:
+    parts = text.split("-") if "-" in text else text.split(",")
+    # Decimal digits only (cli.py); the range is counted before it is made.
+    if not all(cli.is_decimal_integer(part) for part in parts) or ("-" in text and len(parts) != 2):
+        raise ConfigError(f"--seeds={quoted(text)} is not a range A-B or a list A,B,C")
+    numbers = [int(part) for part in parts]
+    count = numbers[1] - numbers[0] + 1 if "-" in text else len(numbers)
+    if not 1 <= count <= 1000:
         raise ConfigError(f"--seeds={quoted(text)} must name 1 to 1000 seeds, none negative")
-    return seeds
+    return list(range(numbers[0], numbers[1] + 1)) if "-" in text else numbers
 
 
 def table(recipe: str, summaries: List[dict]) -> str:

@@ -15,7 +15,8 @@ from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
 from distributed_mpt.core.steps import Trainer
-from distributed_mpt.errors import ConfigError
+from distributed_mpt.errors import ConfigError, quoted
+from distributed_mpt.process import memory
 from distributed_mpt.training.plan import RunPlan
 
 
@@ -45,18 +46,24 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
     user's model that breaks the contract, ConfigError for --xla with a
     model that synchronizes replicas inside its forward pass."""
     spec = models.model_spec(config.model)
+    options = {name: getattr(config, name) for name in spec.options}
+    # Before any weight exists: a model too large is one line, not the OOM
+    # killer mid-build. A user's network is counted once built, before the
+    # optimizer's copies and the data's.
+    _check_memory(models.parameter_count(spec, dataset.info, config.model_width, **options),
+                  config)
     schedule = learning_rate_schedule(plan.learning_rate, plan.total_steps, plan.warmup_steps,
                                       config.lr_schedule)
     with strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        model = models.build_model(spec, dataset.info, config.model_width,
-                                   **{name: getattr(config, name) for name in spec.options})
+        model = models.build_model(spec, dataset.info, config.model_width, **options)
         if config.xla and plan.num_replicas > 1 and models.has_batch_norm(model):
             raise ConfigError(
                 f"--xla compiles each replica's forward and backward pass, which cannot hold "
                 f"{config.model}'s batch norm synchronized over {plan.num_replicas} replicas: "
                 f"drop --xla, or use it with one replica")
-        _check_memory(model, config)
+        if spec.is_users:
+            _check_memory(sum(int(tf.size(v)) for v in model.weights), config)
         models.initialize_from_data(model, dataset.train.images)
         jitter_split = (models.split_at_normalization(model, config.model)
                         if _augmentation(config).jitters_colors else None)
@@ -85,29 +92,24 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
 _COPIES_PER_WEIGHT = 5
 
 
-def _check_memory(model, config: TrainConfig) -> None:
-    """Raises ConfigError if training `model` cannot fit in this machine's
-    available memory (its weights alone, times the copies a run keeps), so
-    that a width of 1,024 is one line at the start, not the OOM killer's
-    exit 137 (which restart policies retry) without a word."""
-    available = _available_bytes()
-    needed = _COPIES_PER_WEIGHT * sum(4 * int(tf.size(v)) for v in model.weights)
-    if available and needed > available:
-        parameters = sum(int(tf.size(v)) for v in model.weights)
+def _check_memory(parameters, config: TrainConfig) -> None:
+    """Raises ConfigError if training a model of `parameters` weights (None:
+    not known yet) cannot fit in what this process may still take: the
+    host's available memory or, in a container, a pod or a SLURM job, its
+    cgroup's limit (process/memory.py). A width of 1,024 is one line at the
+    start, not the OOM killer's exit 137 (which restart policies retry)
+    without a word."""
+    headroom = memory.headroom()
+    needed = _COPIES_PER_WEIGHT * 4 * (parameters or 0)  # float32 variables, in any policy
+    if headroom and needed > headroom.bytes:
+        users = models.model_spec(config.model).is_users
+        what, smaller = ((f"--model={quoted(config.model)}", "a smaller network") if users else
+                         (f"--model={config.model} at --model_width={config.model_width}",
+                          "a lower --model_width"))
         raise ConfigError(
-            f"--model={config.model} at --model_width={config.model_width} has {parameters:,} "
-            f"parameters: training it needs about {needed / 1e9:.1f} GB, more than the "
-            f"{available / 1e9:.1f} GB this machine has available; lower --model_width")
-
-
-def _available_bytes() -> int:
-    """MemAvailable of /proc/meminfo (Linux), 0 where it cannot tell."""
-    try:
-        with open("/proc/meminfo") as f:
-            line = next(line for line in f if line.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0
+            f"{what} has {parameters:,} parameters: training it needs about "
+            f"{needed / 1e9:.1f} GB, more than the {headroom.describe()}; use {smaller}, or "
+            f"give the run more memory")
 
 
 def _group_settings(config: TrainConfig, plan: RunPlan) -> groups.Settings:

@@ -32,11 +32,14 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line, quoted
-from distributed_mpt.training.model_dir import DEBRIS, remove_matching
+from distributed_mpt.training.model_dir import debris, remove_matching
 
 MAX_TO_KEEP = 3
 
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
+# A step is an int64 in TensorFlow: a name with a larger number was not saved
+# by a run, and a save can never pass it.
+_LARGEST_STEP = 2**63 - 1
 # The index file TensorFlow's CheckpointManager keeps (a text protobuf,
 # CheckpointState), and the lines of it that this module reads and writes.
 _INDEX_FILE = "checkpoint"
@@ -105,6 +108,7 @@ class Checkpoints:
         self._is_chief = worker is None
         self._own_dir = self._shared_dir if self._is_chief else _scratch_dir(model_dir, worker)
         self._checkpoint = tf.train.Checkpoint(**trackables)
+        self._step = trackables.get("step")  # what a restored checkpoint says it is
         self._bytes = checkpoint_bytes(**trackables)
         # Made at the first save, once restore_latest has checked the index
         # file: the manager reads it when it is created, and fails on garbage.
@@ -131,6 +135,13 @@ class Checkpoints:
             path, {"model": str, "precision": str, "variable_shapes": list},
             remedy="it says which model the checkpoints beside it hold: restore an intact copy, "
                    "or start again in an empty --model_dir")
+        shapes = stored.get("variable_shapes", [])
+        if not all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                   for shape in shapes):
+            raise files.DamagedFileError(
+                f"{quoted(path)} is damaged (its variable_shapes are not lists of sizes); it "
+                f"says which model the checkpoints beside it hold: restore an intact copy, or "
+                f"start again in an empty --model_dir")
         if not stored:
             if checkpoints_on_disk(self._shared_dir):
                 raise CheckpointMismatchError(
@@ -164,6 +175,9 @@ class Checkpoints:
         found = checkpoints_on_disk(self._shared_dir)
         skipped = []
         for step, prefix in found:
+            if step > _LARGEST_STEP:
+                skipped.append((prefix, "its number is larger than any step"))
+                continue
             problem = why_unreadable(prefix)
             if problem:
                 _refuse_what_a_save_cannot_replace(prefix)
@@ -176,6 +190,13 @@ class Checkpoints:
                 raise CheckpointMismatchError(
                     f"cannot restore {prefix} ({first_line(e)}); use another "
                     f"--model_dir, or the flags of the run that wrote it") from None
+            saved_at = int(self._step.numpy()) if self._step is not None else step
+            if saved_at != step:
+                # Renamed, or copied under another name: resuming from it
+                # would take its place as the newest at every restart, and
+                # the steps trained since would be trained again and again.
+                skipped.append((prefix, f"it holds step {saved_at}, not the step its name says"))
+                continue
             if self._is_chief:
                 self._damaged = [(_number(p), p) for p, _ in skipped]
                 self._rewrite_index(step, [p for n, p in found if n < step])
@@ -251,7 +272,7 @@ class Checkpoints:
     def _remove_partial(self, step: int) -> None:
         """Removes what a failed save of `step` wrote (its data files count
         only once its index, written last, exists)."""
-        remove_matching(self._own_dir, DEBRIS["checkpoints"])
+        remove_matching(self._own_dir, debris([files.owner_tag()])["checkpoints"])
         prefix = os.path.join(self._own_dir, f"ckpt-{step}")
         if not os.path.exists(prefix + ".index"):
             remove_matching(self._own_dir, [re.compile(rf"ckpt-{step}\.data-.*")])
@@ -309,6 +330,11 @@ def why_unreadable(prefix: str) -> Optional[str]:
     checksum stored beside it, so a truncated, emptied or bit-flipped file
     shows here rather than half-way through a restore.
     """
+    for path in sorted(glob.glob(glob.escape(prefix) + ".*")):
+        # Checked before TensorFlow opens them: a FIFO would block the read
+        # forever, a link to /dev/zero never end it.
+        if os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode):
+            return f"{os.path.basename(path)} is {files.kind_of(path)}, not a file"
     try:
         reader = tf.train.load_checkpoint(prefix)
         for name in reader.get_variable_to_shape_map():

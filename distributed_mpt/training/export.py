@@ -88,7 +88,8 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
     """
     check_export_destination(model_dir)
     final = os.path.join(model_dir, EXPORT_DIR)
-    staging = os.path.join(model_dir, f"{STAGING_PREFIX}{uuid.uuid4().hex[:8]}")
+    staging = os.path.join(model_dir,
+                           f"{STAGING_PREFIX}{files.owner_tag()}-{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:
         _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,

@@ -29,22 +29,39 @@ MARKER = ".distributed_mpt"
 # directory or FIFO where a file belongs, is refused before training, not
 # found after hours of it.
 DIRECTORIES = ("checkpoints", "tensorboard")  # and export/: check_export_destination
+# What a run writes into a new directory before its first step: all that a
+# stop there removes again (the lock file aside).
+BEFORE_TRAINING = (MARKER, "config.json", "metrics.jsonl", "tensorboard")
 FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints/model.json",
          "checkpoints/checkpoint")
-# What a killed run leaves, by the exact shape of the names this package
-# makes (tempfile's 8 characters, uuid's 8 hex digits): a user's
-# `.export-backup` or `.tmp-notes` is never taken for it.
+# What a killed run leaves: temporary names that carry its owner tag
+# (files.owner_tag), which the lock file recorded while it held the
+# directory; tempfile adds 8 characters, the export's staging 8 hex digits.
+# A user's `.tmp-notes` or `.export-backup` carries no tag: never taken.
+_TAG = r"\d+-[0-9a-f]{8}"
 _TEMPFILE = r"[a-z0-9_]{8}"
-DEBRIS = {
-    "": (re.compile(re.escape(files.TEMPORARY_PREFIX) + _TEMPFILE),
-         re.compile(re.escape(files.WRITE_TEST_PREFIX) + _TEMPFILE),
-         re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]{8}(-old)?")),
-    # What a checkpoint save cut short leaves (TensorFlow's own names).
-    "checkpoints": (re.compile(re.escape(files.TEMPORARY_PREFIX) + _TEMPFILE),  # model.json
-                    re.compile(r"ckpt-\d+_temp.*"),        # SaveV2 writes shards here, then merges
-                    re.compile(r"ckpt-\d+\..*\.tempstate\d+"),  # a file not yet renamed
-                    re.compile(r"checkpoint\.tmp[0-9a-f]+")),   # the index, not yet renamed
-}
+# What TensorFlow leaves of a checkpoint save cut short, in the run's own
+# checkpoints/: its names, which cannot carry a tag.
+CHECKPOINT_DEBRIS = (re.compile(r"ckpt-\d+_temp.*"),        # SaveV2 writes shards here, then merges
+                     re.compile(r"ckpt-\d+\..*\.tempstate\d+"),  # a file not yet renamed
+                     re.compile(r"checkpoint\.tmp[0-9a-f]+"))   # the index, not yet renamed
+
+
+def debris(tags) -> dict:
+    """Patterns of what runs that wrote under `tags` (owner tags) leave, by
+    folder of the model directory."""
+    tag = f"({'|'.join(re.escape(t) for t in tags)})" if tags else "(?!)"
+    temporary = re.compile(re.escape(files.TEMPORARY_PREFIX) + tag + "-" + _TEMPFILE)
+    return {"": (temporary,
+                 re.compile(re.escape(files.WRITE_TEST_PREFIX) + tag + "-" + _TEMPFILE),
+                 re.compile(re.escape(STAGING_PREFIX) + tag + r"-[0-9a-f]{8}(-old)?")),
+            "checkpoints": (temporary, *CHECKPOINT_DEBRIS)}  # model.json's, the index's
+
+
+# What a run writes before its marker, of any run: another run started at
+# that moment goes on to the lock, which decides.
+_STARTING = (re.compile(re.escape(files.TEMPORARY_PREFIX) + _TAG + "-" + _TEMPFILE),
+             re.compile(re.escape(files.WRITE_TEST_PREFIX) + _TAG + "-" + _TEMPFILE))
 
 
 def check_layout(model_dir: str, export: bool = True) -> None:
@@ -79,7 +96,7 @@ def check_ours(model_dir: str, adopt: bool = False) -> None:
     # between) must go on to the lock, to be told the directory is busy or
     # to take it over, as the lock decides.
     entries = sorted(name for name in os.listdir(model_dir)
-                     if name != LOCK_NAME and not any(p.fullmatch(name) for p in DEBRIS[""]))
+                     if name != LOCK_NAME and not any(p.fullmatch(name) for p in _STARTING))
     if entries:
         raise ConfigError(
             f"--model_dir={quoted(model_dir)} holds files this program did not write "
@@ -107,14 +124,16 @@ def mark(model_dir: str) -> None:
         files.write_text(path, json.dumps({"written_by": "distributed_mpt"}) + "\n")
 
 
-def remove_debris(model_dir: str) -> List[str]:
+def remove_debris(model_dir: str, tags=()) -> List[str]:
     """Removes what a killed run of this package left in the marked
-    `model_dir` (DEBRIS); returns the paths removed. Only under the run
+    `model_dir`: its temporary names, which carry one of `tags` (the owner
+    tags the lock file recorded: RunLock.previous_tags), and TensorFlow's in
+    checkpoints/ (`debris`); returns the paths removed. Only under the run
     lock: a running run's temporary files look the same."""
     if not is_ours(model_dir):
         return []
     removed = []
-    for folder, patterns in DEBRIS.items():
+    for folder, patterns in debris(tags).items():
         removed += remove_matching(os.path.join(model_dir, folder), patterns)
     return removed
 
@@ -141,5 +160,5 @@ def remove_matching(directory: str, patterns) -> List[str]:
     return removed
 
 
-__all__ = ["DEBRIS", "DIRECTORIES", "EXPORT_DIR", "FILES", "MARKER", "check_layout", "check_ours",
-           "is_ours", "mark", "remove_debris", "remove_matching"]
+__all__ = ["BEFORE_TRAINING", "CHECKPOINT_DEBRIS", "DIRECTORIES", "EXPORT_DIR", "FILES", "MARKER", "check_layout", "check_ours",
+           "debris", "is_ours", "mark", "remove_debris", "remove_matching"]

@@ -68,16 +68,18 @@ class Reporter:
         # consistent with the checkpoint, one record per step and kind.
         kept = [r for r in records if r["step"] <= resumed_from_step and not (
             evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)]
-        files.write_text(self._metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        files.write_text(self._metrics_path,
+                         "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
         self._status = TrainJobStatus.from_environment()
         self._closed = threading.Event()
         threading.Thread(target=self._heartbeat, daemon=True, name="progress").start()
 
     def last_logged(self, key: str) -> dict:
-        """The newest record of metrics.jsonl that has `key`; {} if none."""
+        """The newest record of metrics.jsonl that has a number at `key`; {}
+        if none (a record edited to hold anything else is passed over)."""
         records = files.read_jsonl(self._metrics_path)[0] if self._enabled else []
-        return next((r for r in reversed(records) if key in r), {})
+        return next((r for r in reversed(records) if isinstance(r.get(key), (int, float))), {})
 
     def say(self, message: str) -> None:
         """Prints a line on the chief."""
@@ -108,9 +110,10 @@ class Reporter:
         if not self._enabled:
             return
         elapsed = self._earlier_seconds + time.monotonic() - self._started
-        record = {"step": step, **record, "elapsed_seconds": round(elapsed, 3)}
+        record = files.finite_values({"step": step, **record,
+                                      "elapsed_seconds": round(elapsed, 3)})
         with open(self._metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         with self._writer.as_default(step=step):
             for name, value in record.items():
                 if name != "step" and isinstance(value, (int, float)):
@@ -118,7 +121,8 @@ class Reporter:
         self._writer.flush()
         if self._status is not None:
             self._status.update(100 * step / self._total_steps, eta_seconds,
-                                {k: record[k] for k in _STATUS_METRICS if k in record})
+                                {k: record[k] for k in _STATUS_METRICS
+                                 if record.get(k) is not None})
         width = len(str(self._total_steps))
         parts = [f"step {step:>{width}}/{self._total_steps}"]
         for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
@@ -126,7 +130,7 @@ class Reporter:
                           ("eval_accuracy_without_tta", ".4f"),
                           ("learning_rate", ".4g"), ("loss_scale", ".0f"),
                           ("examples_per_second", ".0f")):
-            if name in record:
+            if record.get(name) is not None:
                 parts.append(f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}")
         if eta_seconds is not None:
             parts.append(f"ETA {format_seconds(eta_seconds)}")

@@ -47,10 +47,15 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     if not restored:
         return Resumption(start_step=0)
     start_step = int(step.numpy())
+    config_path = os.path.join(model_dir, "config.json")
+    remedy = ("it records the flags of the run that wrote the checkpoints: restore an intact "
+              "copy, or remove it to resume without comparing them")
     previous_config = files.read_json(
-        os.path.join(model_dir, "config.json"), {"dataset": str, "seed": int, "resolved": dict},
-        remedy="it records the flags of the run that wrote the checkpoints: restore an intact "
-               "copy, or remove it to resume without comparing them")
+        config_path, {"dataset": str, "seed": int, "resolved": dict}, remedy=remedy)
+    earlier = previous_config.get("earlier", [])  # absent in runs from before it was kept
+    if not (isinstance(earlier, list) and all(isinstance(e, dict) for e in earlier)):
+        raise files.DamagedFileError(f"{quoted(config_path)} is damaged ('earlier' is not a list "
+                                     f"of records); {remedy}")
     finished = {}
     if start_step >= total_steps:  # else summary.json is rewritten at the end
         finished = files.read_json(

@@ -45,11 +45,16 @@ def _run(config: TrainConfig) -> int:
             model_dir.check_ours(config.model_dir, adopt=config.adopt_model_dir)
             if not os.path.exists(config.model_dir):
                 new_model_dir = config.model_dir
+                # A stop before the lock: the directory goes if still empty.
+                stopping.on_stop_before_training(lambda: os.rmdir(new_model_dir))
             # One run per model_dir, held until the end (the OS drops it if
             # the process dies); only the holder may mark it or clear debris.
             files.check_writable(config.model_dir)
             lock = run_lock.RunLock(config.model_dir)
-            removed = model_dir.remove_debris(config.model_dir)
+            if new_model_dir:  # a stop before training leaves nothing new
+                stopping.on_stop_before_training(lambda: lock.release(
+                    remove_model_dir_if_unused=True, own_files=model_dir.BEFORE_TRAINING))
+            removed = model_dir.remove_debris(config.model_dir, lock.previous_tags)
             if removed:
                 print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
             model_dir.mark(config.model_dir)
@@ -58,7 +63,8 @@ def _run(config: TrainConfig) -> int:
         # a stop in its place, and bounds the wait for the peers.
         peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
         deadline = config.peer_timeout_seconds if cluster else None
-        with stopping.tensorflow_starting(), StartupWatchdog(deadline, peers):
+        watchdog = StartupWatchdog(deadline, peers, new_model_dir, model_dir.BEFORE_TRAINING)
+        with stopping.tensorflow_starting(), watchdog:
             # TensorFlow is imported only now, behind the log filter.
             from distributed_mpt.process import distribution
             from distributed_mpt.training.run import train_and_evaluate

@@ -1,0 +1,99 @@
+"""The files a run reads back from --model_dir, edited by hand: wrong types,
+nested junk, numbers too large for a float. A resume either goes on (what is
+not needed is passed over) or stops with one `error:` line naming the file;
+never a traceback, and no file the run writes holds `Infinity` or `NaN`."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, train
+
+FLAGS = [*SMOKE_FLAGS, "--train_steps=4", "--noevaluate", "--checkpoint_every_steps=2"]
+
+
+def _edit(name: str, change):
+    """`change(the JSON object in file `name`)` written back as text: a
+    callable returning the new text."""
+    def edit(model_dir: Path):
+        path = model_dir / name
+        path.write_text(change(json.loads(path.read_text())))
+    return edit
+
+
+def _with(**fields):
+    return lambda record: json.dumps({**record, **fields})
+
+
+def _metrics_line(line: str):
+    def edit(model_dir: Path):
+        with open(model_dir / "metrics.jsonl", "a") as f:
+            f.write(line + "\n")
+    return edit
+
+
+# case: (edit, steps of the run that follows, the error line's fragment or
+# None for a run that goes on)
+CASES = {
+    "config.json: earlier not a list": (_edit("config.json", _with(earlier="junk")), 8,
+                                        "config.json is damaged ('earlier' is not a list"),
+    "config.json: earlier of numbers": (_edit("config.json", _with(earlier=[1, 2])), 8,
+                                        "config.json is damaged ('earlier' is not a list"),
+    "config.json: a flag of nested junk": (
+        _edit("config.json", _with(learning_rate={"a": [[[1]]]})), 8, "changes --learning_rate"),
+    "config.json: a huge seed": (_edit("config.json", _with(seed=10**30)), 8, "changes --seed"),
+    "config.json: a number beyond a float": (
+        _edit("config.json", lambda r: json.dumps(r).replace('"seed": 0', '"seed": 1e400')), 8,
+        "config.json is damaged (not JSON: 1e400 is too large a number"),
+    "config.json: resolved of junk": (
+        _edit("config.json", lambda r: json.dumps({**r, "resolved": {
+            "total_steps": "many", "peak_learning_rate": [1], "model_source": None}})), 8, None),
+    "summary.json: steps a string": (_edit("summary.json", _with(steps="4")), 4,
+                                     "summary.json is damaged ('steps' is a str)"),
+    "summary.json: results of junk": (_edit("summary.json", _with(eval_accuracy={"x": []})), 4,
+                                      None),
+    "model.json: shapes of junk": (_edit("checkpoints/model.json",
+                                         _with(variable_shapes=[[1, "x"], 3])), 8,
+                                   "model.json is damaged (its variable_shapes"),
+    "metrics.jsonl: elapsed beyond a float": (
+        _metrics_line('{"step": 1, "elapsed_seconds": 1e400}'), 8, None),
+    "metrics.jsonl: a huge step": (_metrics_line('{"step": 1000000000000000000000000000000, '
+                                                 '"elapsed_seconds": 1}'), 8, None),
+    "metrics.jsonl: a loss of junk": (_metrics_line('{"step": 4, "elapsed_seconds": 1, '
+                                                    '"loss": [1], "epoch": "x"}'), 8, None),
+}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished run of 4 steps, for each case to edit a copy of."""
+    model_dir = tmp_path_factory.mktemp("finished") / "run"
+    assert_ok(train([*FLAGS, f"--model_dir={model_dir}"]))
+    return model_dir
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} in a file this program wrote")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_edited_file_is_passed_over_or_one_error_line(case, finished, tmp_path):
+    edit, steps, fragment = CASES[case]
+    model_dir = tmp_path / "run"
+    shutil.copytree(finished, model_dir)
+    edit(model_dir)
+    result = train([*FLAGS, f"--train_steps={steps}", f"--model_dir={model_dir}"])
+    if fragment:
+        assert_one_error_line(result, fragment)
+    else:
+        assert_ok(result)
+    assert "Traceback" not in result.stderr
+    for name in ("config.json", "summary.json", "checkpoints/model.json"):
+        _strict_json((model_dir / name).read_text())
+    if fragment is None:  # rewritten by the run: every line standard JSON
+        for line in (model_dir / "metrics.jsonl").read_text().splitlines():
+            _strict_json(line)

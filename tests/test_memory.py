@@ -1,0 +1,184 @@
+"""A model too large for the memory this process may take is one line before
+any weight exists: the host's MemAvailable, or a container's, pod's or SLURM
+job's cgroup limit, whichever is lower (process/memory.py). The probe is
+read from trees made here; a real cgroup is used where the test may make
+one (root, a writable memory controller), and an injected limit everywhere."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMOKE_FLAGS, assert_one_error_line, subprocess_env, train
+from distributed_mpt.core import models
+from distributed_mpt.process import memory
+
+GB = 10**9
+# 1.7 billion weights: 6.7 GB of float32 weights alone, 34 GB to train.
+TOO_LARGE = [*SMOKE_FLAGS, "--model=resnet9", "--model_width=1024", "--train_steps=2"]
+
+
+def _tree(root: Path, files: dict):
+    for name, text in files.items():
+        path = root / name.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+MEMINFO = "MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n"  # 51.2 GB available
+
+
+def test_a_cgroup_v2_limit_below_the_hosts_memory_is_the_headroom(tmp_path):
+    _tree(tmp_path, {
+        "/proc/meminfo": MEMINFO,
+        "/proc/self/cgroup": "0::/kubepods/pod1/container\n",
+        "/proc/self/mountinfo": "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 "
+                                "cgroup2 rw,nsdelegate\n",
+        # The container has no limit of its own; its pod has, and the one above it a larger one.
+        "/sys/fs/cgroup/kubepods/pod1/container/memory.max": "max\n",
+        "/sys/fs/cgroup/kubepods/pod1/container/memory.current": "100\n",
+        "/sys/fs/cgroup/kubepods/pod1/memory.max": "4000000000\n",
+        "/sys/fs/cgroup/kubepods/pod1/memory.current": "1500000000\n",
+        # Page cache the kernel would reclaim first is not in use.
+        "/sys/fs/cgroup/kubepods/pod1/memory.stat": "anon 1000000000\ninactive_file 500000000\n",
+        "/sys/fs/cgroup/kubepods/memory.max": "64000000000\n",
+        "/sys/fs/cgroup/kubepods/memory.current": "1500000000\n",
+    })
+    headroom = memory.headroom(str(tmp_path))
+    assert headroom.bytes == 4 * GB - 1 * GB
+    assert headroom.describe() == ("3.0 GB left under the memory limit of cgroup /kubepods/pod1 "
+                                   "(4.0 GB, memory.max)")
+
+
+def test_a_cgroup_v1_limit_and_a_namespaced_path(tmp_path):
+    """cgroup v1 (a SLURM job's, an older Docker's); in a cgroup namespace
+    /proc/self/cgroup may name a path that is not under the mount, whose
+    top is then the process's own cgroup."""
+    _tree(tmp_path, {
+        "/proc/meminfo": MEMINFO,
+        "/proc/self/cgroup": "5:cpu:/\n4:memory:/../../slurm/uid_0/job_7\n0::/\n",
+        "/proc/self/mountinfo": (
+            "35 31 0:32 /slurm/uid_0/job_7 /sys/fs/cgroup/memory rw,relatime - cgroup cgroup "
+            "rw,memory\n36 31 0:33 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"),
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes": "2000000000\n",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes": "600000000\n",
+        "/sys/fs/cgroup/memory/memory.stat": "cache 300000000\ntotal_inactive_file 100000000\n",
+    })
+    headroom = memory.headroom(str(tmp_path))
+    assert headroom.bytes == 2_000_000_000 - 500_000_000
+    assert "cgroup / (2.0 GB, memory.limit_in_bytes)" in headroom.limit
+
+
+def test_without_a_cgroup_limit_the_hosts_available_memory_counts(tmp_path):
+    _tree(tmp_path, {
+        "/proc/meminfo": MEMINFO,
+        "/proc/self/cgroup": "4:memory:/\n",
+        "/proc/self/mountinfo": "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # no limit
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes": "600000000\n",
+    })
+    assert memory.headroom(str(tmp_path)) == memory.Headroom(
+        50_000_000 * 1024, "available on this host (MemAvailable)")
+    assert memory.headroom(str(tmp_path / "nothing")) is None  # not Linux: no check
+
+
+def test_the_parameters_are_counted_without_allocating_them():
+    from distributed_mpt.core.data import cifar10
+
+    spec = models.model_spec("resnet9")
+    assert models.parameter_count(spec, cifar10.INFO, 16) == \
+        models.build_model(spec, cifar10.INFO, 16).count_params()
+    assert models.parameter_count(models.model_spec("x.py:build"), cifar10.INFO) is None
+
+
+def test_an_injected_limit_refuses_the_model_before_it_is_built(tmp_path, monkeypatch):
+    """The memory probe is the test's: 2 GB left under a pod's limit."""
+    limit = memory.Headroom(2 * GB, "left under the memory limit of cgroup /pod (4.0 GB, "
+                                    "memory.max)")
+    monkeypatch.setattr(memory, "headroom", lambda: limit)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before its memory was checked")
+
+    monkeypatch.setattr(models, "build_model", never)
+    result = train([*TOO_LARGE, f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
+                                  "parameters: training it needs about 33.6 GB, more than the "
+                                  "2.0 GB left under the memory limit of cgroup /pod")
+    assert not (tmp_path / "run").exists(), "a new --model_dir refused leaves nothing"
+
+
+def _memory_cgroup():
+    """A new cgroup with a memory controller under this process's own, and
+    the file its limit goes in; skips where none can be made."""
+    if os.geteuid() != 0:
+        pytest.skip("making a cgroup needs root")
+    own = {line.split(":", 2)[1]: line.split(":", 2)[2]
+           for line in Path("/proc/self/cgroup").read_text().splitlines()}
+    candidates = []
+    if "memory" in own:  # v1
+        candidates.append((Path("/sys/fs/cgroup/memory") / own["memory"].lstrip("/"),
+                           "memory.limit_in_bytes"))
+    if "" in own:  # v2
+        for top in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+            if "memory" in (top / "cgroup.controllers").read_text().split() \
+                    if (top / "cgroup.controllers").exists() else False:
+                candidates.append((top / own[""].lstrip("/"), "memory.max"))
+    for parent, limit_file in candidates:
+        child = parent / f"dmpt-test-{os.getpid()}"
+        try:
+            child.mkdir()
+        except OSError:
+            continue
+        if (child / limit_file).exists():
+            return child, limit_file
+        child.rmdir()
+    pytest.skip("no cgroup with a memory controller can be made here")
+
+
+def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
+    """The run in a cgroup limited to 1.5 GB: TensorFlow and the data fit, a
+    model of 34 GB does not. It was killed building its weights (exit 137,
+    no word), as a pod or a SLURM job is at its limit."""
+    cgroup, limit_file = _memory_cgroup()
+    try:
+        (cgroup / limit_file).write_text(str(1_500_000_000))
+        procs = cgroup / "cgroup.procs"
+        result = subprocess.run(
+            [sys.executable, "-m", "distributed_mpt.train", *TOO_LARGE,
+             f"--model_dir={tmp_path / 'run'}"],
+            preexec_fn=lambda: procs.write_text(str(os.getpid())), capture_output=True,
+            text=True, timeout=600, env=subprocess_env(), cwd=REPO)
+    finally:
+        for _ in range(50):  # empty once the process is gone
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                import time
+                time.sleep(0.1)
+    print(result.stderr[-500:])
+    assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
+                                  "parameters: training it needs about 33.6 GB, more than the ")
+    assert f"left under the memory limit of cgroup /" in result.stderr
+    assert "(1.5 GB, " + limit_file + ")" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["resnet9", "airbench"])
+def test_counting_the_parameters_changes_no_initial_weight(name):
+    """Keras draws initializers' seeds from Python's generator: a count that
+    drew them too gave every run other initial weights than its seed's."""
+    import keras
+    import numpy as np
+
+    from distributed_mpt.core.data import cifar10
+
+    spec = models.model_spec(name)
+    keras.utils.set_random_seed(0)
+    plain = models.build_model(spec, cifar10.INFO, 8).get_weights()
+    keras.utils.set_random_seed(0)
+    models.parameter_count(spec, cifar10.INFO, 8)
+    counted_first = models.build_model(spec, cifar10.INFO, 8).get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(plain, counted_first))
