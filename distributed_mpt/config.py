@@ -67,7 +67,8 @@ class TrainConfig:
                               "pixels square (squashed, not cropped).")
     test_fraction: float = _option(
         0.0, "--dataset=image_folder without a test/ folder: hold out this fraction of each "
-        "class's training images (chosen by --seed) for testing.")
+        "class's training images (chosen by --seed) for testing (beside a test/ folder: an "
+        "error).")
     model: str = _option(
         "resnet9", " ".join(f"{spec.name}: {spec.summary}." for spec in models.MODELS.values())
         + " Or your own network: path/to/file.py:function or package.module:function, a "
@@ -180,11 +181,14 @@ class TrainConfig:
     crop_padding: int = _option(
         4, "Random translation of each training image by up to this many pixels (a crop of "
         "the reflect-padded image; airbench94: 2); 0: none.")
-    flip: str = _option(
-        "random", "Horizontal flips of training images. random: each image in each epoch "
+    # None: the dataset's default (its spec's `flip` in core/data).
+    flip: Optional[str] = _option(
+        None, "Horizontal flips of training images. random: each image in each epoch "
         "with probability 1/2. alternating (airbench94's): each image flipped at random once, "
         "then all of them flipped on every odd epoch, so that every image is seen both ways "
-        "in any two epochs. none.", FLIPS)
+        "in any two epochs. none. Default: " + ", ".join(
+            f"{spec.name} {spec.flip}" for spec in data.DATASETS.values()) + " (a mirrored "
+        "digit or letter is another sign).", FLIPS)
     brightness_jitter: float = _option(
         0.0, "Color jitter of the 2025 record (hiverge/cifar10-speedrun: 0.1399): each training "
         "image in each epoch gets b ~ U(-this, this) added to its normalized pixels (in standard "
@@ -239,6 +243,8 @@ class TrainConfig:
             if getattr(self, name) is None:
                 # Frozen: set once here, before anyone reads the config.
                 object.__setattr__(self, name, getattr(spec.defaults, name))
+        if self.flip is None and self.dataset in data.DATASETS:
+            object.__setattr__(self, "flip", data.DATASETS[self.dataset].flip)
         _validate(self)
 
 
