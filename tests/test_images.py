@@ -186,6 +186,18 @@ def test_every_changed_byte_of_a_png_s_pixel_data_is_refused(tmp_path):
         _refused(tmp_path, bytes(damaged), "begins as a PNG image does but does not decode")
 
 
+def test_a_png_that_pillow_reads_with_a_warning_is_refused_not_read(tmp_path, capfd):
+    # An APNG control chunk that says 0 frames: Pillow prints a Python
+    # warning (two lines on stderr) and reads the still image on.
+    damaged = bytearray(_animated("PNG"))
+    at = damaged.index(b"acTL")
+    damaged[at + 4:at + 8] = struct.pack(">I", 0)
+    damaged[at + 12:at + 16] = struct.pack(">I", zlib.crc32(bytes(damaged[at:at + 12])))
+    _refused(tmp_path, bytes(damaged), "begins as a PNG image does but does not decode (Invalid "
+                                       "APNG")
+    assert "Warning" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF"])
 def test_an_intact_file_of_each_format_reads_and_data_after_its_end_is_no_damage(tmp_path, fmt):
     picture = _PICTURE.convert("P") if fmt == "GIF" else _PICTURE

@@ -129,11 +129,7 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
                 image.load()
                 if index == 0:
                     first = _rgb(image, path)
-            damage = _cut_short(image.format, encoded, extent) or next(
-                # A TIFF directory or an APNG frame that does not read back
-                # whole is only a warning of Pillow's (it reads on without).
-                (str(w.message) for w in noted if kind in ("TIFF", "PNG") and
-                 os.path.basename(w.filename) == f"{kind.title()}ImagePlugin.py"), "")
+            damage = _cut_short(image.format, encoded, extent) or _warned(kind, noted)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         said = re.search(r"\((\d+) pixels\)", str(e))
         count = f"{int(said[1]):,}" if said else "more"
@@ -195,6 +191,14 @@ def _rgb(image, path: str) -> np.ndarray:
                          f"8 or 16 bits per channel")
     raise ImageError(f"{quoted(path)} holds pixels of Pillow's mode {image.mode}, which this "
                      f"program does not turn into RGB: save it as 8-bit RGB or greyscale")
+
+
+def _warned(kind: str, noted: list) -> str:
+    """The damage that Pillow only warns of, reading on without the part: a
+    TIFF directory or an APNG frame control that does not read back whole
+    (empty if none)."""
+    plugin = {"TIFF": "TiffImagePlugin.py", "PNG": "PngImagePlugin.py"}.get(kind)
+    return next((str(w.message) for w in noted if os.path.basename(w.filename) == plugin), "")
 
 
 def _pixel_data_end(image, encoded: bytes) -> int:
