@@ -244,11 +244,16 @@ def test_a_copy_of_the_images_elsewhere_and_a_run_without_a_fingerprint_resume(t
     shutil.copytree(run, resumed)
     assert_ok(train([*TINY, "--train_steps=4", f"--data_dir={copy}", f"--model_dir={resumed}"]))
     assert read_summary(resumed)["resumed_from_step"] == 2
-    # A run from before fingerprints: its config.json has none.
+    # A run from before fingerprints, and before image folders' flips were
+    # off by default: its config.json has no fingerprint, and random flips.
     config = json.loads((resumed / "config.json").read_text())
     del config["resolved"]["data_fingerprint"]
+    config["flip"] = "random"
     (resumed / "config.json").write_text(json.dumps(config))
     (copy / "train" / "ships" / "003.png").unlink()
-    assert_ok(train([*TINY, "--train_steps=6", f"--data_dir={copy}", f"--model_dir={resumed}"]))
+    assert_one_error_line(train([*TINY, "--train_steps=6", f"--data_dir={copy}",
+                                 f"--model_dir={resumed}"]), "Pass --flip=random")
+    assert_ok(train([*TINY, "--train_steps=6", "--flip=random", f"--data_dir={copy}",
+                     f"--model_dir={resumed}"]))
     assert read_summary(resumed)["resumed_from_step"] == 4
 

@@ -91,7 +91,11 @@ def _data_difference(before: dict, now: dict, shown: int = 5) -> str:
         more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
         return quoted(", ".join(map(str, classes[:shown]))) + more
 
-    old, new = list(before.get("classes", [])), list(now.get("classes", []))
+    def field(fingerprint, name, kind):  # config.json is read, not trusted: any shape
+        value = fingerprint.get(name)
+        return value if isinstance(value, kind) else kind()
+
+    old, new = field(before, "classes", list), field(now, "classes", list)
     removed, added = [c for c in old if c not in new], [c for c in new if c not in old]
     parts = []
     if removed:
@@ -100,7 +104,7 @@ def _data_difference(before: dict, now: dict, shown: int = 5) -> str:
         parts.append(f"class(es) {names(added)} new")
     if old != new and not parts:
         parts.append(f"the classes in another order ({names(new)}, was {names(old)})")
-    counted_before, counted = before.get("files", {}), now.get("files", {})
+    counted_before, counted = field(before, "files", dict), field(now, "files", dict)
     for split in sorted(set(counted_before) | set(counted)):
         if counted_before.get(split) != counted.get(split):
             parts.append(f"{split}/ holds {counted.get(split, 0)} files (was "
