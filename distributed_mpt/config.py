@@ -68,7 +68,8 @@ class TrainConfig:
                               "pixels square (squashed, not cropped).")
     test_fraction: float = _option(
         0.0, "--dataset=image_folder without a test/ folder: hold out this fraction of each "
-        "class's training images (chosen by --seed) for testing.")
+        "class's training images (chosen by --seed) for testing (beside a test/ folder: an "
+        "error).")
     model: str = _option(
         "resnet9", " ".join(f"{spec.name}: {spec.summary}." for spec in models.MODELS.values())
         + " Or your own network: path/to/file.py:function or package.module:function, a "
@@ -181,11 +182,14 @@ class TrainConfig:
     crop_padding: int = _option(
         4, "Random translation of each training image by up to this many pixels (a crop of "
         "the reflect-padded image; airbench94: 2); 0: none.")
-    flip: str = _option(
-        "random", "Horizontal flips of training images. random: each image in each epoch "
+    # None: the dataset's default (its spec's `flip` in core/data).
+    flip: Optional[str] = _option(
+        None, "Horizontal flips of training images. random: each image in each epoch "
         "with probability 1/2. alternating (airbench94's): each image flipped at random once, "
         "then all of them flipped on every odd epoch, so that every image is seen both ways "
-        "in any two epochs. none.", FLIPS)
+        "in any two epochs. none. Default: " + ", ".join(
+            f"{spec.name} {spec.flip}" for spec in data.DATASETS.values()) + " (a mirrored "
+        "digit or letter is another sign).", FLIPS)
     brightness_jitter: float = _option(
         0.0, "Color jitter of the 2025 record (hiverge/cifar10-speedrun: 0.1399): each training "
         "image in each epoch gets b ~ U(-this, this) added to its normalized pixels (in standard "
@@ -244,6 +248,8 @@ class TrainConfig:
             if getattr(self, name) is None:
                 # Frozen: set once here, before anyone reads the config.
                 object.__setattr__(self, name, getattr(spec.defaults, name))
+        if self.flip is None and self.dataset in data.DATASETS:
+            object.__setattr__(self, "flip", data.DATASETS[self.dataset].flip)
         _validate(self)
 
 
@@ -290,23 +296,12 @@ def _validate(c: TrainConfig) -> None:
         _require(math.isfinite(value) if isinstance(value, float) else name not in _PER_MODEL
                  or isinstance(value, int), f"--{name}={value} must be a finite number")
     _require(bool(c.model_dir), "--model_dir is required: where checkpoints, logs and the exported model go")
-    _choice("dataset", c.dataset, DATASETS)
-    _choice("precision", c.precision, PRECISIONS)
-    _choice("strategy", c.strategy, STRATEGIES)
-    _choice("communication", c.communication, COMMUNICATIONS)
-    _choice("lr_schedule", c.lr_schedule, LR_SCHEDULES)
-    _choice("flip", c.flip, FLIPS)
-    _choice("optimizer", c.optimizer, OPTIMIZERS)
-    _choice("eval_tta", c.eval_tta, TTA_VIEWS)
-    _choice("bn_recalibration", c.bn_recalibration, BN_RECALIBRATIONS)
-    _choice("momentum_form", c.momentum_form, MOMENTUM_FORMS)
-    _choice("whiten_bias_freeze", c.whiten_bias_freeze, FREEZES)
-    _choice("activation", c.activation, AIRBENCH_ACTIVATIONS)
-    _choice("muon_renormalize", c.muon_renormalize, MUON_RENORMALIZATIONS)
-    _choice("muon_newton_schulz", c.muon_newton_schulz, NEWTON_SCHULZ)
-    _require(math.isfinite(c.muon_weight_decay) and c.muon_weight_decay >= 0,
+    for field in dataclasses.fields(c):  # every flag with choices, as its _option declares them
+        if field.metadata["choices"]:
+            _choice(field.name, getattr(c, field.name), field.metadata["choices"])
+    _require(c.muon_weight_decay >= 0,
              f"--muon_weight_decay={c.muon_weight_decay} must be >= 0")
-    _require(math.isfinite(c.brightness_jitter) and 0 <= c.brightness_jitter <= 10,
+    _require(0 <= c.brightness_jitter <= 10,
              f"--brightness_jitter={c.brightness_jitter} must be in [0, 10] (standard deviations)")
     _require(0 <= c.contrast_jitter < 1,
              f"--contrast_jitter={c.contrast_jitter} must be in [0, 1) (a fraction of the contrast)")
@@ -320,7 +315,7 @@ def _validate(c: TrainConfig) -> None:
              "(DATA_DIR/train/<class>/<images>)")
     _require(_MIN_IMAGE_SIZE <= c.image_size <= _MAX_IMAGE_SIZE,
              f"--image_size={c.image_size} must be in [{_MIN_IMAGE_SIZE}, {_MAX_IMAGE_SIZE}]")
-    _require(math.isfinite(c.test_fraction) and 0 <= c.test_fraction < 1,
+    _require(0 <= c.test_fraction < 1,
              f"--test_fraction={c.test_fraction} must be in [0, 1)")
     for name in ("per_replica_batch_size", "steps_per_loop", "log_every_steps",
                  "checkpoint_every_steps", "model_width", "synthetic_examples",

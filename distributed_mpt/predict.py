@@ -11,9 +11,9 @@ As JSON:           distributed-mpt-predict --model_dir=runs/r9 --json cat.png
 --model_dir is a training run's directory or its export/ directory. The
 export is used (the SavedModel's serving signature, as TF Serving runs it);
 a run without an export yet is read from its latest checkpoint. Images of any
-size and any format Pillow reads (PNG, JPEG, GIF, BMP, WebP, TIFF, ...) are
-resized as a whole (squashed, not cropped) to the size the model takes, as an
-image folder's images were for training (core/data/images.py).
+size in PNG, JPEG, GIF, BMP, WebP or TIFF are decoded whole and resized as a
+whole (squashed, not cropped) to the size the model takes, as an image
+folder's images were for training (core/data/images.py).
 
 A line on stderr says what the model is and what it was trained on (from
 export/model_info.json, or a run's config.json), and a model that learned

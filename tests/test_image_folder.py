@@ -5,12 +5,15 @@ export and in predict's answers; a damaged or foreign file refused by name
 before any training."""
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from conftest import SMALL_MODEL, assert_ok, assert_one_error_line, read_summary, run_in_process, train
+from distributed_mpt import train as train_entry_point
 
 CLASSES = ("cars", "dogs", "ships")  # sorted: labels 0, 1, 2
 COLOURS = {"cars": (220, 40, 40), "dogs": (40, 200, 60), "ships": (30, 60, 220)}
@@ -99,7 +102,33 @@ def _unknown_class(root):
     return "test has class folder(s) cats that"
 
 
-@pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class])
+def _class_not_utf_8(root):
+    # A Latin-1 file name, as an old archive leaves it: it trained to the
+    # end and then failed to be written into classes.txt, on every rerun.
+    os.rename(root / "train" / "dogs", os.fsencode(root / "train") + b"/chiens-\xe9")
+    shutil.rmtree(root / "test" / "dogs")
+    return "is named in bytes that are not UTF-8"
+
+
+def _class_with_a_newline(root):
+    # It made two lines of classes.txt, and predict named the wrong classes.
+    (root / "train" / "dogs").rename(root / "train" / "big\ndogs")
+    shutil.rmtree(root / "test" / "dogs")
+    return "has a control character (U+000A) in its name"
+
+
+def _one_class(root):
+    # All 24 images in one class: it trained, and learned that everything is a car.
+    for split in ("train", "test"):
+        for name in ("dogs", "ships"):
+            for image in (root / split / name).iterdir():
+                image.rename(root / split / "cars" / f"{name}-{image.name}")
+            (root / split / name).rmdir()
+    return "holds one class folder (cars): a classifier needs two classes or more"
+
+
+@pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
+                                   _class_with_a_newline, _one_class])
 def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoil):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     fragment = spoil(folder)
@@ -107,3 +136,126 @@ def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoi
     run = tmp_path / "run"
     assert_one_error_line(train([*FLAGS, f"--data_dir={folder}", f"--model_dir={run}"]), fragment)
     assert not run.exists(), "nothing written"
+
+
+def test_test_fraction_beside_a_test_folder_is_an_error_not_ignored(tmp_path):
+    folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
+    run = tmp_path / "run"
+    assert_one_error_line(train([*FLAGS, f"--data_dir={folder}", "--test_fraction=0.25",
+                                 f"--model_dir={run}"]),
+                          "--test_fraction=0.25 holds out training images for testing, and")
+    assert not run.exists(), "nothing written"
+
+
+# A run of a few steps, as small as a run gets: what is checked happens
+# before and after training.
+TINY = ["--dataset=image_folder", "--image_size=8", "--model=mlp", "--precision=float32",
+        "--per_replica_batch_size=8", "--train_steps=2", "--steps_per_loop=2", "--noexport"]
+
+
+def _tree(directory):
+    """Every path under `directory` with its size and modification time, but
+    the lock that every run takes."""
+    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")
+            if p.name != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished run of 2 steps on a folder with entries it skips, and its
+    config.json."""
+    root = tmp_path_factory.mktemp("tiny")
+    folder = write_folder(root / "photos", train_per_class=8, test_per_class=2)
+    (folder / "train" / "..cats").mkdir()  # a dot name: skipped, as a Unix tool would
+    Image.new("RGB", (8, 8)).save(folder / "train" / "..cats" / "0.png")
+    (folder / "train" / "ships" / ".DS_Store").write_bytes(b"\x00")
+    (folder / "train" / "labels.csv").write_text("file,label\n")
+    result = train([*TINY, f"--data_dir={folder}", f"--model_dir={root / 'run'}"])
+    assert_ok(result)
+    return folder, root / "run", result
+
+
+def test_what_a_folder_skips_is_named_in_one_warning(tiny_run):
+    _, _, result = tiny_run
+    # A run this small also hears that its batch is above the batch rule's.
+    warnings = [line for line in result.stderr.splitlines()
+                if line.startswith("warning:") and "global batch" not in line]
+    assert len(warnings) == 1, result.stderr
+    assert ("skipped 3 entries of" in warnings[0] and "train/..cats, train/labels.csv, "
+            "train/ships/.DS_Store" in warnings[0]), warnings[0]
+
+
+def test_the_run_records_its_data_and_that_image_folders_are_not_flipped(tiny_run):
+    _, run, _ = tiny_run
+    config = json.loads((run / "config.json").read_text())
+    fingerprint = config["resolved"]["data_fingerprint"]
+    assert fingerprint["classes"] == list(CLASSES) == config["resolved"]["dataset_info"][
+        "class_names"]
+    assert fingerprint["files"] == {"train": 24, "test": 6} and len(fingerprint["sha256"]) == 64
+    assert config["flip"] == "none", "a mirrored digit or letter is another sign"
+
+
+def test_flips_are_the_dataset_s_default_unless_given(tmp_path):
+    def flip(*flags):
+        return train_entry_point.parse_config([*flags, f"--model_dir={tmp_path}"]).flip
+
+    folder = ["--dataset=image_folder", f"--data_dir={tmp_path}"]
+    assert (flip(), flip("--dataset=synthetic"), flip(*folder)) == ("random", "random", "none")
+    assert flip(*folder, "--flip=random") == "random"
+    assert flip("--recipe=cpu_cnn", *folder) == "alternating", "a recipe's flags are given flags"
+
+
+def _rename_a_class(folder):
+    for split in ("train", "test"):
+        (folder / split / "dogs").rename(folder / split / "hounds")
+    return "class(es) dogs gone; class(es) hounds new"
+
+
+def _add_a_class(folder):
+    shutil.copytree(folder / "train" / "dogs", folder / "train" / "wolves")
+    return "class(es) wolves new; train/ holds 32 files (was 24)"
+
+
+def _remove_a_file(folder):
+    (folder / "train" / "ships" / "003.png").unlink()
+    return "train/ holds 23 files (was 24)"
+
+
+def _rename_a_file(folder):
+    (folder / "train" / "ships" / "003.png").rename(folder / "train" / "ships" / "100.png")
+    return "the same classes and numbers of files, but other file names or sizes"
+
+
+@pytest.mark.parametrize("change", [_rename_a_class, _add_a_class, _remove_a_file, _rename_a_file])
+def test_a_resume_on_other_images_is_refused_naming_the_difference(tiny_run, tmp_path, change):
+    folder, run, _ = tiny_run
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    fragment = change(other)
+    before = _tree(run)
+    result = train([*TINY, "--train_steps=4", f"--data_dir={other}", f"--model_dir={run}"])
+    assert_one_error_line(result, f"holds a run trained on other images than --data_dir={other} "
+                                  f"holds: {fragment}")
+    assert _tree(run) == before, "nothing written"
+
+
+def test_a_copy_of_the_images_elsewhere_and_a_run_without_a_fingerprint_resume(tiny_run, tmp_path):
+    folder, run, _ = tiny_run
+    copy, resumed = tmp_path / "copy", tmp_path / "run"
+    shutil.copytree(folder, copy)
+    shutil.copytree(run, resumed)
+    assert_ok(train([*TINY, "--train_steps=4", f"--data_dir={copy}", f"--model_dir={resumed}"]))
+    assert read_summary(resumed)["resumed_from_step"] == 2
+    # A run from before fingerprints, and before image folders' flips were
+    # off by default: its config.json has no fingerprint, and random flips.
+    config = json.loads((resumed / "config.json").read_text())
+    del config["resolved"]["data_fingerprint"]
+    config["flip"] = "random"
+    (resumed / "config.json").write_text(json.dumps(config))
+    (copy / "train" / "ships" / "003.png").unlink()
+    assert_one_error_line(train([*TINY, "--train_steps=6", f"--data_dir={copy}",
+                                 f"--model_dir={resumed}"]), "Pass --flip=random")
+    assert_ok(train([*TINY, "--train_steps=6", "--flip=random", f"--data_dir={copy}",
+                     f"--model_dir={resumed}"]))
+    assert read_summary(resumed)["resumed_from_step"] == 4
+

@@ -47,6 +47,18 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     if not restored:
         return Resumption(start_step=0)
     start_step = int(step.numpy())
+    previous_config = _previous_config(model_dir)
+    finished = {}
+    if start_step >= total_steps:  # else summary.json is rewritten at the end
+        finished = files.read_json(
+            os.path.join(model_dir, "summary.json"), {"steps": int},
+            remedy="remove it, and the run evaluates again and writes a new one")
+    return Resumption(start_step, restored, previous_config, finished)
+
+
+def _previous_config(model_dir: str) -> dict:
+    """The config.json of the run that wrote the checkpoints in `model_dir`
+    ({} if there is none)."""
     config_path = os.path.join(model_dir, "config.json")
     remedy = ("it records the flags of the run that wrote the checkpoints: restore an intact "
               "copy, or remove it to resume without comparing them")
@@ -56,12 +68,55 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     if not (isinstance(earlier, list) and all(isinstance(e, dict) for e in earlier)):
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ('earlier' is not a list "
                                      f"of records); {remedy}")
-    finished = {}
-    if start_step >= total_steps:  # else summary.json is rewritten at the end
-        finished = files.read_json(
-            os.path.join(model_dir, "summary.json"), {"steps": int},
-            remedy="remove it, and the run evaluates again and writes a new one")
-    return Resumption(start_step, restored, previous_config, finished)
+    return previous_config
+
+
+def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
+                      fingerprint: Optional[dict]) -> None:
+    """Raises ConfigError if the checkpoints in --model_dir were trained on
+    other data than this run's `fingerprint` (core/data's Dataset), naming
+    what differs: the classes, the number of files, or only the file list.
+    Call before the checkpoints' model is compared: other classes make
+    another model, but the data is what to name. A run that recorded none
+    (CIFAR-10, synthetic data, a run older than fingerprints) is not
+    compared."""
+    if fingerprint is None or not checkpoints.on_disk():
+        return
+    recorded = _previous_config(config.model_dir).get("resolved", {}).get("data_fingerprint")
+    if not isinstance(recorded, dict) or recorded == fingerprint:
+        return
+    raise ConfigError(
+        f"--model_dir={quoted(config.model_dir)} holds a run trained on other images than "
+        f"--data_dir={quoted(config.data_dir)} holds: {_data_difference(recorded, fingerprint)}. "
+        f"Resume it on the images it was trained on, or choose another --model_dir")
+
+
+def _data_difference(before: dict, now: dict, shown: int = 5) -> str:
+    """What differs between two fingerprints, in words."""
+    def names(classes):
+        more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
+        return quoted(", ".join(map(str, classes[:shown]))) + more
+
+    def field(fingerprint, name, kind):  # config.json is read, not trusted: any shape
+        value = fingerprint.get(name)
+        return value if isinstance(value, kind) else kind()
+
+    old, new = field(before, "classes", list), field(now, "classes", list)
+    removed, added = [c for c in old if c not in new], [c for c in new if c not in old]
+    parts = []
+    if removed:
+        parts.append(f"class(es) {names(removed)} gone")
+    if added:
+        parts.append(f"class(es) {names(added)} new")
+    if old != new and not parts:
+        parts.append(f"the classes in another order ({names(new)}, was {names(old)})")
+    counted_before, counted = field(before, "files", dict), field(now, "files", dict)
+    for split in sorted(set(counted_before) | set(counted)):
+        if counted_before.get(split) != counted.get(split):
+            parts.append(f"{split}/ holds {counted.get(split, 0)} files (was "
+                         f"{counted_before.get(split, 0)})")
+    return "; ".join(parts) or ("the same classes and numbers of files, but other file names "
+                                "or sizes (the SHA-256 of the list of files and sizes differs)")
 
 
 def refuse_other_training(resumption: Resumption, config: TrainConfig) -> None:

@@ -24,7 +24,8 @@ from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
 from distributed_mpt.training.plan import RunPlan, plan_run, short_run_warning
 from distributed_mpt.training.reporting import Reporter
-from distributed_mpt.training.resumption import continue_with, refuse_other_training, resume
+from distributed_mpt.training.resumption import (continue_with, refuse_other_data,
+                                                 refuse_other_training, resume)
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
@@ -45,13 +46,15 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                               models.model_spec(config.model).identity)
     checkpoints = Checkpoints(config.model_dir, worker, identity, **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
+        refuse_other_data(checkpoints, config, dataset.fingerprint)
         if is_chief and checkpoints.on_disk():
             print(f"restoring the newest intact checkpoint of {config.model_dir}", flush=True)
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
             check_workers_agree(strategy, resumed.agreement(plan), {
                 **config_lib.shared_flags(config),
-                "model source": models.source_digest(models.model_spec(config.model))})
+                "model source": models.source_digest(models.model_spec(config.model)),
+                "data fingerprint": dataset.fingerprint})
         refuse_other_training(resumed, config)  # finished or not: never silently
         if resumed.finished:
             if is_chief:
@@ -64,7 +67,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
-                    config, plan, strategy_name, dataset.info, resumed))
+                    config, plan, strategy_name, dataset, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
             # One warning at most: a batch too large for the data is both,
             # and the short run's says what to do about it.
@@ -132,13 +135,14 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
 
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
-                   info: data.DatasetInfo, resumed) -> dict:
+                   dataset: data.Dataset, resumed) -> dict:
     """config.json: the flags as given, the step this segment of the run
     starts at, and under "resolved" what `auto` and the per-model defaults
-    became on this machine and what the model was built for (predict
-    rebuilds it from a checkpoint with it). Under "earlier", the records of
-    the segments before, oldest first: a resume may change the run's length,
-    batch or evaluation, and the file says what every step was trained with."""
+    became on this machine, what the model was built for (predict rebuilds
+    it from a checkpoint with it) and the data's fingerprint (a resume
+    compares it). Under "earlier", the records of the segments before,
+    oldest first: a resume may change the run's length, batch or evaluation,
+    and the file says what every step was trained with."""
     previous = dict(resumed.previous_config)
     earlier = previous.pop("earlier", []) + ([previous] if previous else [])
     return {**dataclasses.asdict(config), "from_step": resumed.start_step, "earlier": earlier,
@@ -147,7 +151,8 @@ def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
                          "global_batch_size": plan.global_batch_size,
                          "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
                          "warmup_steps": plan.warmup_steps,
-                         "dataset_info": dataclasses.asdict(info),
+                         "dataset_info": dataclasses.asdict(dataset.info),
+                         "data_fingerprint": dataset.fingerprint,
                          "model_source": models.source_digest(models.model_spec(config.model))}}
 
 

@@ -17,8 +17,10 @@ DATASETS = {spec.name: spec for spec in (
                 "tensorflow-datasets (downloaded unless --nodownload)", f"{_HERE}.cifar10:load"),
     DatasetSpec("synthetic", "CIFAR-shaped data with learnable labels, made from --seed "
                 "(no download)", f"{_HERE}.synthetic:load"),
+    # Not flipped unless asked: a mirrored digit or letter is another sign.
     DatasetSpec("image_folder", f"your own labelled images in --data_dir: {IMAGE_FOLDER_LAYOUT}, "
-                f"resized to --image_size", f"{_HERE}.image_folder:load", needs_data_dir=True),
+                f"resized to --image_size", f"{_HERE}.image_folder:load", needs_data_dir=True,
+                flip="none"),
 )}
 
 

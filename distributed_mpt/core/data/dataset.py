@@ -43,10 +43,16 @@ class DatasetInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A loaded dataset: its `info` and the splits that were asked for."""
+    """A loaded dataset: its `info`, the splits that were asked for, and its
+    `fingerprint`: what a resumed run compares to tell whether it continues
+    on the same data (a JSON-able dict: an image folder's classes, number of
+    files and a digest of its file list). None where the flags say what the
+    data is: CIFAR-10 is one fixed release, synthetic data is made from the
+    seed and the size, and those flags are compared already."""
 
     info: DatasetInfo
     splits: Dict[str, ImageSplit]
+    fingerprint: Optional[dict] = None
 
     @property
     def train(self) -> ImageSplit:
@@ -83,12 +89,15 @@ class DatasetSpec:
     only to load: flags are checked, and a stop obeyed, before NumPy or
     TensorFlow start a thread), a `(DataSource, splits) -> Dataset` that
     returns the `splits` asked for (reading only those) or raises
-    DataUnavailableError saying what is missing and how to get it."""
+    DataUnavailableError saying what is missing and how to get it. `flip`
+    is its default of --flip: random where a mirror image is the same class
+    (CIFAR-10's photos), none where it may not be (digits, text)."""
 
     name: str
     summary: str
     loader: str
     needs_data_dir: bool = False
+    flip: str = "random"
 
     def load(self, source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
         module, _, function = self.loader.partition(":")

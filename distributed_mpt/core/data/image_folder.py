@@ -6,25 +6,40 @@ TFDS' `ImageFolder`.
     DATA_DIR/test/<class name>/<image files>   (or a --test_fraction of train/ held out)
 
 The classes are train/'s folders in sorted order (label i names the i-th),
-and test/ may hold only those. Every image is decoded once, at its first
-frame, into uint8 RGB of `image_size` x `image_size` in host memory (core/data/
-images.py: Pillow); files whose name starts with a dot (.DS_Store, editors'
-swap files) are skipped, and anything else that is not an intact image is
-one error naming it. The mean and standard deviation the model normalizes
-with are the training images'.
+at least two, named in UTF-8 without control characters (they are lines of
+the export's classes.txt); test/ may hold only those, and --test_fraction
+holds out a share of train/ only where there is no test/. Every image is
+decoded once into uint8 RGB of `image_size` x `image_size` in host memory
+(core/data/images.py: Pillow, its first frame); entries whose name starts
+with a dot (.DS_Store, .ipynb_checkpoints/, editors' swap files) and files
+beside the class folders are skipped, all named in one warning, and anything
+else that is not an intact image is one error naming it. The mean and
+standard deviation the model normalizes with are the training images'.
+
+The dataset's fingerprint is its classes, its number of files and the
+SHA-256 of its file list with their sizes: what a resumed run compares, so
+that it does not continue on other images (training/resumption.py).
 """
 
+import hashlib
 import os
+import unicodedata
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit
-from distributed_mpt.errors import DataUnavailableError, quoted
+from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted
 
 NAME = "image_folder"
+# A name's characters that would break classes.txt (one name a line, read
+# back with str.splitlines) or are not UTF-8 (surrogates stand for the bytes
+# that are not): control characters, line and paragraph separators.
+_BAD_IN_NAMES = ("Cc", "Cs", "Zl", "Zp")
+_SKIPPED_SHOWN = 5  # of the skipped entries, named in the warning
 
 
 def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
@@ -35,16 +50,33 @@ def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
     if not os.path.isdir(train_dir):
         raise DataUnavailableError(f"--data_dir={quoted(root)} has no train/ folder: an image "
                                    f"folder is laid out as {LAYOUT}")
-    class_names = _class_folders(train_dir)
-    train_files = _files_by_class(train_dir, class_names)
-    if os.path.isdir(test_dir):
-        test_files = _files_by_class(test_dir, class_names, train_dir=train_dir)
+    has_test = os.path.isdir(test_dir)
+    if has_test and source.test_fraction > 0:
+        raise ConfigError(f"--test_fraction={source.test_fraction:g} holds out training images "
+                          f"for testing, and {quoted(test_dir)} holds test images already: drop "
+                          f"--test_fraction, or move test/ away")
+    skipped: List[str] = []
+    class_names = _class_folders(train_dir, skipped)
+    _check_class_names(train_dir, class_names)
+    train_files = _files_by_class(train_dir, class_names, skipped)
+    listed = {"train": train_files}
+    if has_test:
+        test_files = listed["test"] = _files_by_class(test_dir, class_names, skipped,
+                                                      train_dir=train_dir)
     elif source.test_fraction > 0:
         train_files, test_files = _hold_out(train_files, source.test_fraction, source.seed)
     else:
         raise DataUnavailableError(f"--data_dir={quoted(root)} has no test/ folder: add one "
                                    f"({LAYOUT}), or pass --test_fraction to hold out a share of "
                                    f"train/ for testing")
+    if skipped:  # one line, however many: a .DS_Store in every folder is common
+        shown = [quoted(_shown(os.path.relpath(path, root))) for path in sorted(skipped)]
+        more = f" and {len(shown) - _SKIPPED_SHOWN} more" if len(shown) > _SKIPPED_SHOWN else ""
+        files.warn(f"skipped {len(shown)} entr{'y' if len(shown) == 1 else 'ies'} of "
+                   f"{quoted(root)} that are not class folders or images (a name starting with "
+                   f"a dot, a file beside the class folders): "
+                   f"{', '.join(shown[:_SKIPPED_SHOWN])}{more}")
+    fingerprint = _fingerprint(root, class_names, listed)
     size = (source.image_size, source.image_size)
     # The statistics come from the training images, whichever splits are read.
     train = _decode(train_files, size)
@@ -64,37 +96,95 @@ def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
     decoded = {"train": train}
     if "test" in splits:
         decoded["test"] = _decode(test_files, size)
-    return Dataset(info, {split: decoded[split] for split in splits})
+    return Dataset(info, {split: decoded[split] for split in splits}, fingerprint)
 
 
-def _class_folders(directory: str) -> List[str]:
-    names = sorted(entry.name for entry in os.scandir(directory)
-                   if entry.is_dir() and not entry.name.startswith("."))
+def _class_folders(directory: str, skipped: List[str]) -> List[str]:
+    """The class folders in `directory`, sorted; what else is there goes to
+    `skipped`, by its path."""
+    names = []
+    for entry in os.scandir(directory):
+        if entry.is_dir() and not entry.name.startswith("."):
+            names.append(entry.name)
+        else:
+            skipped.append(entry.path)
     if not names:
         raise DataUnavailableError(f"{quoted(directory)} holds no class folders: an image folder "
                                    f"is laid out as {LAYOUT}")
-    return names
+    return sorted(names)
 
 
-def _files_by_class(directory: str, class_names: List[str], train_dir: str = ""
-                    ) -> Dict[int, List[str]]:
-    """{label: the image files of its folder in `directory`, sorted}."""
+def _check_class_names(directory: str, names: List[str]) -> None:
+    """Raises DataUnavailableError, before any image is decoded, unless there
+    are two classes or more and each name is one line of UTF-8 text: the
+    export writes them into classes.txt, and predict answers with them."""
+    for name in names:
+        bad = next((c for c in name if unicodedata.category(c) in _BAD_IN_NAMES), None)
+        if bad is None:
+            continue
+        folder = quoted(os.path.join(directory, _shown(name)))
+        if unicodedata.category(bad) == "Cs":
+            raise DataUnavailableError(f"class folder {folder} is named in bytes that are not "
+                                       f"UTF-8: rename it (class names are written into the "
+                                       f"export's classes.txt, in UTF-8)")
+        raise DataUnavailableError(f"class folder {folder} has a control character (U+"
+                                   f"{ord(bad):04X}) in its name: rename it (class names are "
+                                   f"the lines of the export's classes.txt)")
+    if len(names) < 2:
+        raise DataUnavailableError(f"{quoted(directory)} holds one class folder "
+                                   f"({quoted(names[0])}): a classifier needs two classes or "
+                                   f"more, a folder of images of each")
+
+
+def _shown(name: str) -> str:
+    """A file name as an error line may print it: its bytes that are not
+    UTF-8 as \\x escapes (Python holds them as surrogates, which stderr
+    cannot encode)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
+                    train_dir: str = "") -> Dict[int, List[str]]:
+    """{label: the image files of its folder in `directory`, sorted}; the
+    entries skipped go to `skipped`."""
     if train_dir:
-        unknown = sorted(set(_class_folders(directory)) - set(class_names))
+        unknown = sorted(set(_class_folders(directory, skipped)) - set(class_names))
         if unknown:
             raise DataUnavailableError(
-                f"{quoted(directory)} has class folder(s) {quoted(', '.join(unknown))} that "
-                f"{quoted(train_dir)} does not: a model learns only the classes it trains on")
+                f"{quoted(directory)} has class folder(s) "
+                f"{quoted(', '.join(map(_shown, unknown)))} that {quoted(train_dir)} does not: "
+                f"a model learns only the classes it trains on")
     found = {}
     for label, name in enumerate(class_names):
         folder = os.path.join(directory, name)
-        paths = sorted(entry.path for entry in os.scandir(folder)
-                       if not entry.name.startswith(".")) if os.path.isdir(folder) else []
+        paths = []
+        for entry in os.scandir(folder) if os.path.isdir(folder) else ():
+            (skipped if entry.name.startswith(".") else paths).append(entry.path)
         if not paths and not train_dir:
             raise DataUnavailableError(f"{quoted(folder)} holds no images: every class needs "
                                        f"training images")
-        found[label] = paths
+        found[label] = sorted(paths)
     return found
+
+
+def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, List[str]]]
+                 ) -> dict:
+    """What the folder `root` holds, cheaply: its classes in label order, its
+    number of files in each split folder, and the SHA-256 of every file's
+    path (from `root`, so that a copy elsewhere is the same data) and size
+    in bytes, sorted. Contents are not read for it: a file changed in place
+    at the same size goes unnoticed, a file added, removed, renamed, moved
+    to another class or resized does not."""
+    lines = []
+    for by_class in listed.values():
+        for paths in by_class.values():
+            lines += [os.fsencode(os.path.relpath(path, root)) + b"\t%d" % os.stat(path).st_size
+                      for path in paths]
+    digest = hashlib.sha256(b"\n".join(sorted(lines))).hexdigest()
+    return {"classes": list(class_names),
+            "files": {split: sum(map(len, by_class.values()))
+                      for split, by_class in listed.items()},
+            "sha256": digest}
 
 
 def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int

@@ -3,14 +3,25 @@
 trained on and what distributed-mpt-predict classifies go through the same
 code, so a model sees a user's photo as it saw its training images.
 
-Any format Pillow reads (PNG, JPEG, GIF, BMP, WebP, TIFF, ...): the first
-frame of an animation, in RGB, resized as a whole (squashed, not cropped,
-with antialiasing) to the size the model takes.
+The formats are those whose decoders this module was tested against,
+damaged and oversized (tests/test_images.py): PNG (animated too), JPEG (and
+MPO, as cameras and phones write it), GIF, BMP, WebP and TIFF. Any other
+(ICO, ICNS, PSD, ...) is refused by name, not handed to a decoder whose
+bounds were never checked. A file is decoded whole: every frame of an
+animation or page of a TIFF (within the frame and pixel bounds), and read to
+its end marker, so that a truncated file is refused, not trained on. The
+first frame is the image, in RGB, resized as a whole (squashed, not cropped,
+with antialiasing) to the size the model takes. 16-bit greyscale is scaled
+to 0-255; 32-bit integers and floats, whose range the file does not say,
+are refused.
 """
 
+import contextlib
 import io
 import os
+import re
 import stat
+import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -21,9 +32,25 @@ from distributed_mpt.errors import UserError, quoted
 # refused before it is read into memory.
 MAX_IMAGE_BYTES = 64 << 20
 # A small file can decode to gigabytes (a PNG of one colour compresses
-# 1000:1, a GIF holds frames of 10000 x 10000): the header's size of the one
-# frame that is decoded is checked first. 100 million RGB pixels: 300 MB.
+# 1000:1, a GIF holds frames of 10000 x 10000): each frame's size is checked
+# before it is decoded, and the frames of one file together hold at most
+# this many. 100 million RGB pixels: 300 MB.
 MAX_IMAGE_PIXELS = 100_000_000
+# Frames of an animation or pages of a TIFF: each is decoded (a damaged one
+# is a damaged file), and even a 1-pixel frame costs Python's time.
+MAX_FRAMES = 1000
+# Pillow's names of the formats read (its JPEG reader opens MPO files too),
+# and how an error line names them.
+FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
+FORMAT_NAMES = "PNG, JPEG, GIF, BMP, WebP and TIFF"
+# The modes Pillow gives these formats' 8-bit images, which its
+# convert("RGB") turns into what the file shows.
+_EIGHT_BIT = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr")
+# 16-bit greyscale, which convert("RGB") would clip to 255: nearly all white.
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+_WITHOUT_RANGE = {"I": "32-bit integer", "F": "32-bit floating-point"}
+# A PNG's last chunk, whole: no data, so always the same CRC.
+_PNG_END = b"IEND\xaeB`\x82"
 
 
 class ImageError(UserError):
@@ -34,26 +61,9 @@ def read_image(path: str, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
     """The image file at `path` as uint8 [height, width, 3] RGB of `size`
     (height, width; None: its own), or ImageError naming the file and what
     is wrong."""
-    from PIL import Image
-
-    # Our bound below, checked on the header before anything is decoded,
-    # replaces Pillow's (a warning on stderr from 89 million pixels on).
-    Image.MAX_IMAGE_PIXELS = None
     encoded = _read_bounded(path)
-    try:
-        image = Image.open(io.BytesIO(encoded))  # the header only
-    except Exception:  # noqa: BLE001 - UnidentifiedImageError, SyntaxError, ...
-        raise ImageError(f"{quoted(path)} is not an image file (Pillow reads PNG, JPEG, GIF, "
-                         f"BMP, WebP, TIFF and more)") from None
-    width, height = image.size
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ImageError(f"{quoted(path)} says it holds {width * height:,} pixels, more than "
-                         f"this program decodes ({MAX_IMAGE_PIXELS:,})")
-    try:
-        pixels = np.asarray(image.convert("RGB"))  # decodes the first frame only
-    except Exception:  # noqa: BLE001 - OSError("image file is truncated"), ValueError, ...
-        raise ImageError(f"{quoted(path)} begins as a {image.format} image does but does not "
-                         f"decode (damaged or truncated): give an intact copy") from None
+    with _bounded_pillow() as noted:
+        pixels = _decode(path, encoded, noted)
     return resize(pixels, size) if size else pixels
 
 
@@ -67,6 +77,178 @@ def resize(pixels: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
 
     small = tf.image.resize(pixels, size, antialias=True)
     return tf.cast(tf.clip_by_value(tf.round(small), 0, 255), tf.uint8).numpy()
+
+
+@contextlib.contextmanager
+def _bounded_pillow():
+    """Pillow's own size checks at this module's bound, as errors: they are
+    made per format where only the decoder knows a size (a WebP's canvas
+    before its decoder allocates it, a GIF frame that grows the screen, a
+    TIFF page's tiles). A truncated file an error, whatever a user's code in
+    this process set. Yields the list of Pillow's other warnings, kept from
+    the user's screen: the caller judges them."""
+    from PIL import Image, ImageFile
+
+    saved = Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES
+    # Pillow warns above its bound (and raises above twice it).
+    Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = MAX_IMAGE_PIXELS, False
+    try:
+        with warnings.catch_warnings(record=True) as noted:
+            warnings.simplefilter("always")
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            yield noted
+    finally:
+        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = saved
+
+
+def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
+    """The first frame of the image file `encoded` in RGB, every frame
+    decoded and the file checked to its end (`noted`: Pillow's warnings, as
+    they come); ImageError otherwise."""
+    from PIL import Image
+
+    kind = _signature(encoded)
+    if kind not in FORMATS:
+        raise ImageError(
+            f"{quoted(path)} is an image in the {kind} format, which this program does not "
+            f"read: convert it to PNG ({FORMAT_NAMES} are read)" if kind else
+            f"{quoted(path)} is not an image file ({FORMAT_NAMES} are read)")
+    try:
+        with Image.open(io.BytesIO(encoded), formats=FORMATS) as image:  # the header only
+            first, pixels_in_all = None, 0
+            for index in range(MAX_FRAMES + 1):
+                try:
+                    image.seek(index)
+                except EOFError:
+                    break
+                width, height = image.size
+                pixels_in_all += width * height
+                if index == MAX_FRAMES or pixels_in_all > MAX_IMAGE_PIXELS or not width * height:
+                    raise _too_large(path, index + 1, width, height, pixels_in_all)
+                extent = _pixel_data_end(image, encoded)  # what load() forgets
+                image.load()
+                if index == 0:
+                    first = _rgb(image, path)
+            damage = _cut_short(image.format, encoded, extent) or _warned(kind, noted)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        said = re.search(r"\((\d+) pixels\)", str(e))
+        count = f"{int(said[1]):,}" if said else "more"
+        raise ImageError(f"{quoted(path)} says it holds {count} pixels, more than this program "
+                         f"decodes ({MAX_IMAGE_PIXELS:,})") from None
+    except ImageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, ...
+        damage = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+    if damage:
+        raise ImageError(f"{quoted(path)} begins as a {kind} image does but does not decode "
+                         f"({quoted(damage)}): it is damaged or truncated; give an intact copy")
+    return first
+
+
+def _signature(encoded: bytes) -> Optional[str]:
+    """The format whose signature `encoded` starts with, by Pillow's own
+    tests of the first bytes (no decoder runs); None if no format's."""
+    from PIL import Image
+
+    Image.init()
+    for name in (*FORMATS, *Image.ID):  # ours first, as Image.open tries them
+        accept = Image.OPEN[name][1]
+        try:
+            if accept is not None and accept(encoded[:16]):
+                return name
+        except Exception:  # noqa: BLE001 - a test that cannot read so short a prefix
+            continue
+    return None
+
+
+def _too_large(path: str, frames: int, width: int, height: int, in_all: int) -> ImageError:
+    if frames > MAX_FRAMES:
+        return ImageError(f"{quoted(path)} holds more than {MAX_FRAMES:,} frames, more than "
+                          f"this program decodes: save its first frame as a still image")
+    if not width * height:
+        return ImageError(f"{quoted(path)} says it holds a frame of {width} x {height} pixels: "
+                          f"an image has at least one")
+    if frames == 1:
+        return ImageError(f"{quoted(path)} says it holds {width * height:,} pixels, more than "
+                          f"this program decodes ({MAX_IMAGE_PIXELS:,})")
+    return ImageError(f"{quoted(path)} holds {frames} or more frames of {in_all:,} pixels in "
+                      f"all, more than this program decodes ({MAX_IMAGE_PIXELS:,}): save its "
+                      f"first frame as a still image")
+
+
+def _rgb(image, path: str) -> np.ndarray:
+    """The decoded frame `image` as uint8 RGB, at the scale the file means."""
+    if image.mode in _EIGHT_BIT:
+        return np.asarray(image.convert("RGB"))
+    if image.mode in _SIXTEEN_BIT:
+        # The high byte, as Pillow reads 16-bit colour (and libpng strips
+        # 16 bits to 8): 65535 is 255, and grey and colour files agree.
+        grey = (np.asarray(image) >> 8).astype(np.uint8)
+        return np.repeat(grey[..., np.newaxis], 3, axis=-1)
+    if image.mode in _WITHOUT_RANGE:
+        raise ImageError(f"{quoted(path)} holds {_WITHOUT_RANGE[image.mode]} pixels, and the "
+                         f"file does not say which of them are black and white: save it with "
+                         f"8 or 16 bits per channel")
+    raise ImageError(f"{quoted(path)} holds pixels of Pillow's mode {image.mode}, which this "
+                     f"program does not turn into RGB: save it as 8-bit RGB or greyscale")
+
+
+def _warned(kind: str, noted: list) -> str:
+    """The damage that Pillow only warns of, reading on without the part: a
+    TIFF directory or an APNG frame control that does not read back whole
+    (empty if none)."""
+    plugin = {"TIFF": "TiffImagePlugin.py", "PNG": "PngImagePlugin.py"}.get(kind)
+    return next((str(w.message) for w in noted if os.path.basename(w.filename) == plugin), "")
+
+
+def _pixel_data_end(image, encoded: bytes) -> int:
+    """Where a BMP says its pixel data ends (0 for other formats). Pillow
+    reads an uncompressed BMP that lacks its rows' last padding bytes, and an
+    RLE one that stops early, as whole: the rest is left black."""
+    if image.format != "BMP" or not image.tile:
+        return 0
+    codec, extents, offset, args = image.tile[0]
+    if codec == "raw":  # args: raw mode, bytes a row (padded to 4), direction
+        return offset + args[1] * (extents[3] - extents[1])
+    return offset + int.from_bytes(encoded[34:38], "little")  # RLE: its size (biSizeImage)
+
+
+def _cut_short(kind: str, encoded: bytes, pixel_data_end: int) -> str:
+    """What is missing at the end of the file `encoded` of format `kind`,
+    decoded without error: the ends that Pillow's decoders do not ask for
+    (they stop once they have the pixels). Empty if nothing is."""
+    from PIL import Image
+
+    if kind == "PNG":
+        try:  # every chunk's CRC up to IEND (whose own is fixed): Pillow decodes without them
+            with Image.open(io.BytesIO(encoded), formats=["PNG"]) as again:
+                again.verify()
+        except Exception as e:  # noqa: BLE001 - SyntaxError("broken PNG file"), OSError, ...
+            return f"its chunks do not read back to IEND: {e}"
+        if _PNG_END not in encoded:
+            return "its IEND chunk is cut short"
+    elif kind == "GIF" and not encoded.endswith(b";"):
+        return "it does not end with the GIF trailer"
+    elif kind in ("JPEG", "MPO") and not _jpeg_scan_ends(encoded):
+        return "its first image does not end with an EOI marker"
+    elif kind == "BMP" and len(encoded) < pixel_data_end:
+        return f"it ends {pixel_data_end - len(encoded)} bytes before its pixel data does"
+    return ""
+
+
+def _jpeg_scan_ends(encoded: bytes) -> bool:
+    """Whether the first image of a JPEG file has its end marker after its
+    first scan. In a scan's data an FF byte is followed by 00 or a restart
+    marker, so FF D9 there can only be the end."""
+    at = 2  # after SOI
+    while at + 4 <= len(encoded) and encoded[at] == 0xFF:
+        if encoded[at + 1] == 0xFF:  # fill bytes before a marker
+            at += 1
+        elif encoded[at + 1] == 0xDA:  # start of scan
+            return encoded.find(b"\xff\xd9", at) >= 0
+        else:  # a segment: marker, then its length (which counts itself)
+            at += 2 + int.from_bytes(encoded[at + 2:at + 4], "big")
+    return False
 
 
 def _read_bounded(path: str) -> bytes:
