@@ -65,6 +65,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset.info, resumed))
             reporter.say(_start_line(config, plan, strategy_name))
+            for note in built.notes:
+                reporter.say(note)
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 
