@@ -13,6 +13,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import data, models, precision
+from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
@@ -40,8 +41,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     trainer = built.trainer
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
-    identity = model_identity(trainer.model, plan.policy,
-                              models.model_spec(config.model).identity)
+    spec = models.model_spec(config.model)
+    identity = model_identity(trainer.model, plan.policy, spec.identity)
+    signature = model_signature(spec, trainer.model)
     checkpoints = Checkpoints(config.model_dir, worker, identity, **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
         if is_chief and checkpoints.on_disk():
@@ -49,9 +51,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
             check_workers_agree(strategy, resumed.agreement(plan), {
-                **config_lib.shared_flags(config),
-                "model source": models.source_digest(models.model_spec(config.model))})
-        refuse_other_training(resumed, config)  # finished or not: never silently
+                **config_lib.shared_flags(config), "model signature": fingerprint(signature)})
+        refuse_other_training(resumed, config, signature)  # finished or not: never silently
         if resumed.finished:
             if is_chief:
                 _finished_again(config, resumed, built, dataset.info)
@@ -63,7 +64,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
-                    config, plan, strategy_name, dataset.info, resumed))
+                    config, plan, strategy_name, dataset.info, resumed, signature))
             reporter.say(_start_line(config, plan, strategy_name))
             for note in built.notes:
                 reporter.say(note)
@@ -124,11 +125,12 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
 
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
-                   info: data.DatasetInfo, resumed) -> dict:
+                   info: data.DatasetInfo, resumed, signature: dict) -> dict:
     """config.json: the flags as given, the step this segment of the run
     starts at, and under "resolved" what `auto` and the per-model defaults
     became on this machine and what the model was built for (predict
-    rebuilds it from a checkpoint with it). Under "earlier", the records of
+    rebuilds it from a checkpoint with it, and checks it is the network that
+    `signature` records). Under "earlier", the records of
     the segments before, oldest first: a resume may change the run's length,
     batch or evaluation, and the file says what every step was trained with."""
     previous = dict(resumed.previous_config)
@@ -140,7 +142,7 @@ def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
                          "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
                          "warmup_steps": plan.warmup_steps,
                          "dataset_info": dataclasses.asdict(info),
-                         "model_source": models.source_digest(models.model_spec(config.model))}}
+                         "model_signature": signature}}
 
 
 def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:

@@ -128,17 +128,6 @@ def model_spec(model: str) -> ModelSpec:
                      f"function of yours as path/to/file.py:function or package.module:function")
 
 
-def source_digest(spec: ModelSpec) -> str:
-    """What a user's model is made of: the SHA-256 of its source file, so
-    that workers, and a resumed run, can tell whether they train the same
-    network. The package's own models: their name."""
-    if not spec.is_users:
-        return spec.name
-    path, _ = _locate(spec.builder)
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str]] = None,
                 **options):
     """Builds `spec`'s network for dataset `info` under the current dtype
