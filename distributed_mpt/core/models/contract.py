@@ -98,8 +98,9 @@ def drop_final_softmax(model, name: str) -> Tuple[object, Optional[str]]:
             # One input as one tensor, as the user's model took it: Keras
             # warns of a call whose structure differs from its inputs'.
             inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+            kind = "layer" if isinstance(operation, keras.layers.Layer) else "operation"
             return (keras.Model(inputs, before, name=model.name),
-                    _dropped(name, f"its last layer, {_named(operation)}"))
+                    _dropped(name, f"its last {kind}, {_named(operation)}"))
         last = operation
     if _has_softmax_activation(last):
         last.activation = keras.activations.linear
@@ -217,7 +218,7 @@ def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
                 inner = _unscaled_float_input(operation)
                 if inner:
                     return dtype, inner[1]
-            elif operation.weights:
+            elif getattr(operation, "weights", None):
                 return dtype, _named(operation)
             elif id(node) not in seen:  # padding, resizing, a cast: the values pass unscaled
                 seen.add(id(node))
