@@ -65,9 +65,9 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
     other training settings (rate, decay, smoothing, momentum, schedule,
     optimizer, augmentation, data, seed: config.training_flags), naming each
     flag with the run's value and this one's, and ModelChangedError if with
-    another network than the run's (`signature`: models.signature's):
-    two runs mixed into one model, silently, and a config.json that would
-    say only the second."""
+    another network than the run's (`signature`: this one's, from
+    signature.model_signature): two runs mixed into one model, silently,
+    and a config.json that would say only the second."""
     previous = resumption.previous_config
     if not previous:
         return
