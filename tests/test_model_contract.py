@@ -127,7 +127,7 @@ def model_file(tmp_path_factory):
 
 @pytest.mark.parametrize("function, dropped", [
     ("softmax_layer", "its last layer, Softmax"),
-    ("softmax_activation", "its last layer, Activation"),
+    ("softmax_activation", "the softmax activation of its last layer, Activation"),
     ("softmax_dense", "the softmax activation of its last layer, Dense"),
     ("softmax_sequential", "its last layer, Softmax"),
 ])

@@ -109,12 +109,9 @@ def drop_final_softmax(model, name: str) -> Tuple[object, Optional[str]]:
 
 
 def _is_softmax(operation) -> bool:
-    """A keras.layers.Softmax, keras.ops.softmax or Activation("softmax")
-    over the last axis."""
-    import keras
-
-    if isinstance(operation, keras.layers.Activation):
-        return _has_softmax_activation(operation)
+    """A keras.layers.Softmax or keras.ops.softmax over the last axis: cut
+    off. A layer with a softmax activation, Activation("softmax") among
+    them, is made linear instead, as runs from before the cut resume."""
     return (type(operation).__name__ == "Softmax"
             and type(operation).__module__.startswith("keras.")
             and getattr(operation, "axis", -1) in (-1, [-1], (-1,)))
