@@ -156,6 +156,7 @@ def _load_checkpoint(model_dir: str) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import models
+    from distributed_mpt.core.models.signature import model_signature, refuse_another_model
     from distributed_mpt.training import checkpointing
 
     # The newest checkpoint that reads back whole, as training resumes from;
@@ -178,6 +179,9 @@ def _load_checkpoint(model_dir: str) -> Classifier:
     except (MemoryError, tf.errors.ResourceExhaustedError):
         raise ConfigError(f"{quoted(config_path)} names a model too large for this machine's "
                           f"memory ({config.model}, width {config.model_width})") from None
+    refuse_another_model(resolved, model_signature(spec, model), spec,
+                         f"the run in --model_dir={quoted(model_dir)}",
+                         "restore what differs, or predict from the run's export")
     mismatch = _restore_weights(model, prefix)
     if mismatch:
         raise CheckpointMismatchError(
@@ -363,10 +367,26 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
                              synthetic_examples=split.synthetic_examples,
                              image_size=classifier.image_shape[0],
                              test_fraction=split.test_fraction)
-    test = data.load_dataset(split.dataset, source, splits=("test",)).test
+    loaded = data.load_dataset(split.dataset, source, splits=("test",))
+    _refuse_other_classes(classifier, split.dataset, loaded.info)  # else its accuracy means nothing
+    test = loaded.test
     return {"dataset": split.dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
             **evaluate(classifier.probabilities, test.images, test.labels, fv.tta,
                        fv.tta_fraction)}
+
+
+def _refuse_other_classes(classifier: Classifier, dataset: str, split: DatasetInfo) -> None:
+    """Raises ConfigError unless the test split of `dataset` (`split`: its
+    info) has the model's classes, in its order, and image size."""
+    ours, theirs = list(classifier.class_names), list(split.class_names)
+    shape, its_shape = list(classifier.image_shape), list(split.image_shape)
+    order = " (in another order)" if sorted(theirs) == sorted(ours) else ""
+    what = (f"the classes {quoted(', '.join(theirs), 80)}{order}, and the model predicts "
+            f"{quoted(', '.join(ours), 80)}" if theirs != ours else
+            f"images {its_shape}, and the model takes {shape}" if its_shape != shape else "")
+    if what:
+        raise ConfigError(f"--dataset={dataset}'s test split has {what}: evaluate it on a test "
+                          f"split of its own (--dataset, --data_dir)")
 
 
 def run() -> None:

@@ -346,7 +346,7 @@ HOSTILE_INPUTS = {
     "export without class names": (_weightless_export(class_names=False), "cannot be loaded"),
     "checkpoint without weights": (_checkpoint_run(weightless=True), "does not hold the weights"),
     "config.json of another model": (_checkpoint_run({"model": "resnet9", "model_width": 4}),
-                                     "does not hold the weights of the resnet9"),
+                                     "is not the network the run in"),
     "config.json of width 100,000": (_checkpoint_run({"model": "resnet9", "model_width": 100_000}),
                                      "larger than this program accepts"),
     "garbage config.json": (_checkpoint_run("\x00garbage{"), "config.json is damaged"),
@@ -355,7 +355,7 @@ HOSTILE_INPUTS = {
         tmp_path / "missing", [photo]), "is not a directory"),
     # Images: refused by kind and size before they are read.
     "a text file as an image": (_bad_image(_text),
-                                "is not an image file (Pillow reads PNG, JPEG"),
+                                "is not an image file (PNG, JPEG"),
     "a truncated PNG": (lambda tmp_path, untrained, trained, photo: (
         untrained, [_cut_short(photo, tmp_path / "cut.png")]),
         "begins as a PNG image does but does not decode"),

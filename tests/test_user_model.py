@@ -111,7 +111,8 @@ def test_a_model_flag_that_names_nothing_is_refused_without_tensorflow(tmp_path)
 def test_workers_whose_model_files_differ_refuse_together(tmp_path):
     """The same flag, `--model=my_models.py:small_cnn`, read from another
     file on each worker (another working directory, a stale copy on one
-    node): both refuse before training, naming what differs."""
+    node): both refuse before training, naming what differs. The copies
+    differ in an activation, which no variable shows: the source does."""
     import subprocess
     import sys
 
@@ -125,7 +126,8 @@ def test_workers_whose_model_files_differ_refuse_together(tmp_path):
     for index, tf_config in enumerate(worker_tf_configs(free_ports(2))):
         directory = tmp_path / f"node{index}"
         directory.mkdir()
-        (directory / "my_models.py").write_text(USER_MODEL + f"# node {index}\n")
+        (directory / "my_models.py").write_text(
+            USER_MODEL.replace("ReLU()", "ReLU(max_value=6.0)") if index else USER_MODEL)
         workers.append(subprocess.Popen(
             [sys.executable, "-m", "distributed_mpt.train", *flags], cwd=directory,
             env=subprocess_env(TF_CONFIG=tf_config), stdout=subprocess.PIPE,
@@ -134,5 +136,5 @@ def test_workers_whose_model_files_differ_refuse_together(tmp_path):
         output = worker.communicate(timeout=300)[0]
         assert worker.returncode == 2, output[-3000:]
         errors = [line for line in output.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "different --model source" in errors[0], output[-3000:]
+        assert len(errors) == 1 and "different --model signature" in errors[0], output[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"

@@ -4,8 +4,8 @@ flags), and leave together when they are done.
 A worker that resumes from another step (no shared --model_dir), finds
 another split, or resolves another precision would call the collectives
 differently: a hang. One started with another seed, rate, weight decay or
-model file trains a silently different run, which the chief's config.json
-would not show.
+network (a model file that differs: core/models/signature.py) trains a
+silently different run, which the chief's config.json would not show.
 """
 
 import hashlib

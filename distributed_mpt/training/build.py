@@ -27,6 +27,7 @@ class Built:
     trainer: Trainer
     trained_global_batch: tf.Variable  # the global batch the checkpoint was trained at
     lookahead: object = None
+    notes: tuple = ()  # what a user must be told of the model (models.build_model)
 
     @property
     def checkpointables(self) -> dict:
@@ -56,7 +57,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                                       config.lr_schedule)
     with strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        model = models.build_model(spec, dataset.info, config.model_width, **options)
+        notes = []
+        model = models.build_model(spec, dataset.info, config.model_width, notes, **options)
         if config.xla and plan.num_replicas > 1 and models.has_batch_norm(model):
             raise ConfigError(
                 f"--xla compiles each replica's forward and backward pass, which cannot hold "
@@ -64,7 +66,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"drop --xla, or use it with one replica")
         if spec.is_users:
             _check_memory(sum(int(tf.size(v)) for v in model.weights), config)
-        models.initialize_from_data(model, dataset.train.images)
+        models.initialize_from_data(model, dataset.train.images, config.model)
         jitter_split = (models.split_at_normalization(model, config.model)
                         if _augmentation(config).jitters_colors else None)
         lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
@@ -84,7 +86,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                       crop_padding=config.crop_padding, jitter_split=jitter_split,
                       eval_tta_fraction=config.eval_tta_fraction,
                       frozen=groups.freezes(parameter_groups))
-    return Built(trainer, trained_global_batch, lookahead)
+    return Built(trainer, trained_global_batch, lookahead, tuple(notes))
 
 
 # Copies of every weight a run holds besides the weights: the gradient, the

@@ -10,6 +10,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import models
+from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.training.checkpointing import Checkpoints, Restored
 from distributed_mpt.training.plan import RunPlan
@@ -119,12 +120,14 @@ def _data_difference(before: dict, now: dict, shown: int = 5) -> str:
                                 "or sizes (the SHA-256 of the list of files and sizes differs)")
 
 
-def refuse_other_training(resumption: Resumption, config: TrainConfig) -> None:
+def refuse_other_training(resumption: Resumption, config: TrainConfig, signature: dict) -> None:
     """Raises ConfigError if this run would continue the checkpoints with
     other training settings (rate, decay, smoothing, momentum, schedule,
     optimizer, augmentation, data, seed: config.training_flags), naming each
-    flag with the run's value and this one's: two runs mixed into one model,
-    silently, and a config.json that would say only the second."""
+    flag with the run's value and this one's, and ModelChangedError if with
+    another network than the run's (`signature`: this one's, from
+    signature.model_signature): two runs mixed into one model, silently,
+    and a config.json that would say only the second."""
     previous = resumption.previous_config
     if not previous:
         return
@@ -132,12 +135,6 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig) -> None:
     changed = [(name, previous.get(name, defaults[name]), value)
                for name, value in config_lib.training_flags(config).items()
                if previous.get(name, defaults[name]) != value]
-    source = previous.get("resolved", {}).get("model_source")
-    if source and source != models.source_digest(models.model_spec(config.model)):
-        raise ConfigError(
-            f"--model={quoted(config.model)} is not the file the run in "
-            f"--model_dir={quoted(config.model_dir)} was trained with (its SHA-256 differs): "
-            f"restore the file to resume, or choose another --model_dir")
     if changed:
         theirs = " ".join(f"--{name}={quoted(old, 60)}" for name, old, _ in changed)
         mine = ", ".join(f"--{name}={quoted(old, 40)} to {quoted(new, 40)}"
@@ -146,6 +143,9 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig) -> None:
             f"--model_dir={quoted(config.model_dir)} holds a run trained otherwise: this run "
             f"changes {mine}. Pass {theirs} to resume it (only its length, batch, evaluation "
             f"and where it runs may change), or choose another --model_dir")
+    refuse_another_model(previous.get("resolved", {}), signature, models.model_spec(config.model),
+                         f"the run in --model_dir={quoted(config.model_dir)}",
+                         "restore what differs to resume, or choose another --model_dir")
 
 
 def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -> List[str]:

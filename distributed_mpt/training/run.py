@@ -14,6 +14,7 @@ from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import batch_norm, data, models, pipeline, precision
 from distributed_mpt.core.augmentation import Augmentation
+from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE, linear_rule_warning
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
@@ -42,8 +43,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     trainer = built.trainer
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
-    identity = model_identity(trainer.model, plan.policy,
-                              models.model_spec(config.model).identity)
+    spec = models.model_spec(config.model)
+    identity = model_identity(trainer.model, plan.policy, spec.identity)
+    signature = model_signature(spec, trainer.model)
     checkpoints = Checkpoints(config.model_dir, worker, identity, **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
         refuse_other_data(checkpoints, config, dataset.fingerprint)
@@ -52,10 +54,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
             check_workers_agree(strategy, resumed.agreement(plan), {
-                **config_lib.shared_flags(config),
-                "model source": models.source_digest(models.model_spec(config.model)),
+                **config_lib.shared_flags(config), "model signature": fingerprint(signature),
                 "data fingerprint": dataset.fingerprint})
-        refuse_other_training(resumed, config)  # finished or not: never silently
+        refuse_other_training(resumed, config, signature)  # finished or not: never silently
         if resumed.finished:
             if is_chief:
                 _finished_again(config, resumed, built, dataset.info)
@@ -67,7 +68,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
-                    config, plan, strategy_name, dataset, resumed))
+                    config, plan, strategy_name, dataset, resumed, signature))
             reporter.say(_start_line(config, plan, strategy_name))
             # One warning at most: a batch too large for the data is both,
             # and the short run's says what to do about it.
@@ -75,6 +76,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                        or linear_rule_warning(plan.global_batch_size, len(dataset.train)))
             if is_chief and warning:
                 files.warn(warning)
+            for note in built.notes:
+                reporter.say(note)
             for note in continue_with(resumed, plan, built.trained_global_batch):
                 reporter.say(note)
 
@@ -135,14 +138,15 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
 
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
-                   dataset: data.Dataset, resumed) -> dict:
+                   dataset: data.Dataset, resumed, signature: dict) -> dict:
     """config.json: the flags as given, the step this segment of the run
     starts at, and under "resolved" what `auto` and the per-model defaults
     became on this machine, what the model was built for (predict rebuilds
-    it from a checkpoint with it) and the data's fingerprint (a resume
-    compares it). Under "earlier", the records of the segments before,
-    oldest first: a resume may change the run's length, batch or evaluation,
-    and the file says what every step was trained with."""
+    it from a checkpoint with it, and checks it is the network `signature`
+    records) and the data's fingerprint (a resume compares it). Under
+    "earlier", the records of the segments before, oldest first: a resume
+    may change the run's length, batch or evaluation, and the file says what
+    every step was trained with."""
     previous = dict(resumed.previous_config)
     earlier = previous.pop("earlier", []) + ([previous] if previous else [])
     return {**dataclasses.asdict(config), "from_step": resumed.start_step, "earlier": earlier,
@@ -152,8 +156,7 @@ def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
                          "peak_learning_rate": plan.learning_rate, "total_steps": plan.total_steps,
                          "warmup_steps": plan.warmup_steps,
                          "dataset_info": dataclasses.asdict(dataset.info),
-                         "data_fingerprint": dataset.fingerprint,
-                         "model_source": models.source_digest(models.model_spec(config.model))}}
+                         "data_fingerprint": dataset.fingerprint, "model_signature": signature}}
 
 
 def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:

@@ -3,16 +3,19 @@ user's own: `--model=path/to/file.py:function` or `package.module:function`.
 
 A model is a function `(info, width) -> keras.Model` (a user's: `(info)`),
 where `info` is the dataset's `DatasetInfo`. Its contract, checked before
-any training:
+any training (contract.py says it whole):
 - it takes uint8 images [batch, *info.image_shape] (0-255; normalizing them
   is its job: `layers.normalized_input` does it with `info.mean`, `info.std`),
-- it returns logits [batch, info.num_classes] in any dtype, or probabilities
-  if its last layer ends in a softmax (which is then dropped: the loss and
-  test-time augmentation take logits, and the export adds the softmax back),
+- it returns logits [batch, info.num_classes] in any dtype (a final softmax
+  is dropped: the loss and test-time augmentation take logits, and the
+  export adds the softmax back),
 - it may use any Keras layers. Every BatchNormalization is made to
   synchronize its statistics across replicas, so that N replicas train like
   one; a layer with an `initialize_from_data(train_images)` method gets the
   first training images before training (airbench's whitening does).
+
+A user's file is imported with its folder on the import path (after the
+installed packages), so that it may import its own modules beside it.
 
 This module imports no TensorFlow at import time, so that flags are checked
 at once; `build_model` imports the builders.
@@ -24,13 +27,12 @@ import importlib
 import importlib.util
 import os
 import re
-from typing import Tuple
+import sys
+from typing import List, Optional, Tuple
 
-from distributed_mpt.errors import UserError, first_line, quoted
-
-
-class ModelError(UserError):
-    """A user's model that cannot be loaded, built, or breaks the contract."""
+from distributed_mpt.core.models import contract
+from distributed_mpt.core.models.contract import ModelError, users_code
+from distributed_mpt.errors import first_line, quoted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,37 +128,25 @@ def model_spec(model: str) -> ModelSpec:
                      f"function of yours as path/to/file.py:function or package.module:function")
 
 
-def source_digest(spec: ModelSpec) -> str:
-    """What a user's model is made of: the SHA-256 of its source file, so
-    that workers, and a resumed run, can tell whether they train the same
-    network. The package's own models: their name."""
-    if not spec.is_users:
-        return spec.name
-    path, _ = _locate(spec.builder)
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def build_model(spec: ModelSpec, info, width: int = 64, **options):
+def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str]] = None,
+                **options):
     """Builds `spec`'s network for dataset `info` under the current dtype
     policy (`options`: the flags `spec.options` names), checks it against
-    the contract (the module's docstring) and returns it, computing logits.
-    A user's model that breaks the contract raises ModelError, naming it."""
+    the contract (contract.py) and returns it, computing logits; what a
+    user must be told of it (a final softmax dropped) is appended to
+    `notes`. A model that breaks the contract raises ModelError, naming it."""
     import keras
 
     builder = _import_builder(spec.builder)
-    try:
+    with users_code(spec.name, "failed to build its model"):
         model = builder(info) if spec.is_users else builder(info, width, **options)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever the user's code raises is one line
-        raise ModelError(f"--model={quoted(spec.name)} failed to build its model "
-                         f"({type(e).__name__}: {quoted(first_line(e))})") from None
     if not isinstance(model, keras.Model):
         raise ModelError(f"--model={quoted(spec.name)} returned {type(model).__name__}, not a "
                          f"keras.Model")
-    _drop_final_softmax(model)
-    _check_contract(spec.name, model, info)
+    model, note = contract.drop_final_softmax(model, spec.name)
+    contract.check_contract(spec.name, model, info)
+    if note and notes is not None:
+        notes.append(note)
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization):
             # Statistics over the global batch: N replicas train like one.
@@ -192,12 +182,14 @@ def parameter_count(spec: ModelSpec, info, width: int = 64, **options):
         random.setstate(state)
 
 
-def initialize_from_data(model, train_images) -> None:
+def initialize_from_data(model, train_images, name: str = "") -> None:
     """Lets every layer that derives weights from the training data (an
-    `initialize_from_data` method: airbench's whitening) compute them."""
+    `initialize_from_data` method: airbench's whitening) compute them;
+    what one raises is a ModelError naming --model=`name`."""
     for layer in model._flatten_layers(include_self=False):
         if hasattr(layer, "initialize_from_data"):
-            layer.initialize_from_data(train_images)
+            with users_code(name or model.name, "failed to initialize from the training images"):
+                layer.initialize_from_data(train_images)
 
 
 def split_at_normalization(model, name: str):
@@ -254,11 +246,16 @@ def _find_module(name: str, source: str):
 def _import_builder(builder: str):
     """The function `builder` ("module:function" or "file.py:function")."""
     where, _, function = builder.rpartition(":")
-    try:
+    with users_code(builder, "does not import"):
         if _FILE_SOURCE.fullmatch(builder):
             path, _ = _locate(builder)
             if not os.path.isfile(path):
                 raise ModelError(f"--model={quoted(builder)}: {quoted(path)} is not a file")
+            # As for a script, the modules beside it are importable; after
+            # the installed ones, which a file of the same name there must
+            # not replace.
+            if os.path.dirname(path) not in sys.path:
+                sys.path.append(os.path.dirname(path))
             name = "distributed_mpt_user_model_" + hashlib.sha1(path.encode()).hexdigest()[:8]
             loader_spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(loader_spec)
@@ -266,47 +263,8 @@ def _import_builder(builder: str):
         else:
             _find_module(where, builder)
             module = importlib.import_module(where)
-    except UserError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - a SyntaxError, an ImportError, a SystemExit...
-        raise ModelError(f"--model={quoted(builder)} does not import ({type(e).__name__}: "
-                         f"{quoted(first_line(e))})") from None
     found = getattr(module, function, None)
     if not callable(found):
         raise ModelError(f"--model={quoted(builder)}: {quoted(where)} has no function "
                          f"{quoted(function)}")
     return found
-
-
-def _drop_final_softmax(model) -> None:
-    """Makes a model whose last layer ends in a softmax return logits."""
-    import keras
-
-    layers = model.layers if hasattr(model, "layers") else []
-    last = layers[-1] if layers else None
-    activation = getattr(last, "activation", None)
-    if activation is keras.activations.softmax or getattr(activation, "__name__", "") == "softmax":
-        last.activation = keras.activations.linear
-
-
-def _check_contract(name: str, model, info) -> None:
-    """Raises ModelError unless `model` maps uint8 images of `info`'s shape
-    to logits of `info`'s classes (a probe call of two images)."""
-    import numpy as np
-
-    probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
-    try:
-        outputs = model(probe, training=False)
-    except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
-        raise ModelError(f"--model={quoted(name)} does not take uint8 images "
-                         f"{list(info.image_shape)} ({type(e).__name__}: "
-                         f"{quoted(first_line(e))})") from None
-    shape = tuple(getattr(outputs, "shape", ()))
-    if shape != (2, info.num_classes):
-        raise ModelError(f"--model={quoted(name)} returns shape {list(shape)} for 2 images; the "
-                         f"dataset has {info.num_classes} classes: it must return "
-                         f"[batch, {info.num_classes}] logits")
-    values = np.asarray(outputs, np.float32)
-    if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
-        raise ModelError(f"--model={quoted(name)} returns probabilities from something other "
-                         f"than a final softmax layer: return logits")

@@ -1,0 +1,223 @@
+"""The contract every network meets before it trains, checked on the built
+model (`build_model` in __init__.py; docs/extending.md, "Your own model"):
+
+- It takes uint8 images [batch, *info.image_shape], 0-255, and normalizes
+  them itself. A model that takes floats (a float `keras.Input`, or the
+  float32 that Keras gives a Sequential built without one) gets the same
+  values as floats, 0.0-255.0: it must rescale them before a layer with
+  weights sees them (a Rescaling or Normalization layer, a Lambda or
+  arithmetic on the input, as keras.applications' models with their
+  preprocessing do), or it is refused. A network made for 0-1 input would
+  otherwise train on values 255 times too large, without a word.
+- It returns logits [batch, info.num_classes] in any dtype. A final
+  softmax (a Softmax layer, an Activation("softmax"), a last layer's
+  softmax activation, keras.ops.softmax on the output) is dropped, with a
+  note: the loss and test-time augmentation take logits, and the export
+  adds the softmax back. A subclassed model's softmax is inside its call(),
+  which cannot be dropped: it is refused, saying so.
+- It has weights to train.
+
+A model function is code, trusted as its user: whatever it raises, a
+SystemExit and a KeyboardInterrupt included, is one ModelError naming it
+(`users_code`), never a traceback or, worse, an exit 0.
+"""
+
+import contextlib
+import re
+import signal
+from typing import Optional, Tuple
+
+from distributed_mpt.errors import UserError, first_line, quoted
+
+
+class ModelError(UserError):
+    """A user's model that cannot be loaded, built, or breaks the contract."""
+
+
+@contextlib.contextmanager
+def users_code(name: str, failure: str):
+    """Runs model code of --model=`name`: anything it raises becomes one
+    ModelError, "--model=NAME <failure> (<what it raised>)", except a
+    KeyboardInterrupt that Ctrl-C may have raised (predict's, where SIGINT
+    has Python's default handler; a training run owns its stop signals)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except KeyboardInterrupt:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            raise
+        raise ModelError(f"--model={quoted(name)} {failure} (KeyboardInterrupt, raised by the "
+                         f"model's own code: a run stops on Ctrl-C at a step boundary, with a "
+                         f"checkpoint)") from None
+    except SystemExit as e:
+        raise ModelError(f"--model={quoted(name)} {failure} (it called sys.exit({quoted(e.code)}), "
+                         f"which would end the run as if it had finished: raise an error saying "
+                         f"what is wrong instead)") from None
+    except BaseException as e:  # noqa: BLE001 - whatever the user's code raises is one line
+        raise ModelError(f"--model={quoted(name)} {failure} ({cause(e)})") from None
+
+
+# Keras wraps an error raised inside a layer's call in a header naming the
+# layer, and the error's own message in bold (keras/src/utils/traceback_utils.py).
+_KERAS_CALL = re.compile(r"Exception encountered when calling (\S+?)\.?$")
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def cause(error: BaseException) -> str:
+    """What `error` says, for an error line: its type and first line (of
+    the error inside Keras' "Exception encountered when calling" wrapper,
+    with the layer), "..." where it is cut."""
+    lines = [line for line in _TERMINAL_CODES.sub("", str(error)).splitlines() if line.strip()]
+    where = _KERAS_CALL.match(lines[0].strip()) if len(lines) > 1 else None
+    text = (f"in {where.group(1)}: {lines[1].strip()}" if where
+            else first_line(error, limit=10_000))
+    # A variable's repr puts its values on the lines after "numpy=".
+    text = re.sub(r",? numpy=$", ">", text)
+    return quoted(f"{type(error).__name__} {text}" if where else f"{type(error).__name__}: {text}")
+
+
+def drop_final_softmax(model, name: str) -> Tuple[object, Optional[str]]:
+    """(`model` returning logits, a note saying what was dropped) if its
+    output is a softmax; (`model`, None) if not. The model returned may be
+    a new one over the same layers."""
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        last = model.layers[-1] if model.layers else None
+        if _is_softmax(last):
+            model.pop()
+            return model, _dropped(name, f"its last layer, {_named(last)}")
+    else:
+        outputs = getattr(model, "outputs", None)
+        if not (isinstance(outputs, list) and len(outputs) == 1):
+            return model, None  # subclassed: its call() is code (see check_contract)
+        operation, node_index, _ = outputs[0]._keras_history
+        if _is_softmax(operation):
+            before = operation._inbound_nodes[node_index].input_tensors[0]
+            # One input as one tensor, as the user's model took it: Keras
+            # warns of a call whose structure differs from its inputs'.
+            inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+            kind = "layer" if isinstance(operation, keras.layers.Layer) else "operation"
+            return (keras.Model(inputs, before, name=model.name),
+                    _dropped(name, f"its last {kind}, {_named(operation)}"))
+        last = operation
+    if _has_softmax_activation(last):
+        last.activation = keras.activations.linear
+        return model, _dropped(name, f"the softmax activation of its last layer, {_named(last)}")
+    return model, None
+
+
+def _is_softmax(operation) -> bool:
+    """A keras.layers.Softmax or keras.ops.softmax over the last axis: cut
+    off. A layer with a softmax activation, Activation("softmax") among
+    them, is made linear instead, as runs from before the cut resume."""
+    return (type(operation).__name__ == "Softmax"
+            and type(operation).__module__.startswith("keras.")
+            and getattr(operation, "axis", -1) in (-1, [-1], (-1,)))
+
+
+def _has_softmax_activation(layer) -> bool:
+    activation = getattr(layer, "activation", None)
+    return getattr(activation, "__name__", "") == "softmax"
+
+
+def _named(operation) -> str:
+    return f"{type(operation).__name__} {quoted(operation.name)!r}"
+
+
+def _dropped(name: str, what: str) -> str:
+    return (f"--model={quoted(name)} ends in a softmax ({what}): it is dropped for training, "
+            f"whose loss and test-time augmentation take logits; the export adds it back")
+
+
+def check_contract(name: str, model, info) -> None:
+    """Raises ModelError unless `model` (its final softmax dropped) maps
+    uint8 images of `info`'s shape to logits of `info`'s classes (a probe
+    call of two images), takes 0-255 as it means to, and has weights to
+    train."""
+    import numpy as np
+
+    probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
+    shape = f"uint8 images {list(info.image_shape)}"
+    with users_code(name, f"failed when called on {shape}"):
+        try:
+            outputs = model(probe, training=False)
+        except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
+            raise ModelError(
+                f"--model={quoted(name)} does not take {shape}, 0-255, which is what this "
+                f"package gives every model ({cause(e)}): take them as they are (keras.Input("
+                f"info.image_shape, dtype=\"uint8\"), or a subclassed model's call()) and rescale "
+                f"or cast them before the first layer that computes with them "
+                f"(keras.layers.Rescaling(1 / 255) does both)") from None
+    returned = tuple(getattr(outputs, "shape", ()))
+    if returned != (2, info.num_classes):
+        raise ModelError(f"--model={quoted(name)} returns shape {list(returned)} for 2 images; the "
+                         f"dataset has {info.num_classes} classes: it must return "
+                         f"[batch, {info.num_classes}] logits")
+    values = np.asarray(outputs, np.float32)
+    if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
+        where = ("from its call(): a subclassed model's softmax is code, which cannot be dropped "
+                 "as a final softmax layer is" if not isinstance(getattr(model, "outputs", None),
+                                                                 list)
+                 else "from something other than a final softmax")
+        raise ModelError(f"--model={quoted(name)} returns probabilities (each row sums to 1) "
+                         f"{where}: return logits, which the loss and test-time augmentation "
+                         f"take (the export adds the softmax back)")
+    unscaled = _unscaled_float_input(model)
+    if unscaled:
+        dtype, layer = unscaled
+        raise ModelError(
+            f"--model={quoted(name)} takes its images as {dtype} and gives them to {layer} "
+            f"unscaled: this package gives every model pixels 0-255, not 0-1. Rescale them first "
+            f"(keras.layers.Rescaling(1 / 255), or layers.normalized_input(info)), or declare "
+            f"keras.Input(info.image_shape, dtype=\"uint8\") if 0-255 is what the network expects")
+    if not model.trainable_weights:
+        raise ModelError(f"--model={quoted(name)} has no trainable weights ({len(model.weights)} "
+                         f"frozen): there is nothing to train; leave some layers trainable "
+                         f"(layer.trainable = False freezes one)")
+
+
+# What the user rescales pixels with: these layers, and arithmetic on the
+# input tensor (keras.ops; `images / 255` in a functional model).
+_RESCALING_LAYERS = ("Rescaling", "Normalization", "BatchNormalization", "LayerNormalization",
+                     "Lambda")
+_ARITHMETIC = ("Add", "Subtract", "Multiply", "Divide", "TrueDivide")
+
+
+def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
+    """(the input's dtype, the layer) if `model` takes floats and its input
+    reaches a layer with weights before anything that rescales it; None if
+    it takes integers, rescales first, or is subclassed (its call() is code,
+    and it gets the uint8 images as they are)."""
+    import keras
+
+    graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
+    inputs = getattr(graph, "inputs", None)
+    if not (isinstance(inputs, list) and len(inputs) == 1 and hasattr(graph, "operations")):
+        return None
+    dtype = str(inputs[0].dtype)
+    if "float" not in dtype:
+        return None
+    consumers = {}
+    for operation in graph.operations:
+        for node in operation._inbound_nodes:
+            for tensor in node.input_tensors:
+                consumers.setdefault(id(tensor), []).append((operation, node))
+    frontier, seen = [inputs[0]], set()
+    while frontier:
+        tensor = frontier.pop()
+        for operation, node in consumers.get(id(tensor), []):
+            kind = type(operation).__name__
+            if kind in _RESCALING_LAYERS or kind in _ARITHMETIC:
+                continue
+            if isinstance(operation, keras.Model):
+                inner = _unscaled_float_input(operation)
+                if inner:
+                    return dtype, inner[1]
+            elif getattr(operation, "weights", None):
+                return dtype, _named(operation)
+            elif id(node) not in seen:  # padding, resizing, a cast: the values pass unscaled
+                seen.add(id(node))
+                frontier.extend(node.output_tensors)
+    return None

@@ -1,0 +1,196 @@
+"""The contract a user's model is held to (core/models/contract.py), through
+the real training entry point with tiny model files: a final softmax in any
+of its forms dropped with one note, floats fed 0-255 only to a model that
+rescales them, and model code that ends the program, interrupts it or has
+nothing to train refused with one `error:` line, exit 2 and nothing left."""
+
+import pytest
+
+from conftest import assert_ok, assert_one_error_line, train
+
+MODELS = '''
+import sys
+
+import keras
+
+
+def _flat(info, dtype="uint8"):
+    images = keras.Input(info.image_shape, dtype=dtype)
+    return images, keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+
+
+def softmax_layer(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.layers.Softmax()(keras.layers.Dense(info.num_classes)(x)))
+
+
+def softmax_activation(info):
+    images, x = _flat(info)
+    logits = keras.layers.Dense(info.num_classes)(x)
+    return keras.Model(images, keras.layers.Activation("softmax")(logits))
+
+
+def softmax_dense(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.layers.Dense(info.num_classes, activation="softmax")(x))
+
+
+def softmax_sequential(info):
+    return keras.Sequential([keras.Input(info.image_shape, dtype="uint8"),
+                             keras.layers.Rescaling(1 / 255), keras.layers.Flatten(),
+                             keras.layers.Dense(info.num_classes), keras.layers.Softmax()])
+
+
+class Subclassed(keras.Model):
+    def __init__(self, classes):
+        super().__init__()
+        self.dense = keras.layers.Dense(classes)
+
+    def call(self, images):
+        x = keras.ops.reshape(keras.ops.cast(images, "float32") / 255, (-1, 32 * 32 * 3))
+        return keras.ops.softmax(self.dense(x))
+
+
+def softmax_subclassed(info):
+    return Subclassed(info.num_classes)
+
+
+def float_unscaled(info):
+    images = keras.Input(info.image_shape)  # float32, Keras' default
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(keras.layers.Flatten()(images)))
+
+
+def float_rescaled(info):
+    images, x = _flat(info, dtype="float32")
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
+def float_divided(info):
+    images = keras.Input(info.image_shape)
+    x = keras.layers.Flatten()(keras.layers.ZeroPadding2D()(images) / 255.0)
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
+def mobilenet(info, preprocessing):
+    return keras.applications.MobileNetV3Small(
+        input_shape=info.image_shape, alpha=0.75, minimalistic=True, weights=None,
+        classes=info.num_classes, include_preprocessing=preprocessing)
+
+
+def mobilenet_preprocessing(info):
+    return mobilenet(info, True)
+
+
+def mobilenet_without_preprocessing(info):
+    return mobilenet(info, False)
+
+
+class Convolutions(keras.Model):
+    def __init__(self, classes):
+        super().__init__()
+        self.convolution = keras.layers.Conv2D(4, 3)
+        self.dense = keras.layers.Dense(classes)
+
+    def call(self, images):
+        return self.dense(keras.ops.mean(self.convolution(images), axis=(1, 2)))
+
+
+def convolves_uint8(info):
+    return Convolutions(info.num_classes)
+
+
+def frozen(info):
+    images, x = _flat(info)
+    dense = keras.layers.Dense(info.num_classes)
+    dense.trainable = False
+    return keras.Model(images, dense(x))
+
+
+def exits(info):
+    sys.exit(0)
+
+
+def interrupts(info):
+    raise KeyboardInterrupt
+'''
+FLAGS = ["--dataset=synthetic", "--synthetic_examples=256", "--per_replica_batch_size=32",
+         "--precision=float32", "--warmup_epochs=0", "--noevaluate", "--noexport",
+         "--train_steps=2", "--steps_per_loop=2", "--log_every_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "contract_models.py"
+    path.write_text(MODELS)
+    return path
+
+
+@pytest.mark.parametrize("function, dropped", [
+    ("softmax_layer", "its last layer, Softmax"),
+    ("softmax_activation", "the softmax activation of its last layer, Activation"),
+    ("softmax_dense", "the softmax activation of its last layer, Dense"),
+    ("softmax_sequential", "its last layer, Softmax"),
+])
+def test_a_final_softmax_in_any_form_is_dropped_with_one_note(model_file, tmp_path, function,
+                                                              dropped):
+    result = train([*FLAGS, f"--model={model_file}:{function}", f"--model_dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    notes = [line for line in result.stdout.splitlines() if "ends in a softmax" in line]
+    assert len(notes) == 1 and dropped in notes[0], result.stdout
+    assert "export adds it back" in notes[0]
+    assert "Received: inputs" not in result.stderr, "no Keras warning of the cut model's call"
+
+
+UNSCALED = "unscaled: this package gives every model pixels 0-255, not 0-1. Rescale them first"
+
+
+@pytest.mark.parametrize("function, fragment", [
+    ("softmax_subclassed", "from its call(): a subclassed model's softmax is code, which cannot "
+                           "be dropped as a final softmax layer is: return logits"),
+    ("float_unscaled", "takes its images as float32 and gives them to Dense 'dense"),
+    ("mobilenet_without_preprocessing", "takes its images as float32 and gives them to Conv2D"),
+    ("frozen", "has no trainable weights (2 frozen): there is nothing to train"),
+])
+def test_a_model_that_breaks_the_contract_says_why_and_leaves_nothing(model_file, tmp_path,
+                                                                     function, fragment):
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:{function}", f"--model_dir={run}"])
+    assert_one_error_line(result, fragment)
+    if "gives them to" in fragment:  # the layer's name is numbered per process: dense_2
+        assert UNSCALED in result.stderr
+    assert not run.exists(), "refused before any file was written"
+
+
+@pytest.mark.parametrize("function", ["float_rescaled", "float_divided", pytest.param(
+    "mobilenet_preprocessing", marks=pytest.mark.slow)])  # 1.5 min under load
+def test_float_input_that_the_model_rescales_itself_trains(model_file, tmp_path, function):
+    """0-255 as floats is what these expect: a Rescaling layer, arithmetic
+    on the input after a padding, and keras.applications' own preprocessing."""
+    assert_ok(train([*FLAGS, f"--model={model_file}:{function}",
+                     f"--model_dir={tmp_path / 'run'}"]))
+
+
+def test_a_model_that_cannot_take_uint8_says_why_in_one_whole_line(model_file, tmp_path):
+    result = train([*FLAGS, f"--model={model_file}:convolves_uint8",
+                    f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "does not take uint8 images [32, 32, 3], 0-255")
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+    # What Keras said, from inside its "Exception encountered when calling"
+    # wrapper, and the fix after it: the line ends as a sentence ends.
+    assert "(ValueError in Conv2D.call(): Incompatible type conversion requested" in line
+    assert line.endswith("(keras.layers.Rescaling(1 / 255) does both)"), line
+
+
+@pytest.mark.parametrize("function, fragment", [
+    ("exits", "failed to build its model (it called sys.exit(0), which would end the run as if "
+              "it had finished"),
+    ("interrupts", "failed to build its model (KeyboardInterrupt, raised by the model's own code"),
+])
+def test_a_model_function_that_ends_the_program_is_one_error_line(model_file, tmp_path, function,
+                                                                 fragment):
+    run = tmp_path / "run"
+    # A process of its own: its exit status is what a launcher acts on.
+    result = train([*FLAGS, f"--model={model_file}:{function}", f"--model_dir={run}"],
+                   timeout=300)
+    assert_one_error_line(result, fragment)
+    assert not run.exists()
