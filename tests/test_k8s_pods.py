@@ -150,7 +150,7 @@ def trainer_status_schema() -> dict:
         "trainerStatus"]
 
 
-@pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "trainjob"])
+@pytest.mark.parametrize("variant", ["indexed-job", "trainjob"])
 def test_pods_train_to_the_end_on_admitted_ports(variant, tmp_path):
     docs, pods, model_dir, scratch = _job(variant, tmp_path)
     (tmp_path / "controller").mkdir()
