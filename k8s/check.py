@@ -3,21 +3,15 @@
 
     python k8s/check.py                   # every variant, k8s/data and k8s/volume
     python k8s/check.py jobset trainjob   # those
-    python k8s/check.py SETTINGS_DIR      # all, with the settings in SETTINGS_DIR
-                                          # (an edited copy of k8s/settings)
+    python k8s/check.py SETTINGS_DIR      # all, with an edited copy of k8s/settings
 
 Reads the files within bounds, renders each variant as `kubectl apply -k`
-does (`kubectl kustomize`), and gives it to what a cluster would check it
-with: the Kubernetes schemas, strictly, as `kubectl apply` rejects unknown
-fields (kubernetes-validate); the CRDs in k8s/schemas/ for the custom kinds
-(jsonschema); the trainer's own flag parser for every training command.
-Then it names the settings that are out of range, left as placeholders, did
-not arrive where they must, or contradict each other.
-
-One `error:` line per problem and exit 2 if there is one; `warning:` lines
-say what is likely not what you meant, `note:` lines what follows from the
-settings; exit 0: nothing is wrong. Needs kubectl 1.27+ (its kustomize) and
-PyYAML, kubernetes-validate and jsonschema (pip install -e '.[k8s]').
+does, and gives it to what a cluster checks it with: the Kubernetes schemas,
+strictly (kubernetes-validate), the CRDs in k8s/schemas/ (jsonschema), the
+trainer's flag parser. Then it names settings out of range, left as
+placeholders, not arrived, or contradicting each other: one `error:` line
+each, and exit 2 (`warning:` and `note:` lines besides; exit 0 when nothing
+is wrong). Needs kubectl 1.27+ and pip install -e '.[k8s]'.
 """
 
 import collections
@@ -215,13 +209,6 @@ def is_trainer(template) -> bool:
     return template["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "trainer"
 
 
-def training_object(docs):
-    """What is submitted to train (TrainJob, JobSet or the indexed Job), or None."""
-    found = [d for d in docs if d["kind"] in ("JobSet", "TrainJob")] or \
-        [j for j in of_kind(docs, "Job") if j["spec"].get("completionMode") == "Indexed"]
-    return found[0] if found else None
-
-
 def training_containers(docs) -> list:
     """(where, pod template, training container, its command line) of every
     pod template that trains."""
@@ -390,62 +377,36 @@ def contradictions(settings: dict, found: Findings) -> None:
                               f"pods on one node can mount it, so all of them must land there")
 
 
-def _differences(rendered, wanted, path=""):
-    """Where `rendered` does not hold the fragment `wanted` (absent, {} and
-    [] alike; a list of objects item by item)."""
-    if isinstance(wanted, dict) and isinstance(rendered, dict):
-        for key, value in wanted.items():
-            yield from _differences(rendered.get(key), value, f"{path}.{key}".lstrip("."))
-    elif isinstance(wanted, list) and wanted and isinstance(wanted[0], dict) and isinstance(rendered, list) \
-            and len(rendered) == len(wanted):
-        for i, (item, wanted_item) in enumerate(zip(rendered, wanted)):
-            yield from _differences(item, wanted_item, f"{path}.{i}")
-    elif rendered != wanted and (rendered or wanted):
-        yield f"{path} is {rendered!r}, settings.yaml says {wanted!r}"
-
-
 def arrival_errors(settings: dict, docs, trainer) -> list:
-    """Where a rendered variant does not carry what settings.yaml says (a
-    manifest's layout changed, or an edit overrides a value), and training
-    commands the trainer would refuse at start."""
-    spec, pod = settings["spec"], settings["template"]["spec"]
-    name, workers, deadline, storage = spec["jobName"], spec["workers"], spec["deadlineSeconds"], spec["storage"]
-    counts = {"completions": workers, "parallelism": workers, "activeDeadlineSeconds": deadline}
-    wanted = {  # what settings.yaml puts into each kind of object
-        "TrainJob": {"metadata": {"name": name}, "spec": {"runtimeRef": {"name": name}, "trainer": {
-            "numNodes": workers}, "activeDeadlineSeconds": deadline}},
-        "TrainingRuntime": {"metadata": {"name": name}, "spec": {"mlPolicy": {"numNodes": workers}}},
-        "JobSet": {"metadata": {"name": name}, "spec": {"replicatedJobs": [{"template": {"spec": counts}}]}},
-        "Job": {"metadata": {"name": name}, "spec": counts},
-        "PersistentVolumeClaim": {"metadata": {"name": storage["claim"]}, "spec": {
-            "storageClassName": storage["class"], "accessModes": [storage["accessMode"]],
-            "resources": {"requests": {"storage": storage["size"]}}}},
-        "pod": {"metadata": {"labels": {"app.kubernetes.io/instance": name}}, "spec": {
-            "subdomain": name, "nodeSelector": pod.get("nodeSelector"), "tolerations": pod.get("tolerations"),
-            "containers": [{"name": "node", "args": spec["flags"], **pod["containers"][0]}]}}}
-    found = [f"{d['kind']} {d['metadata']['name']}: {line}" for d in docs if d["kind"] in wanted
-             and (d["kind"] != "Job" or is_trainer(d)) for line in _differences(d, wanted[d["kind"]])]
+    """The worker count wherever it is written, against the settings' (one
+    that disagrees, where a manifest's layout changed or a patch overrides
+    it, leaves the pods waiting for peers that never come), and the training
+    commands as the trainer takes them."""
+    workers, found = settings["spec"]["workers"], []
+    counts = [(f"{where} {field}", spec.get(field)) for where, spec in job_templates(docs) if "completions" in spec
+              for field in ("completions", "parallelism")]
+    counts += [(f"TrainJob {d['metadata']['name']} numNodes", d["spec"]["trainer"].get("numNodes"))
+               for d in of_kind(docs, "TrainJob")]
+    counts += [(f"TrainingRuntime {d['metadata']['name']} numNodes", d["spec"]["mlPolicy"].get("numNodes"))
+               for d in of_kind(docs, "TrainingRuntime")]
     models = {key for cm in of_kind(docs, "ConfigMap") for key in cm.get("data", {})}
     for where, template, container, argv in training_containers(docs):
-        env = {e["name"]: e.get("value") for e in container.get("env", [])}
-        found += [f"{where}: {line}" for line in _differences(
-            {"pod": template, "command": argv[:4], "DMPT_NUM_WORKERS": env.get("DMPT_NUM_WORKERS")},
-            {"pod": wanted["pod"], "DMPT_NUM_WORKERS": str(workers), "command": [
-                "distributed-mpt-train", *(f"--{k}={spec[k]}" for k in ("recipe", "precision", "communication"))]})]
+        counts.append((f"{where}: DMPT_NUM_WORKERS", next(
+            (e.get("value") for e in container.get("env", []) if e["name"] == "DMPT_NUM_WORKERS"), None)))
         try:
             config = trainer and trainer.parse_config(argv[1:])
         except trainer.user_error as e:
             found.append(f"{where}: the trainer refuses its flags: {e}")
             continue
-        if config:
-            found += [f"{where}: {line}" for line in _differences(config.model_dir, f"/data/runs/{name}", "--model_dir")]
-            if not (config.data_dir or "").startswith("/data/"):
-                found.append(f"{where}: --data_dir={config.data_dir} is not on the claim, the pods' /data")
-            source = config.model.rpartition(":")[0]
-            if source.endswith(".py") and not (source.startswith(MODELS) and source[len(MODELS):] in models):
-                found.append(f"{where}: --model={config.model}: the pods see only the files of k8s/settings/"
-                             f"model, at {MODELS} ({', '.join(sorted(models))})")
-    return found
+        for flag, path in (("data_dir", config and config.data_dir), ("model_dir", config and config.model_dir)):
+            if config and not (path or "").startswith("/data/"):
+                found.append(f"{where}: --{flag}={path} is not on the claim, the pods' /data")
+        source = config.model.rpartition(":")[0] if config else ""
+        if source.endswith(".py") and not (source.startswith(MODELS) and source[len(MODELS):] in models):
+            found.append(f"{where}: --model={config.model}: the pods see only the files of k8s/settings/model, "
+                         f"at {MODELS} ({', '.join(sorted(models))})")
+    return found + [f"{where} is {value}, settings.yaml says workers: {workers}" for where, value in counts
+                    if str(value) != str(workers)]
 
 
 def rendered_findings(variant: str, docs, found: Findings) -> None:
@@ -460,15 +421,12 @@ def rendered_findings(variant: str, docs, found: Findings) -> None:
         if "@sha256:" not in image:
             found.warnings.append(f"image {image} is not pinned by digest: a tag can be moved to other content "
                                   f"(k8s/settings/kustomization.yaml, images: digest)")
-    job = training_object(docs)
-    if job is None:
+    jobs = [d for d in docs if d["kind"] in ("TrainJob", "JobSet") or d["kind"] == "Job" and is_trainer(d)]
+    if not jobs:
         return
-    queue = job["metadata"].get("labels", {}).get(QUEUE_LABEL)
+    queue = jobs[0]["metadata"].get("labels", {}).get(QUEUE_LABEL)
     for where, template in pod_templates(docs):
         topology = [a for a in TOPOLOGY_ANNOTATIONS if a in template["metadata"].get("annotations", {})]
-        if len(topology) > 1:
-            found.errors.append(f"{variant}: {where}: {' and '.join(topology)}: Kueue takes one topology "
-                                f"request per pod template, and refuses the job")
         if topology and queue is None and is_trainer(template):
             found.errors.append(f"{variant}: {where}: {topology[0]} without a queue label ({QUEUE_LABEL}, "
                                 f"k8s/settings/kustomization.yaml): only Kueue places by topology, and only "

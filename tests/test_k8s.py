@@ -255,6 +255,33 @@ def test_training_pods_are_ready_once_they_start(variant):
     assert prepare["spec"].get("parallelism", 1) == prepare["spec"].get("completions", 1) == 1
 
 
+def test_every_setting_of_an_edited_copy_reaches_every_variant(tmp_path):
+    """CPU-only, 4 workers, another job name, namespace and claim, the image
+    by digest, other flags, no taint tolerated, a Kueue queue and topology: a
+    change of k8s/settings alone, each value wherever it must appear."""
+    k8s = Path(shutil.copytree(K8S, tmp_path / "k8s"))
+    edit_settings(k8s, workers=4, jobName="cifar10-second", recipe="cpu_cnn94", precision="auto",
+                  communication="ring", flags=["--data_dir=/data/tfds", "--seed=3"],
+                  storage={"claim": "team-datasets", "class": "cephfs", "accessMode": "ReadWriteMany"},
+                  pod={"tolerations": [], "nodeSelector": {"node.kubernetes.io/instance-type": "c7a.8xlarge"}})
+    image = f"registry.internal/ml/distributed-mpt@sha256:{'ab' * 32}"
+    edit_kustomization(k8s, queue=True, topology="cloud.google.com/gce-topology-block", namespace="ml-team",
+                       images=[{"name": "distributed-mpt", "newName": image.split("@")[0],
+                                "digest": image.split("@")[1]}])
+    wanted = configured(k8s)
+    assert (wanted["workers"], wanted["image"], wanted["namespace"], wanted["tolerations"]) == (4, image, "ml-team", [])
+    for variant in RENDERED:
+        docs = render(variant, k8s)
+        assert settings_in(docs) == expected_in(variant, wanted), variant
+        assert not [c for _, t in trainer_pods(docs) for c in t["spec"]["containers"]
+                    if any(r.endswith("/gpu") for r in c["resources"]["limits"])], f"{variant}: a GPU"
+        if variant in VARIANTS:
+            assert check.QUEUE_LABEL in training_job(docs)["metadata"]["labels"], variant
+            for where, template in trainer_pods(docs):
+                assert template["metadata"]["annotations"] == {
+                    "kueue.x-k8s.io/podset-preferred-topology": "cloud.google.com/gce-topology-block"}, where
+
+
 # ------------------------------------------ your own model and images
 
 @pytest.fixture(scope="module")

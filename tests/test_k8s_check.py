@@ -78,7 +78,7 @@ def test_the_check_refuses_a_contradictory_copy(tmp_path):
     found = _errors(run_check(k8s=k8s))
     wanted = ["precision mixed_float16 without GPUs", "communication nccl without GPUs",
               "topology.example.com/block is a placeholder left unset",
-              f"trainjob: TrainJob cifar10-resnet9: spec.trainer.numNodes is {workers + 1}, settings.yaml says {workers}"]
+              f"trainjob: TrainJob cifar10-resnet9 numNodes is {workers + 1}, settings.yaml says workers: {workers}"]
     wanted += [f"{variant}: {where}: --model=/models/mine.py:net: the pods see only the files of k8s/settings/model"
                for variant in VARIANTS for where, _ in check.pod_templates(render(variant, k8s))]
     wanted += [f"{variant}: {where}: kueue.x-k8s.io/podset-preferred-topology without a queue label"
