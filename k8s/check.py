@@ -53,7 +53,7 @@ MODELS = "/models/"  # where the pods see k8s/settings/model (k8s/base/trainer.y
 # Bounds on what is read: the files are the user's, and may be anything.
 MAX_FILE_BYTES = 1 << 20  # a ConfigMap holds 1 MiB; the largest CRD carried, 0.9 MiB
 MAX_FILES = 256
-MAX_DEPTH = 100           # the CRDs nest about 60 deep
+MAX_DEPTH = 100           # the deepest CRD carried nests 47 levels
 MAX_RENDERED_BYTES = 32 << 20
 # Per training container, more than any node offers (the largest cloud
 # machines of 2026: under 1,000 cores, 32 TiB, 16 GPUs): a request no node
@@ -320,7 +320,8 @@ def value_errors(settings: dict, kustomization: dict, trainer) -> list:
     for where, node in (("settings.yaml", settings), ("kustomization.yaml", kustomization)):
         for path, text in _strings({k: v for k, v in node.items() if k != "transformers"}):
             try:
-                structured = any(unicodedata.category(c)[0] == "C" for c in text) or \
+                structured = any(unicodedata.category(c)[0] == "C" or unicodedata.category(c) in ("Zl", "Zp")
+                                 for c in text) or \
                     any(isinstance(doc, (dict, list)) for doc in load_yaml(text, path))
             except InputError:
                 structured = True
@@ -339,7 +340,7 @@ def value_errors(settings: dict, kustomization: dict, trainer) -> list:
     amounts = {}
     for bound, values in settings["template"]["spec"]["containers"][0]["resources"].items():
         for resource, value in values.items():
-            most = RESOURCE_MAXIMA.get("/gpu" if resource.endswith("/gpu") else resource)
+            most = RESOURCE_MAXIMA.get("/gpu" if str(resource).endswith("/gpu") else resource)
             try:
                 amounts[bound, resource] = amount = quantity(value)
             except ValueError:
