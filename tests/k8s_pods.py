@@ -2,11 +2,11 @@
 them: each pod's hostname, the DNS names that reach it, its command, the
 environment it gets, and whether the manifest's failure policy retries an
 exit code. Shared by tests/test_k8s.py (offline checks) and
-tests/test_k8s_pods.py (the pods run as processes).
+tests/test_k8s_pods.py (the pods run as processes); and edited copies of
+k8s/, as a user edits k8s/settings.
 
 Only what a controller hands a pod is modelled here, from the controllers'
-sources: the training operator's TF_CONFIG (kubeflow/training-operator
-v1.9, pkg/controller.v1/tensorflow), the Job controller's hostname
+sources: the Job controller's hostname
 `<job>-<index>` and JOB_COMPLETION_INDEX, JobSet's names, labels and
 coordinator annotation (kubernetes-sigs/jobset v0.12, constructJob and
 labelAndAnnotateObject), Trainer v2's merge of a TrainJob into its runtime
@@ -17,10 +17,12 @@ kubelet's HOSTNAME.
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -28,8 +30,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-VARIANTS = ("tfjob", "tfjob-chief", "indexed-job", "jobset", "jobset-chief", "trainjob")
-TRAINING_KINDS = ("TFJob", "JobSet", "TrainJob")
+VARIANTS = ("indexed-job", "jobset", "trainjob")
+TRAINING_KINDS = ("JobSet", "TrainJob")
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +55,7 @@ def of_kind(docs, kind: str) -> list:
 
 
 def training_job(docs) -> dict:
-    """The object submitted to train: TFJob, JobSet, TrainJob, or the indexed Job."""
+    """The object submitted to train: JobSet, TrainJob, or the indexed Job."""
     (job,) = [d for d in docs if d["kind"] in TRAINING_KINDS] or \
         [j for j in of_kind(docs, "Job") if j["spec"].get("completionMode")]
     return job
@@ -70,13 +72,11 @@ class Pod:
     retried: Callable[[int], bool]  # does the job's failure policy retry this exit code?
 
 
-def training_pods(docs, namespace: str = "default") -> List[Pod]:
+def training_pods(docs) -> List[Pod]:
     """Every training pod of the rendered variant `docs`."""
     job = training_job(docs)
-    if job["kind"] == "TFJob":
-        return _tfjob_pods(job, namespace)
     if job["kind"] == "TrainJob":
-        (runtime,) = [r for r in of_kind(docs, "ClusterTrainingRuntime")
+        (runtime,) = [r for r in of_kind(docs, job["spec"]["runtimeRef"]["kind"])
                       if r["metadata"]["name"] == job["spec"]["runtimeRef"]["name"]]
         return _jobset_pods(_trainer_jobset(job, runtime))
     if job["kind"] == "JobSet":
@@ -85,9 +85,8 @@ def training_pods(docs, namespace: str = "default") -> List[Pod]:
 
 
 def main_container(pod_spec) -> dict:
-    """The training container: `tensorflow` (the TFJob operator's name),
-    or `node` (Trainer v2's)."""
-    (container,) = [c for c in pod_spec["containers"] if c["name"] in ("tensorflow", "node")]
+    """The training container, `node` (the name Trainer v2 looks for)."""
+    (container,) = [c for c in pod_spec["containers"] if c["name"] == "node"]
     return container
 
 
@@ -118,30 +117,6 @@ def _pod_failure_action(job_spec, container_name: str, exit_code: int):
             if (exit_code in codes["values"]) == (codes["operator"] == "In"):
                 return rule["action"]
     return None
-
-
-# ------------------------------------------------------------------ TFJob
-
-def _tfjob_pods(job, namespace) -> List[Pod]:
-    name, specs = job["metadata"]["name"], job["spec"]["tfReplicaSpecs"]
-
-    def port(spec):
-        return next(p["containerPort"] for p in main_container(spec["template"]["spec"])["ports"]
-                    if p["name"] == "tfjob-port")
-
-    cluster = {rtype.lower(): [f"{name}-{rtype.lower()}-{i}.{namespace}.svc:{port(spec)}"
-                               for i in range(spec["replicas"])] for rtype, spec in specs.items()}
-    pods = []
-    for rtype, spec in specs.items():
-        container = main_container(spec["template"]["spec"])
-        # restartPolicy ExitCode: the operator recreates pods that exit 128-255.
-        retried = {"ExitCode": lambda code: 128 <= code <= 255, "Never": lambda code: False}[spec["restartPolicy"]]
-        for i in range(spec["replicas"]):
-            hostname = f"{name}-{rtype.lower()}-{i}"
-            tf_config = {"cluster": cluster, "task": {"type": rtype.lower(), "index": i}, "environment": "cloud"}
-            pods.append(Pod(hostname, [hostname, f"{hostname}.{namespace}.svc"], _command(container),
-                            {**_env(container), "TF_CONFIG": json.dumps(tf_config)}, retried))
-    return pods
 
 
 # ------------------------------------------------------------ indexed Job
@@ -229,3 +204,76 @@ def _trainer_jobset(trainjob, runtime) -> dict:
         container["env"] = [e for e in container.get("env", []) if e["name"] not in overrides] + \
             trainer.get("env", [])
     return {"kind": "JobSet", "metadata": {"name": trainjob["metadata"]["name"]}, "spec": spec}
+
+
+# ---------------------------------------------------- edited copies of k8s/
+
+def load_check():
+    """k8s/check.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("k8s_check", K8S / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_check(*args, k8s: Path = K8S) -> subprocess.CompletedProcess:
+    """Runs k8s/check.py as a user does. The bound only ends a hung run: on a
+    2-core machine shared with other work, a full check took 6 minutes."""
+    return subprocess.run([sys.executable, str(k8s / "check.py"), *args], capture_output=True, text=True,
+                          timeout=1200)
+
+
+def edit(path: Path, replacements: dict) -> None:
+    """Rewrites a copied file, failing if it no longer has what is replaced."""
+    text = path.read_text()
+    for old, new in replacements.items():
+        assert old in text, f"{path} no longer has {old!r}"
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def uncomment(path: Path, first_line: str) -> None:
+    """Removes the leading `#` of the block of k8s/settings/kustomization.yaml
+    that starts with `#<first_line>`, as its comment tells users to (a block
+    already in use stays as it is)."""
+    lines = path.read_text().split("\n")
+    if "#" + first_line not in lines:
+        assert first_line in lines, f"{path} has no block {first_line}"
+        return
+    start = lines.index("#" + first_line)
+    end = next((i for i in range(start + 1, len(lines)) if not re.match(r"#(\S|  )", lines[i])), len(lines))
+    path.write_text("\n".join(lines[:start] + [line[1:] for line in lines[start:end]] + lines[end:]))
+
+
+def edit_settings(k8s: Path, pod=None, **values) -> None:
+    """Sets values of k8s/settings/settings.yaml's spec in the copy at `k8s`
+    (a dict is merged), merges `pod` into its template's spec, and removes
+    its GPUs: whatever the settings were, as a user edits them."""
+    path = k8s / "settings" / "settings.yaml"
+    document = yaml.safe_load(path.read_text())
+    spec, template = document["spec"], document["template"]["spec"]
+    for bound in template["containers"][0]["resources"].values():
+        for resource in [r for r in bound if r.endswith("/gpu")]:
+            del bound[resource]
+    for key, value in values.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+    template.update(pod or {})
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+
+
+def edit_kustomization(k8s: Path, queue: bool, topology, **values) -> None:
+    """Sets the namespace or image of k8s/settings/kustomization.yaml in the
+    copy at `k8s`, and turns the Kueue queue on or off, and the topology
+    request off (None) or on at a level (the shipped placeholder: "")."""
+    path = k8s / "settings" / "kustomization.yaml"
+    for block, wanted in (("labels:", queue), ("transformers:", topology is not None)):
+        if wanted:
+            uncomment(path, block)
+    if topology:
+        edit(path, {"topology.example.com/block": topology})
+    kustomization = yaml.safe_load(path.read_text())
+    for block, wanted in (("labels", queue), ("transformers", topology is not None)):
+        if not wanted:
+            kustomization.pop(block, None)
+    kustomization.update(values)
+    path.write_text(yaml.safe_dump(kustomization, sort_keys=False))

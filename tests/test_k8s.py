@@ -1,46 +1,49 @@
-"""Checks of k8s/ that need no cluster.
+"""Checks of k8s/ that need no cluster: the rendered variants.
 
-k8s/check.py, what users run before they submit, renders every variant with
-`kubectl kustomize` and validates it with what a cluster checks it with (the
-Kubernetes schemas through kubernetes-validate, the carried CRDs through
-jsonschema, the trainer's flag parser); its verdict is tested here on the
-shipped settings, on an edited copy and on a contradictory one. The rest is
-what only a test can see offline: every pod as its controllers make it
-(tests/k8s_pods.py), the documented data load and export run as the volume
-pod runs them, locked-down pods, the NetworkPolicies, the image.
+Every variant is rendered with `kubectl kustomize` and validated with what a
+cluster checks it with (k8s/check.py's validation: the Kubernetes schemas
+through kubernetes-validate, the carried CRDs through jsonschema; the
+trainer's flag parser). The rest is what only a test can see offline: every
+pod as its controllers make it (tests/k8s_pods.py), the route of a user's
+own network and images into every variant, the documented data load and
+export run as the volume pod runs them, locked-down pods, the
+NetworkPolicies, the image. k8s/check.py's own verdicts are tested in
+tests/test_k8s_check.py.
 
 Every expectation about a setting is read from the settings under test, so
 the tests pass on a copy of the repository whose k8s/settings was edited.
 """
 
 import hashlib
-import importlib.util
 import ipaddress
+import json
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
+from conftest import run_module, subprocess_env
 from distributed_mpt import errors
 from distributed_mpt.process.cluster import resolve_cluster
 from distributed_mpt.train import parse_config
-from k8s_pods import K8S, REPO, VARIANTS, main_container, of_kind, render, training_job, training_pods
+from k8s_pods import (K8S, REPO, VARIANTS, edit_kustomization, edit_settings, load_check, main_container, of_kind,
+                      render, training_job, training_pods)
 
-_spec = importlib.util.spec_from_file_location("k8s_check", K8S / "check.py")
-check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check)
-
-RENDERED = VARIANTS + check.EXTRAS  # the training variants, and k8s/volume
+check = load_check()
+RENDERED = VARIANTS + check.EXTRAS  # the training variants, k8s/data and k8s/volume
 GRPC_PORT = 2222
 HOME = "/home/trainer"  # the image's HOME and user (k8s/Dockerfile)
 UID = 1000
 README = (K8S / "README.md").read_text()
+# A user's own network and images, as settings.yaml's comment shows them.
+OWN_FLAGS = ["--dataset=image_folder", "--data_dir=/data/images/flowers", "--model=/models/model.py:small_cnn"]
 
 
 # ---------------------------------------------------------------- helpers
@@ -56,43 +59,20 @@ def trainer_pods(docs) -> list:
     return [(where, template) for where, component, template in pods(docs) if component == "trainer"]
 
 
-def edit(path: Path, replacements: dict) -> None:
-    """Rewrites a copied file, failing if it no longer has what is replaced."""
-    text = path.read_text()
-    for old, new in replacements.items():
-        assert old in text, f"{path} no longer has {old!r}"
-        text = text.replace(old, new)
-    path.write_text(text)
-
-
-def uncomment(path: Path, first_line: str) -> None:
-    """Removes the leading `#` of the block of k8s/settings/kustomization.yaml
-    that starts with `#<first_line>`, as its comment tells users to (a block
-    already in use stays as it is)."""
-    lines = path.read_text().split("\n")
-    if "#" + first_line not in lines:
-        assert first_line in lines, f"{path} has no block {first_line}"
-        return
-    start = lines.index("#" + first_line)
-    end = next((i for i in range(start + 1, len(lines)) if not re.match(r"#(\S|  )", lines[i])), len(lines))
-    path.write_text("\n".join(lines[:start] + [line[1:] for line in lines[start:end]] + lines[end:]))
-
-
-def run_check(*args) -> subprocess.CompletedProcess:
-    """Runs k8s/check.py as a user does. The bound only ends a hung run: on a
-    loaded 2-core machine a full check took 76 s."""
-    return subprocess.run([sys.executable, str(K8S / "check.py"), *args], capture_output=True, text=True,
-                          timeout=900)
+def settings(k8s: Path = K8S) -> dict:
+    return yaml.safe_load((k8s / "settings" / "settings.yaml").read_text())
 
 
 def configured(k8s: Path) -> dict:
     """What k8s/settings at `k8s` asks for, as settings_in() reports it."""
-    settings = check.read_settings(k8s)
+    document = settings(k8s)
+    spec, pod = document["spec"], document["template"]["spec"]
     kustomization = yaml.safe_load((k8s / "settings" / "kustomization.yaml").read_text())
     (image,) = kustomization["images"]
-    storage = settings["storage"]
-    return {"workers": settings["workers"], "resources": settings["resources"],
-            "nodeSelector": settings["nodeSelector"], "tolerations": settings["tolerations"],
+    storage = spec["storage"]
+    return {"name": spec["jobName"], "workers": spec["workers"], "flags": spec["flags"],
+            "resources": pod["containers"][0]["resources"],
+            "nodeSelector": pod.get("nodeSelector"), "tolerations": pod.get("tolerations"),
             "claim": (storage["claim"], storage["class"], [storage["accessMode"]], storage["size"]),
             "image": image["newName"] + (f"@{image['digest']}" if "digest" in image else f":{image['newTag']}"),
             "namespace": kustomization["namespace"]}
@@ -103,28 +83,30 @@ def settings_in(docs) -> dict:
     same wherever it appears."""
     found = {}
     if any(component == "trainer" for _, component, _ in pods(docs)):
-        clusters = [resolve_cluster(pod.env) for pod in training_pods(docs)]
+        training = training_pods(docs)
+        clusters = [resolve_cluster(pod.env) for pod in training]
         found["workers"] = [c.task_type for c in clusters].count("worker")
+        (found["name"],) = {parse_config(pod.command[1:]).model_dir.rsplit("/", 1)[1] for pod in training} | {
+            training_job(docs)["metadata"]["name"]} | {p["metadata"]["name"] for p in of_kind(docs, "NetworkPolicy")}
         for key, of in (("resources", lambda t: main_container(t["spec"])["resources"]),
-                        ("nodeSelector", lambda t: t["spec"]["nodeSelector"]),
-                        ("tolerations", lambda t: t["spec"]["tolerations"])):
-            (found[key],) = {yaml.safe_dump(of(t)) for _, t in trainer_pods(docs)}
-            found[key] = yaml.safe_load(found[key])
+                        ("flags", lambda t: main_container(t["spec"])["args"]),
+                        ("nodeSelector", lambda t: t["spec"].get("nodeSelector")),
+                        ("tolerations", lambda t: t["spec"].get("tolerations"))):
+            (found[key],) = {json.dumps(of(t)) for _, t in trainer_pods(docs)}
+            found[key] = json.loads(found[key])
     (claim,) = of_kind(docs, "PersistentVolumeClaim")
     spec = claim["spec"]
     found["claim"] = (claim["metadata"]["name"], spec["storageClassName"], spec["accessModes"],
                       spec["resources"]["requests"]["storage"])
     assert {v["persistentVolumeClaim"]["claimName"] for _, _, t in pods(docs) for v in t["spec"]["volumes"]
             if "persistentVolumeClaim" in v} == {found["claim"][0]}
-    (found["image"],) = {c["image"] for _, _, t in pods(docs)
-                         for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])}
-    (found["namespace"],) = {d["metadata"].get("namespace") for d in docs if d["kind"] != "ClusterTrainingRuntime"}
-    assert all("namespace" not in d["metadata"] for d in of_kind(docs, "ClusterTrainingRuntime"))
+    (found["image"],) = {c["image"] for _, _, t in pods(docs) for c in t["spec"]["containers"]}
+    (found["namespace"],) = {d["metadata"].get("namespace") for d in docs}
     return found
 
 
 def expected_in(variant: str, wanted: dict) -> dict:
-    """`wanted` as `variant` carries it: k8s/volume has no training pods."""
+    """`wanted` as `variant` carries it: k8s/data and k8s/volume have no training pods."""
     if variant in check.EXTRAS:
         return {k: v for k, v in wanted.items() if k in ("claim", "image", "namespace")}
     return wanted
@@ -134,18 +116,17 @@ def expected_in(variant: str, wanted: dict) -> dict:
 
 @pytest.mark.parametrize("variant", RENDERED)
 def test_every_variant_validates_strictly(variant):
-    """Built-in kinds and the templates inside the custom ones against the
+    """Built-in kinds and the Job templates inside the custom ones against the
     Kubernetes 1.30 and newest schemas, the custom kinds against their CRDs."""
     docs = render(variant)
-    assert [d for d in docs if d["kind"] in check.CRDS] or variant in ("indexed-job", "volume")
+    assert [d for d in docs if d["kind"] in check.CRDS] or variant in ("indexed-job", "data", "volume")
     assert check.validation_errors(docs) == []
 
 
 @pytest.mark.parametrize("variant, kind, path, number", [
-    ("tfjob", "TFJob", ["spec", "runPolicy"], "backoffLimit"),
     ("jobset", "JobSet", ["spec", "failurePolicy"], "maxRestarts"),
     ("trainjob", "TrainJob", ["spec", "trainer"], "numNodes"),
-    ("trainjob", "ClusterTrainingRuntime", ["spec", "mlPolicy"], "numNodes"),
+    ("trainjob", "TrainingRuntime", ["spec", "mlPolicy"], "numNodes"),
 ])
 def test_the_crd_check_rejects_a_misspelt_field_and_a_wrong_type(variant, kind, path, number):
     (doc,) = of_kind(render(variant), kind)
@@ -171,20 +152,18 @@ def test_the_schema_check_reaches_into_the_custom_kinds_pod_templates():
 def test_the_trainer_accepts_the_flags_and_environment_it_is_given(variant):
     """Every pod, with what its controllers give it, parses its command and
     finds one cluster; every address names one pod, by a name that reaches it."""
-    docs = render(variant)
-    settings = check.read_settings(K8S)
-    (prepare,) = [t for _, component, t in pods(docs) if component == "data"]
+    docs, spec = render(variant), settings()["spec"]
+    (prepare,) = [t for _, component, t in pods(render("data")) if component == "data"]
     training = training_pods(docs)
     for pod in training:
         assert pod.command[0] == "distributed-mpt-train", pod.hostname
         config = parse_config(pod.command[1:])
         assert (config.strategy, config.download) == ("multi_worker", False), pod.hostname
-        assert (config.precision, config.communication) == (settings["precision"], settings["communication"])
+        assert (config.precision, config.communication) == (spec["precision"], spec["communication"])
         (download,) = prepare["spec"]["containers"]
         assert f"--data_dir={config.data_dir}" in download["command"], pod.hostname
-        assert config.model_dir.startswith("/data/"), f"{pod.hostname}: --model_dir is not on the shared volume"
-        assert f"--recipe={settings['recipe']}" in pod.command, f"{pod.hostname}: the recipe's batch and schedule"
-        assert not [a for a in pod.command if a.startswith(("--per_replica_batch_size", "--epochs"))], pod.hostname
+        assert config.model_dir == f"/data/runs/{spec['jobName']}", f"{pod.hostname}: not the run's, on the claim"
+        assert pod.command.index(f"--recipe={spec['recipe']}") == 1, f"{pod.hostname}: flags after it override it"
     clusters = [resolve_cluster(pod.env) for pod in training]
     (addresses,) = {c.addresses for c in clusters}
     assert len(addresses) == len(clusters) == len(training), "every pod is a task, and every task a pod"
@@ -193,6 +172,13 @@ def test_the_trainer_accepts_the_flags_and_environment_it_is_given(variant):
         assert host in pod.names, f"{pod.hostname} is reached as {pod.names}, not as {host}"
         assert int(port) == GRPC_PORT
     assert [c.is_chief for c in clusters].count(True) == 1
+
+
+def test_every_variant_runs_the_one_pod_template():
+    """One renderer: the pods of every variant are the same pod (but for the
+    names their controllers give them), so that a setting is written once."""
+    (template,) = {json.dumps(t, sort_keys=True) for v in VARIANTS for _, t in trainer_pods(render(v))}
+    assert "set-by-settings" not in template
 
 
 def test_indexed_job_pods_resolve_through_the_headless_service():
@@ -208,25 +194,24 @@ def test_indexed_job_pods_resolve_through_the_headless_service():
     assert [p["targetPort"] for p in service["spec"]["ports"]] == [GRPC_PORT]
 
 
-@pytest.mark.parametrize("variant", ["jobset", "jobset-chief", "trainjob"])
+@pytest.mark.parametrize("variant", ["jobset", "trainjob"])
 def test_jobset_variants_start_the_group_at_once(variant):
     docs = render(variant)
     job = training_job(docs)
-    jobset = job["spec"] if job["kind"] == "JobSet" else \
-        of_kind(docs, "ClusterTrainingRuntime")[0]["spec"]["template"]["spec"]
+    jobset = job["spec"] if job["kind"] == "JobSet" else of_kind(docs, "TrainingRuntime")[0]["spec"]["template"]["spec"]
     assert jobset["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     # Two pods never hold one hostname, and the old group is gone before the new starts.
     assert jobset["failurePolicy"]["restartStrategy"] == "BlockingRecreate"
     for where, spec in check.job_templates(docs):
-        if where.startswith(("JobSet", "ClusterTrainingRuntime")):
+        if where.startswith(("JobSet", "TrainingRuntime")):
             assert spec.get("parallelism", 1) == spec.get("completions", 1), where
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_retryable_exit_codes_restart_the_group_and_permanent_ones_end_it(variant):
-    """Exit 2 (bad input) and 3 (diverged) end the job, as a retry would fail
-    alike; a stop, a lost peer, a late peer, a busy model_dir, a SIGKILL are
-    retried (distributed_mpt/errors.py)."""
+    """Exit 2 (bad input, no data) and 3 (diverged) end the job, as a retry
+    would fail alike; a stop, a lost peer, a late peer, a busy model_dir, a
+    SIGKILL are retried (distributed_mpt/errors.py)."""
     retryable = [errors.EXIT_PREEMPTED, errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT,
                  errors.EXIT_MODEL_DIR_BUSY, 128 + 9]
     for pod in training_pods(render(variant)):
@@ -238,35 +223,135 @@ def test_retryable_exit_codes_restart_the_group_and_permanent_ones_end_it(varian
 def test_everything_that_runs_pods_has_a_deadline(variant):
     """The settings' deadline on what trains (a JobSet's Jobs, which then fail
     the JobSet instead of restarting it), and one of their own on the
-    download Job and the volume pod: a wait for data that never comes ends."""
-    docs, deadline = render(variant), check.read_settings(K8S)["deadlineSeconds"]
+    download Job and the volume pod."""
+    docs, deadline = render(variant), settings()["spec"]["deadlineSeconds"]
     for job in of_kind(docs, "Job") + of_kind(docs, "Pod"):
         assert job["spec"]["activeDeadlineSeconds"] > 0, job["metadata"]["name"]
     if variant in check.EXTRAS:
         return
     job = training_job(docs)
-    if job["kind"] == "TFJob":
-        assert job["spec"]["runPolicy"]["activeDeadlineSeconds"] == deadline
-    elif job["kind"] in ("TrainJob", "Job"):
+    if job["kind"] in ("TrainJob", "Job"):
         assert job["spec"]["activeDeadlineSeconds"] == deadline
     else:
         assert {r["template"]["spec"]["activeDeadlineSeconds"] for r in job["spec"]["replicatedJobs"]} == {deadline}
-    if job["kind"] == "JobSet":
         assert {"name": "deadline", "action": "FailJobSet", "onJobFailureReasons": ["DeadlineExceeded"]} in \
             job["spec"]["failurePolicy"]["rules"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_training_waits_for_the_data_prepared_once(variant):
+def test_training_pods_are_ready_once_they_start(variant):
+    """Kueue (v0.20+: waitForPodsReady on by default, 30 minutes) evicts and
+    requeues a job whose pods are not all Ready in time. The training pods
+    wait for nothing before their container starts (no init container: the
+    data is prepared before the job, k8s/data), and have no readiness probe:
+    each is Ready once it runs. A pod without its data ends the job (exit 2,
+    test above) instead of waiting in it. The download is a Job of its own."""
     docs = render(variant)
-    (prepare,) = [j for j in of_kind(docs, "Job") if j is not training_job(docs)]
-    assert prepare["spec"].get("parallelism", 1) == prepare["spec"].get("completions", 1) == 1
+    assert not [j for j in of_kind(docs, "Job") if j is not training_job(docs)], "the download Job is k8s/data's"
     for where, template in trainer_pods(docs):
-        (wait,) = template["spec"]["initContainers"]
-        # TFDS renames cifar10/incomplete.<id>_<version>/ to cifar10/<version>/
-        # when complete: wait for the latter only, or for the binary release.
-        assert "/data/tfds/cifar10/[0-9]*/dataset_info.json" in " ".join(wait["command"]), where
-        assert "/data/tfds/cifar-10-batches-bin/test_batch.bin" in " ".join(wait["command"]), where
+        assert not template["spec"].get("initContainers"), where
+        assert not [c for c in template["spec"]["containers"] if "readinessProbe" in c or "startupProbe" in c]
+    (prepare,) = of_kind(render("data"), "Job")
+    assert prepare["spec"].get("parallelism", 1) == prepare["spec"].get("completions", 1) == 1
+
+
+def test_every_setting_of_an_edited_copy_reaches_every_variant(tmp_path):
+    """CPU-only, 4 workers, another job name, namespace and claim, the image
+    by digest, other flags, no taint tolerated, a Kueue queue and topology: a
+    change of k8s/settings alone, each value wherever it must appear."""
+    k8s = Path(shutil.copytree(K8S, tmp_path / "k8s"))
+    edit_settings(k8s, workers=4, jobName="cifar10-second", recipe="cpu_cnn94", precision="auto",
+                  communication="ring", flags=["--data_dir=/data/tfds", "--seed=3"],
+                  storage={"claim": "team-datasets", "class": "cephfs", "accessMode": "ReadWriteMany"},
+                  pod={"tolerations": [], "nodeSelector": {"node.kubernetes.io/instance-type": "c7a.8xlarge"}})
+    image = f"registry.internal/ml/distributed-mpt@sha256:{'ab' * 32}"
+    edit_kustomization(k8s, queue=True, topology="cloud.google.com/gce-topology-block", namespace="ml-team",
+                       images=[{"name": "distributed-mpt", "newName": image.split("@")[0],
+                                "digest": image.split("@")[1]}])
+    wanted = configured(k8s)
+    assert (wanted["workers"], wanted["image"], wanted["namespace"], wanted["tolerations"]) == (4, image, "ml-team", [])
+    for variant in RENDERED:
+        docs = render(variant, k8s)
+        assert settings_in(docs) == expected_in(variant, wanted), variant
+        assert not [c for _, t in trainer_pods(docs) for c in t["spec"]["containers"]
+                    if any(r.endswith("/gpu") for r in c["resources"]["limits"])], f"{variant}: a GPU"
+        if variant in VARIANTS:
+            assert check.QUEUE_LABEL in training_job(docs)["metadata"]["labels"], variant
+            for where, template in trainer_pods(docs):
+                assert template["metadata"]["annotations"] == {
+                    "kueue.x-k8s.io/podset-preferred-topology": "cloud.google.com/gce-topology-block"}, where
+
+
+# ------------------------------------------ your own model and images
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory):
+    """A copy of k8s/ whose settings train the example network of
+    k8s/settings/model on an image folder, on CPUs, in a job of another name,
+    tolerating no taint."""
+    k8s = Path(shutil.copytree(K8S, tmp_path_factory.mktemp("own") / "k8s"))
+    edit_settings(k8s, jobName="flowers-cnn", recipe="cpu_cnn", precision="float32", communication="ring",
+                  flags=OWN_FLAGS, pod={"tolerations": []})
+    return k8s
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_your_model_and_images_reach_every_variant(own_model, variant):
+    """The settings' flags after the recipe's in every pod's command; the
+    files of k8s/settings/model in a ConfigMap named by their content, which
+    every training pod mounts read-only where --model finds it."""
+    docs = render(variant, own_model)
+    assert check.validation_errors(docs) == []
+    (configmap,) = of_kind(docs, "ConfigMap")
+    assert configmap["data"] == {"model.py": (own_model / "settings" / "model" / "model.py").read_text()}
+    assert configmap["immutable"] is True and configmap["metadata"]["name"] != "distributed-mpt-model"
+    assert configmap["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"  # applied with -l
+    for where, template in trainer_pods(docs):
+        container = main_container(template["spec"])
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert mount["readOnly"] and volume["configMap"]["name"] == configmap["metadata"]["name"], where
+        assert template["spec"]["tolerations"] == [], where
+    for pod in training_pods(docs):
+        assert pod.command[-len(OWN_FLAGS):] == OWN_FLAGS
+        config = parse_config(pod.command[1:])
+        assert (config.dataset, config.data_dir, config.model, config.model_dir) == (
+            "image_folder", "/data/images/flowers", "/models/model.py:small_cnn", "/data/runs/flowers-cnn")
+
+
+def _image_folder(root: Path) -> None:
+    """Two classes of small PNGs, told apart by colour, in train/ and test/."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 12), ("test", 4)):
+        for name, channel in (("red", 0), ("blue", 2)):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 60, (40, 40, 3), dtype=np.uint8)
+                pixels[..., channel] += 180
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
+
+
+@pytest.mark.slow
+def test_your_model_trains_on_your_images_as_a_pod_runs_it(own_model, tmp_path):
+    """A training pod's rendered command, run with the files its volumes hold:
+    the ConfigMap's at /models, an image folder loaded as documented at
+    /data/images (here host directories). Only the cluster is left out (one
+    process, --strategy=default; tests/test_k8s_pods.py runs the pods as a
+    group) and the run shortened, by flags appended as a user would."""
+    docs = render("indexed-job", own_model)
+    (configmap,) = of_kind(docs, "ConfigMap")
+    (tmp_path / "models").mkdir()
+    for name, text in configmap["data"].items():
+        (tmp_path / "models" / name).write_text(text)
+    _image_folder(tmp_path / "data" / "images" / "flowers")
+    command = [a.replace("=/data/", f"={tmp_path}/data/").replace("=/models/", f"={tmp_path}/models/")
+               for a in training_pods(docs)[0].command]
+    result = run_module("distributed_mpt.train", command[1:] + [
+        "--strategy=default", "--train_steps=2", "--per_replica_batch_size=8", "--noexport"], timeout=1800)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "data" / "runs" / "flowers-cnn" / "summary.json").read_text())
+    assert summary["model"] == f"{tmp_path}/models/model.py:small_cnn" and summary["steps"] == 2
+    assert summary["eval_examples"] == 8, "the image folder's test/ split"
 
 
 # ------------------------------------------------- data in, results out
@@ -276,56 +361,63 @@ def _on(path: Path, command: str) -> str:
     return command.replace("/data/", f"{path}/")
 
 
-def test_the_documented_load_puts_cifar10_where_training_waits_for_it(tmp_path):
-    """The README's offline load, run as the volume pod runs it (a host
-    directory for the claim): training pods wait before it, and go on after."""
-    (pod_name, script, archive_name), = re.findall(r"kubectl exec -i (\S+) -- sh -c '([^']*)' < (\S+)", README)
-    assert archive_name == "cifar-10-binary.tar.gz"
+def _load_command(archive: str):
+    """The README's command that loads `archive` through the volume pod: (pod, script)."""
+    (pod_name, script), = re.findall(rf"kubectl exec -i (\S+) -- sh -c '([^']*)' < {re.escape(archive)}", README)
     (pod,) = of_kind(render("volume"), "Pod")
     assert pod["metadata"]["name"] == pod_name
     (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "data"]
     assert mount["mountPath"] == "/data" and not mount.get("readOnly"), "the pod must write the claim"
-    assert "mkdir -p /data/tfds /data/runs" in " ".join(pod["spec"]["containers"][0]["command"])
-    data = tmp_path / "data"
-    (data / "tfds").mkdir(parents=True)  # what the pod's command makes
+    return pod, script
 
-    # An archive laid out as the official one: cifar-10-batches-bin/ and its six files.
-    archive = tmp_path / archive_name
+
+def _tar(archive: Path, files: dict) -> None:
     with tarfile.open(archive, "w:gz") as tar:
-        for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
-            source = tmp_path / name
-            source.write_bytes(name.encode())
-            tar.add(source, arcname=f"cifar-10-batches-bin/{name}")
+        for name, data in files.items():
+            source = archive.parent / "source" / name
+            source.parent.mkdir(parents=True, exist_ok=True)
+            source.write_bytes(data)
+            tar.add(source, arcname=name)
 
-    waits = {" ".join(t["spec"]["initContainers"][0]["command"][2:]) for v in VARIANTS
-             for _, t in trainer_pods(render(v))}
-    for wait in waits:  # one command, the same in every variant
-        # It says it waits, then sleeps 10 s before looking again.
-        with subprocess.Popen(["sh", "-c", _on(data, wait)], stdout=subprocess.PIPE, text=True) as waiting:
-            assert "waiting for CIFAR-10" in waiting.stdout.readline()
-            assert waiting.poll() is None, "wait-for-data went on before the data was there"
-            waiting.kill()
 
-    with archive.open("rb") as stdin:
+@pytest.mark.parametrize("archive, top, data_dir", [
+    ("cifar-10-binary.tar.gz", "cifar-10-batches-bin", "/data/tfds"),
+    ("flowers.tar.gz", "flowers", "/data/images/flowers"),
+])
+def test_the_documented_load_puts_the_data_where_training_reads_it(tmp_path, archive, top, data_dir):
+    """The README's offline loads (CIFAR-10's binary release, an image
+    folder), run as the volume pod runs them (a host directory for the
+    claim): the data is renamed into place whole, where the training command
+    (shipped, or with your own flags) reads it, and a second load replaces nothing."""
+    pod, script = _load_command(archive)
+    data = tmp_path / "data"
+    subprocess.run(["sh", "-c", _on(data, " ".join(pod["spec"]["containers"][0]["command"][2:]).replace(
+        "exec sleep 14400", "true"))], check=True)  # the directories the pod makes
+    files = {f"{top}/{n}": n.encode() for n in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]} \
+        if top.startswith("cifar") else {f"{top}/{split}/{c}/0.png": c.encode() for split in ("train", "test")
+                                         for c in ("red", "blue")}
+    _tar(tmp_path / archive, files)
+    with (tmp_path / archive).open("rb") as stdin:
         subprocess.run(["sh", "-c", _on(data, script)], stdin=stdin, check=True, timeout=60)
-    assert sorted(p.name for p in (data / "tfds").iterdir()) == ["cifar-10-batches-bin"], "staging left behind"
-    assert (data / "tfds" / "cifar-10-batches-bin" / "test_batch.bin").read_bytes() == b"test_batch.bin"
-    for wait in waits:
-        started = time.monotonic()
-        subprocess.run(["sh", "-c", _on(data, wait)], check=True, timeout=120, capture_output=True)
-        print(f"wait-for-data passed in {time.monotonic() - started:.1f} s")
-
-    # Loading again replaces nothing: the data in place stays as it is.
-    with archive.open("rb") as stdin:
+    parent = data / Path(data_dir).relative_to("/data")
+    parent = parent if top.startswith("cifar") else parent.parent
+    assert sorted(p.name for p in parent.iterdir()) == [top], "staging left behind"
+    for name, content in files.items():
+        assert (parent / name).read_bytes() == content
+    flags = [] if top.startswith("cifar") else ["--dataset=image_folder", f"--data_dir={data_dir}"]
+    (config_dir,) = {parse_config(p.command[1:] + flags).data_dir for p in training_pods(render("jobset"))}
+    assert config_dir == data_dir and (parent / top).exists()
+    with (tmp_path / archive).open("rb") as stdin:  # again: the data in place stays as it is
         assert subprocess.run(["sh", "-c", _on(data, script)], stdin=stdin, capture_output=True).returncode != 0
-    assert (data / "tfds" / "cifar-10-batches-bin" / "test_batch.bin").read_bytes() == b"test_batch.bin"
+    for name, content in files.items():
+        assert (parent / name).read_bytes() == content
 
 
 def test_the_claim_stands_alone_and_one_command_takes_the_export_out(tmp_path):
     volume = render("volume")
     assert sorted(d["kind"] for d in volume) == ["NetworkPolicy", "PersistentVolumeClaim", "Pod"], \
         "k8s/volume must make the claim without the download Job"
-    for variant in VARIANTS:
+    for variant in VARIANTS + ("data",):
         assert of_kind(render(variant), "PersistentVolumeClaim") == of_kind(volume, "PersistentVolumeClaim")
 
     (pod_name, run_dir, entries, output), = re.findall(
@@ -344,112 +436,6 @@ def test_the_claim_stands_alone_and_one_command_takes_the_export_out(tmp_path):
         subprocess.run(["sh", "-c", command], stdout=stdout, check=True, timeout=60)
     with tarfile.open(tmp_path / output) as tar:
         assert {"export/saved_model/saved_model.pb", "summary.json"} <= set(tar.getnames())
-
-
-# ------------------------------------------------------------- settings
-
-def test_the_check_passes_the_shipped_configuration():
-    result = run_check()
-    print(result.stdout + result.stderr)
-    assert result.returncode == 0 and "error:" not in result.stderr, result.stderr
-
-
-def edit_settings(k8s: Path, **values) -> None:
-    """Sets values of k8s/settings/settings.yaml in the copy at `k8s`, and
-    removes its GPUs: whatever the settings were, as a user edits them."""
-    path = k8s / "settings" / "settings.yaml"
-    document = yaml.safe_load(path.read_text())
-    settings = document["spec"]
-    for bound in settings["resources"].values():
-        for resource in [r for r in bound if r.endswith("/gpu")]:
-            del bound[resource]
-    for key, value in values.items():
-        if isinstance(value, dict) and key in settings:
-            settings[key].update(value)
-        else:
-            settings[key] = value
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-
-
-def edit_kustomization(k8s: Path, queue: bool, topology: bool, **values) -> None:
-    """Sets the namespace or image of k8s/settings/kustomization.yaml in the
-    copy at `k8s`, and turns the Kueue queue and topology blocks on or off."""
-    path = k8s / "settings" / "kustomization.yaml"
-    for block, wanted in (("labels:", queue), ("transformers:", topology)):
-        if wanted:
-            uncomment(path, block)
-    kustomization = yaml.safe_load(path.read_text())
-    for block, wanted in (("labels", queue), ("transformers", topology)):
-        if not wanted:
-            kustomization.pop(block, None)
-    kustomization.update(values)
-    path.write_text(yaml.safe_dump(kustomization, sort_keys=False))
-
-
-def test_an_edited_copy_renders_validates_and_passes_the_check(tmp_path):
-    """CPU-only, 4 workers, another namespace, the image by digest, a Kueue
-    queue and topology: a change of k8s/settings alone, which the check
-    passes (given as a settings directory) and every variant carries."""
-    k8s = Path(shutil.copytree(K8S, tmp_path / "k8s"))
-    edit_settings(k8s, workers=4, recipe="cpu_cnn94", precision="auto", communication="ring",
-                  nodeSelector={"node.kubernetes.io/instance-type": "c7a.8xlarge"},
-                  tolerations=[{"key": "example.com/cpu-pool", "operator": "Exists", "effect": "NoSchedule"}],
-                  storage={"claim": "team-datasets", "class": "cephfs", "accessMode": "ReadWriteMany"})
-    image = f"registry.internal/ml/distributed-mpt@sha256:{'ab' * 32}"
-    edit_kustomization(k8s, queue=True, topology=True, namespace="ml-team", images=[
-        {"name": "distributed-mpt", "newName": image.split("@")[0], "digest": image.split("@")[1]}])
-
-    result = run_check(str(k8s / "settings"))
-    print(result.stdout + result.stderr)
-    assert result.returncode == 0 and "error:" not in result.stderr, result.stderr
-    assert "Kueue deprecated its TFJob integration" in result.stdout  # the queued TFJob
-
-    wanted = configured(k8s)
-    assert (wanted["workers"], wanted["image"], wanted["namespace"]) == (4, image, "ml-team")
-    for variant in RENDERED:
-        docs = render(variant, k8s)
-        assert settings_in(docs) == expected_in(variant, wanted), variant
-        assert not [c for _, t in trainer_pods(docs) for c in t["spec"]["containers"]
-                    if any(r.endswith("/gpu") for r in c["resources"]["limits"])], f"{variant}: a GPU"
-        if variant in VARIANTS:
-            assert check.QUEUE_LABEL in training_job(docs)["metadata"]["labels"], variant
-            for where, template in trainer_pods(docs):
-                assert set(check.TOPOLOGY_ANNOTATIONS) & set(template["metadata"]["annotations"]), where
-
-
-def test_the_check_refuses_a_contradictory_copy(tmp_path):
-    """Each contradiction is one error line, exit 2: GPUs gone but precision
-    and communication left for them, a topology request without a queue, a
-    TrainJob patched to a node count the settings do not say."""
-    k8s = Path(shutil.copytree(K8S, tmp_path / "k8s"))
-    edit_settings(k8s, precision="mixed_float16", communication="nccl")
-    edit_kustomization(k8s, queue=False, topology=True)
-    workers = check.read_settings(k8s)["workers"]
-    edit(k8s / "trainjob" / "kustomization.yaml", {"patches:\n": (
-        "patches:\n- target:\n    kind: TrainJob\n  patch: |-\n    - op: replace\n"
-        f"      path: /spec/trainer/numNodes\n      value: {workers + 1}\n")})
-    result = subprocess.run([sys.executable, str(k8s / "check.py")], capture_output=True, text=True, timeout=900)
-    print(result.stdout + result.stderr)
-    assert result.returncode == 2
-    found = result.stderr.splitlines()
-    assert all(line.startswith("error: ") for line in found), found
-    wanted = ["precision mixed_float16 without GPUs", "communication nccl without GPUs",
-              f"TrainJob cifar10-resnet9: numNodes is {workers + 1}, settings.yaml says {workers}"]
-    wanted += [f"{variant}: {where}: kueue.x-k8s.io/podset-" for variant in VARIANTS
-               for where, _ in trainer_pods(render(variant, k8s))]
-    for text in wanted:
-        assert sum(text in line for line in found) == 1, text
-    assert len(found) == len(wanted), found
-
-
-def test_the_check_names_an_unknown_setting_and_an_unknown_variant(tmp_path):
-    settings = Path(shutil.copytree(K8S / "settings", tmp_path / "settings"))
-    edit(settings / "settings.yaml", {"\nspec:\n": "\nspec:\n  gpusPerWorker: 1\n"})
-    for args, message in (([str(settings)], "'gpusPerWorker' was unexpected"), (["jobsets"], "jobsets")):
-        result = run_check(*args)
-        assert result.returncode == 2 and result.stdout == "", result.stdout
-        (line,) = result.stderr.splitlines()
-        assert line.startswith("error: ") and message in line, line
 
 
 # ------------------------------------------------------------- security
@@ -488,26 +474,18 @@ def test_networkpolicy_admits_only_this_job_on_the_training_ports(variant):
     check_networkpolicy(render(variant))
 
 
-def test_a_renamed_job_gets_its_own_networkpolicy(tmp_path):
+def test_a_renamed_job_gets_its_own_networkpolicy_names_and_run(tmp_path):
+    """The job's name is a setting: every variant takes it, for its object,
+    its pods' names, its NetworkPolicy and its run's directory."""
     k8s = Path(shutil.copytree(K8S, tmp_path / "k8s"))
-    for path in ("tfjob/tfjob.yaml", "indexed-job/job.yaml", "indexed-job/kustomization.yaml",
-                 "jobset/jobset.yaml", "trainjob/trainjob.yaml"):
-        edit(k8s / path, {"name: cifar10-resnet9\n": "name: cifar10-second\n"})
+    edit_settings(k8s, jobName="cifar10-second")
     for variant in VARIANTS:
         docs = render(variant, k8s)
         assert check_networkpolicy(docs) == "cifar10-second", variant
         for pod in training_pods(docs):
             assert all(a.startswith("cifar10-second-") for a in resolve_cluster(pod.env).addresses), \
                 f"{variant} {pod.hostname}: the pods do not find each other under the new name"
-
-
-def job_label(docs) -> dict:
-    """The label that tells this job's pods from others': our instance label,
-    or, for a TrainJob (whose shared runtime cannot carry it), the JobSet
-    name that JobSet puts on every pod."""
-    job = training_job(docs)
-    key = "jobset.sigs.k8s.io/jobset-name" if job["kind"] == "TrainJob" else "app.kubernetes.io/instance"
-    return {key: job["metadata"]["name"]}
+            assert parse_config(pod.command[1:]).model_dir == "/data/runs/cifar10-second"
 
 
 def check_networkpolicy(docs) -> str:
@@ -518,7 +496,7 @@ def check_networkpolicy(docs) -> str:
     job = training_job(docs)
     (policy,) = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == job["metadata"]["name"]]
     selector = policy["spec"]["podSelector"]["matchLabels"]
-    assert job_label(docs).items() <= selector.items(), selector
+    assert {"app.kubernetes.io/instance": job["metadata"]["name"]}.items() <= selector.items(), selector
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert not policy["spec"]["podSelector"].get("matchExpressions")
     (rule,) = policy["spec"]["ingress"]
@@ -527,10 +505,8 @@ def check_networkpolicy(docs) -> str:
     assert peers == {"to": [{"podSelector": {"matchLabels": selector}}], "ports": rule["ports"]}
     assert dns["to"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
     assert {p["port"] for p in dns["ports"]} == {53}
-    runtime_labels = job_label(docs) if job["kind"] == "TrainJob" else {}
     for where, component, template in pods(docs):
-        labels = {**template["metadata"]["labels"], **(runtime_labels if component == "trainer" else {})}
-        assert (selector.items() <= labels.items()) == (component == "trainer"), where
+        assert (selector.items() <= template["metadata"]["labels"].items()) == (component == "trainer"), where
     (port_range,) = {next((s["value"] for s in t["spec"]["securityContext"].get("sysctls", [])
                            if s["name"] == "net.ipv4.ip_local_port_range"), None) for _, t in trainer_pods(docs)}
     low, high = map(int, port_range.split())
@@ -556,15 +532,14 @@ def _admits(rule, address: str) -> bool:
 def test_every_pod_has_a_networkpolicy(variant):
     docs = render(variant)
     policies = of_kind(docs, "NetworkPolicy")
-    runtime_labels = job_label(docs) if variant in VARIANTS else {}
     for where, component, template in pods(docs):
-        labels = {**template["metadata"]["labels"], **(runtime_labels if component == "trainer" else {})}
+        labels = template["metadata"]["labels"]
         covering = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
         assert len(covering) == 1, where
         assert covering[0]["spec"]["policyTypes"] == ["Ingress", "Egress"], where
         if component == "volume":
             assert not {"ingress", "egress"} & set(covering[0]["spec"]), "the volume pod talks to nobody"
-    if variant in check.EXTRAS:
+    if variant != "data":
         return
     (data,) = [p for p in policies if p["metadata"]["labels"]["app.kubernetes.io/component"] == "data"]
     assert "ingress" not in data["spec"], "nothing connects to the data pod"

@@ -86,7 +86,7 @@ def _finished(model_dir) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("variant", ["tfjob", "indexed-job", "trainjob"])
+@pytest.mark.parametrize("variant", ["indexed-job", "trainjob"])
 def test_pods_train_to_the_end_on_admitted_ports(variant, tmp_path):
     docs, pods, model_dir, scratch = _job(variant, tmp_path)
     (tmp_path / "controller").mkdir()
