@@ -322,7 +322,9 @@ def _validate(c: TrainConfig) -> None:
                  "peer_timeout_seconds"):
         value = getattr(c, name)
         _require(value > 0, f"--{name}={value} must be a positive integer")
-    _require(c.epochs > 0 or c.train_steps > 0,
+    # Negative even beside --train_steps, which overrides it: else the typo
+    # trains, and is recorded in config.json.
+    _require(c.epochs > 0 or (c.epochs == 0 and c.train_steps > 0),
              f"--epochs={c.epochs} must be a positive number (or set --train_steps)")
     # What a run derives from each (steps, rates, a deadline) stays finite.
     for name, limit in (*((name, _MAX_STEPS) for name in _STEP_COUNTS),

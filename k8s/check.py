@@ -108,10 +108,24 @@ class _BoundedLoader(yaml.SafeLoader):
             self.depth -= 1
 
 
-def load_yaml(text: str, where) -> list:
+class _DecimalLoader(_BoundedLoader):
+    """_BoundedLoader, for the settings: YAML 1.1 reads `0x10`, `010`,
+    `1_000` and `1:20` as the numbers 16, 8, 1000 and 80, which kubectl then
+    carries into the manifests as written. A number there is decimal digits;
+    anything else is text, which the settings' schema refuses."""
+
+
+_INT = "tag:yaml.org,2002:int"
+_DecimalLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _INT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_DecimalLoader.add_implicit_resolver(_INT, re.compile(r"[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
+
+
+def load_yaml(text: str, where, loader=_BoundedLoader) -> list:
     """The documents of `text`, read within bounds; InputError names `where`."""
     try:
-        return [doc for doc in yaml.load_all(text, Loader=_BoundedLoader) if doc is not None]
+        return [doc for doc in yaml.load_all(text, Loader=loader) if doc is not None]
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -161,7 +175,7 @@ def copy_tree(source: Path, target: Path, skip=(), budget=None) -> None:
 
 def read_mapping(path: Path) -> dict:
     """The one mapping a YAML file holds; raises InputError."""
-    docs = load_yaml(read_text(path), path.name)
+    docs = load_yaml(read_text(path), path.name, _DecimalLoader)
     if len(docs) != 1 or not isinstance(docs[0], dict):
         raise InputError(f"{path.name}: must hold one mapping")
     return docs[0]
