@@ -23,7 +23,9 @@ Upstream runs as it is written, its own `main()`, with only what a CPU needs:
   - `.half()` of tensors and modules gives float32 (--precision=float32) or
     bfloat16 (--precision=bfloat16) in place of float16: upstream's own
     arrangement (half weights and activations, batch norm in float32) in the
-    CPU's precision; the package's cell is `mixed_bfloat16` there;
+    CPU's precision; the package's cell is `mixed_bfloat16` there (in
+    bfloat16, upstream's lookahead, which averages only float16 and float32
+    tensors, leaves the weights alone: a little less work than on a GPU);
   - torch.cuda.Event and torch.cuda.synchronize time with the CPU's clock;
   - hyp['opt']['batch_size'] is --batch_size (upstream: 1024), and
     torch.set_num_threads(the cores this process may use), as TensorFlow uses;
