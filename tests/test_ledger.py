@@ -70,6 +70,7 @@ def test_a_run_changed_in_the_ledger_changes_every_figure_drawn_from_it(tmp_path
     records = [json.loads(line) for line in ledger.read_text().splitlines()]
     run = next(r for r in records if r.get("id") == "cpu_cnn94_muon/c773f04/seed-0")
     run["eval_accuracy"] = 0.9462  # 94.02% -> 94.62%: the mean of six moves by 0.10
+    run["peak_memory_bytes"] = 2_345_678_901  # and its peak memory is known
     ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
     caught = _check(copy, "--check", "--nocount_tests")
     assert caught.returncode == 1
@@ -79,6 +80,7 @@ def test_a_run_changed_in_the_ledger_changes_every_figure_drawn_from_it(tmp_path
     assert "**94.20%** mean of 6 runs" in (copy / "README.md").read_text()
     header = (copy / "distributed_mpt/recipes/cpu_cnn94_muon.flags").read_text()
     assert "94.20% mean of 6 runs" in header
+    assert "peak resident memory 2.3 GB" in " ".join(header.replace("#   ", "").split())
     assert _check(copy, "--check", "--nocount_tests").returncode == 0
 
 

@@ -36,6 +36,7 @@ def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path
     for record, summary in zip(recorded, results):
         assert record["eval_accuracy"] == summary["eval_accuracy"]
         assert record["wall_seconds"] == summary["wall_seconds"]
+        assert record["peak_memory_bytes"] == summary["peak_memory_bytes"] > 0
         assert record["machine"] == machine["machine"] and record["conditions"] == "a test"
         assert record["flags"]["train_steps"] == "6" and record["flags"]["model"] == "mlp"
         assert "data_dir" not in record["flags"] and record["commit"]

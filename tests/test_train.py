@@ -3,6 +3,7 @@ bad input, data sources, recipes."""
 
 import json
 import platform
+import resource
 import shutil
 import signal
 import subprocess
@@ -210,6 +211,10 @@ def test_the_official_binary_release_trains_offline_and_reports_time_to_accuracy
     assert summary["eval_tta"] == "flip" and 0 <= summary["eval_accuracy_without_tta"] <= 1
     assert summary["wall_seconds"] > 0 and "cores" in summary["device"]
     assert summary["tensorflow_version"] and summary["keras_version"]
+    # The run's peak resident memory, in bytes: train() ran in this process,
+    # whose peak (getrusage's maxrss, KiB on Linux) can only have grown since.
+    peak_since = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert 100e6 < summary["peak_memory_bytes"] <= peak_since, "TensorFlow alone has more"
     # The final evaluation ends the accuracy curve, with the time it took to get there.
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 4 and records[-1]["eval_accuracy"] == summary["eval_accuracy"]

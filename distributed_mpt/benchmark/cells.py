@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -100,7 +99,7 @@ def measure(cell: Cell) -> dict:
     steps = cell.steps or min(max(round(cell.seconds * 2 / seconds_of(2)), MIN_STEPS), MAX_STEPS)
     rates = [steps * plan.global_batch_size / seconds_of(steps) for _ in range(cell.repeats)]
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # kB on Linux
+            else distribution.peak_resident_bytes())
     return {"examples_per_second": max(rates), "runs": rates, "steps": steps,
             "replicas": replicas, "peak_memory_bytes": peak,
             "training_flops_per_example": roof.TRAINING_FLOPS_PER_FORWARD_FLOP

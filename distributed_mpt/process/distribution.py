@@ -6,6 +6,8 @@ the runtime starts.
 """
 
 import os
+import resource
+import sys
 from typing import Optional
 
 import tensorflow as tf
@@ -112,6 +114,14 @@ def describe_devices() -> str:
         return f"{_cpu_model()}, {cores} cores"
     names = [tf.config.experimental.get_device_details(g).get("device_name", "GPU") for g in gpus]
     return ", ".join(f"{names.count(name)} x {name}" for name in sorted(set(names)))
+
+
+def peak_resident_bytes() -> int:
+    """The largest resident set size this process has had since it started
+    (getrusage's ru_maxrss: host memory, its threads included, its child
+    processes not; a GPU's memory is not in it)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes there, KiB on Linux
 
 
 def _cpu_model() -> str:

@@ -16,6 +16,7 @@ Three kinds of record (`kind`):
            the figures), `date`, `machine`, `precision`, `seed`,
            `eval_accuracy`, `eval_accuracy_without_tta`, `wall_seconds` (or
            `wall_minutes` where only those were recorded), `examples_per_second`,
+           `peak_memory_bytes` (the training process's peak resident memory),
            `shared` (other processes used the cores), `conditions`, `notes`;
            `evaluations` and `finished` where a run logged a curve or stopped early.
   tests    a timed run of the test suite: `suite`, `tests`, `wall_seconds`,
@@ -243,6 +244,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
             "eval_accuracy_without_tta": summary.get("eval_accuracy_without_tta"),
             "wall_seconds": summary.get("wall_seconds"),
             "examples_per_second": summary.get("examples_per_second"),
+            "peak_memory_bytes": summary.get("peak_memory_bytes"),
             "shared": None, "conditions": conditions, "notes": None, "flags": run_flags})
     if not any(r["kind"] == "run" for r in records):
         return []

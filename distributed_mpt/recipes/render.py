@@ -129,6 +129,12 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
     if walls and accuracy is not None:
         text += f", {_minutes(statistics_of(walls)['mean'])}{' mean' if len(walls) > 1 else ''}"
         text += _per_session(ledger, runs) if long else ""
+    peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
+    if peaks and accuracy is not None:
+        measured = (f" (the largest of {len(peaks)} runs)" if len(peaks) == len(runs) > 1 else
+                    f" (measured in {len(peaks)} of its {len(runs)} runs)"
+                    if len(peaks) < len(runs) else "")
+        text += f", peak resident memory {max(peaks) / 1e9:.1f} GB{measured}"
     if ratio is not None:
         text += (f", {stars}{ratio:.2f}x{stars} the time of `{first['against']}`, run "
                  f"alternating with it")

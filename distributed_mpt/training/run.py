@@ -95,6 +95,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             summary["bn_recalibration"] = recalibrated
             _evaluate_and_export(built, config, dataset, reporter, summary, export_model=is_chief)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
+            # This process's, from its start to the end of the export (this
+            # segment only, where the run resumed; the chief's, of several workers).
+            summary["peak_memory_bytes"] = distribution.peak_resident_bytes()
             if is_chief:  # a loss that overflowed is null, not a file no reader takes
                 files.write_json(f"{config.model_dir}/summary.json", files.finite_values(summary))
             if plan.num_workers > 1:
