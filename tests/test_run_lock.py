@@ -142,3 +142,21 @@ def test_two_runs_started_together_one_trains_one_is_refused(model_dir):
     assert "in use by another run" in results[1][1]
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))
+
+
+def test_a_stop_mid_write_removes_the_new_directory_with_its_own_temporary_file(tmp_path):
+    """A stop during start-up removes the directory the run created; a
+    write the stop cut short (found under load: the marker's temporary
+    file) is this process's, by its owner tag, and goes too. Another
+    process's, or the user's, keeps the directory."""
+    from distributed_mpt import files
+
+    for name, removed in [(f"{files.TEMPORARY_PREFIX}{files.owner_tag()}-abcd1234", True),
+                          (f"{files.TEMPORARY_PREFIX}1-0badc0de-abcd1234", False),
+                          (".tmp-notes", False)]:
+        directory = tmp_path / name.strip(".")
+        directory.mkdir()
+        lock = RunLock(str(directory))
+        (directory / name).write_text("half")
+        lock.release(remove_model_dir_if_unused=True, own_files=model_dir_lib.BEFORE_TRAINING)
+        assert directory.exists() is not removed, name

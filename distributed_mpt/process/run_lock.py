@@ -110,13 +110,16 @@ class RunLock:
         """Gives the directory up (closing the file drops the lock). With
         `remove_model_dir_if_unused`, for a directory this run created, the
         directory goes too if it holds nothing but the lock file and
-        `own_files` (names of files or directories): removed while the lock
-        is still held, so no other run can have taken it."""
+        `own_files` (names of files or directories) and this process's
+        temporary files (a write the stop cut short: their names carry its
+        owner tag): removed while the lock is still held, so no other run
+        can have taken it."""
         if self._fd is None:
             return
         model_dir = os.path.dirname(self.path)
         left = set(os.listdir(model_dir))
-        if remove_model_dir_if_unused and left <= {LOCK_NAME, *own_files}:
+        writing = {name for name in left if files.owner_tag() in name}
+        if remove_model_dir_if_unused and left - writing <= {LOCK_NAME, *own_files}:
             try:
                 for name in sorted(left - {LOCK_NAME}) + [LOCK_NAME]:  # the lock file last
                     path = os.path.join(model_dir, name)
