@@ -46,6 +46,23 @@ def unsaveable(info):
     return Unsaveable(info)
 
 
+class NormalizedInCall(keras.Model):
+    """Subclassed, its Normalization built by Keras' symbolic first call."""
+
+    def __init__(self, info):
+        super().__init__()
+        self.normalize = keras.layers.Normalization(mean=info.mean,
+                                                    variance=[s * s for s in info.std])
+        self.classify = keras.layers.Dense(info.num_classes)
+
+    def call(self, images):
+        return self.classify(keras.ops.mean(self.normalize(images), axis=(1, 2)))
+
+
+def normalized_in_call(info):
+    return NormalizedInCall(info)
+
+
 def wrong_classes(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -105,6 +122,9 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
     ("{file}:missing_function", "has no function missing_function"),
     ("{file}:wrong_classes", "returns shape [2, 11] for 2 images"),
     ("{broken}:small_cnn", "does not import (SyntaxError"),
+    # It takes uint8: not what it lacks. Said whole, with the fix.
+    ("{file}:normalized_in_call", "a layer of this subclassed model kept a tensor of the symbolic "
+                                  "call in which Keras first builds such a model"),
     ("{tmp}/nowhere.py:small_cnn", "is not a file"),
     ("no_such_package.models:small_cnn", "cannot find module no_such_package.models"),
 ])
@@ -116,6 +136,7 @@ def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
     model = source.format(file=model_file, broken=broken, tmp=tmp_path)
     result = train([*FLAGS, f"--model={model}", "--train_steps=4", f"--model_dir={run}"])
     assert_one_error_line(result, fragment)
+    assert "docs/extending.md" in result.stderr or "normalized_in_call" not in model
     assert not run.exists(), "nothing written"
 
 
