@@ -108,6 +108,24 @@ def test_the_page_holds_what_the_walk_uses():
     assert "class TinyResNet(keras.Model)" in files["my_models.py"]
 
 
+def test_the_page_undoes_every_mirror_image_a_recipe_sets():
+    """Digits and text must not be mirrored: where a recipe flips in training
+    or at test time, the page's "Flips" says which flags undo it, and the
+    walk's settings carry them after the recipe."""
+    from distributed_mpt import recipes
+    flips = PAGE[PAGE.index("**Flips.**"):]
+    flips = " ".join(flips[:flips.index("\n\n")].split())
+    named = re.findall(r"`--recipe=(\w+)`", flips)
+    assert named
+    for name in named:
+        recipe = Path(recipes.path(name)).read_text()
+        mirrors = re.findall(r"^--(flip|eval_tta)=(\w+)$", recipe, re.M)
+        undo = {f"--{flag}=none" for flag, value in mirrors if value != "none" and
+                (flag == "flip" or "flip" in value)}
+        assert undo and all(u in flips for u in undo), (name, undo)
+    assert {"--flip=none", "--eval_tta=none"} <= set(walk_flags())
+
+
 @pytest.mark.parametrize("model, file, besides", [row for row in walk_models() if row[1]],
                          ids=[m for m, file, _ in walk_models() if file])
 def test_each_model_file_of_the_page_meets_the_contract(model, file, besides, tmp_path):
