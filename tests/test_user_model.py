@@ -29,6 +29,40 @@ def small_cnn(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes, activation="softmax")(x))
 
 
+class Unsaveable(keras.Model):
+    """Subclassed, made from the DatasetInfo, without get_config(): Keras
+    cannot write it as a .keras file."""
+
+    def __init__(self, info):
+        super().__init__()
+        self.rescale = keras.layers.Rescaling(1 / 255)
+        self.classify = keras.layers.Dense(info.num_classes)
+
+    def call(self, images):
+        return self.classify(keras.ops.mean(self.rescale(images), axis=(1, 2)))
+
+
+def unsaveable(info):
+    return Unsaveable(info)
+
+
+class NormalizedInCall(keras.Model):
+    """Subclassed, its Normalization built by Keras' symbolic first call."""
+
+    def __init__(self, info):
+        super().__init__()
+        self.normalize = keras.layers.Normalization(mean=info.mean,
+                                                    variance=[s * s for s in info.std])
+        self.classify = keras.layers.Dense(info.num_classes)
+
+    def call(self, images):
+        return self.classify(keras.ops.mean(self.normalize(images), axis=(1, 2)))
+
+
+def normalized_in_call(info):
+    return NormalizedInCall(info)
+
+
 def wrong_classes(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -88,6 +122,9 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
     ("{file}:missing_function", "has no function missing_function"),
     ("{file}:wrong_classes", "returns shape [2, 11] for 2 images"),
     ("{broken}:small_cnn", "does not import (SyntaxError"),
+    # It takes uint8: not what it lacks. Said whole, with the fix.
+    ("{file}:normalized_in_call", "a layer of this subclassed model kept a tensor of the symbolic "
+                                  "call in which Keras first builds such a model"),
     ("{tmp}/nowhere.py:small_cnn", "is not a file"),
     ("no_such_package.models:small_cnn", "cannot find module no_such_package.models"),
 ])
@@ -99,7 +136,22 @@ def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
     model = source.format(file=model_file, broken=broken, tmp=tmp_path)
     result = train([*FLAGS, f"--model={model}", "--train_steps=4", f"--model_dir={run}"])
     assert_one_error_line(result, fragment)
+    assert "docs/extending.md" in result.stderr or "normalized_in_call" not in model
     assert not run.exists(), "nothing written"
+
+
+def test_a_model_the_export_cannot_save_is_one_error_line_before_training(model_file, tmp_path):
+    """Not a traceback after the whole run, at the export; with --noexport,
+    which writes no .keras file, it trains."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:unsaveable", "--train_steps=2", "--export",
+                    f"--model_dir={run}"])
+    assert_one_error_line(result, "cannot be saved as the export's model.keras (NotImplementedError: "
+                                  "Object Unsaveable was created by passing non-serializable")
+    assert "implement get_config()" in result.stderr and "--noexport" in result.stderr
+    assert not run.exists(), "nothing written"
+    assert_ok(train([*FLAGS, f"--model={model_file}:unsaveable", "--train_steps=2",
+                     f"--model_dir={run}"]))
 
 
 def test_a_model_flag_that_names_nothing_is_refused_without_tensorflow(tmp_path):

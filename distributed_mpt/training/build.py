@@ -17,6 +17,7 @@ from distributed_mpt.core.optim.schedules import learning_rate_schedule
 from distributed_mpt.core.steps import Trainer
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.process import memory
+from distributed_mpt.training import export
 from distributed_mpt.training.plan import RunPlan
 
 
@@ -64,6 +65,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"--xla compiles each replica's forward and backward pass, which cannot hold "
                 f"{config.model}'s batch norm synchronized over {plan.num_replicas} replicas: "
                 f"drop --xla, or use it with one replica")
+        if config.export:
+            export.check_exportable(model, config.model)
         if spec.is_users:
             _check_memory(sum(int(tf.size(v)) for v in model.weights), config)
         models.initialize_from_data(model, dataset.train.images, config.model)

@@ -10,6 +10,7 @@ import uuid
 from typing import Sequence
 
 from distributed_mpt import files
+from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.errors import ConfigError, quoted
 
 EXPORT_DIR = "export"  # in model_dir
@@ -65,6 +66,24 @@ def check_export_destination(model_dir: str) -> None:
                           f"them: move it away, pass --noexport, or choose another --model_dir")
 
 
+def check_exportable(model, name: str) -> None:
+    """Raises ModelError if `model` cannot be written as the export's
+    `.keras` file: a subclassed model, or a layer whose `__init__` took a
+    value Keras cannot serialize, without a `get_config()`. Said before training, not after it (--model=`name`)."""
+    import keras
+
+    try:
+        keras.saving.serialize_keras_object(model)
+    except Exception as e:  # noqa: BLE001 - the user's get_config() may raise anything
+        # Keras' message is a paragraph, then an example of get_config().
+        said = " ".join(str(e).split("Example:")[0].split()) or type(e).__name__
+        raise ModelError(
+            f"--model={quoted(name)} cannot be saved as the export's {KERAS_FILE} "
+            f"({type(e).__name__}: {quoted(said, limit=400)}): implement get_config(), returning "
+            f"the arguments of its __init__ as numbers, strings and lists (docs/extending.md, "
+            f"\"A subclassed model\"); or pass --noexport") from None
+
+
 def export_is_whole(model_dir: str) -> bool:
     """Whether `<model_dir>/export` holds every entry an export has (not
     whether each reads back: predict finds that out)."""
@@ -94,7 +113,7 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
     try:
         _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,
                             image_shape)
-        _keras_model_with_probabilities(model).save(os.path.join(staging, KERAS_FILE))
+        _keras_model_with_probabilities(model, image_shape).save(os.path.join(staging, KERAS_FILE))
         files.write_text(os.path.join(staging, CLASSES_FILE),
                          "".join(f"{c}\n" for c in class_names))
         if info is not None:
@@ -111,7 +130,7 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
     return final
 
 
-def _keras_model_with_probabilities(model):
+def _keras_model_with_probabilities(model, image_shape):
     """`model` as a `.keras` file should hold it: Keras' own layers (it
     loads without this package) and a float32 softmax at the end."""
     import keras
@@ -122,7 +141,9 @@ def _keras_model_with_probabilities(model):
     softmax = keras.layers.Activation("softmax", dtype="float32", name="probabilities")
     if isinstance(getattr(plain, "outputs", None), list):  # functional
         return keras.Model(plain.inputs, softmax(plain.outputs[0]), name=plain.name)
-    return keras.Sequential([plain, softmax], name=plain.name)
+    # Subclassed: given its input, so that Keras saves a built model.
+    return keras.Sequential([keras.Input(image_shape, dtype="uint8"), plain, softmax],
+                            name=plain.name)
 
 
 def _export_saved_model(model, path: str, class_names, image_shape) -> None:

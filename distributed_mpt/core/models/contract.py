@@ -58,6 +58,12 @@ def users_code(name: str, failure: str):
         raise ModelError(f"--model={quoted(name)} {failure} ({cause(e)})") from None
 
 
+# What TensorFlow says of a tensor used outside the graph it was made in:
+# Keras builds a subclassed model's layers by calling it on symbolic inputs
+# in a scratch graph, and a layer that makes tensors (not variables) as it
+# is built keeps that graph's (keras.layers.Normalization given its mean).
+_SCRATCH_TENSOR = "is out of scope and cannot be used here"
+
 # Keras wraps an error raised inside a layer's call in a header naming the
 # layer, and the error's own message in bold (keras/src/utils/traceback_utils.py).
 _KERAS_CALL = re.compile(r"Exception encountered when calling (\S+?)\.?$")
@@ -144,6 +150,14 @@ def check_contract(name: str, model, info) -> None:
         try:
             outputs = model(probe, training=False)
         except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
+            if _SCRATCH_TENSOR in str(e) and not isinstance(getattr(model, "outputs", None), list):
+                raise ModelError(
+                    f"--model={quoted(name)}: a layer of this subclassed model kept a tensor of "
+                    f"the symbolic call in which Keras first builds such a model "
+                    f"({cause(e).split(' Use return values')[0]}): "
+                    f"build that layer in __init__ (a Normalization given its mean and variance: "
+                    f"layer.build((None, *info.image_shape)); docs/extending.md, \"A subclassed "
+                    f"model\")") from None
             raise ModelError(
                 f"--model={quoted(name)} does not take {shape}, 0-255, which is what this "
                 f"package gives every model ({cause(e)}): take them as they are (keras.Input("
