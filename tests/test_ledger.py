@@ -100,3 +100,22 @@ def test_the_ledger_lists_a_recipes_runs():
     assert "| 5 | c773f04 | 94.29% | 93.14% | 559.6 s | 696 |" in result.stdout
     bad = run_module(LEDGER, ["no_such_recipe"])
     assert bad.returncode == 2 and bad.stderr.startswith("error: no_such_recipe is not one")
+
+
+def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
+    """--time_tests runs pytest, times it, and appends the run's record and,
+    new to the ledger, this machine's (it once failed only after the whole
+    suite had run: a local name hid the records module)."""
+    from distributed_mpt.recipes import records, suite
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("")
+    one_test = "tests/test_layout.py::test_the_walk_sees_lazy_imports"
+    assert suite.time_tests("fast", "a test", path=str(ledger), targets=(one_test,)) == 0
+    machine, run = (json.loads(line) for line in ledger.read_text().splitlines())
+    assert machine == records.describe_machine()
+    assert (run["kind"], run["suite"], run["tests"], run["machine"], run["conditions"]) == (
+        "tests", "fast", 1, machine["machine"], "a test")
+    assert run["wall_seconds"] > 0 and "1 passed" in run["outcome"]
+    assert run["command"] == f"python -m pytest -q {one_test} -m 'not slow'"
+    assert "recorded in" in capsys.readouterr().out

@@ -75,10 +75,12 @@ def render(ledger: Ledger, readme: str, counts: Optional[dict]) -> str:
     return readme
 
 
-def time_tests(suite: str, conditions: str) -> int:
-    """Runs a suite, timed, and records the run in the ledger (with this
-    machine's record, if the ledger has none yet); returns pytest's code."""
-    command = [sys.executable, "-m", "pytest", "-q", "tests", *_SELECT[suite]]
+def time_tests(suite: str, conditions: str, path: str = records.PATH,
+               targets: tuple = ("tests",)) -> int:
+    """Runs a suite (of `targets`: the whole of tests/ but in a test),
+    timed, and records the run in the ledger in `path` (with this machine's
+    record, if the ledger has none yet); returns pytest's code."""
+    command = [sys.executable, "-m", "pytest", "-q", *targets, *_SELECT[suite]]
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -87,18 +89,18 @@ def time_tests(suite: str, conditions: str) -> int:
     tests = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|xfailed|xpassed|"
                                            r"errors?)", outcome))
     machine = records.describe_machine()
-    ledger = records.load()
+    ledger = records.load(path)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip() or None
-    records = [] if machine["machine"] in ledger.machines else [machine]
-    records.append({"kind": "tests", "suite": suite, "tests": tests,
-                    "wall_seconds": round(seconds, 1),
-                    "command": "python -m pytest -q tests" + (" -m 'not slow'" if _SELECT[suite]
-                                                              else ""),
-                    "commit": commit, "recorded_in": None,
-                    "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-                    "machine": machine["machine"], "conditions": conditions,
-                    "outcome": outcome})
-    records.append(ledger.path, records)
+    new = [] if machine["machine"] in ledger.machines else [machine]
+    new.append({"kind": "tests", "suite": suite, "tests": tests,
+                "wall_seconds": round(seconds, 1),
+                "command": f"python -m pytest -q {' '.join(targets)}" + (
+                    " -m 'not slow'" if _SELECT[suite] else ""),
+                "commit": commit, "recorded_in": None,
+                "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+                "machine": machine["machine"], "conditions": conditions,
+                "outcome": outcome})
+    records.append(ledger.path, new)
     print(f"recorded in {ledger.path}: {tests} tests in {seconds:.0f} s ({outcome})")
     return result.returncode
