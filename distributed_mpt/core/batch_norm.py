@@ -5,7 +5,7 @@ A batch norm layer evaluates with moving averages of its training batches'
 statistics: after `steps` steps its initial statistics (mean 0, variance 1)
 still weigh momentum ** steps in them. airbench's 0.6 forgets them in ten
 steps; Keras' default 0.99, which keras.applications' networks keep, needs
-460 for them to weigh under 1%, and 0.999 needs 4,600: a shorter run
+459 for them to weigh under 1%, and 0.999 needs 4,603: a shorter run
 evaluates with statistics that are partly the initial ones, down to chance
 (docs/extending.md: a MobileNet at 13.75% after an epoch, 38.57%
 recalibrated), whatever it learned. Recalibration sets them to the data's instead: forward
