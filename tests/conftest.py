@@ -1,5 +1,6 @@
 """Shared helpers: run the real entry points as separate processes."""
 
+import contextlib
 import json
 import os
 import re
@@ -257,3 +258,20 @@ def tmpfs(tmp_path):
 
     yield mount_point, resize
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Raises TimeoutError in the block after `seconds`: a read of a FIFO
+    would block forever (Python runs the handler when the blocked system
+    call is interrupted), and a test fails instead of hanging."""
+    def expire(*_):
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -14,13 +14,11 @@ with the `warning:` line that says what was wrong. The runs are in-process
 first training step; the cases that need a trained run share one small run.
 """
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
-import signal
 import stat
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Callable, Dict, List
 
 import pytest
 
-from conftest import SMOKE_FLAGS, assert_ok, run_in_process, train
+from conftest import SMOKE_FLAGS, assert_ok, deadline, run_in_process, train
 from distributed_mpt import config as config_lib
 from distributed_mpt.process.run_lock import LOCK_NAME
 
@@ -143,21 +141,6 @@ def _replaced(relative: str, kind: str):
     return make
 
 
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    """Raises TimeoutError in the block after `seconds`: a read of a FIFO
-    would block forever (Python runs the handler when the read is
-    interrupted)."""
-    def expire(*_):
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def snapshot(paths) -> dict:
@@ -589,7 +572,7 @@ def test_hostile_input_is_one_error_line_and_changes_nothing(name, tmp_path, req
     for variable, value in scene.environ.items():
         monkeypatch.setenv(variable, value)
     before = snapshot(scene.touched)
-    with _deadline(300 if legitimate else 60):  # a FIFO read would block: fail instead
+    with deadline(300 if legitimate else 60):  # a FIFO read would block: fail instead
         result = _run_entry(entry, args, monkeypatch)
     lines = result.stderr.splitlines()
     assert "Traceback" not in result.stderr, result.stderr[-3000:]

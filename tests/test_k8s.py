@@ -29,7 +29,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import run_module, subprocess_env
+from conftest import run_module
 from distributed_mpt import errors
 from distributed_mpt.process.cluster import resolve_cluster
 from distributed_mpt.train import parse_config

@@ -28,7 +28,7 @@ import pytest
 
 import netns
 from distributed_mpt import errors
-from k8s_pods import K8S, render, training_job, training_pods
+from k8s_pods import render, training_job, training_pods
 from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
 from status_server import StatusServer, trainer_status_schema
 

@@ -1,10 +1,8 @@
 """Using a trained model: the export's serving signature, and the real
 `distributed_mpt.predict` entry point run as a user runs it."""
 
-import contextlib
 import json
 import os
-import signal
 import shutil
 import struct
 import subprocess
@@ -17,7 +15,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
+from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, deadline, read_summary,
                       run_in_process, run_module, subprocess_env, train)
 from distributed_mpt import predict as predict_module
 from distributed_mpt.core import models
@@ -378,20 +376,6 @@ HOSTILE_INPUTS = {
 }
 
 
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    """Raises TimeoutError in the block after `seconds` (a blocked read
-    included: Python runs the handler when the system call is interrupted)."""
-    def expire(*_):
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _tree(directory: Path) -> dict:
@@ -405,7 +389,7 @@ def test_hostile_input_is_one_error_line_and_exit_2(problem, model_dir, syntheti
     make, fragment = HOSTILE_INPUTS[problem]
     run, args = make(tmp_path, model_dir, synthetic_run, photo)
     before = _tree(run)
-    with _deadline(seconds=300):  # a FIFO read would block: fail instead
+    with deadline(seconds=300):  # a FIFO read would block: fail instead
         result = predict(f"--model_dir={run}", *args)
     assert_one_error_line(result, fragment)
     assert _tree(run) == before, "predict writes nothing"

@@ -252,8 +252,15 @@ def test_only_an_https_url_is_used(serve, capfd, url, fragment):
     assert_one_warning(warnings, fragment)
 
 
-def _fifo(path):
-    os.mkfifo(path)
+def _file_of_kind(path, kind: str, contents: dict):
+    """`path` made a FIFO, or /dev/zero for a device, or a file of
+    `contents[kind]`."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        return "/dev/zero"
+    else:
+        path.write_text(contents[kind])
     return path
 
 
@@ -267,14 +274,9 @@ def _fifo(path):
 ])
 def test_a_token_file_that_holds_no_token(serve, capfd, tmp_path, kind, fragment):
     server = serve()
-    path = tmp_path / "token"
-    if kind == "fifo":
-        _fifo(path)
-    elif kind == "device":
-        path = "/dev/zero"
-    else:
-        path.write_text({"newline inside": f"{TOKEN[:20]}\n{TOKEN[20:]}",
-                         "not ASCII": f"{TOKEN}\u00e9", "huge": TOKEN * 2000, "empty": ""}[kind])
+    path = _file_of_kind(tmp_path / "token", kind, {
+        "newline inside": f"{TOKEN[:20]}\n{TOKEN[20:]}", "not ASCII": f"{TOKEN}\u00e9",
+        "huge": TOKEN * 2000, "empty": ""})
     warnings, output = report({**server.env, "KUBEFLOW_TRAINER_SERVER_TOKEN": str(path)}, capfd)
     assert_one_warning(warnings, fragment)
     assert not server.requests
@@ -290,14 +292,8 @@ def test_a_token_file_that_holds_no_token(serve, capfd, tmp_path, kind, fragment
 ])
 def test_a_ca_file_that_holds_no_ca_certificate(serve, capfd, tmp_path, kind, fragment):
     server = serve()
-    path = tmp_path / "ca.crt"
-    if kind == "fifo":
-        _fifo(path)
-    elif kind == "device":
-        path = "/dev/zero"
-    else:
-        path.write_text({"huge": "-" * (2 << 20), "empty": "",
-                         "not a certificate": "-----BEGIN CERTIFICATE-----\n"}[kind])
+    path = _file_of_kind(tmp_path / "ca.crt", kind, {
+        "huge": "-" * (2 << 20), "empty": "", "not a certificate": "-----BEGIN CERTIFICATE-----\n"})
     made = []
     start = threading.Thread(target=lambda: made.append(TrainJobStatus.from_environment(
         {**server.env, "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(path)})), daemon=True)

@@ -43,7 +43,7 @@ from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
 from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
-                                    first_line, quoted)
+                                    quoted)
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 # Every section measured, the mixed policy included (emulated, but small).
@@ -114,12 +114,9 @@ def _regular_file_or_absent(path: Optional[str]) -> bool:
 def parse_options(argv) -> Options:
     """Flags (without the program name) into Options; raises ConfigError."""
     fv = _flag_values()
-    try:
-        rest = fv(["distributed-mpt-benchmark", *argv])
-    except flags.Error as e:
-        raise ConfigError(first_line(e)) from None
-    if len(rest) > 1:
-        raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
+    rest = cli.parse("distributed-mpt-benchmark", fv, argv)
+    if rest:
+        raise ConfigError(f"unexpected argument(s) {' '.join(rest)}: all options are --flags")
     if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
         raise ConfigError(f"--batch_sizes={quoted(','.join(fv.batch_sizes))} must be whole "
                           f"numbers in decimal digits")

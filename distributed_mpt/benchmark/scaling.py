@@ -23,14 +23,14 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from absl import flags
 
-from distributed_mpt import files
+from distributed_mpt import cli, files
 from distributed_mpt.benchmark.allreduce import packs
 from distributed_mpt.core.optim.schedules import linear_rule_warning, scaled_learning_rate
-from distributed_mpt.errors import ConfigError, ExitCode, UserError, first_line
+from distributed_mpt.errors import ConfigError, ExitCode
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
 DEVICES_PER_NODE = (1, 2, 4, 8)
@@ -338,40 +338,36 @@ def main(argv=None) -> int:
     """Prints the projection the flags ask for; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     fv = _flag_values()
-    if {"-h", "--help", "--helpfull"} & set(argv):
-        print(f"{__doc__}\nFlags:\n{fv.get_help()}")
-        return ExitCode.OK
-    try:
-        try:
-            rest = fv(["distributed-mpt-scaling", *argv])
-        except flags.Error as e:
-            raise ConfigError(first_line(e)) from None
-        if len(rest) > 1:
-            raise ConfigError(f"unexpected argument(s) {' '.join(rest[1:])}: all options are --flags")
-        if fv.svg:  # now, not after the models are built
-            files.check_replaceable(fv.svg, f"--svg={fv.svg}")
-            files.check_writable(os.path.dirname(os.path.abspath(fv.svg)), "--svg")
-        if fv.device == "cpu" and fv.communication != "ring":
-            raise ConfigError("--device=cpu: CPUs all-reduce over gRPC; add --communication=ring")
-        ring = RING
-        if fv.measure:
-            from distributed_mpt.benchmark.allreduce import measure_and_fit
-            *ring, report = measure_and_fit()
-            print(report, flush=True)
-        chosen = workloads(fv)
-        projections = {w.name: projection(w, fv.device, fv.communication, tuple(ring)) for w in chosen}
-        print("\n\n".join(format_table(w, fv.device, fv.communication, projections[w.name])
-                          for w in chosen), flush=True)
-        if fv.svg:
-            files.write_text(fv.svg, svg(projections, f"Projected scaling efficiency: {fv.device}, "
-                                                      f"{fv.communication} (docs/scaling.md)"))
-            print(f"wrote {fv.svg}", flush=True)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
+    if cli.wants_help(argv):
+        return cli.show_help(__doc__, fv)
+    return cli.guarded(lambda: _project(fv, argv))
+
+
+def _project(fv: flags.FlagValues, argv: List[str]) -> int:
+    """Parses `argv` into `fv`, prints the tables (and writes the plot)."""
+    rest = cli.parse("distributed-mpt-scaling", fv, argv)
+    if rest:
+        raise ConfigError(f"unexpected argument(s) {' '.join(rest)}: all options are --flags")
+    if fv.svg:  # now, not after the models are built
+        files.check_replaceable(fv.svg, f"--svg={fv.svg}")
+        files.check_writable(os.path.dirname(os.path.abspath(fv.svg)), "--svg")
+    if fv.device == "cpu" and fv.communication != "ring":
+        raise ConfigError("--device=cpu: CPUs all-reduce over gRPC; add --communication=ring")
+    ring = RING
+    if fv.measure:
+        from distributed_mpt.benchmark.allreduce import measure_and_fit
+        *ring, report = measure_and_fit()
+        print(report, flush=True)
+    chosen = workloads(fv)
+    projections = {w.name: projection(w, fv.device, fv.communication, tuple(ring)) for w in chosen}
+    print("\n\n".join(format_table(w, fv.device, fv.communication, projections[w.name])
+                      for w in chosen), flush=True)
+    if fv.svg:
+        files.write_text(fv.svg, svg(projections, f"Projected scaling efficiency: {fv.device}, "
+                                                  f"{fv.communication} (docs/scaling.md)"))
+        print(f"wrote {fv.svg}", flush=True)
     return ExitCode.OK
 
 
 if __name__ == "__main__":
-    from distributed_mpt.process import console, stopping
-    stopping.exit_now(console.run_with_console(main))
+    cli.console_script(main)
