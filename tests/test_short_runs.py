@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_ok, train
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.training.plan import (SHORT_EPOCH_STEPS, SHORT_RUN_STEPS, plan_run,
-                                           short_run_warning)
+                                           short_run_warning, start_warnings)
 
 
 def _warning(examples, replicas=1, **flags):
@@ -56,3 +56,27 @@ def test_runs_of_enough_steps_or_of_the_steps_they_asked_for_do_not_warn():
     smoke = dict(dataset="synthetic", model="mlp", train_steps=200)
     assert not _warning(50_000, 1, **smoke)
     assert not _warning(1024, 1, per_replica_batch_size=32, train_steps=8)
+
+
+def test_a_split_too_small_for_any_batch_says_so_instead_of_advice_that_still_warns():
+    # 30 images on 2 replicas: even a batch of 1 gives 15 steps an epoch.
+    said = _warning(30, 2, per_replica_batch_size=8, epochs=1)
+    assert said == ("this run trains 1 step (1 per epoch: 30 training images in global batches "
+                    "of 16), too few to learn much; more training images would give more steps "
+                    "per epoch")
+
+
+def _start_warnings(examples, replicas, **flags):
+    config = TrainConfig(model_dir="unused", **flags)
+    return start_warnings(config, plan_run(config, replicas, 1, examples), examples)
+
+
+def test_the_batch_rule_is_left_unsaid_only_where_the_short_runs_batch_keeps_it():
+    # 1,414 images at 256: the suggested 64 is within the rule's 141: one line.
+    (short,) = _start_warnings(1414, 1, per_replica_batch_size=256, epochs=2)
+    assert "--per_replica_batch_size=64" in short
+    # ImageNet's 1,281,167 at 8 x 2048, 2 epochs: the advice keeps the batch
+    # (only more epochs), which stays above 8192: both lines.
+    short, beyond = _start_warnings(1_281_167, 8, per_replica_batch_size=2048, epochs=2)
+    assert "--epochs=3" in short and "--per_replica_batch_size" not in short
+    assert beyond.startswith("a global batch of 16384 is above 8192")

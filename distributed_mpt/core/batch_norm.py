@@ -54,6 +54,22 @@ def unconverged(model, steps: int) -> list:
             if initial_weight(layer, steps) > INITIAL_WEIGHT_LIMIT]
 
 
+def to_recalibrate(model, steps: int, mode: str):
+    """(the layers of `model` that --bn_recalibration=`mode` recalibrates
+    after `steps` steps, why, in words); no layers where it recalibrates none."""
+    if mode == "off":
+        return [], ""
+    if mode == "on":
+        return batch_norm_layers(model), "--bn_recalibration=on"
+    layers = unconverged(model, steps)
+    if not layers:
+        return [], ""
+    heaviest = max(layers, key=lambda layer: initial_weight(layer, steps))
+    return layers, (f"at momentum {heaviest.momentum:g}, {steps} steps leave the initial "
+                    f"statistics {initial_weight(heaviest, steps):.0%} of their weight; "
+                    f"--bn_recalibration=off keeps them")
+
+
 def recalibration_batches(num_examples: int, global_batch_size: int) -> int:
     """Global batches for RECALIBRATION_IMAGES (at least one; at most the
     whole batches of the split)."""

@@ -118,7 +118,9 @@ class RunLock:
             return
         model_dir = os.path.dirname(self.path)
         left = set(os.listdir(model_dir))
-        writing = {name for name in left if files.owner_tag() in name}
+        ours = tuple(prefix + files.owner_tag() + "-" for prefix in (files.TEMPORARY_PREFIX,
+                                                                      files.WRITE_TEST_PREFIX))
+        writing = {name for name in left if name.startswith(ours)}
         if remove_model_dir_if_unused and left - writing <= {LOCK_NAME, *own_files}:
             try:
                 for name in sorted(left - {LOCK_NAME}) + [LOCK_NAME]:  # the lock file last

@@ -142,6 +142,15 @@ def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: Ima
         augmentation=_augmentation(config)))
 
 
+def recalibration_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,
+                        batches: int):
+    """`batches` global batches of unaugmented training images and labels,
+    from the first, for batch norm's recalibration (core/batch_norm.py)."""
+    return trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
+        split, plan.global_batch_size, config.seed, 0, batches,
+        augmentation=Augmentation(crop_padding=0, flip="none")))
+
+
 def _augmentation(config: TrainConfig) -> Augmentation:
     return Augmentation(config.crop_padding, config.flip, config.brightness_jitter,
                         config.contrast_jitter)

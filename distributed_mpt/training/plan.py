@@ -3,10 +3,12 @@ batch, the steps, the peak learning rate and its warmup, the precision."""
 
 import dataclasses
 import math
+from typing import List, Optional, Tuple
 
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import pipeline, precision
-from distributed_mpt.core.optim.schedules import scaled_learning_rate
+from distributed_mpt.core.optim.schedules import (linear_rule_limit, linear_rule_warning,
+                                                  scaled_learning_rate)
 from distributed_mpt.errors import ConfigError
 
 
@@ -59,17 +61,42 @@ SHORT_EPOCH_STEPS = 20
 SHORT_RUN_STEPS = 200
 
 
+def start_warnings(config: TrainConfig, plan: RunPlan, num_train_examples: int) -> List[str]:
+    """The warning lines a run starts with: a run too short to learn from
+    (short_run_warning), and a global batch beyond where the linear rule is
+    known to hold (schedules.linear_rule_warning), unless the batch the
+    first line suggests is within it: then one line says what to change."""
+    short, suggested_batch = _short_run(config, plan, num_train_examples)
+    beyond = linear_rule_warning(plan.global_batch_size, num_train_examples)
+    if beyond and suggested_batch and (suggested_batch * plan.num_replicas
+                                       <= linear_rule_limit(num_train_examples)):
+        beyond = ""
+    return [warning for warning in (short, beyond) if warning]
+
+
 def short_run_warning(config: TrainConfig, plan: RunPlan, num_train_examples: int) -> str:
     """What to say of a run whose --epochs come to fewer than SHORT_EPOCH_STEPS
     steps an epoch or SHORT_RUN_STEPS steps in all, with a per-replica batch
     (a power of two) that gives at least SHORT_EPOCH_STEPS an epoch, and the
     epochs that then give SHORT_RUN_STEPS; "" for any other run, and for one
     whose --train_steps says how many steps it takes."""
+    return _short_run(config, plan, num_train_examples)[0]
+
+
+def _short_run(config: TrainConfig, plan: RunPlan,
+               num_train_examples: int) -> Tuple[str, Optional[int]]:
+    """short_run_warning's line, and the per-replica batch it suggests (None
+    where it suggests none)."""
     if config.train_steps or (plan.steps_per_epoch >= SHORT_EPOCH_STEPS
                               and plan.total_steps >= SHORT_RUN_STEPS):
-        return ""
+        return "", None
+    said = (f"this run trains {plan.total_steps} step{'s' * (plan.total_steps != 1)} "
+            f"({plan.steps_per_epoch} per epoch: {num_train_examples:,} training images in "
+            f"global batches of {plan.global_batch_size}), too few to learn much")
     replicas = plan.num_replicas
-    fitting = max(1, num_train_examples // (SHORT_EPOCH_STEPS * replicas))
+    fitting = num_train_examples // (SHORT_EPOCH_STEPS * replicas)
+    if not fitting:  # fewer images than SHORT_EPOCH_STEPS per replica: no batch is small enough
+        return f"{said}; more training images would give more steps per epoch", None
     batch = min(config.per_replica_batch_size, 2 ** int(math.log2(fitting)))
     epoch_steps = pipeline.steps_per_epoch(num_train_examples, batch * replicas)
     steps = math.ceil(round(config.epochs * epoch_steps, 6))
@@ -78,9 +105,4 @@ def short_run_warning(config: TrainConfig, plan: RunPlan, num_train_examples: in
         epochs = math.ceil(SHORT_RUN_STEPS / epoch_steps)
         advice.append(f"--epochs={epochs}")
         steps = epochs * epoch_steps
-    said = (f"this run trains {plan.total_steps} steps ({plan.steps_per_epoch} per epoch: "
-            f"{num_train_examples:,} training images in global batches of "
-            f"{plan.global_batch_size}), too few to learn much")
-    if not advice:  # fewer images than SHORT_EPOCH_STEPS per replica: no batch is small enough
-        return f"{said}; more training images would give more steps per epoch"
-    return f"{said}; {' and '.join(advice)} would train {steps} ({epoch_steps} per epoch)"
+    return f"{said}; {' and '.join(advice)} would train {steps} ({epoch_steps} per epoch)", batch

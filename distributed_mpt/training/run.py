@@ -12,18 +12,17 @@ import tensorflow as tf
 from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.core import batch_norm, data, models, pipeline, precision
-from distributed_mpt.core.augmentation import Augmentation
+from distributed_mpt.core import batch_norm, data, models, precision
 from distributed_mpt.core.models.signature import fingerprint, model_signature
-from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE, linear_rule_warning
+from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.training import export
 from distributed_mpt.training.agreement import check_workers_agree, leave_together
-from distributed_mpt.training.build import Built, build, train_input
+from distributed_mpt.training.build import Built, build, recalibration_input, train_input
 from distributed_mpt.training.checkpointing import Checkpoints, model_identity
 from distributed_mpt.training.loop import TrainingLoop
-from distributed_mpt.training.plan import RunPlan, plan_run, short_run_warning
+from distributed_mpt.training.plan import RunPlan, plan_run, start_warnings
 from distributed_mpt.training.reporting import Reporter
 from distributed_mpt.training.resumption import (continue_with, refuse_other_data,
                                                  refuse_other_training, resume)
@@ -53,9 +52,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             print(f"restoring the newest intact checkpoint of {config.model_dir}", flush=True)
         resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
-            check_workers_agree(strategy, resumed.agreement(plan), {
-                **config_lib.shared_flags(config), "model signature": fingerprint(signature),
-                "data fingerprint": dataset.fingerprint})
+            check_workers_agree(strategy, resumed.agreement(plan), config_lib.shared_flags(config),
+                                {"model file (and the modules it imports)": fingerprint(signature),
+                                 "images": dataset.fingerprint})
         refuse_other_training(resumed, config, signature)  # finished or not: never silently
         if resumed.finished:
             if is_chief:
@@ -70,12 +69,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                 files.write_json(f"{config.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset, resumed, signature))
             reporter.say(_start_line(config, plan, strategy_name))
-            # One warning at most: a batch too large for the data is both,
-            # and the short run's says what to do about it.
-            warning = (short_run_warning(config, plan, len(dataset.train))
-                       or linear_rule_warning(plan.global_batch_size, len(dataset.train)))
-            if is_chief and warning:
-                files.warn(warning)
+            if is_chief:
+                for warning in start_warnings(config, plan, len(dataset.train)):
+                    files.warn(warning)
             for note in built.notes:
                 reporter.say(note)
             for note in continue_with(resumed, plan, built.trained_global_batch):
@@ -205,27 +201,17 @@ def _recalibrate_batch_norm(built: Built, config: TrainConfig, plan: RunPlan,
     a finished run exported again, and predict reading the checkpoint, get
     them too. Returns what summary.json says of it (None: not done)."""
     trainer = built.trainer
-    if config.bn_recalibration == "off":
-        return None
     steps = int(trainer.step.numpy())
-    every = batch_norm.batch_norm_layers(trainer.model)
-    layers = every if config.bn_recalibration == "on" else batch_norm.unconverged(trainer.model,
-                                                                                   steps)
+    layers, why = batch_norm.to_recalibrate(trainer.model, steps, config.bn_recalibration)
     if not layers:
         return None
     batches = batch_norm.recalibration_batches(len(train_split), plan.global_batch_size)
     images = batches * plan.global_batch_size
-    heaviest = max(layers, key=lambda layer: batch_norm.initial_weight(layer, steps))
-    weight = batch_norm.initial_weight(heaviest, steps)
-    why = ("--bn_recalibration=on" if config.bn_recalibration == "on" else
-           f"at momentum {heaviest.momentum:g}, {steps} steps leave the initial statistics "
-           f"{weight:.0%} of their weight; --bn_recalibration=off keeps them")
-    activity = (f"recalibrating the moving statistics of {len(layers)} of {len(every)} batch-norm "
-                f"layers over {images:,} unaugmented training images")
+    activity = (f"recalibrating the moving statistics of {len(layers)} of "
+                f"{len(batch_norm.batch_norm_layers(trainer.model))} batch-norm layers over "
+                f"{images:,} unaugmented training images")
     reporter.say(f"{activity} ({why})")
-    iterator = iter(trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
-        train_split, plan.global_batch_size, config.seed, 0, batches,
-        augmentation=Augmentation(crop_padding=0, flip="none"))))
+    iterator = iter(recalibration_input(trainer, config, plan, train_split, batches))
     with reporter.doing(activity):
         batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
         checkpoints.save(steps)

@@ -128,9 +128,8 @@ def _source_digests(name: str, path: str, function: str, package: Optional[str]
                 helper = _parse(name, file)
                 digests[os.path.relpath(file, folder)] = _digest(ast.dump(helper))
                 todo.append((helper.body, module.__spec__.parent if module.__spec__ else None))
-            else:
-                with open(file, "rb") as f:
-                    digests[os.path.relpath(file, folder)] = hashlib.sha256(f.read()).hexdigest()
+            else:  # a compiled module: its bytes
+                digests[os.path.relpath(file, folder)] = _file_digest(file)
     return digests
 
 
@@ -220,7 +219,8 @@ def _is_users(file: str, folder: str) -> bool:
 
 
 def _file_digest(path: str) -> str:
-    """The SHA-256 of the whole file: what runs recorded before signatures."""
+    """The SHA-256 of the whole file: what runs recorded before signatures,
+    and a compiled module's."""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
