@@ -1,0 +1,156 @@
+"""How far 2 replicas drift from 1 over a whole run, and why (README, "The
+global batch"): the package's own runs of a recipe, side by side.
+
+    python3 docs/replica_drift.py --data_dir=DIR [--recipe=cpu_cnn] \\
+        [--seeds=0,1] [--out=drift-runs] [--python=python3] [--train_flags="..."]
+
+DIR holds `cifar-10-batches-bin/`. For each seed it trains the recipe on one
+replica (`--strategy=default`) and on two (`--strategy=mirrored
+--cpu_replicas=2`, half the per-replica batch: the same global batch), and,
+for the first seed, one replica again with one intra-op thread instead of
+every core (`TF_NUM_INTRAOP_THREADS=1`): the control. The two-replica run
+differs from the one-replica run only in the order in which sums are taken
+(the loss, the gradients and the batch-norm statistics are all-reduced over
+two halves of the batch); so does the control, which changes nothing but how
+the CPU's threads split each reduction. If the two drift from the one-replica
+run alike, the drift is round-off that training amplifies, not a difference
+in what the replicas compute.
+
+Every run logs every step (`--log_every_steps=1`); the table gives, per span
+of steps, the largest relative difference of the logged loss from the
+one-replica run of the same seed, then each run's test accuracy and the
+relative distance of its final convolution kernels. Runs already finished in
+--out are reused, so an interrupted measurement goes on where it stopped.
+--train_flags are added to every run (a smaller network for a quick look:
+"--model_width=8 --epochs=1").
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+
+
+def _runs(seeds):
+    """(name, seed, flags, environment) of every run, the control last."""
+    runs = []
+    for seed in seeds:
+        runs.append((f"one-{seed}", seed, ["--strategy=default"], {}))
+        runs.append((f"two-{seed}", seed, ["--strategy=mirrored", "--cpu_replicas=2"], {}))
+    runs.append((f"one-1thread-{seeds[0]}", seeds[0], ["--strategy=default"],
+                 {"TF_NUM_INTRAOP_THREADS": "1"}))
+    return runs
+
+
+def _global_batch(python, recipe, train_flags):
+    """The one-replica run's batch: --train_flags' if they set one, else the
+    recipe's (as its flags file sets it)."""
+    for flag in reversed(shlex.split(train_flags)):
+        if flag.startswith("--per_replica_batch_size="):
+            return int(flag.split("=", 1)[1])
+    code = ("from distributed_mpt import recipes; import sys; "
+            "print(open(recipes.path(sys.argv[1])).read())")
+    found = subprocess.run([python, "-c", code, recipe], capture_output=True, text=True)
+    if found.returncode != 0:
+        _fail(f"--recipe={recipe}: {(found.stderr.strip().splitlines() or ['not found'])[-1]}")
+    text = found.stdout
+    return int(next(line.split("=", 1)[1] for line in text.splitlines()
+                    if line.startswith("--per_replica_batch_size=")))
+
+
+def _train(python, args, name, seed, flags, environment):
+    """Trains one run into args.out/name unless it finished before."""
+    model_dir = os.path.join(args.out, name)
+    if os.path.exists(os.path.join(model_dir, "summary.json")):
+        return model_dir
+    batch = args.batch // (2 if "--cpu_replicas=2" in flags else 1)
+    command = [python, "-m", "distributed_mpt.train", f"--recipe={args.recipe}",
+               "--dataset=cifar10", f"--data_dir={args.data_dir}", f"--seed={seed}",
+               *shlex.split(args.train_flags), f"--per_replica_batch_size={batch}",
+               "--log_every_steps=1", f"--model_dir={model_dir}", *flags]
+    print("+", " ".join(f"{k}={v}" for k, v in environment.items()), shlex.join(command),
+          flush=True)
+    code = subprocess.run(command, env={**os.environ, **environment},
+                          stdout=subprocess.DEVNULL).returncode
+    if code != 0:
+        _fail(f"the run {name} exited with {code} (its output is above; its model_dir: "
+              f"{model_dir})", code=1)
+    return model_dir
+
+
+def _fail(message, code=2):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _losses(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as records:
+        return {r["step"]: r["loss"] for r in map(json.loads, records) if "loss" in r}
+
+
+def _kernels(model_dir):
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if "kernel" in name and "OPTIMIZER" not in name}
+
+
+def _distance(kernels, reference):
+    """Relative Euclidean distance of all kernels from the reference's."""
+    squared = sum(float(np.sum((kernels[n] - reference[n]) ** 2)) for n in reference)
+    return (squared / sum(float(np.sum(reference[n] ** 2)) for n in reference)) ** 0.5
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data_dir", required=True)
+    parser.add_argument("--recipe", default="cpu_cnn")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--out", default="drift-runs")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--train_flags", default="")
+    parser.error = _fail
+    args = parser.parse_args()
+    if not os.path.isdir(os.path.join(args.data_dir, "cifar-10-batches-bin")):
+        _fail(f"--data_dir={args.data_dir} holds no cifar-10-batches-bin/ (the binary release)")
+    try:
+        seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))
+    except ValueError:
+        _fail(f"--seeds={args.seeds}: integers separated by commas, e.g. 0,1")
+    args.batch = _global_batch(args.python, args.recipe, args.train_flags)
+    if args.batch % 2:
+        _fail(f"a batch of {args.batch} does not split over two replicas: give an even one")
+
+    dirs = {name: (seed, _train(args.python, args, name, seed, flags, env))
+            for name, seed, flags, env in _runs(seeds)}
+    losses = {name: _losses(d) for name, (_, d) in dirs.items()}
+    last = max(losses[f"one-{seeds[0]}"])
+    spans = [(1, 1)] + [(2 ** k + 1, min(2 ** (k + 1), last))
+                        for k in range(20) if 2 ** k + 1 <= last]
+    compared = [n for n in dirs if not n.startswith("one-") or "thread" in n]
+    print(f"\n{args.recipe}, global batch {args.batch}, {last} steps: the largest relative "
+          "difference of the logged loss from one replica's, per span of steps")
+    print("steps".ljust(12) + "".join(n.rjust(16) for n in compared))
+    for first, end in spans:
+        row = []
+        for name in compared:
+            reference = losses[f"one-{dirs[name][0]}"]
+            row.append(max(abs(losses[name][s] - reference[s]) / abs(reference[s])
+                           for s in range(first, end + 1)))
+        print(f"{first}-{end}".ljust(12) + "".join(f"{v:16.1e}" for v in row))
+
+    print("\nrun".ljust(22) + "test accuracy".rjust(14) + "kernels' distance".rjust(20))
+    for name, (seed, model_dir) in dirs.items():
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            accuracy = json.load(f)["eval_accuracy"]
+        distance = _distance(_kernels(model_dir), _kernels(dirs[f"one-{seed}"][1]))
+        print(name.ljust(21) + f"{accuracy:14.4f}" + f"{distance:20.2e}")
+
+
+if __name__ == "__main__":
+    main()
