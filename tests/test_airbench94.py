@@ -17,7 +17,7 @@ from distributed_mpt.core.optim import groups, schedules
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
 from distributed_mpt.core.optim.rules import Muon, NesterovSGD, orthogonalize
-from distributed_mpt.core.steps import Trainer
+from distributed_mpt.core.steps import StepRules, Trainer
 
 # A tiny airbench with every part of the recipe on, on synthetic data.
 AIRBENCH94 = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
@@ -248,8 +248,8 @@ def test_once_the_whitening_bias_freezes_its_backward_pass_is_skipped_and_nothin
         frozen = groups.freezes(made)
         assert [(steps, _same(variables, [model.get_layer("whiten").bias]))
                 for steps, variables in frozen] == [(3, True)]
-        trainer = Trainer(model, optimizer, strategy, step, global_batch_size=32,
-                          frozen=frozen if pruned else ())
+        trainer = Trainer(model, optimizer, strategy, step,
+                          StepRules(global_batch_size=32, frozen=frozen if pruned else ()))
         iterator = iter(strategy.distribute_datasets_from_function(
             pipeline.train_input_fn(dataset.train, 32, seed=0, start_step=0, num_steps=7)))
         for steps in (2, 5):

@@ -248,13 +248,13 @@ def test_a_model_without_a_normalize_layer_cannot_take_jitter():
 def _evaluator(views, fraction, batch=16):
     """A Trainer of a tiny airbench whose weights are spread (a random
     network on random images is too unsure of everything), for evaluation."""
-    from distributed_mpt.core.steps import Trainer
+    from distributed_mpt.core.steps import EvalViews, StepRules, Trainer
 
     model = _tiny_airbench()
     for variable in model.trainable_variables:
         variable.assign(variable * 3.0)
     return Trainer(model, None, tf.distribute.get_strategy(), tf.Variable(0, dtype=tf.int64),
-                   global_batch_size=batch, eval_views=views, eval_tta_fraction=fraction)
+                   StepRules(global_batch_size=batch), eval_views=EvalViews(views, fraction))
 
 
 def _test_split(count=100):

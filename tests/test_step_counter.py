@@ -13,7 +13,7 @@ from distributed_mpt.core.optim.groups import Settings, parameter_groups
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
-from distributed_mpt.core.steps import Trainer
+from distributed_mpt.core.steps import StepRules, Trainer
 
 STEPS = 30  # a multiple of the lookahead's 5
 
@@ -42,8 +42,8 @@ def test_skipped_steps_leave_one_counter_for_the_schedule_and_the_lookahead():
             GroupedOptimizer(groups, schedule, step), initial_scale=2.0 ** 30)
         optimizer.build(model.trainable_variables)
         lookahead = Lookahead(model, STEPS)
-        trainer = Trainer(model, optimizer, strategy, step, global_batch_size=32,
-                          loss_scaling=True, lookahead=lookahead)
+        trainer = Trainer(model, optimizer, strategy, step,
+                          StepRules(global_batch_size=32, loss_scaling=True, lookahead=lookahead))
         iterator = iter(strategy.distribute_datasets_from_function(
             pipeline.train_input_fn(dataset.train, 32, seed=0, start_step=0, num_steps=STEPS)))
         totals = trainer.train(iterator, STEPS)

@@ -62,63 +62,86 @@ class LoopTotals:
 NO_TOTALS = LoopTotals(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-class Trainer:
-    """The compiled loops of `model` (logits out) and `optimizer` under
-    `strategy`. Create the model, the optimizer (built) and `step` (an int64
-    variable: the one step counter of the run, which the optimizer's
-    schedule and the lookahead read) in the strategy's scope first.
+@dataclasses.dataclass(frozen=True)
+class StepRules:
+    """What a training step does around the model's forward and backward pass.
 
     global_batch_size: the loss is averaged over it, so that the all-reduced
-    sum of replica gradients is the global batch's gradient; num_workers:
-    workers that must stop at the same step; loss_scaling: replicas agree on
-    skipping a non-finite step; eval_views: test-time augmentation (one of
-    augmentation.TTA_VIEWS); xla: compile the forward and backward pass;
-    device_split: the training split kept on the device (batches are then
-    indices, offsets and flips, gathered with `crop_padding`); jitter_split:
-    for color jitter (the batches then end with it), the model's
-    normalization layer and the rest of the model
-    (models.split_at_normalization); eval_tta_fraction: test-time
-    augmentation for that fraction of the test images only, the least
-    confident (see `evaluate`); frozen: pairs (steps, variables) of
-    trainable variables that train for the first `steps` steps only (a
-    parameter group's `train_steps`): from that step on the loop does not
-    compute their gradient and passes zeros, which their group ignores or
-    lets its momentum run out on, as it would any gradient by then.
+    sum of replica gradients is the global batch's gradient (evaluation
+    batches are as large); num_workers: workers that must stop at the same
+    step; loss_scaling: replicas agree on skipping a non-finite step; xla:
+    compile the forward and backward pass; jitter_split: for color jitter
+    (the batches then end with it), the model's normalization layer and the
+    rest of the model (models.split_at_normalization); frozen: pairs (steps,
+    variables) of trainable variables that train for the first `steps` steps
+    only (a parameter group's `train_steps`): from that step on the loop
+    does not compute their gradient and passes zeros, which their group
+    ignores or lets its momentum run out on, as it would any gradient by then.
     """
 
+    global_batch_size: int
+    num_workers: int = 1
+    label_smoothing: float = 0.0
+    loss_scaling: bool = False
+    lookahead: Optional[Lookahead] = None
+    xla: bool = False
+    jitter_split: Optional[tuple] = None
+    frozen: Sequence[Tuple[int, Sequence[tf.Variable]]] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitOnDevice:
+    """The training split kept on the device: batches are then indices,
+    offsets and flips, gathered and cropped with `crop_padding`."""
+
+    split: ImageSplit
+    crop_padding: int = CROP_PADDING
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalViews:
+    """Test-time augmentation: evaluation's views (one of
+    augmentation.TTA_VIEWS) and the fraction of the test images, the least
+    confident, that get them (see `Trainer.evaluate`)."""
+
+    views: str = "none"
+    fraction: float = 1.0
+
+
+class Trainer:
+    """The compiled loops of `model` (logits out) and `optimizer` under
+    `strategy`, as `rules` say. Create the model, the optimizer (built) and
+    `step` (an int64 variable: the one step counter of the run, which the
+    optimizer's schedule and the lookahead read) in the strategy's scope
+    first. `on_device`: train from the split in device memory;
+    `eval_views`: evaluate with test-time augmentation."""
+
     def __init__(self, model: keras.Model, optimizer, strategy: tf.distribute.Strategy,
-                 step: tf.Variable, *, global_batch_size: int, num_workers: int = 1,
-                 label_smoothing: float = 0.0, loss_scaling: bool = False,
-                 lookahead: Optional[Lookahead] = None, eval_views: str = "none",
-                 xla: bool = False, device_split: Optional[ImageSplit] = None,
-                 crop_padding: int = CROP_PADDING, jitter_split: Optional[tuple] = None,
-                 eval_tta_fraction: float = 1.0,
-                 frozen: Sequence[Tuple[int, Sequence[tf.Variable]]] = ()):
+                 step: tf.Variable, rules: StepRules, *,
+                 on_device: Optional[SplitOnDevice] = None,
+                 eval_views: EvalViews = EvalViews()):
         self.model, self.optimizer, self.step = model, optimizer, step
-        self.strategy = strategy
-        self._global_batch_size, self._num_workers = global_batch_size, num_workers
-        self._loss_scaling, self._lookahead, self._eval_views = loss_scaling, lookahead, eval_views
-        self._crop_padding, self._jitter_split = crop_padding, jitter_split
-        self._eval_tta_fraction = eval_tta_fraction
+        self.strategy, self._rules, self._on_device, self._eval_views = (
+            strategy, rules, on_device, eval_views)
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         # (step, indices into model.trainable_variables), by step.
         self._freezes = sorted((steps, tuple(index[id(v)] for v in variables))
-                               for steps, variables in frozen)
+                               for steps, variables in rules.frozen)
         with strategy.scope():
             self._train_sums = _sum_accumulator(LoopTotals.PER_STEP)
             # loss sum, correct, examples, correct without test-time augmentation
             self._eval_sums = _sum_accumulator(4)
             self._device_split = None
-            if device_split is not None:
+            if on_device is not None:
                 # A copy per device, made once; the input pipeline then
                 # carries only indices and augmentation parameters.
-                self._device_split = (tf.Variable(device_split.images, trainable=False),
-                                      tf.Variable(device_split.labels, trainable=False))
+                self._device_split = (tf.Variable(on_device.split.images, trainable=False),
+                                      tf.Variable(on_device.split.labels, trainable=False))
         self._train_loss = keras.losses.CategoricalCrossentropy(
-            from_logits=True, label_smoothing=label_smoothing, reduction=None)
+            from_logits=True, label_smoothing=rules.label_smoothing, reduction=None)
         self._eval_loss = keras.losses.CategoricalCrossentropy(from_logits=True, reduction=None)
         self._gradients = self._compute_gradients
-        if xla:
+        if rules.xla:
             # Only the forward and backward pass: the gradient all-reduce and
             # the update stay outside XLA, where every strategy supports them.
             self._gradients = tf.function(self._compute_gradients, jit_compile=True)
@@ -173,23 +196,23 @@ class Trainer:
         """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
         `split`, each example counted once across all workers. With test-time
         augmentation, also `eval_accuracy_without_tta`, so that every run
-        shows what it buys. With an `eval_tta_fraction` below 1, only the
+        shows what it buys. With `eval_views.fraction` below 1, only the
         int(N x fraction) images whose plain view is least confident (lowest
         top softmax probability; ties by index) are augmented, as the 2025
         record does; the others are scored by their plain view."""
-        if self._eval_views != "none" and self._eval_tta_fraction < 1:
-            return self._evaluate_selectively(split, self._eval_tta_fraction)
+        if self._eval_views.views != "none" and self._eval_views.fraction < 1:
+            return self._evaluate_selectively(split, self._eval_views.fraction)
         loss_sum, correct, examples, plain_correct = self._evaluate_sums(split)
         result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
                   "eval_examples": int(round(examples))}
-        if self._eval_views != "none":
+        if self._eval_views.views != "none":
             result["eval_accuracy_without_tta"] = plain_correct / examples
         return result
 
     def _evaluate_sums(self, split: ImageSplit) -> tuple:
         """The loss sum, correct count (with test-time augmentation), example
         count and correct count of the plain view, over all of `split`."""
-        batch = self._global_batch_size
+        batch = self._rules.global_batch_size
         iterator = iter(self.strategy.distribute_datasets_from_function(
             pipeline.eval_input_fn(split, batch)))
         return tuple(float(x) for x in self._eval_loop(
@@ -218,7 +241,7 @@ class Trainer:
         (top softmax probability), `correct` (1 or 0) and `loss`, as NumPy
         arrays; each image computed once across all workers."""
         dataset = self.strategy.distribute_datasets_from_function(
-            pipeline.eval_input_fn(split, self._global_batch_size, with_indices=True))
+            pipeline.eval_input_fn(split, self._rules.global_batch_size, with_indices=True))
         results = {name: np.zeros(len(split), np.float32)
                    for name in ("confidence", "correct", "loss")}
         seen = np.zeros(len(split), bool)
@@ -261,13 +284,13 @@ class Trainer:
             if jitter is None:
                 logits = model(images, training=True)
             else:  # the same variables, the jitter between normalization and the rest
-                normalize, rest = self._jitter_split
+                normalize, rest = self._rules.jitter_split
                 logits = rest(pipeline.jitter_colors(normalize(images), jitter), training=True)
             logits = tf.cast(logits, tf.float32)
             losses = self._per_example_loss(self._train_loss, labels, logits)
             # Averaged over the global batch, so that the all-reduced sum of
             # replica gradients is the gradient of the global batch.
-            loss = tf.nn.compute_average_loss(losses, global_batch_size=self._global_batch_size)
+            loss = tf.nn.compute_average_loss(losses, global_batch_size=self._rules.global_batch_size)
             if model.losses:  # a user's model may carry regularizers of its own
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             scaled_loss = self.optimizer.scale_loss(loss)
@@ -280,14 +303,14 @@ class Trainer:
     def _train_step(self, *batch, frozen=()):
         if self._device_split is not None:  # batch: indices, crop offsets, flips[, jitter]
             images, labels = pipeline.gather_and_augment(*self._device_split, *batch[:3],
-                                                         self._crop_padding)
+                                                         self._on_device.crop_padding)
             jitter = batch[3:]
         else:  # images, labels[, jitter]
             images, labels, *jitter = batch
         gradients, loss, loss_sum, correct = self._gradients(images, labels, *jitter,
                                                              frozen=frozen)
         context = tf.distribute.get_replica_context()
-        if self._loss_scaling:
+        if self._rules.loss_scaling:
             # Keras' LossScaleOptimizer decides to skip a step from each
             # replica's own gradients (it assumes they were summed already),
             # so replicas could disagree: some apply an inf, or workers fall
@@ -321,8 +344,8 @@ class Trainer:
             # Every step counts, applied or skipped: the one counter that the
             # schedule, the lookahead and the groups' training steps read.
             self.step.assign_add(1)
-            if self._lookahead:
-                self._lookahead.after_step(self.step)
+            if self._rules.lookahead:
+                self._rules.lookahead.after_step(self.step)
         stop_and_pace = tf.stack([tf.cast(stop, tf.float32), seconds_per_step])
         totals = self.strategy.run(_drain, args=(self._train_sums, stop_and_pace))
         return self.strategy.reduce("SUM", totals, axis=None)
@@ -334,7 +357,7 @@ class Trainer:
         same step: the next collective would wait forever for the one that
         left. Within one process a variable read is enough; across workers
         it costs one all-reduce of a scalar per step."""
-        if self._num_workers == 1:
+        if self._rules.num_workers == 1:
             return self._stop_requested.read_value()
         requests = self.strategy.run(lambda: tf.cast(self._stop_requested, tf.float32))
         return self.strategy.reduce("SUM", requests, axis=None) > 0
@@ -344,7 +367,7 @@ class Trainer:
         # CIFAR-10's classes are symmetric under a horizontal flip and small
         # shifts, and the model was trained on such views: averaging their
         # logits removes part of the model's variance.
-        views = test_time.views_of(images, self._eval_views)
+        views = test_time.views_of(images, self._eval_views.views)
         view_logits = [tf.cast(self.model(view, training=False), tf.float32) for _, view in views]
         logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
         plain_correct = _is_correct(labels, view_logits[0])

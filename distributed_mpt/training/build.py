@@ -14,7 +14,7 @@ from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
-from distributed_mpt.core.steps import Trainer
+from distributed_mpt.core.steps import EvalViews, SplitOnDevice, StepRules, Trainer
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.process import memory
 from distributed_mpt.training import export
@@ -81,14 +81,14 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
         optimizer.build(model.trainable_variables)
         trained_global_batch = tf.Variable(plan.global_batch_size, dtype=tf.int64,
                                            trainable=False)
-    trainer = Trainer(model, optimizer, strategy, step, global_batch_size=plan.global_batch_size,
-                      num_workers=plan.num_workers, label_smoothing=config.label_smoothing,
-                      loss_scaling=plan.loss_scaling, lookahead=lookahead,
-                      eval_views=config.eval_tta, xla=config.xla,
-                      device_split=dataset.train if config.data_on_device else None,
-                      crop_padding=config.crop_padding, jitter_split=jitter_split,
-                      eval_tta_fraction=config.eval_tta_fraction,
+    rules = StepRules(global_batch_size=plan.global_batch_size, num_workers=plan.num_workers,
+                      label_smoothing=config.label_smoothing, loss_scaling=plan.loss_scaling,
+                      lookahead=lookahead, xla=config.xla, jitter_split=jitter_split,
                       frozen=groups.freezes(parameter_groups))
+    on_device = (SplitOnDevice(dataset.train, config.crop_padding) if config.data_on_device
+                 else None)
+    trainer = Trainer(model, optimizer, strategy, step, rules, on_device=on_device,
+                      eval_views=EvalViews(config.eval_tta, config.eval_tta_fraction))
     return Built(trainer, trained_global_batch, lookahead, tuple(notes))
 
 
