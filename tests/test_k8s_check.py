@@ -129,6 +129,11 @@ HOSTILE = {
                             "resources.limits.ephemeral-storage: 6Ei is out of range (0 to 1Pi"),
     "a size that is no quantity": ("settings.yaml", lambda text: _set(text, "memory: 24Gi", "memory: 24GB"),
                                    "'24GB' is not a Kubernetes quantity"),
+    "a size of 1e400": ("settings.yaml", lambda text: _set(text, "memory: 24Gi", "memory: 1e400"),
+                        "resources.requests.memory: 1e400 is beyond the largest quantity Kubernetes holds"),
+    "a size of 1e9999999": ("settings.yaml", lambda text: _set(text, "ephemeral-storage: 2Gi",
+                                                                  "ephemeral-storage: 1e9999999"),
+                            "ephemeral-storage: 1e9999999 is beyond the largest quantity Kubernetes holds"),
     "a job name too long for its pods": ("settings.yaml", lambda text: _set(
         text, "jobName: cifar10-resnet9", "jobName: " + "a" * 60), "short enough for the pods' names"),
 }
@@ -154,3 +159,19 @@ def test_a_fifo_in_the_settings_is_refused_not_waited_on(tmp_path):
     os.mkfifo(settings / "kustomization.yaml")  # nobody ever writes into it
     (line,) = _errors(run_check(str(settings)))
     assert line == f"error: {settings / 'kustomization.yaml'}: not a regular file"
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e9999999", "-1e9999999", "9" * 400, "1e" + "9" * 5000, "8Ei"])
+def test_a_quantity_beyond_kubernetes_is_refused_at_once(text):
+    """Refused with a reason, not an OverflowError, nor after building a
+    number of millions of digits (1e9999999 took 24 s)."""
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"is beyond the largest quantity Kubernetes holds \(2\^63-1\)"):
+        check.quantity(text)
+    print(f"refused in {time.monotonic() - started:.6f} s")
+    assert time.monotonic() - started < 5
+
+
+def test_a_quantity_has_its_value():
+    assert [check.quantity(text) for text in ("4", "500m", "24Gi", "1e3", "1.5E+2", ".5k", "7E", "-2")] == \
+        [4, 0.5, 24 * 2 ** 30, 1000, 150, 500, 7e18, -2]
