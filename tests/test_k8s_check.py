@@ -134,6 +134,12 @@ HOSTILE = {
     "a size of 1e9999999": ("settings.yaml", lambda text: _set(text, "ephemeral-storage: 2Gi",
                                                                   "ephemeral-storage: 1e9999999"),
                             "ephemeral-storage: 1e9999999 is beyond the largest quantity Kubernetes holds"),
+    "a resource named by a number": ("settings.yaml", lambda text: _set(text, "  limits:\n",
+                                                                        "  limits:\n          1: 2\n"),
+                                     "resources.limits: 1 is not of type 'string'"),
+    "a node label named by a number": ("settings.yaml", lambda text: _set(text, "nodeSelector:\n",
+                                                                          "nodeSelector:\n      1: 2\n"),
+                                       "nodeSelector: 1 is not of type 'string'"),
     "a job name too long for its pods": ("settings.yaml", lambda text: _set(
         text, "jobName: cifar10-resnet9", "jobName: " + "a" * 60), "short enough for the pods' names"),
 }
