@@ -193,9 +193,14 @@ def render(directory: Path) -> list:
         result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, timeout=120)
     except subprocess.TimeoutExpired:
         raise InputError("kubectl kustomize did not finish in 120 s") from None
-    if result.returncode != 0 or len(result.stdout) > MAX_RENDERED_BYTES:
-        raise InputError(f"kubectl kustomize failed: {result.stderr.decode(errors='replace')[-2000:]}"
-                         if result.returncode else f"kubectl kustomize rendered over {MAX_RENDERED_BYTES} bytes")
+    if result.returncode != 0:
+        # Deprecation warnings come first, and the error's cause ends its
+        # line, after the whole object it failed on: keep that end.
+        lines = result.stderr.decode(errors="replace").split("\n")
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "(nothing on stderr)")
+        raise InputError(f"kubectl kustomize failed: {last if len(last) <= 300 else '... ' + last[-300:]}")
+    if len(result.stdout) > MAX_RENDERED_BYTES:
+        raise InputError(f"kubectl kustomize rendered over {MAX_RENDERED_BYTES} bytes")
     return load_yaml(result.stdout.decode(errors="replace"), "kubectl kustomize")
 
 

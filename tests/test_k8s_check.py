@@ -97,6 +97,18 @@ def test_the_check_names_an_unknown_setting_and_an_unknown_variant(tmp_path):
         assert message in line and result.stdout == "", line
 
 
+def test_kubectl_failing_is_told_by_its_last_line(tmp_path):
+    """kubectl's deprecation warnings come first, its error last, with the
+    cause at the end of that line: that is what the error line keeps."""
+    settings = settings_copy(tmp_path)
+    edit(settings / "kustomization.yaml", {"resources:\n- settings.yaml\n": (
+        "commonLabels: {a: b}\npatchesStrategicMerge: []\npatchesJson6902: []\nvars: []\n"
+        "resources:\n- settings.yaml\n- missing.yaml\n")})
+    (line,) = _errors(run_check(str(settings), "trainjob"))
+    assert line.startswith("error: trainjob: kubectl kustomize failed: ") and "Warning" not in line, line
+    assert "missing.yaml: no such file or directory" in line[-60:], line
+
+
 def _billion_laughs(text: str) -> str:
     """The tolerations made of ten anchors of nine aliases each: 10^9
     strings once expanded (the shipped check's kubectl grew past 4.6 GB on it)."""
