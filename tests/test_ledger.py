@@ -119,3 +119,19 @@ def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
     assert run["wall_seconds"] > 0 and "1 passed" in run["outcome"]
     assert run["command"] == f"python -m pytest -q {one_test} -m 'not slow'"
     assert "recorded in" in capsys.readouterr().out
+
+
+def test_a_damaged_ledger_is_found_before_the_suite_runs(tmp_path, monkeypatch):
+    """The fast tier takes minutes, the whole suite an hour: the ledger it is
+    recorded into is read first."""
+    from distributed_mpt import files
+    from distributed_mpt.recipes import suite
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"kind": "machine"\n')
+
+    def run(*args, **kwargs):
+        raise AssertionError(f"the suite was run: {args}")
+    monkeypatch.setattr(suite.subprocess, "run", run)
+    with pytest.raises(files.DamagedFileError, match=str(ledger)):
+        suite.time_tests("fast", "a test", path=str(ledger), targets=("tests/test_layout.py",))

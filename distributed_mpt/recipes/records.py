@@ -181,7 +181,7 @@ def append(path: str, records: List[dict]) -> None:
                                           for r in records))
 
 
-def _commit() -> str:
+def code_commit() -> str:
     """The package's code: its git commit (with -dirty for uncommitted
     changes) in a checkout, else its version."""
     import subprocess
@@ -207,7 +207,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     import datetime
     from distributed_mpt import recipes
     existing = files.read_jsonl(path, {"kind": str})[0]
-    machine, commit = describe_machine(), _commit()
+    machine, commit = describe_machine(), code_commit()
     given = []
     for arg in train_flags:  # `--name value`, as absl takes it too, becomes `--name=value`
         if given and not arg.startswith("-") and "=" not in given[-1]:

@@ -80,6 +80,7 @@ def time_tests(suite: str, conditions: str, path: str = records.PATH,
     """Runs a suite (of `targets`: the whole of tests/ but in a test),
     timed, and records the run in the ledger in `path` (with this machine's
     record, if the ledger has none yet); returns pytest's code."""
+    ledger = records.load(path)  # a damaged ledger is found now, not after the suite has run
     command = [sys.executable, "-m", "pytest", "-q", *targets, *_SELECT[suite]]
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -89,15 +90,12 @@ def time_tests(suite: str, conditions: str, path: str = records.PATH,
     tests = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|xfailed|xpassed|"
                                            r"errors?)", outcome))
     machine = records.describe_machine()
-    ledger = records.load(path)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip() or None
     new = [] if machine["machine"] in ledger.machines else [machine]
     new.append({"kind": "tests", "suite": suite, "tests": tests,
                 "wall_seconds": round(seconds, 1),
                 "command": f"python -m pytest -q {' '.join(targets)}" + (
                     " -m 'not slow'" if _SELECT[suite] else ""),
-                "commit": commit, "recorded_in": None,
+                "commit": records.code_commit(), "recorded_in": None,
                 "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
                 "machine": machine["machine"], "conditions": conditions,
                 "outcome": outcome})
