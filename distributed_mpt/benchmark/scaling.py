@@ -31,6 +31,7 @@ from distributed_mpt import cli, files
 from distributed_mpt.benchmark.allreduce import packs
 from distributed_mpt.core.optim.schedules import linear_rule_warning, scaled_learning_rate
 from distributed_mpt.errors import ConfigError, ExitCode, first_line
+from distributed_mpt.recipes import CIFAR10_TRAIN_EXAMPLES
 from distributed_mpt.process import stopping
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -113,7 +114,6 @@ CPU_STEPS = {"airbench": (1024 / 34.6, "34.6 ex/s measured on a shared 2-core AM
 # The gRPC ring (--communication=ring), fitted on the loopback sweep of
 # docs/scaling.md (allreduce.fit): latency per ring step, seconds per byte.
 RING = (2.71e-3, 1 / 138e6)
-CIFAR10_TRAIN_EXAMPLES = 50_000
 
 
 # Each model's trainable variables in bytes (float32 gradients), in the

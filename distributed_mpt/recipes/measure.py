@@ -27,7 +27,7 @@ from distributed_mpt import cli, files, recipes
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import stopping
 from distributed_mpt.recipes import records
-from distributed_mpt.recipes.records import statistics_of
+from distributed_mpt.recipes.records import statistics_of, wall_time
 
 
 def _flag_values() -> flags.FlagValues:
@@ -73,13 +73,14 @@ def table(recipe: str, summaries: List[dict]) -> str:
                 f"deviation {100 * stats['std']:.2f} points, 95% interval of the mean "
                 f"{100 * low:.2f}-{100 * high:.2f}% (Student's t)")
     else:
-        head = f"`{recipe}`: {len(summaries)} run(s), none evaluated (--noevaluate): no test accuracy"
+        head = (f"`{recipe}`: {len(summaries)} run(s), none evaluated (--noevaluate): no test "
+                f"accuracy")
     lines = [head, "", "| seed | test accuracy | without TTA | wall time | examples/s | device |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in summaries:
         lines.append(f"| {s['seed']} | {_percent(s.get('eval_accuracy'))} | "
                      f"{_percent(s.get('eval_accuracy_without_tta'))} | "
-                     f"{s['wall_seconds'] / 60:.1f} min | {s['examples_per_second']:.0f} | "
+                     f"{wall_time(s.get('wall_seconds'))} | {s['examples_per_second']:.0f} | "
                      f"{s['device']} |")
     return "\n".join(lines) + "\n"
 

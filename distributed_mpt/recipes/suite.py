@@ -13,14 +13,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Optional
 
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.recipes import records
-from distributed_mpt.recipes.records import Ledger, wall_seconds
-
-REPO = Path(__file__).resolve().parents[2]
+from distributed_mpt.recipes.records import REPO, Ledger, wall_seconds, wall_time
 # The README's lines on each suite: what finds them there, and how they begin.
 _SUITES = {"all": (re.compile(r"# The tests \(.*?\n(?=pip install)", re.DOTALL),
                    "The tests (what CI runs, via .ci/run, in two test processes; the "
@@ -52,9 +49,9 @@ def lines(ledger: Ledger, suite: str, count: int) -> str:
     text = _SUITES[suite][1] + f"{count} tests"
     if timed:
         last = timed[-1]
-        seconds = wall_seconds(last)
-        took = f"{seconds / 60:.0f} min" if last.get("wall_seconds") is None else \
-            f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+        # Minutes where only those were recorded, else to the second.
+        took = wall_time(wall_seconds(last), "min" if last.get("wall_seconds") is None else "min s",
+                         digits=0)
         when = last["date"] + (f", {last['commit']}" if last["commit"] else "") \
             if last["date"] else f"recorded in {last['recorded_in']}"
         text += (f"; the last timed run, of {last['tests']} tests ({when}), took {took} on "
