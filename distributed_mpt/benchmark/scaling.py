@@ -13,10 +13,10 @@ packs of PACK_BYTES that overlap the backward pass (a what-if: the package's
 loop does not overlap today). NCCL's constants are stated assumptions; the
 gRPC ring's are fitted on the package's own all-reduce (allreduce.py).
 
-    python -m distributed_mpt.benchmark.scaling                  # A100, NCCL
+    python -m distributed_mpt.benchmark.scaling  # A100, NCCL
     python -m distributed_mpt.benchmark.scaling --device=H100 --svg=scaling.svg
     python -m distributed_mpt.benchmark.scaling --params=25557032 --step_ms=103.6 --batch=256
-    python -m distributed_mpt.benchmark.scaling --measure     # fit the ring here first (minutes)
+    python -m distributed_mpt.benchmark.scaling --measure  # fit the ring here first (minutes)
 """
 
 import dataclasses
