@@ -31,8 +31,8 @@ from distributed_mpt import cli, files
 from distributed_mpt.benchmark.allreduce import packs
 from distributed_mpt.core.optim.schedules import linear_rule_warning, scaled_learning_rate
 from distributed_mpt.errors import ConfigError, ExitCode, first_line
-from distributed_mpt.recipes import CIFAR10_TRAIN_EXAMPLES
 from distributed_mpt.process import stopping
+from distributed_mpt.recipes import CIFAR10_TRAIN_EXAMPLES
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
 DEVICES_PER_NODE = (1, 2, 4, 8)
@@ -265,8 +265,9 @@ def _count(value: float) -> str:
 
 def svg(projections: Dict[str, List[dict]], title: str) -> str:
     """The efficiency against devices in all (log scale; past the first
-    node, the most devices a node has), a colour per model, lighter for slower links; solid: one
-    pack (today), dashed: packs overlapping the backward pass."""
+    node, the most devices a node has), a colour per model, lighter for
+    slower links; solid: one pack (today), dashed: packs overlapping the
+    backward pass."""
     width, height, left, bottom, right = 760, 420, 60, 40, 200
     x = lambda devices: left + math.log2(devices) / 9 * (width - left - right)  # noqa: E731
     y = lambda eff: height - bottom - eff * (height - bottom - 40)  # noqa: E731
