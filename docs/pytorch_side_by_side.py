@@ -46,9 +46,11 @@ augmentation in the input pipeline, running beside the step.
 """
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import resource
 import shlex
 import statistics
@@ -87,7 +89,31 @@ def parse(argv):
     for name in ("batch_size", "rounds", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if torch_version() is None:  # found now, not after the first round of the package's
+        parser.error(f"PyTorch is not installed in this Python ({sys.executable}): run the "
+                     f"script with one that has it")
     return args
+
+
+def torch_version():
+    """The installed PyTorch's version (None if there is none), without
+    importing it."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    """This machine's CPU, as /proc/cpuinfo names it: the figures are its."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "an unknown CPU"
 
 
 def save_airbench_tensors(data_dir: str, into: str) -> None:
@@ -259,8 +285,9 @@ def main(argv=None) -> int:
     if args.steps:  # a round's upstream measurement, in its own process
         print(json.dumps(measure_upstream(args)), flush=True)
         return 0
+    machine = f"{len(os.sched_getaffinity(0))} cores of an {cpu_model()}"
     print(f"airbench at batch {args.batch_size}, {args.precision}, {args.rounds} rounds; "
-          f"{len(os.sched_getaffinity(0))} cores; load average {os.getloadavg()[0]:.1f}",
+          f"PyTorch {torch_version()}; {machine}; load average {os.getloadavg()[0]:.1f}",
           flush=True)
     ratios = []
     for round_number in range(1, args.rounds + 1):
@@ -278,8 +305,9 @@ def main(argv=None) -> int:
               f"{theirs['epoch_augmentation_seconds']:.1f} s), {ours['steps']} steps x "
               f"{args.repeats}: ratio {ratios[-1]:.2f}x; load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
-    print(f"package / PyTorch images/s: median {statistics.median(ratios):.2f}x, "
-          f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} rounds", flush=True)
+    print(f"package / PyTorch {torch_version()} images/s: median {statistics.median(ratios):.2f}x, "
+          f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} rounds, on {machine}",
+          flush=True)
     return 0
 
 

@@ -61,6 +61,9 @@ MAX_RENDERED_BYTES = 32 << 20
 RESOURCE_MAXIMA = {"cpu": "1024", "memory": "32Ti", "ephemeral-storage": "1Pi", "/gpu": "16"}
 # Kubernetes' quantity grammar (apimachinery, resource.ParseQuantity).
 _QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE]|[eE][+-]?[0-9]+)?")
+# apimachinery's Quantity: "no quantity may represent a number greater than
+# 2^63-1 in magnitude" (a larger one is capped, not refused).
+MAX_QUANTITY = 2 ** 63 - 1
 _SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, None: 1,
              **{f"{p}i": 2 ** (10 * n) for n, p in enumerate("KMGTPE", 1)}}
 _DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -190,9 +193,14 @@ def render(directory: Path) -> list:
         result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, timeout=120)
     except subprocess.TimeoutExpired:
         raise InputError("kubectl kustomize did not finish in 120 s") from None
-    if result.returncode != 0 or len(result.stdout) > MAX_RENDERED_BYTES:
-        raise InputError(f"kubectl kustomize failed: {result.stderr.decode(errors='replace')[-2000:]}"
-                         if result.returncode else f"kubectl kustomize rendered over {MAX_RENDERED_BYTES} bytes")
+    if result.returncode != 0:
+        # Deprecation warnings come first, and the error's cause ends its
+        # line, after the whole object it failed on: keep that end.
+        lines = result.stderr.decode(errors="replace").split("\n")
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "(nothing on stderr)")
+        raise InputError(f"kubectl kustomize failed: {last if len(last) <= 300 else '... ' + last[-300:]}")
+    if len(result.stdout) > MAX_RENDERED_BYTES:
+        raise InputError(f"kubectl kustomize rendered over {MAX_RENDERED_BYTES} bytes")
     return load_yaml(result.stdout.decode(errors="replace"), "kubectl kustomize")
 
 
@@ -310,12 +318,20 @@ def _trainer():
 # --------------------------------------------------- what the settings say
 
 def quantity(value) -> float:
-    """A Kubernetes quantity's value; ValueError if it is not one."""
-    match = _QUANTITY.fullmatch(str(value))
+    """A Kubernetes quantity's value; ValueError, saying why, if it is not
+    one or is beyond what Kubernetes holds."""
+    text = str(value)
+    match = _QUANTITY.fullmatch(text)
     if not match:
-        raise ValueError(value)
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (4, 500m, 24Gi)")
     number, suffix = match.groups()
-    return float(number) * (_SUFFIXES[suffix] if suffix in _SUFFIXES else 10 ** int(suffix[1:]))
+    # float() reads a decimal exponent of any length at once (to inf or 0),
+    # where 10 ** int(exponent) would build a number of that many digits.
+    amount = float(number) * _SUFFIXES[suffix] if suffix in _SUFFIXES else float(number + suffix)
+    if not abs(amount) <= MAX_QUANTITY:
+        raise ValueError(f"{text if len(text) < 40 else text[:40] + '...'} is beyond the largest quantity "
+                         f"Kubernetes holds (2^63-1)")
+    return amount
 
 
 def _strings(node, path=""):
@@ -357,9 +373,8 @@ def value_errors(settings: dict, kustomization: dict, trainer) -> list:
             most = RESOURCE_MAXIMA.get("/gpu" if str(resource).endswith("/gpu") else resource)
             try:
                 amounts[bound, resource] = amount = quantity(value)
-            except ValueError:
-                found.append(f"settings.yaml: resources.{bound}.{resource}: {value!r} is not a Kubernetes quantity "
-                             f"(4, 500m, 24Gi)")
+            except ValueError as e:
+                found.append(f"settings.yaml: resources.{bound}.{resource}: {e}")
                 continue
             if amount < 0 or (most and amount > quantity(most)):
                 found.append(f"settings.yaml: resources.{bound}.{resource}: {value} is out of range (0 to {most}: "

@@ -10,7 +10,8 @@ from conftest import REPO, assert_ok, run_module
 
 ENTRY_POINTS = ["distributed_mpt.train", "distributed_mpt.predict", "distributed_mpt.launch",
                 "distributed_mpt.benchmark", "distributed_mpt.prepare_data",
-                "distributed_mpt.recipes.measure", "distributed_mpt.recipes.ledger"]
+                "distributed_mpt.recipes.measure", "distributed_mpt.recipes.ledger",
+                "distributed_mpt.benchmark.scaling"]
 RECIPES = REPO / "distributed_mpt" / "recipes"
 
 # "word.Word": two sentences whose strings were joined without a space

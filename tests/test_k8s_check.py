@@ -97,6 +97,18 @@ def test_the_check_names_an_unknown_setting_and_an_unknown_variant(tmp_path):
         assert message in line and result.stdout == "", line
 
 
+def test_kubectl_failing_is_told_by_its_last_line(tmp_path):
+    """kubectl's deprecation warnings come first, its error last, with the
+    cause at the end of that line: that is what the error line keeps."""
+    settings = settings_copy(tmp_path)
+    edit(settings / "kustomization.yaml", {"resources:\n- settings.yaml\n": (
+        "commonLabels: {a: b}\npatchesStrategicMerge: []\npatchesJson6902: []\nvars: []\n"
+        "resources:\n- settings.yaml\n- missing.yaml\n")})
+    (line,) = _errors(run_check(str(settings), "trainjob"))
+    assert line.startswith("error: trainjob: kubectl kustomize failed: ") and "Warning" not in line, line
+    assert "missing.yaml: no such file or directory" in line[-60:], line
+
+
 def _billion_laughs(text: str) -> str:
     """The tolerations made of ten anchors of nine aliases each: 10^9
     strings once expanded (the shipped check's kubectl grew past 4.6 GB on it)."""
@@ -129,6 +141,17 @@ HOSTILE = {
                             "resources.limits.ephemeral-storage: 6Ei is out of range (0 to 1Pi"),
     "a size that is no quantity": ("settings.yaml", lambda text: _set(text, "memory: 24Gi", "memory: 24GB"),
                                    "'24GB' is not a Kubernetes quantity"),
+    "a size of 1e400": ("settings.yaml", lambda text: _set(text, "memory: 24Gi", "memory: 1e400"),
+                        "resources.requests.memory: 1e400 is beyond the largest quantity Kubernetes holds"),
+    "a size of 1e9999999": ("settings.yaml", lambda text: _set(text, "ephemeral-storage: 2Gi",
+                                                                  "ephemeral-storage: 1e9999999"),
+                            "ephemeral-storage: 1e9999999 is beyond the largest quantity Kubernetes holds"),
+    "a resource named by a number": ("settings.yaml", lambda text: _set(text, "  limits:\n",
+                                                                        "  limits:\n          1: 2\n"),
+                                     "resources.limits: 1 is not of type 'string'"),
+    "a node label named by a number": ("settings.yaml", lambda text: _set(text, "nodeSelector:\n",
+                                                                          "nodeSelector:\n      1: 2\n"),
+                                       "nodeSelector: 1 is not of type 'string'"),
     "a job name too long for its pods": ("settings.yaml", lambda text: _set(
         text, "jobName: cifar10-resnet9", "jobName: " + "a" * 60), "short enough for the pods' names"),
 }
@@ -154,3 +177,19 @@ def test_a_fifo_in_the_settings_is_refused_not_waited_on(tmp_path):
     os.mkfifo(settings / "kustomization.yaml")  # nobody ever writes into it
     (line,) = _errors(run_check(str(settings)))
     assert line == f"error: {settings / 'kustomization.yaml'}: not a regular file"
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e9999999", "-1e9999999", "9" * 400, "1e" + "9" * 5000, "8Ei"])
+def test_a_quantity_beyond_kubernetes_is_refused_at_once(text):
+    """Refused with a reason, not an OverflowError, nor after building a
+    number of millions of digits (1e9999999 took 24 s)."""
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"is beyond the largest quantity Kubernetes holds \(2\^63-1\)"):
+        check.quantity(text)
+    print(f"refused in {time.monotonic() - started:.6f} s")
+    assert time.monotonic() - started < 5
+
+
+def test_a_quantity_has_its_value():
+    assert [check.quantity(text) for text in ("4", "500m", "24Gi", "1e3", "1.5E+2", ".5k", "7E", "-2")] == \
+        [4, 0.5, 24 * 2 ** 30, 1000, 150, 500, 7e18, -2]

@@ -119,3 +119,72 @@ def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
     assert run["wall_seconds"] > 0 and "1 passed" in run["outcome"]
     assert run["command"] == f"python -m pytest -q {one_test} -m 'not slow'"
     assert "recorded in" in capsys.readouterr().out
+
+
+def test_a_damaged_ledger_is_found_before_the_suite_runs(tmp_path, monkeypatch):
+    """The fast tier takes minutes, the whole suite an hour: the ledger it is
+    recorded into is read first."""
+    from distributed_mpt import files
+    from distributed_mpt.recipes import suite
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"kind": "machine"\n')
+
+    def run(*args, **kwargs):
+        raise AssertionError(f"the suite was run: {args}")
+    monkeypatch.setattr(suite.subprocess, "run", run)
+    with pytest.raises(files.DamagedFileError, match=str(ledger)):
+        suite.time_tests("fast", "a test", path=str(ledger), targets=("tests/test_layout.py",))
+
+
+def _ledger_of(runs, tests=()):
+    """A ledger of `runs` of cpu_cnn94 as shipped, each (machine, seconds
+    or None, minutes or None, session), and `tests` records; its machines
+    in the order the runs name them."""
+    from distributed_mpt.recipes import records
+
+    flags = records.recipe_flags("cpu_cnn94")
+    machines = list(dict.fromkeys([m for m, *_ in runs] + [t["machine"] for t in tests]))
+    return records.Ledger(
+        [{"kind": "machine", "machine": m, "cpu": f"a CPU called {m}", "column": m} for m in machines]
+        + [{"kind": "run", "id": f"run {i}", "recipe": "cpu_cnn94", "set": f"on {machine}",
+            "session": session, "against": None, "flags": flags, "machine": machine, "seed": i,
+            "commit": None, "eval_accuracy": 0.94, "eval_accuracy_without_tta": 0.93,
+            "wall_seconds": seconds, "wall_minutes": minutes}
+           for i, (machine, seconds, minutes, session) in enumerate(runs)]
+        + [{"kind": "tests", **t} for t in tests])
+
+
+def test_the_xeons_minutes_are_the_xeons_runs_whatever_the_order_of_the_columns():
+    """The README's "The Xeon's N min" took the second column's runs."""
+    from distributed_mpt.recipes import render
+
+    ledger = _ledger_of([("epyc", 600, None, None), ("zen3", 1200, None, None),
+                         ("xeon-amx", 1800, None, None)])
+    pattern, figure = render._README_QUOTES[1]
+    assert pattern.sub(lambda m: m.group(1) + figure(ledger) + m.group(3),
+                       "The Xeon's 0 min") == "The Xeon's 30 min"
+
+
+def test_a_session_row_states_its_wall_times_in_one_unit():
+    """A row of runs timed in seconds and in minutes says minutes, of each
+    (the seconds were printed as they were, labelled min)."""
+    from distributed_mpt.recipes import render
+
+    ledger = _ledger_of([("epyc", 600.0, None, "S"), ("epyc", None, 10.5, "S")])
+    assert render.session_table(ledger, "S").splitlines()[-1] == (
+        "| 1-2 | `cpu_cnn94` seeds 0, 1 | 94.00%, 94.00% (93.00, 93.00) | 10.0, 10.5 min |")
+
+
+def test_a_timed_suite_states_its_time_in_whole_minutes_and_seconds():
+    """119.6 s is 2 min 0 s (it was "1 min 60 s")."""
+    from distributed_mpt.recipes import records, suite
+
+    ledger = _ledger_of([], tests=[{"suite": "fast", "tests": 10, "wall_seconds": 119.6,
+                                    "date": "2026-12-04", "commit": "abc1234", "machine": "epyc",
+                                    "conditions": "quiet"}])
+    assert "took 2 min 0 s on a CPU called epyc, quiet" in " ".join(
+        suite.lines(ledger, "fast", 10).replace("# ", "").split())
+    assert [records.wall_time(s, unit) for s, unit in (
+        (None, "s"), (559.64, "s"), (780, "min"), (692.4, "min s"))] == [
+        "—", "559.6 s", "13.0 min", "11 min 32 s"]

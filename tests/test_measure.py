@@ -62,6 +62,38 @@ def test_a_damaged_ledger_is_refused_before_any_training(tmp_path):
     assert str(ledger) in result.stderr and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("where", ["/proc/ledger.jsonl", "a file/ledger.jsonl", "a directory"])
+def test_a_ledger_that_cannot_be_written_is_refused_before_any_training(tmp_path, where):
+    """The records are written after the last seed, hours later: a ledger
+    that cannot be written there (the default, in a read-only installation)
+    is found before the first."""
+    (tmp_path / "a file").write_text("")
+    (tmp_path / "a directory").mkdir()
+    ledger = tmp_path / where
+    result = run_module("distributed_mpt.recipes.measure",
+                        ["--recipe=mlp", "--seeds=0", f"--runs_dir={tmp_path / 'runs'}",
+                         f"--ledger={ledger}", *SHORT])
+    print(result.stdout + result.stderr)
+    assert result.returncode == 2 and result.stderr.startswith("error: --ledger=")
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_runs_without_a_test_accuracy_are_tabulated_and_kept_out_of_the_ledger(tmp_path):
+    """--noevaluate: the table has their times (table() raised a TypeError),
+    and the ledger, of what recipes reach, no record of them."""
+    runs, ledger = tmp_path / "runs", tmp_path / "ledger.jsonl"
+    ledger.write_text("")
+    result = run_module("distributed_mpt.recipes.measure",
+                        ["--recipe=mlp", "--seeds=0", f"--runs_dir={runs}", f"--ledger={ledger}",
+                         *SHORT, "--noevaluate"], timeout=900)
+    assert_ok(result)
+    table = (runs / "results.md").read_text()
+    print(table)
+    assert table.startswith("`mlp`: 1 run(s), none evaluated (--noevaluate): no test accuracy\n")
+    assert [line.split(" | ")[1:3] for line in table.splitlines() if line.startswith("| 0 ")] == [["—", "—"]]
+    assert ledger.read_text() == ""
+
+
 def test_bad_seeds_are_one_error_line(tmp_path):
     result = run_module("distributed_mpt.recipes.measure",
                         ["--recipe=mlp", "--seeds=0-x", f"--runs_dir={tmp_path}"])

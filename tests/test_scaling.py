@@ -99,6 +99,51 @@ def test_the_projection_refuses_half_a_model_of_ones_own(tmp_path):
                           "needs all of --params, --step_ms and --batch")
 
 
+YOURS = {"params": "25557032", "step_ms": "103.6", "batch": "256"}
+
+
+@pytest.mark.parametrize("flag, value", [("params", "inf"), ("params", "1e400"), ("step_ms", "nan"),
+                                         ("learning_rate", "nan"), ("batch", "1" + "0" * 400),
+                                         ("batch_norms", "1" + "0" * 400), ("params", "0x10")])
+def test_a_number_flag_out_of_its_domain_is_one_error_line(capsys, flag, value):
+    """Not an OverflowError, nor tables of nan: the flags parse as every
+    entry point's numbers do (cli.define_float, cli.define_integer)."""
+    argv = [f"--{name}={given}" for name, given in {**YOURS, flag: value}.items()]
+    code = scaling.main(["--models=", *argv])
+    out, err = capsys.readouterr()
+    print(err)
+    assert code == 2 and out == "" and err.count("\n") == 1, (code, out)
+    assert err.startswith(f"error: flag --{flag}="), err
+
+
+def test_a_failed_or_interrupted_measurement_is_one_line(capsys, monkeypatch, tmp_path):
+    """--measure times the ring in worker processes (minutes): a worker that
+    fails is its reason, Ctrl-C is `interrupted`, without a traceback, and
+    the plot is not drawn."""
+    plot = tmp_path / "scaling.svg"
+    for raised, code, line in ((RuntimeError("AllReduce(2 workers): exited 1: error: OSError: no port"),
+                                1, "error: --measure: the ring could not be timed here: AllReduce(2 workers): "
+                                   "exited 1: error: OSError: no port"),
+                               (KeyboardInterrupt(), scaling.ExitCode.ABORTED, "interrupted: nothing written")):
+        def measure_and_fit(raised=raised):
+            raise raised
+        monkeypatch.setattr(allreduce, "measure_and_fit", measure_and_fit)
+        assert scaling.main(["--measure", "--communication=ring", f"--svg={plot}"]) == code
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", line + "\n") and not plot.exists()
+
+
+def test_the_plot_of_cpus_draws_a_line_through_every_node_count(tmp_path):
+    """CPU nodes have one device each: every row is a point of the plot (it
+    kept only the rows of 8 devices a node, none, and drew nothing)."""
+    plot = tmp_path / "scaling.svg"
+    assert scaling.main(["--device=cpu", "--communication=ring", f"--svg={plot}"]) == 0
+    lines = ElementTree.parse(plot).getroot().findall("{*}polyline")
+    assert len(lines) == 2 * 3 * 2  # two models, three links, pack and overlap
+    for line in lines:
+        assert len(line.get("points").split()) == len(scaling.NODES), line.get("points")
+
+
 def test_the_overlap_what_if_never_beats_compute_and_packing_beats_a_collective_a_tensor():
     work = scaling.Workload("w", 512, 0.016, "test", 26 * 2**20, tuple([2**20] * 26), 41, 0.1)
     for nodes in (2, 64):

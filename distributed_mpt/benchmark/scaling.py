@@ -13,10 +13,10 @@ packs of PACK_BYTES that overlap the backward pass (a what-if: the package's
 loop does not overlap today). NCCL's constants are stated assumptions; the
 gRPC ring's are fitted on the package's own all-reduce (allreduce.py).
 
-    python -m distributed_mpt.benchmark.scaling                  # A100, NCCL
+    python -m distributed_mpt.benchmark.scaling  # A100, NCCL
     python -m distributed_mpt.benchmark.scaling --device=H100 --svg=scaling.svg
     python -m distributed_mpt.benchmark.scaling --params=25557032 --step_ms=103.6 --batch=256
-    python -m distributed_mpt.benchmark.scaling --measure     # fit the ring here first (minutes)
+    python -m distributed_mpt.benchmark.scaling --measure  # fit the ring here first (minutes)
 """
 
 import dataclasses
@@ -30,7 +30,9 @@ from absl import flags
 from distributed_mpt import cli, files
 from distributed_mpt.benchmark.allreduce import packs
 from distributed_mpt.core.optim.schedules import linear_rule_warning, scaled_learning_rate
-from distributed_mpt.errors import ConfigError, ExitCode
+from distributed_mpt.errors import ConfigError, ExitCode, first_line
+from distributed_mpt.process import stopping
+from distributed_mpt.recipes import CIFAR10_TRAIN_EXAMPLES
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
 DEVICES_PER_NODE = (1, 2, 4, 8)
@@ -112,7 +114,6 @@ CPU_STEPS = {"airbench": (1024 / 34.6, "34.6 ex/s measured on a shared 2-core AM
 # The gRPC ring (--communication=ring), fitted on the loopback sweep of
 # docs/scaling.md (allreduce.fit): latency per ring step, seconds per byte.
 RING = (2.71e-3, 1 / 138e6)
-CIFAR10_TRAIN_EXAMPLES = 50_000
 
 
 # Each model's trainable variables in bytes (float32 gradients), in the
@@ -263,9 +264,10 @@ def _count(value: float) -> str:
 
 
 def svg(projections: Dict[str, List[dict]], title: str) -> str:
-    """The efficiency against devices in all (log scale; 8 a node past the
-    first node), a colour per model, lighter for slower links; solid: one
-    pack (today), dashed: packs overlapping the backward pass."""
+    """The efficiency against devices in all (log scale; past the first
+    node, the most devices a node has), a colour per model, lighter for
+    slower links; solid: one pack (today), dashed: packs overlapping the
+    backward pass."""
     width, height, left, bottom, right = 760, 420, 60, 40, 200
     x = lambda devices: left + math.log2(devices) / 9 * (width - left - right)  # noqa: E731
     y = lambda eff: height - bottom - eff * (height - bottom - 40)  # noqa: E731
@@ -278,7 +280,8 @@ def svg(projections: Dict[str, List[dict]], title: str) -> str:
     parts += [f'<text x="{x(d) - 8}" y="{height - bottom + 16}">{d}</text>' for d in (1, 8, 64, 512)]
     legend = 40
     for colour, (name, rows) in zip(("#1f77b4", "#d62728", "#2ca02c", "#9467bd"), projections.items()):
-        points = [r for r in rows if r["nodes"] == 1 or r["devices"] == max(DEVICES_PER_NODE)]
+        most = max(r["devices"] for r in rows)  # a node's devices past the first node (1 for CPUs)
+        points = [r for r in rows if r["nodes"] == 1 or r["devices"] == most]
         for gbps, opacity in zip(LINKS_GBPS, (0.4, 0.7, 1.0)):
             for variant, dash in (("pack", ""), ("overlap", ' stroke-dasharray="5,4"')):
                 path = " ".join(f"{x(r['nodes'] * r['devices']):.1f},"
@@ -301,15 +304,16 @@ def _flag_values() -> flags.FlagValues:
                       "assumptions) or ring (TensorFlow's over gRPC, fitted here).", flag_values=fv)
     flags.DEFINE_list("models", list(A100_STEPS), "Of airbench, resnet9 (none: only yours).",
                       flag_values=fv)
-    flags.DEFINE_float("params", None, "Also project a model of this many parameters (float32 "
-                       "gradients), with --step_ms and --batch.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_float("step_ms", None, "Its step on one --device, in ms.", lower_bound=1e-3,
-                       flag_values=fv)
-    flags.DEFINE_integer("batch", None, "Its batch per device.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("batch_norms", 0, "Its synchronized batch norms.", lower_bound=0,
-                         flag_values=fv)
-    flags.DEFINE_float("learning_rate", 0.1, "Its rate at batch 128.", lower_bound=0,
-                       flag_values=fv)
+    # Bounded past any model: a number past them would overflow the tables'
+    # floats, and `inf` or `nan` make tables of nan.
+    cli.define_float(fv, "params", None, "Also project a model of this many parameters (float32 "
+                     "gradients), with --step_ms and --batch.", lower=1, upper=1e15)
+    cli.define_float(fv, "step_ms", None, "Its step on one --device, in ms.", lower=1e-3,
+                     upper=1e9)
+    cli.define_integer(fv, "batch", None, "Its batch per device.", lower=1, upper=10**9)
+    cli.define_integer(fv, "batch_norms", 0, "Its synchronized batch norms.", lower=0,
+                       upper=10**6)
+    cli.define_float(fv, "learning_rate", 0.1, "Its rate at batch 128.", lower=0, upper=100)
     flags.DEFINE_string("svg", None, "Also draw the efficiency into this SVG file.", flag_values=fv)
     flags.DEFINE_bool("measure", False, "First time the ring here (2 and 3 local workers, a few "
                       "minutes), fit it, and project the ring with that fit.", flag_values=fv)
@@ -340,7 +344,11 @@ def main(argv=None) -> int:
     fv = _flag_values()
     if cli.wants_help(argv):
         return cli.show_help(__doc__, fv)
-    return cli.guarded(lambda: _project(fv, argv))
+    try:
+        return cli.guarded(lambda: _project(fv, argv))
+    except KeyboardInterrupt as e:  # the plot is written last, whole
+        print("interrupted: nothing written", file=sys.stderr, flush=True)
+        return ExitCode.PREEMPTED if isinstance(e, stopping.Terminated) else ExitCode.ABORTED
 
 
 def _project(fv: flags.FlagValues, argv: List[str]) -> int:
@@ -356,7 +364,13 @@ def _project(fv: flags.FlagValues, argv: List[str]) -> int:
     ring = RING
     if fv.measure:
         from distributed_mpt.benchmark.allreduce import measure_and_fit
-        *ring, report = measure_and_fit()
+        try:  # SIGTERM too ends the workers timing the ring (stops_interrupting)
+            with stopping.stops_interrupting():
+                *ring, report = measure_and_fit()
+        except RuntimeError as e:  # a worker failed: run_cell's line says which and why
+            print(f"error: --measure: the ring could not be timed here: {first_line(e)}",
+                  file=sys.stderr, flush=True)
+            return ExitCode.CRASHED
         print(report, flush=True)
     chosen = workloads(fv)
     projections = {w.name: projection(w, fv.device, fv.communication, tuple(ring)) for w in chosen}

@@ -7,6 +7,9 @@ from importlib import resources
 from distributed_mpt.errors import ConfigError
 
 _DIRECTORY = resources.files(__name__)
+# CIFAR-10's train split, on which the recipes train: the projection's batch
+# rule (benchmark/scaling.py) and an unfinished run's time to the end (render.py).
+CIFAR10_TRAIN_EXAMPLES = 50_000
 
 
 def names() -> list:

@@ -19,7 +19,8 @@ from absl import flags
 from distributed_mpt import cli, recipes
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.recipes import render, suite
-from distributed_mpt.recipes.records import Ledger, load, variant, wall_seconds
+from distributed_mpt.recipes.records import (Ledger, load, recorded_unit, variant, wall_seconds,
+                                             wall_time)
 
 
 def _percent(value) -> str:
@@ -39,8 +40,7 @@ def listing(ledger: Ledger, recipe: Optional[str] = None) -> str:
                   "| seed | commit | test accuracy | without TTA | wall time | examples/s | "
                   "conditions |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in runs:
-            wall = "—" if wall_seconds(r) is None else f"{r['wall_seconds']:.1f} s" \
-                if r.get("wall_seconds") is not None else f"{r['wall_minutes']:.1f} min"
+            wall = wall_time(wall_seconds(r), recorded_unit(r))
             lines.append(f"| {r['seed']} | {r['commit'] or '?'} | {_percent(r['eval_accuracy'])}"
                          f" | {_percent(r.get('eval_accuracy_without_tta'))} | {wall} | "
                          f"{r.get('examples_per_second') or '—'} | {r.get('conditions') or ''} |")

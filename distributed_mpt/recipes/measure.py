@@ -19,7 +19,7 @@ README and the recipes state.
 import os
 import subprocess
 import sys
-from typing import List
+from typing import List, Optional
 
 from absl import flags
 
@@ -27,7 +27,7 @@ from distributed_mpt import cli, files, recipes
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import stopping
 from distributed_mpt.recipes import records
-from distributed_mpt.recipes.records import statistics_of
+from distributed_mpt.recipes.records import statistics_of, wall_time
 
 
 def _flag_values() -> flags.FlagValues:
@@ -58,20 +58,29 @@ def seeds_of(text: str) -> List[int]:
     return list(range(numbers[0], numbers[1] + 1)) if "-" in text else numbers
 
 
+def _percent(value: Optional[float]) -> str:
+    return "—" if value is None else f"{100 * value:.2f}%"
+
+
 def table(recipe: str, summaries: List[dict]) -> str:
-    """The results as Markdown: the statistics, then one row per run."""
-    stats = statistics_of([s["eval_accuracy"] for s in summaries])
-    low, high = stats["interval"]
-    lines = [f"`{recipe}`: n = {stats['n']}, mean {100 * stats['mean']:.2f}%, standard "
-             f"deviation {100 * stats['std']:.2f} points, 95% interval of the mean "
-             f"{100 * low:.2f}-{100 * high:.2f}% (Student's t)", "",
-             "| seed | test accuracy | without TTA | wall time | examples/s | device |",
+    """The results as Markdown: the statistics of the test accuracy (of the
+    runs that were evaluated: not with --noevaluate), then one row per run."""
+    evaluated = [s["eval_accuracy"] for s in summaries if s.get("eval_accuracy") is not None]
+    if evaluated:
+        stats = statistics_of(evaluated)
+        low, high = stats["interval"]
+        head = (f"`{recipe}`: n = {stats['n']}, mean {100 * stats['mean']:.2f}%, standard "
+                f"deviation {100 * stats['std']:.2f} points, 95% interval of the mean "
+                f"{100 * low:.2f}-{100 * high:.2f}% (Student's t)")
+    else:
+        head = (f"`{recipe}`: {len(summaries)} run(s), none evaluated (--noevaluate): no test "
+                f"accuracy")
+    lines = [head, "", "| seed | test accuracy | without TTA | wall time | examples/s | device |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in summaries:
-        plain = s.get("eval_accuracy_without_tta")
-        lines.append(f"| {s['seed']} | {100 * s['eval_accuracy']:.2f}% | "
-                     f"{'—' if plain is None else f'{100 * plain:.2f}%'} | "
-                     f"{s['wall_seconds'] / 60:.1f} min | {s['examples_per_second']:.0f} | "
+        lines.append(f"| {s['seed']} | {_percent(s.get('eval_accuracy'))} | "
+                     f"{_percent(s.get('eval_accuracy_without_tta'))} | "
+                     f"{wall_time(s.get('wall_seconds'))} | {s['examples_per_second']:.0f} | "
                      f"{s['device']} |")
     return "\n".join(lines) + "\n"
 
@@ -94,8 +103,15 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
         raise ConfigError("--recipe is required: the recipe to measure")
     runs_dir = os.path.expanduser(fv.runs_dir or os.path.join("runs", fv.recipe))
     book = os.path.expanduser(fv.ledger)
-    if book and os.path.lexists(book):  # a damaged ledger is found now, not hours later
-        records.load(book)
+    if book:  # a damaged or unwritable ledger is found now, not hours later
+        files.check_replaceable(book, f"--ledger={quoted(book)}")
+        try:
+            files.check_writable(os.path.dirname(os.path.abspath(book)), "--ledger")
+        except ConfigError as e:  # the default, in an installed package, may be read-only
+            raise ConfigError(f"{e}: the ledger {quoted(book)} could not be written there; name "
+                              f"another with --ledger, or --ledger='' for none") from None
+        if os.path.lexists(book):
+            records.load(book)
     summaries, finished = [], []
     for seed in seeds_of(fv.seeds):
         model_dir = os.path.join(runs_dir, f"seed-{seed}")
@@ -121,7 +137,10 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
     files.write_json(os.path.join(runs_dir, "results.json"),
                      {"recipe": fv.recipe, "train_flags": train_flags, "runs": summaries})
     print(text, end="")
-    if book:
+    # The ledger holds what recipes reach: a run without a test accuracy
+    # (--noevaluate) would leave its figures nothing to say.
+    finished = [run for run in finished if run[1].get("eval_accuracy") is not None]
+    if book and finished:
         added = records.record_runs(book, fv.recipe, finished, train_flags, " ".join(
             ["python -m distributed_mpt.recipes.measure", *own, "--", *train_flags]),
             fv.conditions)

@@ -30,12 +30,16 @@ import os
 import re
 import statistics
 from importlib import resources
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from distributed_mpt import files
 from distributed_mpt.errors import ConfigError
 
 PATH = str(resources.files(__package__) / "ledger.jsonl")
+# The source checkout the package is in, when it is one: its README.md and
+# docs/ quote the ledger, its tests/ are what --time_tests runs.
+REPO = Path(__file__).resolve().parents[2]
 
 # Flags that say where the data and the run live, or which seed: not what a
 # recipe is. A run's `flags` leave them out, and so does a recipe compared
@@ -105,6 +109,26 @@ def wall_seconds(run: dict) -> Optional[float]:
     if run.get("wall_seconds") is not None:
         return run["wall_seconds"]
     return None if run.get("wall_minutes") is None else 60 * run["wall_minutes"]
+
+
+def recorded_unit(run: dict) -> str:
+    """The unit the run's wall time was recorded in: "s", or "min" where
+    only minutes were."""
+    return "s" if run.get("wall_seconds") is not None else "min"
+
+
+def wall_time(seconds: Optional[float], unit: str = "min", digits: int = 1,
+              with_unit: bool = True) -> str:
+    """A wall time as every file the ledger renders states one: in `unit`
+    "s" or "min" to `digits` decimals ("13.0 min"), or "min s", whole
+    minutes and seconds ("11 min 32 s"); "—" if it is not known."""
+    if seconds is None:
+        return "—"
+    if unit == "min s":
+        whole = round(seconds)
+        return f"{whole // 60} min {whole % 60} s"
+    value = seconds / 60 if unit == "min" else seconds
+    return f"{value:.{digits}f}" + (f" {unit}" if with_unit else "")
 
 
 class Ledger:
@@ -181,7 +205,7 @@ def append(path: str, records: List[dict]) -> None:
                                           for r in records))
 
 
-def _commit() -> str:
+def code_commit() -> str:
     """The package's code: its git commit (with -dirty for uncommitted
     changes) in a checkout, else its version."""
     import subprocess
@@ -207,7 +231,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     import datetime
     from distributed_mpt import recipes
     existing = files.read_jsonl(path, {"kind": str})[0]
-    machine, commit = describe_machine(), _commit()
+    machine, commit = describe_machine(), code_commit()
     given = []
     for arg in train_flags:  # `--name value`, as absl takes it too, becomes `--name=value`
         if given and not arg.startswith("-") and "=" not in given[-1]:
@@ -217,7 +241,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     with open(recipes.path(recipe)) as f:
         run_flags = flags_of_text(f.read() + "\n" + "\n".join(given))
     label = variant(run_flags, recipe)
-    if len(label.split()) > 3 or label.startswith("another"):  # a set's name, not a list
+    if len(label.split()) > 3:  # a set's name, not a list (nor "another recipe's flags (5 differ)")
         import hashlib
         digest = hashlib.sha1(json.dumps(run_flags, sort_keys=True).encode()).hexdigest()
         label = f"flags {digest[:8]}"

@@ -23,11 +23,13 @@ from typing import List, Optional
 
 from distributed_mpt import files, recipes
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.recipes import records, suite
-from distributed_mpt.recipes.records import Ledger, statistics_of, variant, wall_seconds
+from distributed_mpt.recipes import CIFAR10_TRAIN_EXAMPLES, records, suite
+from distributed_mpt.recipes.records import (REPO, Ledger, statistics_of, variant, wall_seconds,
+                                             wall_time)
 
-REPO = Path(__file__).resolve().parents[2]
-CIFAR10_TRAIN_EXAMPLES = 50_000
+# The machine whose run the README's "The Xeon's N min" states (its table's
+# Xeon column).
+XEON = "xeon-amx"
 # A variant of a recipe measured over this many seeds is shown beside it in
 # the README (the record's SiLU beside cpu_cnn94_muon's GELU); single runs
 # of a variant (the ablations) stay in the ledger and docs/recipes.md.
@@ -40,10 +42,6 @@ def _mean(value: float) -> str:
     """A mean in percent to 2 decimals, or 3 where the third is a 5 (93.995:
     rounding would put it on one side of 94.0 or the other)."""
     return f"{value:.3f}" if round(value * 1000) % 10 == 5 else f"{value:.2f}"
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min"
 
 
 def _accuracy(runs: List[dict], key: str = "eval_accuracy") -> Optional[dict]:
@@ -87,7 +85,7 @@ def time_ratio(ledger: Ledger, runs: List[dict]) -> Optional[float]:
     return statistics_of(_walls(runs))["mean"] / statistics_of(_walls(baselines))["mean"]
 
 
-def _unfinished(ledger: Ledger, run: dict) -> str:
+def _unfinished(run: dict) -> str:
     """A run stopped before its end: its rate, what its epochs would take, its curve."""
     rate = run["examples_per_second"]
     epochs = float(records.recipe_flags(run["recipe"]).get("epochs", 0))
@@ -103,9 +101,10 @@ def _per_session(ledger: Ledger, runs: List[dict]) -> str:
     sessions = list(dict.fromkeys(r["session"] for r in runs if r["session"]))
     if len(sessions) < 2:
         return ""
-    means = [statistics_of(_walls([r for r in runs if r["session"] == s]))["mean"] / 60
+    means = [statistics_of(_walls([r for r in runs if r["session"] == s]))["mean"]
              for s in sessions]
-    return (" (" + ", ".join(f"{m:.1f}" for m in means) + f" min in its {len(sessions)} "
+    return (" (" + ", ".join(wall_time(m, with_unit=False) for m in means) +
+            f" min in its {len(sessions)} "
             f"sessions: the machine's speed varies by the day)")
 
 
@@ -117,7 +116,7 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
     first, stars = runs[0], "**" if bold else ""
     accuracy, walls, ratio = _accuracy(runs), _walls(runs), time_ratio(ledger, runs)
     if accuracy is None:
-        text = _unfinished(ledger, first)
+        text = _unfinished(first)
     elif accuracy["n"] == 1:
         text = f"{stars}{_mean(accuracy['mean'])}%{stars} in 1 run"
     else:
@@ -127,7 +126,7 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
                 (f"; sd {accuracy['std']:.2f}, 95% interval {low:.2f}-{high:.2f}%)" if long
                  else f", sd {accuracy['std']:.2f})"))
     if walls and accuracy is not None:
-        text += f", {_minutes(statistics_of(walls)['mean'])}{' mean' if len(walls) > 1 else ''}"
+        text += f", {wall_time(statistics_of(walls)['mean'])}{' mean' if len(walls) > 1 else ''}"
         text += _per_session(ledger, runs) if long else ""
     peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
     if peaks and accuracy is not None:
@@ -140,7 +139,7 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
                  f"alternating with it")
         if long:
             baseline = statistics_of(_walls(ledger.baselines(runs)))["mean"]
-            text += f" (`{first['against']}`: {_minutes(baseline)} mean in those sessions)"
+            text += f" (`{first['against']}`: {wall_time(baseline)} mean in those sessions)"
     if where:
         text += f", on {ledger.machines[first['machine']]['cpu']} ({first['precision']})"
     commits = list(dict.fromkeys(r["commit"] for r in runs if r["commit"]))
@@ -229,13 +228,13 @@ def session_table(ledger: Ledger, session: str) -> str:
         label += ("seed " if len(group) == 1 else "seeds ") + ", ".join(str(r["seed"])
                                                                          for r in group)
         plain = ", ".join(f"{100 * r['eval_accuracy_without_tta']:.2f}" for r in group)
-        walls = ", ".join(f"{wall_seconds(r):.1f}" if r.get("wall_seconds") is not None
-                          else _minutes(wall_seconds(r))[:-4] for r in group)
-        unit = " s" if all(r.get("wall_seconds") is not None for r in group) else " min"
+        # One unit a row: seconds if every run of it was timed in seconds.
+        unit = "s" if all(records.recorded_unit(r) == "s" for r in group) else "min"
+        walls = ", ".join(wall_time(wall_seconds(r), unit, with_unit=False) for r in group)
         span = str(order) if len(group) == 1 else f"{order}-{order + len(group) - 1}"
         rows.append(f"| {span} | {label} | " + ", ".join(f"{100 * r['eval_accuracy']:.2f}%"
                                                         for r in group) +
-                    f" ({plain}) | {walls}{unit} |")
+                    f" ({plain}) | {walls} {unit} |")
         order += len(group)
     return "\n".join(["| order | run | test accuracy (without TTA) | wall time |",
                       "| --- | --- | --- | --- |", *rows])
@@ -264,17 +263,18 @@ def fragment(ledger: Ledger, kind: str, argument: str) -> str:
     if kind == "mean":
         return f"{_mean(accuracy['mean'])}% mean of {accuracy['n']}"
     if kind == "seconds":
-        return f"{statistics_of(_walls(runs))['mean']:.1f} s"
+        return wall_time(statistics_of(_walls(runs))["mean"], "s")
     if kind == "plain":
         return f"{_mean(_accuracy(runs, 'eval_accuracy_without_tta')['mean'])}%"
     if kind == "minutes":
         walls = statistics_of(_walls(runs))
-        return _minutes(walls["min"]) if walls["n"] == 1 else \
-            f"{walls['min'] / 60:.1f}-{_minutes(walls['max'])}"
+        return wall_time(walls["min"]) if walls["n"] == 1 else \
+            f"{wall_time(walls['min'], with_unit=False)}-{wall_time(walls['max'])}"
     if kind == "ratio":
         pairs, base = ledger.pair_ratios(runs), _walls(ledger.baselines(runs))
         mean, base_mean = statistics_of(_walls(runs))["mean"], statistics_of(base)["mean"]
-        return (f"{mean:.1f} s against {base_mean:.1f} s, **{mean / base_mean:.3f}x** (each run "
+        return (f"{wall_time(mean, 's')} against {wall_time(base_mean, 's')}, "
+                f"**{mean / base_mean:.3f}x** (each run "
                 f"against the `{runs[0]['against']}` run before it: {min(pairs):.2f}-"
                 f"{max(pairs):.2f})")
     raise ConfigError(f"<!-- ledger:{kind} --> is not a kind of figure the ledger renders")
@@ -295,9 +295,12 @@ _README_QUOTES: List[tuple] = [
      lambda ledger: "{:.2f}".format(
          1 / time_ratio(ledger, headline_set(ledger, "cpu_cnn94_muon")))),
     # Below the table: cpu_cnn94's run on the Xeon, in whole minutes.
-    (re.compile(r"(The Xeon's )([0-9]+)( min)"), lambda ledger: "{:.0f}".format(statistics_of(
-        _walls(headline_set(ledger, "cpu_cnn94", _columns(ledger)[1])))["mean"] / 60)),
+    (re.compile(r"(The Xeon's )([0-9]+)( min)"), lambda ledger: wall_time(statistics_of(_walls(
+        headline_set(ledger, "cpu_cnn94", ledger.machines[XEON]["column"])))["mean"], digits=0,
+        with_unit=False)),
 ]
+
+
 def rendered(ledger: Ledger, counts: Optional[dict]) -> dict:
     """{path: its text as the ledger has it} for every file that quotes it."""
     out = {}

@@ -13,14 +13,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Optional
 
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.recipes import records
-from distributed_mpt.recipes.records import Ledger, wall_seconds
-
-REPO = Path(__file__).resolve().parents[2]
+from distributed_mpt.recipes.records import REPO, Ledger, wall_seconds, wall_time
 # The README's lines on each suite: what finds them there, and how they begin.
 _SUITES = {"all": (re.compile(r"# The tests \(.*?\n(?=pip install)", re.DOTALL),
                    "The tests (what CI runs, via .ci/run, in two test processes; the "
@@ -52,9 +49,9 @@ def lines(ledger: Ledger, suite: str, count: int) -> str:
     text = _SUITES[suite][1] + f"{count} tests"
     if timed:
         last = timed[-1]
-        seconds = wall_seconds(last)
-        took = f"{seconds / 60:.0f} min" if last.get("wall_seconds") is None else \
-            f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+        # Minutes where only those were recorded, else to the second.
+        took = wall_time(wall_seconds(last), "min" if last.get("wall_seconds") is None else "min s",
+                         digits=0)
         when = last["date"] + (f", {last['commit']}" if last["commit"] else "") \
             if last["date"] else f"recorded in {last['recorded_in']}"
         text += (f"; the last timed run, of {last['tests']} tests ({when}), took {took} on "
@@ -80,6 +77,7 @@ def time_tests(suite: str, conditions: str, path: str = records.PATH,
     """Runs a suite (of `targets`: the whole of tests/ but in a test),
     timed, and records the run in the ledger in `path` (with this machine's
     record, if the ledger has none yet); returns pytest's code."""
+    ledger = records.load(path)  # a damaged ledger is found now, not after the suite has run
     command = [sys.executable, "-m", "pytest", "-q", *targets, *_SELECT[suite]]
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -89,15 +87,12 @@ def time_tests(suite: str, conditions: str, path: str = records.PATH,
     tests = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|xfailed|xpassed|"
                                            r"errors?)", outcome))
     machine = records.describe_machine()
-    ledger = records.load(path)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip() or None
     new = [] if machine["machine"] in ledger.machines else [machine]
     new.append({"kind": "tests", "suite": suite, "tests": tests,
                 "wall_seconds": round(seconds, 1),
                 "command": f"python -m pytest -q {' '.join(targets)}" + (
                     " -m 'not slow'" if _SELECT[suite] else ""),
-                "commit": commit, "recorded_in": None,
+                "commit": records.code_commit(), "recorded_in": None,
                 "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
                 "machine": machine["machine"], "conditions": conditions,
                 "outcome": outcome})
