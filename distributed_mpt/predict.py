@@ -279,7 +279,7 @@ def evaluate(probabilities, test_images: np.ndarray, labels: np.ndarray, views: 
              fraction: float = 1.0) -> dict:
     """Mean cross-entropy and accuracy of `probabilities` over all
     `test_images`, with test-time `views` as `class_probabilities`."""
-    from distributed_mpt.core.test_time import class_probabilities
+    from distributed_mpt.core.eval_views import class_probabilities
 
     p = class_probabilities(probabilities, test_images, views, fraction)
     loss = -float(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-7)).sum())  # Keras' clip
@@ -327,7 +327,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
     if fv.evaluate:
         result["evaluation"] = _evaluate_on_test_split(classifier, fv)
     if paths:
-        from distributed_mpt.core.test_time import class_probabilities
+        from distributed_mpt.core.eval_views import class_probabilities
 
         size = classifier.image_shape[:2]
         batch = np.stack([images.read_image(path, size) for path in paths])

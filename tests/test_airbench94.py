@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import (assert_ok, checkpoint_weights, train, weights_of_one_and_two_replicas,
                       weights_of_whole_and_resumed)
-from distributed_mpt.core import data, models, pipeline, test_time
+from distributed_mpt.core import data, eval_views, models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import ImageSplit, cifar10
 from distributed_mpt.core.optim import groups, schedules
@@ -35,13 +35,13 @@ def _images(count=4, size=6):
 def test_test_time_views_are_the_ones_named():
     images = _images()
     mirror = images[:, :, ::-1]
-    assert [w for w, _ in test_time.views_of(images, "none")] == [1.0]
-    flip = test_time.views_of(images, "flip")
+    assert [w for w, _ in eval_views.views_of(images, "none")] == [1.0]
+    flip = eval_views.views_of(images, "flip")
     assert [w for w, _ in flip] == [0.5, 0.5]
     np.testing.assert_array_equal(flip[0][1], images)
     np.testing.assert_array_equal(flip[1][1], mirror)
 
-    six = test_time.views_of(images, "flip_translate")
+    six = eval_views.views_of(images, "flip_translate")
     assert [w for w, _ in six] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
     padded = np.pad(images.numpy(), [(0, 0), (1, 1), (1, 1), (0, 0)], mode="reflect")
     down_right, up_left = padded[:, :-2, :-2], padded[:, 2:, 2:]

@@ -196,11 +196,11 @@ def test_without_jitter_the_batches_are_what_they_were(on_device):
 
 
 def test_flip_translate_mean_weighs_airbench94s_six_views_alike():
-    from distributed_mpt.core import test_time
+    from distributed_mpt.core import eval_views
 
     images = tf.constant(np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3)), tf.uint8)
-    six = test_time.views_of(images, "flip_translate")
-    mean = test_time.views_of(images, "flip_translate_mean")
+    six = eval_views.views_of(images, "flip_translate")
+    mean = eval_views.views_of(images, "flip_translate_mean")
     np.testing.assert_allclose([w for w, _ in mean], [1 / 6] * 6)
     assert len(mean) == len(six) == 6
     for (_, view), (_, want) in zip(mean, six):
@@ -248,7 +248,8 @@ def test_a_model_without_a_normalize_layer_cannot_take_jitter():
 def _evaluator(views, fraction, batch=16):
     """A Trainer of a tiny airbench whose weights are spread (a random
     network on random images is too unsure of everything), for evaluation."""
-    from distributed_mpt.core.steps import EvalViews, StepRules, Trainer
+    from distributed_mpt.core.eval_views import EvalViews
+    from distributed_mpt.core.steps import StepRules, Trainer
 
     model = _tiny_airbench()
     for variable in model.trainable_variables:
@@ -274,10 +275,10 @@ def _scores(logits, labels):
 
 
 def test_selective_tta_augments_only_the_least_confident_images():
-    from distributed_mpt.core import test_time
+    from distributed_mpt.core import eval_views
 
     trainer, split = _evaluator("flip_translate_mean", 0.25), _test_split()
-    views = test_time.views_of(tf.constant(split.images), "flip_translate_mean")
+    views = eval_views.views_of(tf.constant(split.images), "flip_translate_mean")
     logits = [trainer.model(view, training=False).numpy().astype(np.float64) for _, view in views]
     plain = logits[0]
     confidence = tf.nn.softmax(plain).numpy().max(axis=1)
@@ -366,20 +367,20 @@ def test_jitter_with_a_users_model_without_normalize_is_one_error_line(tmp_path)
 
 @pytest.mark.parametrize("views, fraction", [("flip_translate_mean", 0.25), ("flip", 1.0)])
 def test_a_model_that_gives_probabilities_is_scored_as_training_scores_it(views, fraction):
-    """An export gives probabilities, not logits: test_time.class_probabilities
+    """An export gives probabilities, not logits: eval_views.class_probabilities
     (what distributed-mpt-predict --tta runs) must give training's own
     evaluation's answers, image by image, though its batches split the chosen
     images. (Its loss on a normal model: test_predict.py; this model's logits
     are spread so far that its probabilities underflow.)"""
-    from distributed_mpt.core import test_time
+    from distributed_mpt.core import eval_views
 
     trainer, split = _evaluator(views, fraction), _test_split()
     probabilities = lambda x: tf.nn.softmax(  # noqa: E731
         tf.cast(trainer.model(x, training=False), tf.float32)).numpy()
-    p = test_time.class_probabilities(probabilities, split.images, views, fraction, batch_size=7)
-    plain = test_time.class_probabilities(probabilities, split.images, batch_size=7)
+    p = eval_views.class_probabilities(probabilities, split.images, views, fraction, batch_size=7)
+    plain = eval_views.class_probabilities(probabilities, split.images, batch_size=7)
     # What training's evaluation computes, image by image: the views' logits averaged.
-    pairs = test_time.views_of(tf.constant(split.images), views)
+    pairs = eval_views.views_of(tf.constant(split.images), views)
     logits = sum(w * trainer.model(view, training=False).numpy().astype(np.float64)
                  for w, view in pairs)
     chosen = np.argsort(plain.max(axis=1), kind="stable")[:int(len(plain) * fraction)]

@@ -1,5 +1,5 @@
 """The tf.data pipelines that feed an `ImageSplit` to every replica, and the
-augmentation of training images (test images' views: test_time.py).
+augmentation of training images (test images' views: eval_views.py).
 
 The whole split stays in host memory as uint8 (150 MB for CIFAR-10's train
 split). Each epoch is a seeded permutation of indices; batches of indices are

@@ -15,9 +15,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distributed_mpt.core import pipeline, test_time
+from distributed_mpt.core import pipeline
 from distributed_mpt.core.augmentation import CROP_PADDING
 from distributed_mpt.core.data import ImageSplit
+from distributed_mpt.core.eval_views import EvalViews, least_confident, views_of
 from distributed_mpt.core.optim.lookahead import Lookahead
 
 
@@ -96,16 +97,6 @@ class SplitOnDevice:
 
     split: ImageSplit
     crop_padding: int = CROP_PADDING
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalViews:
-    """Test-time augmentation: evaluation's views (one of
-    augmentation.TTA_VIEWS) and the fraction of the test images, the least
-    confident, that get them (see `Trainer.evaluate`)."""
-
-    views: str = "none"
-    fraction: float = 1.0
 
 
 class Trainer:
@@ -223,7 +214,7 @@ class Trainer:
         per-image results gathered from all replicas, so that every worker
         chooses alike), then every view of the chosen ones."""
         plain = self._plain_predictions(split)
-        chosen = test_time.least_confident(plain["confidence"], fraction)
+        chosen = least_confident(plain["confidence"], fraction)
         others = np.ones(len(split), bool)
         others[chosen] = False
         loss_sum, correct = 0.0, 0.0
@@ -367,7 +358,7 @@ class Trainer:
         # CIFAR-10's classes are symmetric under a horizontal flip and small
         # shifts, and the model was trained on such views: averaging their
         # logits removes part of the model's variance.
-        views = test_time.views_of(images, self._eval_views.views)
+        views = views_of(images, self._eval_views.views)
         view_logits = [tf.cast(self.model(view, training=False), tf.float32) for _, view in views]
         logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
         plain_correct = _is_correct(labels, view_logits[0])

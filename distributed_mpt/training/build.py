@@ -10,11 +10,12 @@ from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import Dataset, ImageSplit
+from distributed_mpt.core.eval_views import EvalViews
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
-from distributed_mpt.core.steps import EvalViews, SplitOnDevice, StepRules, Trainer
+from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.process import memory
 from distributed_mpt.training import export

@@ -3,8 +3,20 @@ together, and how their answers combine. Training's evaluation (steps.py)
 averages the views' logits in the compiled step; a trained model that gives
 only probabilities (an export) is classified alike by `class_probabilities`."""
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalViews:
+    """Test-time augmentation: evaluation's views (one of
+    augmentation.TTA_VIEWS) and the fraction of the test images, the least
+    confident, that get them (see steps.Trainer.evaluate)."""
+
+    views: str = "none"
+    fraction: float = 1.0
 
 
 def views_of(images: tf.Tensor, views: str) -> list:
