@@ -52,8 +52,9 @@ MIN_SECONDS = 5.0
 # every few seconds hold the thread, and the final report, for ever.
 REQUEST_SECONDS = 5.0
 # The most close() adds to the end of a run, whatever the server does: the
-# final report's turn (MIN_SECONDS after the last), the report, a second to
-# close the connection.
+# final report's turn (MIN_SECONDS after the last one began, which had
+# REQUEST_SECONDS <= MIN_SECONDS), the report, a second to close the
+# connection.
 CLOSE_SECONDS = MIN_SECONDS + REQUEST_SECONDS + 1
 # The controller refuses requests over 64 KiB and answers with the status it
 # applied or a Kubernetes Status (kubeflow/trainer v2.3,
@@ -147,11 +148,14 @@ class TrainJobStatus:
                 deadline = time.monotonic() + REQUEST_SECONDS
                 if self._close_by is not None:
                     deadline = min(deadline, self._close_by)
-            if deadline - time.monotonic() < 1:  # the report before took nearly all its time
+            if deadline - time.monotonic() < 1:  # close()'s deadline is near: a starved thread
                 self._failed("the final progress had no time left")
                 return
-            self._post(payload, deadline)
+            # The turn counts from a report's start: counted from its end, a
+            # report that took most of REQUEST_SECONDS pushed the next one
+            # past the close's deadline, and the final 100% was never sent.
             last_sent = time.monotonic()
+            self._post(payload, deadline)
 
     def _post(self, payload: dict, deadline: float) -> None:
         """One report, over by `deadline` (time.monotonic())."""
