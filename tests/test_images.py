@@ -5,12 +5,15 @@ means, and a damaged file of each refused by name."""
 
 import io
 import struct
+import subprocess
+import sys
 import zlib
 
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from conftest import REPO, subprocess_env
 from distributed_mpt.core.data import images
 
 
@@ -131,6 +134,39 @@ def test_more_frames_than_the_bound_are_refused(tmp_path, monkeypatch):
              "holds more than 10 frames")
     assert _read(tmp_path, _encoded(frames[0], "GIF", save_all=True, append_images=frames[1:10])
                  ).shape == (1, 1, 3)
+
+
+# A process that reads an image with its address space capped 80 MB above
+# what it has mapped: room to read the file (a buffer of MAX_IMAGE_BYTES,
+# 64 MB), not for Pillow's decoded pixels, as on a machine without the memory.
+_DECODE_IN_LITTLE_MEMORY = """
+import resource, sys
+from distributed_mpt.core.data import images
+images.read_image(sys.argv[2])  # Pillow's plugins imported, on a small image
+with open("/proc/self/status") as status:
+    mapped = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (80 << 20),) * 2)
+try:
+    images.read_image(sys.argv[1])
+except images.ImageError as e:
+    print(e)
+"""
+
+
+def test_an_image_larger_than_the_memory_left_is_refused_as_that_not_as_damaged(tmp_path):
+    # 40 million pixels, 160 MB as Pillow holds RGB (4 bytes a pixel): within
+    # the bounds, beyond the 80 MB left.
+    large, small = tmp_path / "large.png", tmp_path / "small.png"
+    Image.new("RGB", (8000, 5000), (90, 20, 200)).save(large)
+    Image.new("RGB", (8, 8)).save(small)
+    result = subprocess.run([sys.executable, "-c", _DECODE_IN_LITTLE_MEMORY, large, small],
+                            capture_output=True, text=True, cwd=REPO, env=subprocess_env(),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{large} did not fit in the memory left to decode it: "
+                                    f"images of up to 100,000,000 pixels are read, which may "
+                                    f"take about 1.7 GB"), result.stdout
+    assert "damaged" not in result.stdout
 
 
 # --- damage: decoded whole, read to the end ----------------------------------

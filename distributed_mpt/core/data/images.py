@@ -34,8 +34,14 @@ MAX_IMAGE_BYTES = 64 << 20
 # A small file can decode to gigabytes (a PNG of one colour compresses
 # 1000:1, a GIF holds frames of 10000 x 10000): each frame's size is checked
 # before it is decoded, and the frames of one file together hold at most
-# this many. 100 million RGB pixels: 300 MB.
+# this many. Decoding one of that many pixels costs far more than their 300
+# MB of RGB: measured with Pillow 13 on a 2-core x86-64 machine, a PNG of 100
+# million pixels peaked at about 776 MB (1083 MB with the resize to a
+# model's size), an animated WebP at about 1700 MB.
 MAX_IMAGE_PIXELS = 100_000_000
+# What an image within the bounds may cost while decoded (the WebP above),
+# for the message of a machine that has less to give.
+DECODE_MEMORY = "about 1.7 GB"
 # Frames of an animation or pages of a TIFF: each is decoded (a damaged one
 # is a damaged file), and even a 1-pixel frame costs Python's time.
 MAX_FRAMES = 1000
@@ -137,6 +143,10 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
                          f"decodes ({MAX_IMAGE_PIXELS:,})") from None
     except ImageError:
         raise
+    except MemoryError:  # not damage: the same file decodes where there is memory
+        raise ImageError(f"{quoted(path)} did not fit in the memory left to decode it: images of "
+                         f"up to {MAX_IMAGE_PIXELS:,} pixels are read, which may take "
+                         f"{DECODE_MEMORY}; free memory, or give a smaller image") from None
     except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, ...
         damage = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
     if damage:
