@@ -260,6 +260,23 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+def made_a_fifo_when_checked(monkeypatch, path: Path) -> None:
+    """Replaces the regular file at `path` with a FIFO right after the next
+    os.stat of it, which still sees the file: a path changed between a
+    reader's check and its open."""
+    real_stat, swapped = os.stat, []
+
+    def stat_then_swap(target, *args, **kwargs):
+        result = real_stat(target, *args, **kwargs)
+        if not swapped and os.fspath(target) == os.fspath(path):
+            swapped.append(path)
+            os.remove(path)
+            os.mkfifo(path)
+        return result
+
+    monkeypatch.setattr(os, "stat", stat_then_swap)
+
+
 @contextlib.contextmanager
 def deadline(seconds: int):
     """Raises TimeoutError in the block after `seconds`: a read of a FIFO

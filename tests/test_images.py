@@ -7,13 +7,15 @@ import io
 import struct
 import subprocess
 import sys
+import tracemalloc
 import zlib
+from typing import Optional
 
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, deadline, made_a_fifo_when_checked, subprocess_env
 from distributed_mpt.core.data import images
 
 
@@ -23,13 +25,15 @@ def _encoded(image, fmt, **options) -> bytes:
     return buffer.getvalue()
 
 
-def _read(tmp_path, encoded: bytes, name="image"):
+def _read(tmp_path, encoded: Optional[bytes], name="image"):
+    """read_image of a file of `encoded` (None: the file already there)."""
     path = tmp_path / name
-    path.write_bytes(encoded)
+    if encoded is not None:
+        path.write_bytes(encoded)
     return images.read_image(str(path))
 
 
-def _refused(tmp_path, encoded: bytes, fragment: str, name="image"):
+def _refused(tmp_path, encoded: Optional[bytes], fragment: str, name="image"):
     with pytest.raises(images.ImageError) as raised:
         _read(tmp_path, encoded, name)
     message = str(raised.value)
@@ -167,6 +171,28 @@ def test_an_image_larger_than_the_memory_left_is_refused_as_that_not_as_damaged(
                                     f"images of up to 100,000,000 pixels are read, which may "
                                     f"take about 1.7 GB"), result.stdout
     assert "damaged" not in result.stdout
+
+
+def test_a_file_made_a_fifo_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch):
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8)).save(path)
+    made_a_fifo_when_checked(monkeypatch, path)
+    with deadline(30):
+        _refused(tmp_path, None, "is a FIFO, not a regular file: give an image file", "photo.png")
+
+
+def test_a_small_image_is_read_without_allocating_the_bound(tmp_path):
+    # read(MAX_IMAGE_BYTES + 1) allocates its 64 MB before it reads a byte.
+    encoded = _encoded(Image.new("RGB", (8, 8)), "PNG")
+    _read(tmp_path, encoded)  # Pillow's plugins imported
+    tracemalloc.start()
+    try:
+        _read(tmp_path, encoded)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"reading an image of 8 x 8 pixels allocated at most {peak:,} bytes")
+    assert peak < 4 << 20
 
 
 # --- damage: decoded whole, read to the end ----------------------------------

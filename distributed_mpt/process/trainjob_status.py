@@ -32,7 +32,6 @@ import os
 import re
 import socket
 import ssl
-import stat
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ import urllib.parse
 from typing import Mapping, Optional, Tuple
 
 from distributed_mpt.errors import first_line, quoted
-from distributed_mpt.files import kind_of
+from distributed_mpt import files
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
@@ -289,22 +288,15 @@ def _bearer_token(path: str) -> str:
 
 
 def _read_bounded(path: str, limit: int, where: str) -> bytes:
-    """The bytes of the regular file at `path` (a symbolic link to one
-    included), at most `limit` of them. A FIFO would block the open, a device
-    node never end: neither is opened, and the check is repeated on what
-    was opened (without blocking), in case the path changed in between."""
+    """files.read_bounded, its refusals in this module's words."""
     try:
-        if stat.S_ISREG(os.stat(path).st_mode):
-            descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            with open(descriptor, "rb") as f:
-                if stat.S_ISREG(os.fstat(descriptor).st_mode):
-                    data = f.read(limit + 1)
-                    if len(data) > limit:
-                        raise _Refused(f"{where} is larger than {limit:,} bytes")
-                    return data
+        return files.read_bounded(path, limit)
+    except files.NotRegularFileError as e:
+        raise _Refused(f"{where} is {e.kind}, not a regular file") from None
+    except files.FileTooLargeError:
+        raise _Refused(f"{where} is larger than {limit:,} bytes") from None
     except OSError as e:
         raise _Refused(f"{where} cannot be read ({e.strerror})") from None
-    raise _Refused(f"{where} is {kind_of(os.path.realpath(path))}, not a regular file")
 
 
 def _why(error: Exception, seconds: float) -> str:

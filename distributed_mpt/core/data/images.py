@@ -20,12 +20,12 @@ import contextlib
 import io
 import os
 import re
-import stat
 import warnings
 from typing import Optional, Tuple
 
 import numpy as np
 
+from distributed_mpt import files
 from distributed_mpt.errors import UserError, quoted
 
 # Far above any photo (a 50-megapixel JPEG is about 20 MB): a bigger file is
@@ -67,7 +67,7 @@ def read_image(path: str, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
     """The image file at `path` as uint8 [height, width, 3] RGB of `size`
     (height, width; None: its own), or ImageError naming the file and what
     is wrong."""
-    encoded = _read_bounded(path)
+    encoded = _file_bytes(path)
     with _bounded_pillow() as noted:
         pixels = _decode(path, encoded, noted)
     return resize(pixels, size) if size else pixels
@@ -261,19 +261,17 @@ def _jpeg_scan_ends(encoded: bytes) -> bool:
     return False
 
 
-def _read_bounded(path: str) -> bytes:
-    """The bytes of the regular file at `path`, at most MAX_IMAGE_BYTES. By
-    kind and size before reading: a FIFO would block the read forever, and
-    /dev/zero fill the memory."""
+def _file_bytes(path: str) -> bytes:
+    """The bytes of the regular file at `path`, at most MAX_IMAGE_BYTES, by
+    files.read_bounded: a FIFO would block the read forever, and /dev/zero
+    fill the memory."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ImageError(f"{quoted(path)} is not a regular file (a directory, FIFO or "
-                             f"device): give an image file")
-        with open(path, "rb") as f:
-            encoded = f.read(MAX_IMAGE_BYTES + 1)
+        return files.read_bounded(path, MAX_IMAGE_BYTES)
+    except files.NotRegularFileError as e:
+        raise ImageError(f"{quoted(path)} is {e.kind}, not a regular file: give an image "
+                         f"file") from None
+    except files.FileTooLargeError:
+        raise ImageError(f"{quoted(path)} is larger than an image this program reads "
+                         f"({MAX_IMAGE_BYTES >> 20} MB)") from None
     except OSError as e:  # missing, not readable
         raise ImageError(f"cannot read {quoted(path)} ({e.strerror})") from None
-    if len(encoded) > MAX_IMAGE_BYTES:
-        raise ImageError(f"{quoted(path)} is larger than an image this program reads "
-                         f"({MAX_IMAGE_BYTES >> 20} MB)")
-    return encoded
