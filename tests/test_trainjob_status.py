@@ -21,7 +21,7 @@ from typing import Tuple
 import jsonschema
 import pytest
 
-from conftest import SMOKE_FLAGS, assert_ok, read_summary, run_module, subprocess_env
+from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
 from distributed_mpt.process.trainjob_status import (
     CLOSE_SECONDS, MAX_ANSWER_BYTES, REQUEST_SECONDS, TrainJobStatus)
 from netns import checkpointed_step
@@ -286,19 +286,15 @@ def test_only_an_https_url_is_used(serve, capfd, url, fragment):
 
 
 def _file_of_kind(path, kind: str, contents: dict):
-    """`path` made a FIFO, or /dev/zero for a device, or a file of
-    `contents[kind]`."""
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "device":
-        return "/dev/zero"
-    else:
-        path.write_text(contents[kind])
+    """`path` made a file of `contents[kind]`, or a path of `kind` (conftest.make_path)."""
+    if kind not in contents:
+        return make_path(kind, path)
+    path.write_text(contents[kind])
     return path
 
 
 @pytest.mark.parametrize("kind, fragment", [
-    ("fifo", "is a FIFO, not a regular file"),
+    ("FIFO", "is a FIFO, not a regular file"),
     ("device", "is a device node, not a regular file"),
     ("newline inside", "does not hold a bearer token"),
     ("not ASCII", "does not hold a bearer token"),
@@ -317,7 +313,7 @@ def test_a_token_file_that_holds_no_token(serve, capfd, tmp_path, kind, fragment
 
 
 @pytest.mark.parametrize("kind, fragment", [
-    ("fifo", "is a FIFO, not a regular file"),
+    ("FIFO", "is a FIFO, not a regular file"),
     ("device", "is a device node, not a regular file"),
     ("huge", "is larger than 1,048,576 bytes"),
     ("empty", "is not a PEM certificate"),
