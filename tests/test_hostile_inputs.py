@@ -72,6 +72,7 @@ CASES: Dict[str, Case] = {}
 
 def case(name: str, entry: str, make, expect: str, legitimate: bool = False) -> None:
     assert f"{entry}: {name}" not in CASES, name  # each input distinct
+    assert expect, name  # "" is in every line: a case that cannot fail
     CASES[f"{entry}: {name}"] = Case(entry, make, expect, legitimate)
 
 
@@ -457,8 +458,9 @@ SETTINGS_DAMAGE = {
                            "nesting deeper than 100"),
     "an alias bomb": (_billion_laughs, "an alias (*name): not accepted"),
     "2 MB": (lambda text: text + b"#" * 2_000_000 + b"\n", "larger than 1048576 bytes"),
-    "NUL bytes": (lambda text: text + b"\0\0\0", ""),
-    "a tab for indentation": (lambda text: text + b"\nx:\n\t- y\n", ""),
+    "NUL bytes": (lambda text: text + b"\0\0\0", "not YAML: unacceptable character #x0000"),
+    "a tab for indentation": (lambda text: text + b"\nx:\n\t- y\n",
+                              "found character '\\t' that cannot start any token"),
 }
 for name in ("settings.yaml", "kustomization.yaml", "wiring.yaml", "model/kustomization.yaml"):
     for damage, (change, expect) in SETTINGS_DAMAGE.items():
