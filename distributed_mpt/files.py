@@ -93,7 +93,7 @@ def read_bounded(path: str, limit: int) -> bytes:
     """The bytes of the regular file at `path` (a symbolic link to one
     included), at most `limit` of them. Raises NotRegularFileError for
     anything else, FileTooLargeError for a larger file, OSError if it cannot
-    be read. The one reader of files this program did not write.
+    be read.
 
     A FIFO would block the open, a device node never end: neither is opened,
     and what was opened (without blocking) is checked again, in case the

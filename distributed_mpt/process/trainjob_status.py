@@ -38,8 +38,8 @@ import time
 import urllib.parse
 from typing import Mapping, Optional, Tuple
 
-from distributed_mpt.errors import first_line, quoted
 from distributed_mpt import files
+from distributed_mpt.errors import first_line, quoted
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
