@@ -67,9 +67,64 @@ def kind_of(path: str) -> str:
         return "missing"
     if stat.S_ISLNK(mode):
         return "a symbolic link" if os.path.exists(path) else "a symbolic link to nothing"
+    return _kind_of_mode(mode)
+
+
+def _kind_of_mode(mode: int) -> str:
     return ("a directory" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else
             "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
             "a device node" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+
+
+class NotRegularFileError(Exception):
+    """read_bounded found no regular file at a path; `kind` says what it
+    found, in words ("a FIFO", "a symbolic link to nothing", ...)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
+class FileTooLargeError(Exception):
+    """read_bounded found a file of more bytes than it was allowed to read."""
+
+
+def read_bounded(path: str, limit: int) -> bytes:
+    """The bytes of the regular file at `path` (a symbolic link to one
+    included), at most `limit` of them. Raises NotRegularFileError for
+    anything else, FileTooLargeError for a larger file, OSError if it cannot
+    be read.
+
+    A FIFO would block the open, a device node never end: neither is opened,
+    and what was opened (without blocking) is checked again, in case the
+    path changed in between. What is read is what the file holds: read(limit)
+    would allocate `limit` bytes at once (256 MB for a config.json of 1 kB)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP) and os.path.islink(path):  # leads nowhere
+            raise NotRegularFileError(kind_of(path)) from None
+        raise
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(_kind_of_mode(mode))
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with open(descriptor, "rb") as f:
+        opened = os.fstat(descriptor)
+        if not stat.S_ISREG(opened.st_mode):
+            raise NotRegularFileError(_kind_of_mode(opened.st_mode))
+        if opened.st_size > limit:
+            raise FileTooLargeError(limit)
+        # All it holds, and a byte more to see that it ends there; the rest
+        # if it holds more than its size says: it grew, or lives in /proc
+        # (whose sizes say 0).
+        chunks = [f.read(opened.st_size + 1)]
+        size = len(chunks[0])
+        while opened.st_size < size <= limit and chunks[-1]:
+            chunks.append(f.read(min(1 << 16, limit + 1 - size)))
+            size += len(chunks[-1])
+    if size > limit:
+        raise FileTooLargeError(limit)
+    return b"".join(chunks)
 
 
 def is_regular_file(path: str) -> bool:
@@ -161,18 +216,9 @@ def read_text(path: str, remedy: str) -> Optional[str]:
     None if there is nothing there. Anything else (a FIFO, a directory, a
     huge or undecodable file) raises DamagedFileError, which names the file
     and `remedy`, the way out."""
-    if not os.path.lexists(path):
+    raw = _read_ours(path, remedy)
+    if raw is None:
         return None
-    if not is_regular_file(path):  # a FIFO would block the read forever
-        raise DamagedFileError(f"{quoted(path)} is {kind_of(path)}, not a regular file; {remedy}")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_READ_BYTES + 1)
-    except OSError as e:
-        raise DamagedFileError(f"cannot read {quoted(path)} ({e.strerror}); {remedy}") from None
-    if len(raw) > MAX_READ_BYTES:
-        raise DamagedFileError(f"{quoted(path)} is larger than any file this program writes "
-                               f"({MAX_READ_BYTES:,} bytes); {remedy}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -202,16 +248,10 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
 
     `fields` as for read_json. Raises DamagedFileError only if `path` is
     not a regular file or is too big to be ours."""
-    remedy = "move it away, or choose another --model_dir"
-    if not os.path.lexists(path):
+    raw = _read_ours(path, "move it away, or choose another --model_dir")
+    if raw is None:
         return [], []
-    if not is_regular_file(path):
-        raise DamagedFileError(f"{quoted(path)} is {kind_of(path)}, not a regular file; {remedy}")
-    if os.path.getsize(path) > MAX_READ_BYTES:
-        raise DamagedFileError(f"{quoted(path)} is larger than any file this program writes; "
-                               f"{remedy}")
-    with open(path, "rb") as f:  # bytes: an undecodable line costs that line only
-        lines = f.read().split(b"\n")
+    lines = raw.split(b"\n")  # bytes: an undecodable line costs that line only
     records, problems = [], []
     torn = lines.pop()  # after the last newline: b"" unless cut short
     for number, line in enumerate(lines, 1):
@@ -226,6 +266,23 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
     if torn:
         problems.append("its last line was cut short")
     return records, problems
+
+
+def _read_ours(path: str, remedy: str) -> Optional[bytes]:
+    """The bytes of a file this program writes at `path`, None if there is
+    nothing there; DamagedFileError, naming it and `remedy`, if it is not a
+    regular file, cannot be read or is larger than any it writes."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_bounded(path, MAX_READ_BYTES)
+    except NotRegularFileError as e:
+        raise DamagedFileError(f"{quoted(path)} is {e.kind}, not a regular file; {remedy}") from None
+    except FileTooLargeError:
+        raise DamagedFileError(f"{quoted(path)} is larger than any file this program writes "
+                               f"({MAX_READ_BYTES:,} bytes); {remedy}") from None
+    except OSError as e:
+        raise DamagedFileError(f"cannot read {quoted(path)} ({e.strerror}); {remedy}") from None
 
 
 def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]]:

@@ -1,10 +1,12 @@
 """Shared helpers: run the real entry points as separate processes."""
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import pytest
 # the runs it starts as processes (a resumed run is compared with an
 # uninterrupted one to 1e-5).
 import distributed_mpt  # noqa: F401
+from distributed_mpt.process.run_lock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,6 +261,80 @@ def tmpfs(tmp_path):
 
     yield mount_point, resize
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def make_path(kind: str, path: Path) -> Path:
+    """Something of `kind` at `path` (or instead of it), which no reader may
+    take for its file or directory: "FIFO", "directory", "socket", "device"
+    (/dev/zero itself, returned: endless, where a read has no bound), "link
+    to /dev/zero", "dangling symlink", "symlink loop" or "file of NUL bytes"."""
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "socket":  # as bind() leaves one; bind() limits the path's length
+        os.mknod(path, stat.S_IFSOCK | 0o600)
+    elif kind == "device":
+        return Path("/dev/zero")
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "dangling symlink":
+        path.symlink_to(path.parent / "nowhere")
+    elif kind == "symlink loop":
+        path.symlink_to(path)
+    elif kind == "file of NUL bytes":
+        path.write_bytes(b"\0" * 4096)
+    else:
+        raise ValueError(f"no path of kind {kind!r}")
+    return path
+
+
+def snapshot(*paths, directory_times: bool = False, lock_time: bool = False) -> dict:
+    """Every entry at and under `paths`, links not followed: its kind, size,
+    modification time, a link's target and a regular file's SHA-256. A
+    directory's time only if `directory_times` (a probe file made and
+    removed changes it: files.check_writable), the lock file's only if
+    `lock_time` (every run that reads a run's state takes it, its content as
+    it was)."""
+    state = {}
+    for top in paths:
+        entries = [str(top)]
+        if os.path.isdir(top) and not os.path.islink(top):
+            for root, dirs, names in os.walk(top):
+                entries += [os.path.join(root, n) for n in dirs + names]
+        for entry in entries:
+            try:
+                s = os.lstat(entry)
+            except FileNotFoundError:
+                state[entry] = None
+                continue
+            if stat.S_ISDIR(s.st_mode):
+                state[entry] = ("directory", s.st_mtime_ns if directory_times else None)
+                continue
+            content = (hashlib.sha256(Path(entry).read_bytes()).hexdigest()
+                       if stat.S_ISREG(s.st_mode) else
+                       os.readlink(entry) if stat.S_ISLNK(s.st_mode) else None)
+            mtime = (None if os.path.basename(entry) == LOCK_NAME and not lock_time
+                     else s.st_mtime_ns)
+            state[entry] = (stat.S_IFMT(s.st_mode), s.st_size, mtime, content)
+    return state
+
+
+def made_a_fifo_when_checked(monkeypatch, path: Path) -> None:
+    """Replaces the regular file at `path` with a FIFO right after the next
+    os.stat of it, which still sees the file: a path changed between a
+    reader's check and its open."""
+    real_stat, swapped = os.stat, []
+
+    def stat_then_swap(target, *args, **kwargs):
+        result = real_stat(target, *args, **kwargs)
+        if not swapped and os.fspath(target) == os.fspath(path):
+            swapped.append(path)
+            os.remove(path)
+            os.mkfifo(path)
+        return result
+
+    monkeypatch.setattr(os, "stat", stat_then_swap)
 
 
 @contextlib.contextmanager

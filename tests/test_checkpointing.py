@@ -5,19 +5,17 @@ directories. A full disk is a real tmpfs where the test may mount one."""
 import json
 import os
 import shutil
-import stat
 import threading
 from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
-from conftest import SMOKE_FLAGS, assert_ok, read_summary, train
+from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, snapshot, train
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.optim import groups, optimizer as optimizer_lib
 from distributed_mpt.errors import CheckpointMismatchError, UserError
-from distributed_mpt.process import run_lock
 from distributed_mpt.training import checkpointing
 from distributed_mpt.training.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
                                                     DiskFullError, model_identity)
@@ -39,13 +37,6 @@ def _save_steps(model_dir, steps):
     for number in steps:
         step.assign(number)
         saver.save(number)
-
-
-def _snapshot(directory):
-    """Every file's bytes and modification time (the lock file's time
-    changes with each run that takes it, its content does not)."""
-    return {p: (p.read_bytes(), p.name != run_lock.LOCK_NAME and p.stat().st_mtime_ns)
-            for p in Path(directory).rglob("*") if p.is_file()}
 
 
 def _data(model_dir, step):
@@ -115,16 +106,16 @@ def test_a_skipped_checkpoint_is_removed_once_an_intact_newer_one_exists(tmp_pat
 
 def test_a_finished_run_run_again_changes_no_checkpoint_file(tmp_path):
     _save_steps(tmp_path, [1, 2, 3])
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     _checkpoints(tmp_path)[0].restore_latest()
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_when_no_checkpoint_reads_back_nothing_is_changed(tmp_path):
     _save_steps(tmp_path, [1, 2])
     _flip_bytes(_data(tmp_path, 1))
     Path(tmp_path, "checkpoints", "ckpt-2.index").write_bytes(b"")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     restorer, step = _checkpoints(tmp_path)
     with pytest.raises(CheckpointDamagedError) as raised:
         restorer.restore_latest()
@@ -132,7 +123,7 @@ def test_when_no_checkpoint_reads_back_nothing_is_changed(tmp_path):
     assert "\n" not in message and "none can be read" in message
     assert "ckpt-2:" in message and "ckpt-1:" in message and "nothing was changed" in message
     assert isinstance(raised.value, UserError) and raised.value.exit_code == 2
-    assert _snapshot(tmp_path) == before and int(step.numpy()) == 0
+    assert snapshot(tmp_path) == before and int(step.numpy()) == 0
 
 
 def test_a_readable_checkpoint_of_other_state_is_still_refused(tmp_path):
@@ -168,22 +159,6 @@ def test_a_damaged_model_json_is_one_error_naming_it(tmp_path, content):
     assert raised.value.exit_code == 2
 
 
-def _special(kind):
-    """Makes a thing of `kind` at a path: what a user, a script or a broken
-    copy can leave where a checkpoint file belongs."""
-    def make(path):
-        path.unlink()
-        if kind == "FIFO":
-            os.mkfifo(path)
-        elif kind == "socket":  # as bind() leaves one; bind() limits the path's length
-            os.mknod(path, stat.S_IFSOCK | 0o600)
-        elif kind == "link to /dev/zero":
-            path.symlink_to("/dev/zero")
-        else:
-            path.mkdir()
-    return make
-
-
 @pytest.mark.parametrize("kind", ["FIFO", "socket", "link to /dev/zero", "directory"])
 @pytest.mark.parametrize("suffix", ["index", "data-00000-of-00001"])
 def test_a_checkpoint_file_that_is_not_a_file_is_refused_unread(tmp_path, kind, suffix):
@@ -192,7 +167,8 @@ def test_a_checkpoint_file_that_is_not_a_file_is_refused_unread(tmp_path, kind, 
     it is opened, and stays as it was."""
     _save_steps(tmp_path, [1, 2])
     path = Path(tmp_path, "checkpoints", f"ckpt-2.{suffix}")
-    _special(kind)(path)
+    path.unlink()  # what a user, a script or a broken copy can leave in its place
+    make_path(kind, path)
     restorer, _ = _checkpoints(tmp_path)
     outcome = []
 
@@ -265,25 +241,25 @@ def test_training_over_a_fifo_at_a_checkpoint_file_is_one_error_line(model_dir):
     data = _data(model_dir, 10)
     data.unlink()
     os.mkfifo(data)
-    before = _snapshot(model_dir)
+    before = snapshot(model_dir)
     # A process with a deadline: the run waited for a writer to the FIFO forever.
     result = train([*E2E, "--train_steps=20", f"--model_dir={model_dir}"], timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "is a FIFO, not a checkpoint file" in errors[0], result.stderr
-    assert "Traceback" not in result.stderr and _snapshot(model_dir) == before
+    assert "Traceback" not in result.stderr and snapshot(model_dir) == before
 
 
 def test_training_over_unreadable_checkpoints_stops_and_changes_nothing(model_dir):
     assert_ok(train([*E2E, "--train_steps=10", f"--model_dir={model_dir}"]))
     for step in (5, 10):
         Path(model_dir, "checkpoints", f"ckpt-{step}.index").write_bytes(b"")
-    before = _snapshot(model_dir)
+    before = snapshot(model_dir)
     result = train([*E2E, "--train_steps=20", f"--model_dir={model_dir}"])
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "none can be read" in errors[0] and "Traceback" not in result.stderr
-    assert _snapshot(model_dir) == before
+    assert snapshot(model_dir) == before
 
 
 # --- a full disk ---------------------------------------------------------------

@@ -153,8 +153,6 @@ def test_help_names_each_models_default(capsys):
     assert "at most half" in text, "the warmup cap is stated"
 
 
-
-
 def test_workers_must_agree_on_every_flag_that_changes_the_run(tmp_path):
     from distributed_mpt.config import shared_flags
 

@@ -4,9 +4,11 @@ regular file; files read without trusting them."""
 import json
 import os
 import stat
+import tracemalloc
 
 import pytest
 
+from conftest import deadline, made_a_fifo_when_checked
 from distributed_mpt import files
 from distributed_mpt.errors import ConfigError
 
@@ -142,6 +144,37 @@ def test_json_that_is_not_there_is_empty_and_a_fifo_is_refused_unread(tmp_path):
         files.read_json(str(tmp_path / "fifo"))  # would block forever if opened
     with pytest.raises(files.DamagedFileError, match="is a FIFO, not a regular file"):
         files.read_jsonl(str(tmp_path / "fifo"))
+
+
+@pytest.mark.parametrize("read", [files.read_json, files.read_jsonl], ids=["json", "jsonl"])
+def test_a_file_made_a_fifo_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch, read):
+    path = tmp_path / "summary.json"
+    path.write_text("{}\n")
+    made_a_fifo_when_checked(monkeypatch, path)
+    with deadline(30), pytest.raises(files.DamagedFileError, match="is a FIFO, not a regular file"):
+        read(str(path))
+    assert path.is_fifo()
+
+
+def test_a_small_file_is_read_without_allocating_the_bound(tmp_path):
+    # read(MAX_READ_BYTES + 1) allocates its 256 MB before it reads a byte.
+    files.write_json(tmp_path / "config.json", {"seed": 0})
+    tracemalloc.start()
+    try:
+        assert files.read_json(str(tmp_path / "config.json")) == {"seed": 0}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"reading a config.json allocated at most {peak:,} bytes")
+    assert peak < 1 << 20
+
+
+def test_a_file_whose_size_says_0_is_read_whole_within_the_bound():
+    # As the files of /proc say.
+    status = files.read_bounded("/proc/self/status", 1 << 20)
+    assert status.startswith(b"Name:") and status.endswith(b"\n")
+    with pytest.raises(files.FileTooLargeError):
+        files.read_bounded("/proc/self/status", 100)
 
 
 def test_written_files_follow_the_umask(tmp_path):

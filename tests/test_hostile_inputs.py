@@ -15,18 +15,15 @@ first training step; the cases that need a trained run share one small run.
 """
 
 import dataclasses
-import hashlib
 import json
-import os
 import shutil
-import stat
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
 import pytest
 
-from conftest import SMOKE_FLAGS, assert_ok, deadline, run_in_process, train
+from conftest import SMOKE_FLAGS, assert_ok, deadline, make_path, run_in_process, snapshot, train
 from distributed_mpt import config as config_lib
 from distributed_mpt.process.run_lock import LOCK_NAME
 
@@ -75,6 +72,7 @@ CASES: Dict[str, Case] = {}
 
 def case(name: str, entry: str, make, expect: str, legitimate: bool = False) -> None:
     assert f"{entry}: {name}" not in CASES, name  # each input distinct
+    assert expect, name  # "" is in every line: a case that cannot fail
     CASES[f"{entry}: {name}"] = Case(entry, make, expect, legitimate)
 
 
@@ -83,24 +81,6 @@ def case(name: str, entry: str, make, expect: str, legitimate: bool = False) -> 
 # Numbers no flag takes: Python's int() and float() take the middle ones.
 BAD_NUMBERS = {"nan": "nan", "inf": "inf", "-1": "-1", "1e400": "1e400", "hex": "0x10",
                "underscore": "1_000", "Arabic-Indic digits": "\u0661\u0662", "huge": "9" * 400}
-
-
-def make_path(kind: str, path: Path) -> Path:
-    """Something of `kind` at `path` (or instead of it), which no path flag
-    may read as its file or directory."""
-    if kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "device":
-        return Path("/dev/zero")  # endless, where a read has no bound
-    elif kind == "dangling symlink":
-        path.symlink_to(path.parent / "nowhere")
-    elif kind == "symlink loop":
-        path.symlink_to(path)
-    elif kind == "file of NUL bytes":
-        path.write_bytes(b"\0" * 4096)
-    return path
 
 
 # No "unreadable" file: the tests run as root, who reads a file of mode 000.
@@ -133,44 +113,9 @@ def _replaced(relative: str, kind: str):
     def make(scene):
         path = scene.run() / relative
         path.unlink()
-        if kind == "device":
-            path.symlink_to("/dev/zero")
-        else:
-            make_path(kind, path)
+        make_path("link to /dev/zero" if kind == "device" else kind, path)
         return []
     return make
-
-
-
-
-def snapshot(paths) -> dict:
-    """Every entry at and under `paths`, links not followed: its kind, size,
-    modification time, a link's target and a regular file's SHA-256."""
-    state = {}
-    for top in paths:
-        entries = [str(top)]
-        if top.is_dir() and not top.is_symlink():
-            for root, dirs, names in os.walk(top):
-                entries += [os.path.join(root, n) for n in dirs + names]
-        for entry in entries:
-            try:
-                s = os.lstat(entry)
-            except FileNotFoundError:
-                state[entry] = None
-                continue
-            if stat.S_ISDIR(s.st_mode):
-                # Its entries are compared: a directory's time and size change
-                # with a probe file made and removed (files.check_writable).
-                state[entry] = "directory"
-                continue
-            content = (hashlib.sha256(Path(entry).read_bytes()).hexdigest()
-                       if stat.S_ISREG(s.st_mode) else
-                       os.readlink(entry) if stat.S_ISLNK(s.st_mode) else None)
-            # The lock file is taken, with its content as it was, by any run
-            # that reads the run's state: only its time changes.
-            mtime = None if os.path.basename(entry) == LOCK_NAME else s.st_mtime_ns
-            state[entry] = (stat.S_IFMT(s.st_mode), s.st_size, mtime, content)
-    return state
 
 
 # --------------------------------------------------------------- the runners
@@ -235,7 +180,7 @@ case("flagfile in Latin-1", "train", _flagfile("--seed=1 # \u00e9\n".encode("lat
 case("flagfile of /proc/self/environ", "train", _args("--flagfile=/proc/self/environ"),
      "holds NUL bytes")
 case("a flagfile naming a FIFO", "train", lambda scene: (
-    os.mkfifo(scene.tmp_path / "fifo"),
+    make_path("FIFO", scene.tmp_path / "fifo"),
     (scene.tmp_path / "a.flags").write_text(f"--flagfile={scene.tmp_path / 'fifo'}\n"),
     scene.touch(scene.tmp_path), [f"--flagfile={scene.tmp_path / 'a.flags'}"])[-1],
     "is a FIFO, not a regular file")
@@ -302,8 +247,10 @@ def _entry(relative: str, kind: str):
     def make(scene):
         path = scene.touch(scene.tmp_path / "run") / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        {"file": lambda: path.write_text("the user's own file\n"), "directory": path.mkdir,
-         "fifo": lambda: os.mkfifo(path)}[kind]()
+        if kind == "file":
+            path.write_text("the user's own file\n")
+        else:
+            make_path(kind, path)
         return []
     return make
 
@@ -314,8 +261,8 @@ for relative, kind, expect in (
         ("metrics.jsonl", "directory", "is a directory, not a regular file"),
         ("config.json", "directory", "is a directory, not a regular file"),
         ("summary.json", "directory", "is a directory, not a regular file"),
-        ("metrics.jsonl", "fifo", "is a FIFO, not a regular file"),
-        (LOCK_NAME, "fifo", "is a FIFO, not a regular file"),
+        ("metrics.jsonl", "FIFO", "is a FIFO, not a regular file"),
+        (LOCK_NAME, "FIFO", "is a FIFO, not a regular file"),
         ("checkpoints/checkpoint", "directory", "is a directory, not a regular file"),
         ("notes.txt", "file", "holds files this program did not write")):
     case(f"a new run's {relative} a {kind}", "train", _entry(relative, kind), expect)
@@ -511,8 +458,9 @@ SETTINGS_DAMAGE = {
                            "nesting deeper than 100"),
     "an alias bomb": (_billion_laughs, "an alias (*name): not accepted"),
     "2 MB": (lambda text: text + b"#" * 2_000_000 + b"\n", "larger than 1048576 bytes"),
-    "NUL bytes": (lambda text: text + b"\0\0\0", ""),
-    "a tab for indentation": (lambda text: text + b"\nx:\n\t- y\n", ""),
+    "NUL bytes": (lambda text: text + b"\0\0\0", "not YAML: unacceptable character #x0000"),
+    "a tab for indentation": (lambda text: text + b"\nx:\n\t- y\n",
+                              "found character '\\t' that cannot start any token"),
 }
 for name in ("settings.yaml", "kustomization.yaml", "wiring.yaml", "model/kustomization.yaml"):
     for damage, (change, expect) in SETTINGS_DAMAGE.items():
@@ -524,8 +472,8 @@ for name in ("settings.yaml", "model/model.py"):
     for kind in ("FIFO", "dangling symlink", "symlink loop", "device"):
         case(f"{name} a {kind}", "k8s/check.py", lambda scene, name=name, kind=kind: [
             str(_settings(scene)), (scene.tmp_path / "settings" / name).unlink(),
-            (scene.tmp_path / "settings" / name).symlink_to("/dev/zero") if kind == "device"
-            else make_path(kind, scene.tmp_path / "settings" / name)][:1], name.split("/")[-1])
+            make_path("link to /dev/zero" if kind == "device" else kind,
+                      scene.tmp_path / "settings" / name)][:1], name.split("/")[-1])
 for value in ("\u0661\u0662", "-1", "0", "100000", "1e400", ".nan", "0x10", "true",
               '"2\\nfoo: bar"'):
     case(f"workers: {value}", "k8s/check.py", lambda scene, value=value: [
@@ -571,7 +519,7 @@ def test_hostile_input_is_one_error_line_and_changes_nothing(name, tmp_path, req
             args.append(f"--model_dir={scene.touch(tmp_path / 'run')}")
     for variable, value in scene.environ.items():
         monkeypatch.setenv(variable, value)
-    before = snapshot(scene.touched)
+    before = snapshot(*scene.touched)
     with deadline(300 if legitimate else 60):  # a FIFO read would block: fail instead
         result = _run_entry(entry, args, monkeypatch)
     lines = result.stderr.splitlines()
@@ -583,4 +531,4 @@ def test_hostile_input_is_one_error_line_and_changes_nothing(name, tmp_path, req
     errors = [line for line in lines if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and expect in errors[0], (
         result.returncode, lines[-20:])
-    assert snapshot(scene.touched) == before, "a file changed"
+    assert snapshot(*scene.touched) == before, "a file changed"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import SMALL_MODEL, assert_ok, assert_one_error_line, read_summary, run_in_process, train
+from conftest import (SMALL_MODEL, assert_ok, assert_one_error_line, read_summary, run_in_process,
+                      snapshot, train)
 from distributed_mpt import train as train_entry_point
 
 CLASSES = ("cars", "dogs", "ships")  # sorted: labels 0, 1, 2
@@ -153,13 +154,6 @@ TINY = ["--dataset=image_folder", "--image_size=8", "--model=mlp", "--precision=
         "--per_replica_batch_size=8", "--train_steps=2", "--steps_per_loop=2", "--noexport"]
 
 
-def _tree(directory):
-    """Every path under `directory` with its size and modification time, but
-    the lock that every run takes."""
-    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")
-            if p.name != ".lock"}
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A finished run of 2 steps on a folder with entries it skips, and its
@@ -232,11 +226,13 @@ def test_a_resume_on_other_images_is_refused_naming_the_difference(tiny_run, tmp
     other = tmp_path / "other"
     shutil.copytree(folder, other)
     fragment = change(other)
-    before = _tree(run)
+    # Under the run, not the run itself: the refused run proves it writable
+    # (files.check_writable), which changes its time.
+    before = snapshot(*run.iterdir(), directory_times=True)
     result = train([*TINY, "--train_steps=4", f"--data_dir={other}", f"--model_dir={run}"])
     assert_one_error_line(result, f"holds a run trained on other images than --data_dir={other} "
                                   f"holds: {fragment}")
-    assert _tree(run) == before, "nothing written"
+    assert snapshot(*run.iterdir(), directory_times=True) == before, "nothing written"
 
 
 def test_a_copy_of_the_images_elsewhere_and_a_run_without_a_fingerprint_resume(tiny_run, tmp_path):

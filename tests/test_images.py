@@ -5,12 +5,17 @@ means, and a damaged file of each refused by name."""
 
 import io
 import struct
+import subprocess
+import sys
+import tracemalloc
 import zlib
+from typing import Optional
 
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from conftest import REPO, deadline, made_a_fifo_when_checked, subprocess_env
 from distributed_mpt.core.data import images
 
 
@@ -20,13 +25,15 @@ def _encoded(image, fmt, **options) -> bytes:
     return buffer.getvalue()
 
 
-def _read(tmp_path, encoded: bytes, name="image"):
+def _read(tmp_path, encoded: Optional[bytes], name="image"):
+    """read_image of a file of `encoded` (None: the file already there)."""
     path = tmp_path / name
-    path.write_bytes(encoded)
+    if encoded is not None:
+        path.write_bytes(encoded)
     return images.read_image(str(path))
 
 
-def _refused(tmp_path, encoded: bytes, fragment: str, name="image"):
+def _refused(tmp_path, encoded: Optional[bytes], fragment: str, name="image"):
     with pytest.raises(images.ImageError) as raised:
         _read(tmp_path, encoded, name)
     message = str(raised.value)
@@ -111,9 +118,10 @@ def test_a_later_gif_frame_that_grows_the_screen_past_the_bound_is_refused(tmp_p
 
 @pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP", "TIFF"])
 def test_frames_together_are_bounded_before_the_next_is_decoded(tmp_path, monkeypatch, fmt):
-    # At a bound of 100,000 pixels (the real one: 100 million, and
-    # tests/test_predict_bounds.py's 100 frames of 2000 x 2000), 10 frames of
-    # 100 x 100 are 100,000: 11 are too many, whatever their format.
+    # At a bound of 100,000 pixels (the real one: 100 million, which
+    # tests/test_predict_bounds.py's 30 frames of 2000 x 2000 pass at the
+    # 26th), 10 frames of 100 x 100 are 100,000: 11 are too many, whatever
+    # their format.
     monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 100_000)
     frames = [Image.new("RGB", (100, 100), (i * 20, 0, 0)).convert("P" if fmt == "GIF" else "RGB")
               for i in range(11)]
@@ -131,6 +139,61 @@ def test_more_frames_than_the_bound_are_refused(tmp_path, monkeypatch):
              "holds more than 10 frames")
     assert _read(tmp_path, _encoded(frames[0], "GIF", save_all=True, append_images=frames[1:10])
                  ).shape == (1, 1, 3)
+
+
+# A process that reads an image with its address space capped 80 MB above
+# what it has mapped: room to read the file (a buffer of MAX_IMAGE_BYTES,
+# 64 MB), not for Pillow's decoded pixels, as on a machine without the memory.
+_DECODE_IN_LITTLE_MEMORY = """
+import resource, sys
+from distributed_mpt.core.data import images
+images.read_image(sys.argv[2])  # Pillow's plugins imported, on a small image
+with open("/proc/self/status") as status:
+    mapped = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (80 << 20),) * 2)
+try:
+    images.read_image(sys.argv[1])
+except images.ImageError as e:
+    print(e)
+"""
+
+
+def test_an_image_larger_than_the_memory_left_is_refused_as_that_not_as_damaged(tmp_path):
+    # 40 million pixels, 160 MB as Pillow holds RGB (4 bytes a pixel): within
+    # the bounds, beyond the 80 MB left.
+    large, small = tmp_path / "large.png", tmp_path / "small.png"
+    Image.new("RGB", (8000, 5000), (90, 20, 200)).save(large)
+    Image.new("RGB", (8, 8)).save(small)
+    result = subprocess.run([sys.executable, "-c", _DECODE_IN_LITTLE_MEMORY, large, small],
+                            capture_output=True, text=True, cwd=REPO, env=subprocess_env(),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{large} did not fit in the memory left to decode it: "
+                                    f"images of up to 100,000,000 pixels are read, which may "
+                                    f"take about 1.7 GB"), result.stdout
+    assert "damaged" not in result.stdout
+
+
+def test_a_file_made_a_fifo_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch):
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8)).save(path)
+    made_a_fifo_when_checked(monkeypatch, path)
+    with deadline(30):
+        _refused(tmp_path, None, "is a FIFO, not a regular file: give an image file", "photo.png")
+
+
+def test_a_small_image_is_read_without_allocating_the_bound(tmp_path):
+    # read(MAX_IMAGE_BYTES + 1) allocates its 64 MB before it reads a byte.
+    encoded = _encoded(Image.new("RGB", (8, 8)), "PNG")
+    _read(tmp_path, encoded)  # Pillow's plugins imported
+    tracemalloc.start()
+    try:
+        _read(tmp_path, encoded)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"reading an image of 8 x 8 pixels allocated at most {peak:,} bytes")
+    assert peak < 4 << 20
 
 
 # --- damage: decoded whole, read to the end ----------------------------------

@@ -11,18 +11,14 @@ import time
 
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, subprocess_env, train
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, snapshot, subprocess_env,
+                      train)
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.process import run_lock
 from distributed_mpt.process.run_lock import RunLock
 from distributed_mpt.training import checkpointing, model_dir as model_dir_lib
 
 E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
-
-
-def _tree(directory):
-    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
-            for p in directory.rglob("*")}
 
 
 def test_a_directory_of_the_users_files_is_refused_unless_adopted(tmp_path):
@@ -56,13 +52,13 @@ def test_a_run_refuses_a_directory_of_the_users_files_and_adopts_it_when_told(mo
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"mine": 1}\n')
     (model_dir / "notes.txt").write_text("mine\n")
-    before = _tree(model_dir)
+    before = snapshot(model_dir)
     # A process: the refusal comes before TensorFlow starts, sooner than an
     # in-process run may wait for the log filter to pass its line on.
     refused = train([*E2E, "--train_steps=2", f"--model_dir={model_dir}"], timeout=300)
     assert_one_error_line(refused, "holds files this program did not write")
     assert "--adopt_model_dir" in refused.stderr
-    assert _tree(model_dir) == before, "nothing written, nothing removed"
+    assert snapshot(model_dir) == before, "nothing written, nothing removed"
 
     assert_ok(train([*E2E, "--train_steps=2", "--adopt_model_dir", f"--model_dir={model_dir}"]))
     assert (model_dir / "notes.txt").read_text() == "mine\n", "the user's other files stay"
@@ -107,9 +103,9 @@ def test_remove_debris_touches_nothing_in_a_directory_not_marked_as_ours(tmp_pat
                  "checkpoints/checkpoint.tmp0f1e"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    before = _tree(tmp_path)
+    before = snapshot(tmp_path)
     assert model_dir_lib.remove_debris(str(tmp_path), [TAG]) == []
-    assert _tree(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_what_tensorflow_leaves_when_killed_mid_save_is_debris(tmp_path):

@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, deadline, read_summary,
-                      run_in_process, run_module, subprocess_env, train)
+from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, deadline, make_path,
+                      read_summary, run_in_process, run_module, snapshot, subprocess_env, train)
 from distributed_mpt import predict as predict_module
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
@@ -277,9 +277,10 @@ def _checkpoint_run(config=None, weightless=False):
     return make
 
 
-def _bad_image(make_path):
+def _bad_image(made):
+    """The untrained run, and `made(path)` as the image to classify."""
     def make(tmp_path, untrained, trained, photo):
-        return untrained, [make_path(tmp_path / "image.png")]
+        return untrained, [made(tmp_path / "image.png")]
     return make
 
 
@@ -288,18 +289,8 @@ def _text(path):
     return path
 
 
-def _directory(path):
-    path.mkdir()
-    return path
-
-
 def _cut_short(image, path):
     path.write_bytes(image.read_bytes()[:-100])
-    return path
-
-
-def _fifo(path):
-    os.mkfifo(path)
     return path
 
 
@@ -358,9 +349,10 @@ HOSTILE_INPUTS = {
         untrained, [_cut_short(photo, tmp_path / "cut.png")]),
         "begins as a PNG image does but does not decode"),
     "a missing image": (_bad_image(lambda p: p), "cannot read"),
-    "a directory as an image": (_bad_image(_directory), "not a regular file"),
-    "a FIFO as an image": (_bad_image(_fifo), "not a regular file"),
-    "/dev/zero as an image": (_bad_image(lambda p: Path("/dev/zero")), "not a regular file"),
+    "a directory as an image": (_bad_image(lambda p: make_path("directory", p)),
+                                "not a regular file"),
+    "a FIFO as an image": (_bad_image(lambda p: make_path("FIFO", p)), "not a regular file"),
+    "/dev/zero as an image": (_bad_image(lambda p: make_path("device", p)), "not a regular file"),
     "an image of 64 MB": (_bad_image(_huge), "larger than an image"),
     "a PNG of 1.6 billion pixels": (_bad_image(_a_png_of_a_billion_pixels),
                                     "more than this program decodes"),
@@ -376,20 +368,13 @@ HOSTILE_INPUTS = {
 }
 
 
-
-
-def _tree(directory: Path) -> dict:
-    """Every path under `directory` with its size and modification time."""
-    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
-
-
 @pytest.mark.parametrize("problem", HOSTILE_INPUTS)
 def test_hostile_input_is_one_error_line_and_exit_2(problem, model_dir, synthetic_run, photo,
                                                     tmp_path):
     make, fragment = HOSTILE_INPUTS[problem]
     run, args = make(tmp_path, model_dir, synthetic_run, photo)
-    before = _tree(run)
+    before = snapshot(run, directory_times=True, lock_time=True)
     with deadline(seconds=300):  # a FIFO read would block: fail instead
         result = predict(f"--model_dir={run}", *args)
     assert_one_error_line(result, fragment)
-    assert _tree(run) == before, "predict writes nothing"
+    assert snapshot(run, directory_times=True, lock_time=True) == before, "predict writes nothing"

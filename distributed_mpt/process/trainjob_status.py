@@ -32,15 +32,14 @@ import os
 import re
 import socket
 import ssl
-import stat
 import sys
 import threading
 import time
 import urllib.parse
 from typing import Mapping, Optional, Tuple
 
+from distributed_mpt import files
 from distributed_mpt.errors import first_line, quoted
-from distributed_mpt.files import kind_of
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
@@ -52,8 +51,9 @@ MIN_SECONDS = 5.0
 # every few seconds hold the thread, and the final report, for ever.
 REQUEST_SECONDS = 5.0
 # The most close() adds to the end of a run, whatever the server does: the
-# final report's turn (MIN_SECONDS after the last), the report, a second to
-# close the connection.
+# final report's turn (MIN_SECONDS after the last one began, which had
+# REQUEST_SECONDS <= MIN_SECONDS), the report, a second to close the
+# connection.
 CLOSE_SECONDS = MIN_SECONDS + REQUEST_SECONDS + 1
 # The controller refuses requests over 64 KiB and answers with the status it
 # applied or a Kubernetes Status (kubeflow/trainer v2.3,
@@ -147,11 +147,14 @@ class TrainJobStatus:
                 deadline = time.monotonic() + REQUEST_SECONDS
                 if self._close_by is not None:
                     deadline = min(deadline, self._close_by)
-            if deadline - time.monotonic() < 1:  # the report before took nearly all its time
+            if deadline - time.monotonic() < 1:  # close()'s deadline is near: a starved thread
                 self._failed("the final progress had no time left")
                 return
-            self._post(payload, deadline)
+            # The turn counts from a report's start: counted from its end, a
+            # report that took most of REQUEST_SECONDS pushed the next one
+            # past the close's deadline, and the final 100% was never sent.
             last_sent = time.monotonic()
+            self._post(payload, deadline)
 
     def _post(self, payload: dict, deadline: float) -> None:
         """One report, over by `deadline` (time.monotonic())."""
@@ -285,22 +288,15 @@ def _bearer_token(path: str) -> str:
 
 
 def _read_bounded(path: str, limit: int, where: str) -> bytes:
-    """The bytes of the regular file at `path` (a symbolic link to one
-    included), at most `limit` of them. A FIFO would block the open, a device
-    node never end: neither is opened, and the check is repeated on what
-    was opened (without blocking), in case the path changed in between."""
+    """files.read_bounded, its refusals in this module's words."""
     try:
-        if stat.S_ISREG(os.stat(path).st_mode):
-            descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            with open(descriptor, "rb") as f:
-                if stat.S_ISREG(os.fstat(descriptor).st_mode):
-                    data = f.read(limit + 1)
-                    if len(data) > limit:
-                        raise _Refused(f"{where} is larger than {limit:,} bytes")
-                    return data
+        return files.read_bounded(path, limit)
+    except files.NotRegularFileError as e:
+        raise _Refused(f"{where} is {e.kind}, not a regular file") from None
+    except files.FileTooLargeError:
+        raise _Refused(f"{where} is larger than {limit:,} bytes") from None
     except OSError as e:
         raise _Refused(f"{where} cannot be read ({e.strerror})") from None
-    raise _Refused(f"{where} is {kind_of(os.path.realpath(path))}, not a regular file")
 
 
 def _why(error: Exception, seconds: float) -> str:

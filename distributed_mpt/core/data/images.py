@@ -20,12 +20,12 @@ import contextlib
 import io
 import os
 import re
-import stat
 import warnings
 from typing import Optional, Tuple
 
 import numpy as np
 
+from distributed_mpt import files
 from distributed_mpt.errors import UserError, quoted
 
 # Far above any photo (a 50-megapixel JPEG is about 20 MB): a bigger file is
@@ -34,8 +34,14 @@ MAX_IMAGE_BYTES = 64 << 20
 # A small file can decode to gigabytes (a PNG of one colour compresses
 # 1000:1, a GIF holds frames of 10000 x 10000): each frame's size is checked
 # before it is decoded, and the frames of one file together hold at most
-# this many. 100 million RGB pixels: 300 MB.
+# this many. Decoding one of that many pixels costs far more than their 300
+# MB of RGB: measured with Pillow 13 on a 2-core x86-64 machine, a PNG of 100
+# million pixels peaked at about 776 MB (1083 MB with the resize to a
+# model's size), an animated WebP at about 1700 MB.
 MAX_IMAGE_PIXELS = 100_000_000
+# What an image within the bounds may cost while decoded (the WebP above),
+# for the message of a machine that has less to give.
+DECODE_MEMORY = "about 1.7 GB"
 # Frames of an animation or pages of a TIFF: each is decoded (a damaged one
 # is a damaged file), and even a 1-pixel frame costs Python's time.
 MAX_FRAMES = 1000
@@ -61,7 +67,7 @@ def read_image(path: str, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
     """The image file at `path` as uint8 [height, width, 3] RGB of `size`
     (height, width; None: its own), or ImageError naming the file and what
     is wrong."""
-    encoded = _read_bounded(path)
+    encoded = _file_bytes(path)
     with _bounded_pillow() as noted:
         pixels = _decode(path, encoded, noted)
     return resize(pixels, size) if size else pixels
@@ -137,6 +143,10 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
                          f"decodes ({MAX_IMAGE_PIXELS:,})") from None
     except ImageError:
         raise
+    except MemoryError:  # not damage: the same file decodes where there is memory
+        raise ImageError(f"{quoted(path)} did not fit in the memory left to decode it: images of "
+                         f"up to {MAX_IMAGE_PIXELS:,} pixels are read, which may take "
+                         f"{DECODE_MEMORY}; free memory, or give a smaller image") from None
     except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, ...
         damage = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
     if damage:
@@ -251,19 +261,17 @@ def _jpeg_scan_ends(encoded: bytes) -> bool:
     return False
 
 
-def _read_bounded(path: str) -> bytes:
-    """The bytes of the regular file at `path`, at most MAX_IMAGE_BYTES. By
-    kind and size before reading: a FIFO would block the read forever, and
-    /dev/zero fill the memory."""
+def _file_bytes(path: str) -> bytes:
+    """The bytes of the regular file at `path`, at most MAX_IMAGE_BYTES, by
+    files.read_bounded: a FIFO would block the read forever, and /dev/zero
+    fill the memory."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ImageError(f"{quoted(path)} is not a regular file (a directory, FIFO or "
-                             f"device): give an image file")
-        with open(path, "rb") as f:
-            encoded = f.read(MAX_IMAGE_BYTES + 1)
+        return files.read_bounded(path, MAX_IMAGE_BYTES)
+    except files.NotRegularFileError as e:
+        raise ImageError(f"{quoted(path)} is {e.kind}, not a regular file: give an image "
+                         f"file") from None
+    except files.FileTooLargeError:
+        raise ImageError(f"{quoted(path)} is larger than an image this program reads "
+                         f"({MAX_IMAGE_BYTES >> 20} MB)") from None
     except OSError as e:  # missing, not readable
         raise ImageError(f"cannot read {quoted(path)} ({e.strerror})") from None
-    if len(encoded) > MAX_IMAGE_BYTES:
-        raise ImageError(f"{quoted(path)} is larger than an image this program reads "
-                         f"({MAX_IMAGE_BYTES >> 20} MB)")
-    return encoded
