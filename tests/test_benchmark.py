@@ -54,14 +54,14 @@ def test_tiny_run_of_the_entry_point_reports_every_section(tmp_path):
 def _cell_processes(parent: int) -> list:
     """The pids of the cell processes `parent` has started and not reaped."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
+            ppid = int(stat_file.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat_file.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
         if ppid == parent and b"distributed_mpt.benchmark.cells" in command:
-            pids.append(int(stat.parent.name))
+            pids.append(int(stat_file.parent.name))
     return pids
 
 

@@ -162,7 +162,7 @@ def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
     print(result.stderr[-500:])
     assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
                                   "parameters: training it needs about 33.6 GB, more than the ")
-    assert f"left under the memory limit of cgroup /" in result.stderr
+    assert "left under the memory limit of cgroup /" in result.stderr
     assert "(1.5 GB, " + limit_file + ")" in result.stderr
 
 
