@@ -19,8 +19,9 @@ in what the replicas compute.
 Every run logs every step (`--log_every_steps=1`); the table gives, per span
 of steps, the largest relative difference of the logged loss from the
 one-replica run of the same seed, then each run's test accuracy and the
-relative distance of its final convolution kernels. Runs already finished in
---out are reused, so an interrupted measurement goes on where it stopped.
+relative distance of its final weights from that run's (and, for scale, of
+one seed's from another's). Runs already finished in --out are reused, so
+an interrupted measurement goes on where it stopped.
 --train_flags are added to every run (a smaller network for a quick look:
 "--model_width=8 --epochs=1").
 """
@@ -92,17 +93,19 @@ def _losses(model_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, records) if "loss" in r}
 
 
-def _kernels(model_dir):
+def _weights(model_dir):
+    """The trained weights of the run's final checkpoint, by name: the
+    variables the optimizer trains (its slots and the frozen ones left out)."""
     import tensorflow as tf
 
     reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if "kernel" in name and "OPTIMIZER" not in name}
+            if "/_trainable_variables/" in name and "OPTIMIZER_SLOT" not in name}
 
 
-def _distance(kernels, reference):
-    """Relative Euclidean distance of all kernels from the reference's."""
-    squared = sum(float(np.sum((kernels[n] - reference[n]) ** 2)) for n in reference)
+def _distance(weights, reference):
+    """Relative Euclidean distance of all the weights from the reference's."""
+    squared = sum(float(np.sum((weights[n] - reference[n]) ** 2)) for n in reference)
     return (squared / sum(float(np.sum(reference[n] ** 2)) for n in reference)) ** 0.5
 
 
@@ -144,12 +147,16 @@ def main():
                            for s in range(first, end + 1)))
         print(f"{first}-{end}".ljust(12) + "".join(f"{v:16.1e}" for v in row))
 
-    print("\nrun".ljust(22) + "test accuracy".rjust(14) + "kernels' distance".rjust(20))
+    print("\nrun".ljust(22) + "test accuracy".rjust(14) + "weights' distance".rjust(20))
     for name, (seed, model_dir) in dirs.items():
         with open(os.path.join(model_dir, "summary.json")) as f:
             accuracy = json.load(f)["eval_accuracy"]
-        distance = _distance(_kernels(model_dir), _kernels(dirs[f"one-{seed}"][1]))
+        distance = _distance(_weights(model_dir), _weights(dirs[f"one-{seed}"][1]))
         print(name.ljust(21) + f"{accuracy:14.4f}" + f"{distance:20.2e}")
+    if len(seeds) > 1:  # another initialization and data order: as far as runs can be
+        first, second = (_weights(dirs[f"one-{seed}"][1]) for seed in seeds[:2])
+        other = _distance(second, first)
+        print(f"one-{seeds[1]} against one-{seeds[0]}".ljust(35) + f"{other:20.2e}")
 
 
 if __name__ == "__main__":

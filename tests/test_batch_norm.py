@@ -197,8 +197,8 @@ def test_unconverged_statistics_are_recalibrated_and_evaluation_then_matches_tra
 def test_two_replicas_train_a_network_of_six_batch_norms_like_one(tmp_path):
     # airbench: three stages of two synchronized batch norms each. One
     # replica trains them with the fused kernel, two with Keras' all-reduced
-    # E[x^2] - E[x]^2; training amplifies the round-off of either (README:
-    # as much as reordering a batch's examples on one replica does).
+    # E[x^2] - E[x]^2; training amplifies the round-off of either (over a
+    # whole run as far as one replica on another thread count: README).
     common = ["--dataset=synthetic", "--synthetic_examples=512", "--model=airbench",
               "--model_width=4", "--train_steps=8", "--warmup_epochs=0", "--precision=float32",
               "--steps_per_loop=4", "--noevaluate", "--noexport"]
