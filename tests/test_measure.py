@@ -107,3 +107,15 @@ def test_seeds_are_decimal_and_counted_before_they_are_made(seeds):
 
     with pytest.raises(ConfigError, match=r"^--seeds="):
         seeds_of(seeds)
+
+
+def test_one_run_is_tabulated_without_a_spread_it_does_not_have():
+    from distributed_mpt.recipes.measure import table
+
+    run = {"seed": 0, "eval_accuracy": 0.941, "eval_accuracy_without_tta": 0.9294,
+           "wall_seconds": 338.6, "examples_per_second": 1175.2, "device": "a CPU"}
+    one = table("cpu_cnn94_muon", [run])
+    assert one.startswith("`cpu_cnn94_muon`: n = 1, mean 94.10%\n"), one
+    assert "nan" not in one and "| 0 | 94.10% | 92.94% |" in one
+    two = table("cpu_cnn94_muon", [run, {**run, "seed": 1, "eval_accuracy": 0.939}])
+    assert "n = 2, mean 94.00%, standard deviation 0.14 points, 95% interval" in two, two

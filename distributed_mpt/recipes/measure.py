@@ -69,9 +69,10 @@ def table(recipe: str, summaries: List[dict]) -> str:
     if evaluated:
         stats = statistics_of(evaluated)
         low, high = stats["interval"]
-        head = (f"`{recipe}`: n = {stats['n']}, mean {100 * stats['mean']:.2f}%, standard "
-                f"deviation {100 * stats['std']:.2f} points, 95% interval of the mean "
-                f"{100 * low:.2f}-{100 * high:.2f}% (Student's t)")
+        head = f"`{recipe}`: n = {stats['n']}, mean {100 * stats['mean']:.2f}%"
+        if stats["n"] > 1:  # one run has no spread to state (it would print nan)
+            head += (f", standard deviation {100 * stats['std']:.2f} points, 95% interval of "
+                     f"the mean {100 * low:.2f}-{100 * high:.2f}% (Student's t)")
     else:
         head = (f"`{recipe}`: {len(summaries)} run(s), none evaluated (--noevaluate): no test "
                 f"accuracy")
