@@ -70,7 +70,8 @@ class StepRules:
     global_batch_size: the loss is averaged over it, so that the all-reduced
     sum of replica gradients is the global batch's gradient (evaluation
     batches are as large); num_workers: workers that must stop at the same
-    step; loss_scaling: replicas agree on skipping a non-finite step; xla:
+    step; label_smoothing: of the training loss's one-hot targets;
+    loss_scaling: replicas agree on skipping a non-finite step; xla:
     compile the forward and backward pass; jitter_split: for color jitter
     (the batches then end with it), the model's normalization layer and the
     rest of the model (models.split_at_normalization); frozen: pairs (steps,
