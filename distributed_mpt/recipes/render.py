@@ -69,11 +69,14 @@ def _select(ledger: Ledger, spec: str) -> List[dict]:
 
 def headline_set(ledger: Ledger, recipe: str, column: Optional[str] = None) -> List[dict]:
     """The runs that speak for `recipe` (on `column`'s machines): of the sets
-    of its flags as shipped, the one with the most runs, the latest on a tie."""
+    of its flags as shipped, the one with the most runs; on a tie, one run
+    alternating with another recipe (its time is then a ratio measured side
+    by side, which the headline states), then the latest."""
     candidates = [runs for runs in ledger.sets.values() if runs[0]["recipe"] == recipe
                   and not variant(runs[0]["flags"], recipe)
                   and (column is None or ledger.column(runs[0]) == column)]
-    return max(reversed(candidates), key=len, default=[])
+    return max(reversed(candidates), key=lambda runs: (len(runs), bool(ledger.baselines(runs))),
+               default=[])
 
 
 def time_ratio(ledger: Ledger, runs: List[dict]) -> Optional[float]:
