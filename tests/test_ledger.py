@@ -188,3 +188,26 @@ def test_a_timed_suite_states_its_time_in_whole_minutes_and_seconds():
     assert [records.wall_time(s, unit) for s, unit in (
         (None, "s"), (559.64, "s"), (780, "min"), (692.4, "min s"))] == [
         "—", "559.6 s", "13.0 min", "11 min 32 s"]
+
+
+def test_on_a_tie_the_headline_is_the_set_measured_side_by_side():
+    """Two sets of a recipe with as many runs: the one that alternated with
+    another recipe speaks for it (its ratio is the headline's), even when the
+    other was measured later."""
+    from distributed_mpt.recipes import records, render
+
+    def run(i, recipe, machine, session, against):
+        return {"kind": "run", "id": f"run {i}", "recipe": recipe, "machine": machine,
+                "set": f"{recipe} on {machine}", "session": session, "against": against,
+                "flags": records.recipe_flags(recipe), "seed": i, "commit": None,
+                "eval_accuracy": 0.94, "eval_accuracy_without_tta": 0.93,
+                "wall_seconds": 500.0 + i, "wall_minutes": None}
+    ledger = records.Ledger(
+        [{"kind": "machine", "machine": m, "cpu": m, "column": m} for m in ("epyc", "xeon")]
+        + [run(0, "cpu_cnn94", "epyc", "s", None), run(1, "cpu_cnn94_muon", "epyc", "s", "cpu_cnn94"),
+           run(2, "cpu_cnn94_muon", "epyc", "s", "cpu_cnn94"),
+           run(3, "cpu_cnn94_muon", "xeon", "t", None), run(4, "cpu_cnn94_muon", "xeon", "t", None)])
+    headline = render.headline_set(ledger, "cpu_cnn94_muon")
+    assert [r["id"] for r in headline] == ["run 1", "run 2"]
+    assert render.time_ratio(ledger, headline) is not None
+    assert [r["id"] for r in render.headline_set(ledger, "cpu_cnn94_muon", "xeon")] == ["run 3", "run 4"]
