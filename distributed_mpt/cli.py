@@ -10,7 +10,7 @@ float() would take `0x10`, `1_000`, `١٢` (Arabic-Indic digits), `nan` and
 import math
 import re
 import sys
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from absl import flags
 
@@ -84,14 +84,31 @@ def parse(program: str, fv: flags.FlagValues, argv: List[str]) -> List[str]:
         raise ConfigError(quoted(first_line(e, limit=10_000).removeprefix("ERROR:: "))) from None
 
 
-def guarded(main: Callable[[], int]) -> int:
+def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     """`main()`'s exit code; a UserError it raises becomes one `error:`
-    line on stderr and that error's exit code."""
+    line on stderr and that error's exit code. With `on_interrupt` (what a
+    stop leaves behind, e.g. "nothing written"), Ctrl-C or a stop signal
+    raised as one ends it as `interrupted` says."""
     try:
         return main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except KeyboardInterrupt as e:
+        if on_interrupt is None:
+            raise
+        return interrupted(e, on_interrupt)
+
+
+def interrupted(stop: KeyboardInterrupt, left: str) -> int:
+    """The exit code of an entry point that a stop ended, after one line
+    saying so and what it left: ABORTED for Ctrl-C, PREEMPTED for SIGTERM
+    and the other stop signals (stopping.stops_interrupting raises them as
+    Terminated)."""
+    from distributed_mpt.process.stopping import Terminated
+
+    print(f"interrupted: {left}", file=sys.stderr, flush=True)
+    return ExitCode.PREEMPTED if isinstance(stop, Terminated) else ExitCode.ABORTED
 
 
 def console_script(main: Callable[[], int], exit_at_once: bool = True) -> None:

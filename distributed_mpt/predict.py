@@ -295,11 +295,8 @@ def main(argv=None) -> int:
         return cli.show_help(__doc__, fv)
     # As in training: TensorFlow's C++ start-up lines would bury the answer.
     with log_filter.filtering(), _quiet_tensorflow():
-        try:
-            return cli.guarded(lambda: _predict(fv, argv))
-        except KeyboardInterrupt:  # predict writes no file: nothing to keep or clean
-            print("interrupted", file=sys.stderr, flush=True)
-            return ExitCode.ABORTED
+        # predict writes no file: nothing to keep or clean.
+        return cli.guarded(lambda: _predict(fv, argv), on_interrupt="nothing written")
 
 
 def _predict(fv: flags.FlagValues, argv) -> int:

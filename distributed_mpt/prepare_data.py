@@ -32,11 +32,8 @@ def main(argv=None) -> int:
     fv = _flag_values()
     if cli.wants_help(argv):
         return cli.show_help(__doc__, fv)
-    try:
-        return cli.guarded(lambda: _prepare(fv, argv))
-    except KeyboardInterrupt:  # tensorflow-datasets downloads into temporary folders
-        print("interrupted", file=sys.stderr, flush=True)
-        return ExitCode.ABORTED
+    # tensorflow-datasets downloads into temporary folders: a stop leaves none.
+    return cli.guarded(lambda: _prepare(fv, argv), on_interrupt="nothing prepared")
 
 
 def _prepare(fv: flags.FlagValues, argv) -> int:

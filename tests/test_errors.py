@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed_mpt import errors, launch
+from distributed_mpt import cli, errors, launch
 from distributed_mpt.process import stopping
 from distributed_mpt.errors import ExitCode, first_line
 
@@ -84,3 +84,17 @@ Detected at node GatherV2 defined at (most recent call last):
 
 def test_first_line_of_errors_on_several_replicas_is_the_first_cause():
     assert first_line(_TWO_REPLICAS_FAILED) == "indices = 5 is not in [0, 2)"
+
+
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt(), ExitCode.ABORTED),
+                                        (stopping.Terminated(), ExitCode.PREEMPTED)])
+def test_an_entry_point_stopped_says_so_and_exits_with_the_stops_code(stop, code, capsys):
+    # One mechanism for predict, prepare_data, the benchmark and the scaling
+    # projection: Ctrl-C aborts, SIGTERM (raised as Terminated) is a preemption.
+    def stopped():
+        raise stop
+
+    assert cli.guarded(stopped, on_interrupt="nothing written") == code
+    assert capsys.readouterr().err == "interrupted: nothing written\n"
+    with pytest.raises(type(stop)):  # an entry point that saves on a stop handles it itself
+        cli.guarded(stopped)

@@ -7,12 +7,12 @@ import pytest
 from conftest import assert_ok, train
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.training.plan import (SHORT_EPOCH_STEPS, SHORT_RUN_STEPS, plan_run,
-                                           short_run_warning, start_warnings)
+                                           short_run, start_warnings)
 
 
 def _warning(examples, replicas=1, **flags):
     config = TrainConfig(model_dir="unused", **flags)
-    return short_run_warning(config, plan_run(config, replicas, 1, examples), examples)
+    return short_run(config, plan_run(config, replicas, 1, examples), examples)[0]
 
 
 def test_a_run_of_few_steps_warns_once_at_its_start_with_a_batch_that_gives_more(model_dir):

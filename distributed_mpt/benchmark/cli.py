@@ -42,8 +42,7 @@ from distributed_mpt import files
 from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
     SECTIONS, Options, failed_sections, format_report, run_benchmark)
-from distributed_mpt.errors import (ConfigError, EXIT_ABORTED, EXIT_PREEMPTED, ExitCode, UserError,
-                                    quoted)
+from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 # Every section measured, the mixed policy included (emulated, but small).
@@ -165,8 +164,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt as e:
-        print("interrupted: nothing written", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED if isinstance(e, stopping.Terminated) else EXIT_ABORTED
+        return cli.interrupted(e, "nothing written")
     unwritten, kind = None, options.output and output_kind(options.output)
     if kind:  # it became one while we measured: left as it is
         unwritten = (f"error: --output={options.output} is now {kind}: not replaced; the report "

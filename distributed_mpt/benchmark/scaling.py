@@ -344,11 +344,8 @@ def main(argv=None) -> int:
     fv = _flag_values()
     if cli.wants_help(argv):
         return cli.show_help(__doc__, fv)
-    try:
-        return cli.guarded(lambda: _project(fv, argv))
-    except KeyboardInterrupt as e:  # the plot is written last, whole
-        print("interrupted: nothing written", file=sys.stderr, flush=True)
-        return ExitCode.PREEMPTED if isinstance(e, stopping.Terminated) else ExitCode.ABORTED
+    # The plot is written last, whole: a stop before it leaves nothing.
+    return cli.guarded(lambda: _project(fv, argv), on_interrupt="nothing written")
 
 
 def _project(fv: flags.FlagValues, argv: List[str]) -> int:

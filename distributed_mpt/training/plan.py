@@ -63,10 +63,10 @@ SHORT_RUN_STEPS = 200
 
 def start_warnings(config: TrainConfig, plan: RunPlan, num_train_examples: int) -> List[str]:
     """The warning lines a run starts with: a run too short to learn from
-    (short_run_warning), and a global batch beyond where the linear rule is
+    (short_run), and a global batch beyond where the linear rule is
     known to hold (schedules.linear_rule_warning), unless the batch the
     first line suggests is within it: then one line says what to change."""
-    short, suggested_batch = _short_run(config, plan, num_train_examples)
+    short, suggested_batch = short_run(config, plan, num_train_examples)
     beyond = linear_rule_warning(plan.global_batch_size, num_train_examples)
     if beyond and suggested_batch and (suggested_batch * plan.num_replicas
                                        <= linear_rule_limit(num_train_examples)):
@@ -74,19 +74,14 @@ def start_warnings(config: TrainConfig, plan: RunPlan, num_train_examples: int) 
     return [warning for warning in (short, beyond) if warning]
 
 
-def short_run_warning(config: TrainConfig, plan: RunPlan, num_train_examples: int) -> str:
+def short_run(config: TrainConfig, plan: RunPlan,
+              num_train_examples: int) -> Tuple[str, Optional[int]]:
     """What to say of a run whose --epochs come to fewer than SHORT_EPOCH_STEPS
     steps an epoch or SHORT_RUN_STEPS steps in all, with a per-replica batch
     (a power of two) that gives at least SHORT_EPOCH_STEPS an epoch, and the
     epochs that then give SHORT_RUN_STEPS; "" for any other run, and for one
-    whose --train_steps says how many steps it takes."""
-    return _short_run(config, plan, num_train_examples)[0]
-
-
-def _short_run(config: TrainConfig, plan: RunPlan,
-               num_train_examples: int) -> Tuple[str, Optional[int]]:
-    """short_run_warning's line, and the per-replica batch it suggests (None
-    where it suggests none)."""
+    whose --train_steps says how many steps it takes. With it, the batch it
+    suggests (None where it suggests none)."""
     if config.train_steps or (plan.steps_per_epoch >= SHORT_EPOCH_STEPS
                               and plan.total_steps >= SHORT_RUN_STEPS):
         return "", None
