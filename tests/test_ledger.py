@@ -156,14 +156,14 @@ def _ledger_of(runs, tests=()):
 
 
 def test_the_xeons_minutes_are_the_xeons_runs_whatever_the_order_of_the_columns():
-    """The README's "The Xeon's N min" took the second column's runs."""
+    """The README's "The 2.0 GHz Xeon's N min" took the second column's runs."""
     from distributed_mpt.recipes import render
 
     ledger = _ledger_of([("epyc", 600, None, None), ("zen3", 1200, None, None),
                          ("xeon-amx", 1800, None, None)])
     pattern, figure = render._README_QUOTES[1]
     assert pattern.sub(lambda m: m.group(1) + figure(ledger) + m.group(3),
-                       "The Xeon's 0 min") == "The Xeon's 30 min"
+                       "The 2.0 GHz Xeon's 0 min") == "The 2.0 GHz Xeon's 30 min"
 
 
 def test_a_session_row_states_its_wall_times_in_one_unit():
@@ -211,3 +211,13 @@ def test_on_a_tie_the_headline_is_the_set_measured_side_by_side():
     assert [r["id"] for r in headline] == ["run 1", "run 2"]
     assert render.time_ratio(ledger, headline) is not None
     assert [r["id"] for r in render.headline_set(ledger, "cpu_cnn94_muon", "xeon")] == ["run 3", "run 4"]
+
+
+def test_every_figure_the_readme_quotes_is_where_the_renderer_looks():
+    """A quoted figure whose words were reworded or wrapped over two lines
+    would no longer be rendered, and would drift from the ledger unseen."""
+    from distributed_mpt.recipes import render
+
+    readme = (REPO / "README.md").read_text()
+    for pattern, _ in render._README_QUOTES:
+        assert len(pattern.findall(readme)) == 1, pattern.pattern

@@ -27,7 +27,7 @@ from distributed_mpt.recipes import CIFAR10_TRAIN_EXAMPLES, records, suite
 from distributed_mpt.recipes.records import (REPO, Ledger, statistics_of, variant, wall_seconds,
                                              wall_time)
 
-# The machine whose run the README's "The Xeon's N min" states (its table's
+# The machine whose run the README's "The 2.0 GHz Xeon's N min" states (its table's
 # Xeon column).
 XEON = "xeon-amx"
 # A variant of a recipe measured over this many seeds is shown beside it in
@@ -298,7 +298,7 @@ _README_QUOTES: List[tuple] = [
      lambda ledger: "{:.2f}".format(
          1 / time_ratio(ledger, headline_set(ledger, "cpu_cnn94_muon")))),
     # Below the table: cpu_cnn94's run on the Xeon, in whole minutes.
-    (re.compile(r"(The Xeon's )([0-9]+)( min)"), lambda ledger: wall_time(statistics_of(_walls(
+    (re.compile(r"(The 2.0 GHz Xeon's )([0-9]+)( min)"), lambda ledger: wall_time(statistics_of(_walls(
         headline_set(ledger, "cpu_cnn94", ledger.machines[XEON]["column"])))["mean"], digits=0,
         with_unit=False)),
 ]
