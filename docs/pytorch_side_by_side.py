@@ -113,7 +113,7 @@ def cpu_model() -> str:
                     return line.partition(":")[2].strip()
     except OSError:
         pass
-    return platform.processor() or "an unknown CPU"
+    return platform.processor() or "unknown CPU"
 
 
 def save_airbench_tensors(data_dir: str, into: str) -> None:

@@ -174,6 +174,19 @@ def test_an_image_larger_than_the_memory_left_is_refused_as_that_not_as_damaged(
     assert "damaged" not in result.stdout
 
 
+def test_a_resize_larger_than_the_memory_left_is_refused_as_that(tmp_path, monkeypatch):
+    # The resize to a model's size is the larger peak of the two (MAX_IMAGE_PIXELS).
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (90, 20, 200)).save(path)
+
+    def no_memory(pixels, size):
+        raise MemoryError()
+    monkeypatch.setattr(images, "resize", no_memory)
+    with pytest.raises(images.ImageError, match="did not fit in the memory left to decode it"):
+        images.read_image(str(path), (32, 32))
+    assert images.read_image(str(path)).shape == (48, 64, 3)  # no resize: none needed
+
+
 def test_a_file_made_a_fifo_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch):
     path = tmp_path / "photo.png"
     Image.new("RGB", (8, 8)).save(path)

@@ -70,7 +70,16 @@ def read_image(path: str, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
     encoded = _file_bytes(path)
     with _bounded_pillow() as noted:
         pixels = _decode(path, encoded, noted)
-    return resize(pixels, size) if size else pixels
+    try:
+        return resize(pixels, size) if size else pixels
+    except MemoryError:  # the resize is the larger peak (see MAX_IMAGE_PIXELS)
+        raise _out_of_memory(path) from None
+
+
+def _out_of_memory(path: str) -> "ImageError":
+    return ImageError(f"{quoted(path)} did not fit in the memory left to decode it: images of "
+                      f"up to {MAX_IMAGE_PIXELS:,} pixels are read, which may take "
+                      f"{DECODE_MEMORY}; free memory, or give a smaller image")
 
 
 def resize(pixels: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
@@ -144,9 +153,7 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
     except ImageError:
         raise
     except MemoryError:  # not damage: the same file decodes where there is memory
-        raise ImageError(f"{quoted(path)} did not fit in the memory left to decode it: images of "
-                         f"up to {MAX_IMAGE_PIXELS:,} pixels are read, which may take "
-                         f"{DECODE_MEMORY}; free memory, or give a smaller image") from None
+        raise _out_of_memory(path) from None
     except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, ...
         damage = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
     if damage:
