@@ -2,16 +2,18 @@
 global batch"): the package's own runs of a recipe, side by side.
 
     python3 docs/replica_drift.py --data_dir=DIR [--recipe=cpu_cnn] \\
-        [--seeds=0,1] [--out=drift-runs] [--python=python3] [--train_flags="..."]
+        [--seeds=0,1] [--out=drift-runs] [--train_flags="..."]
 
-DIR holds `cifar-10-batches-bin/`. For each seed it trains the recipe on one
+Run it with the Python the package is installed in: it trains with it, and
+reads the checkpoints with its TensorFlow. DIR holds `cifar-10-batches-bin/`. For each seed it trains the recipe on one
 replica (`--strategy=default`) and on two (`--strategy=mirrored
 --cpu_replicas=2`, half the per-replica batch: the same global batch), and,
 for the first seed, one replica again with one intra-op thread instead of
 every core (`TF_NUM_INTRAOP_THREADS=1`): the control. The two-replica run
-differs from the one-replica run only in the order in which sums are taken
-(the loss, the gradients and the batch-norm statistics are all-reduced over
-two halves of the batch); so does the control, which changes nothing but how
+differs from the one-replica run only in how its sums are rounded (the
+loss, the gradients and the batch-norm statistics are all-reduced over two
+halves of the batch, and batch norm is Keras' where one replica uses the
+fused kernel); so does the control, which changes nothing but how
 the CPU's threads split each reduction. If the two drift from the one-replica
 run alike, the drift is round-off that training amplifies, not a difference
 in what the replicas compute.
@@ -28,6 +30,7 @@ an interrupted measurement goes on where it stopped.
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -47,29 +50,30 @@ def _runs(seeds):
     return runs
 
 
-def _global_batch(python, recipe, train_flags):
+def _global_batch(recipe, train_flags):
     """The one-replica run's batch: --train_flags' if they set one, else the
-    recipe's (as its flags file sets it)."""
-    for flag in reversed(shlex.split(train_flags)):
-        if flag.startswith("--per_replica_batch_size="):
-            return int(flag.split("=", 1)[1])
-    code = ("from distributed_mpt import recipes; import sys; "
-            "print(open(recipes.path(sys.argv[1])).read())")
-    found = subprocess.run([python, "-c", code, recipe], capture_output=True, text=True)
-    if found.returncode != 0:
-        _fail(f"--recipe={recipe}: {(found.stderr.strip().splitlines() or ['not found'])[-1]}")
-    text = found.stdout
-    return int(next(line.split("=", 1)[1] for line in text.splitlines()
-                    if line.startswith("--per_replica_batch_size=")))
+    recipe's."""
+    from distributed_mpt.recipes import records
+
+    try:
+        flags = records.recipe_flags(recipe)
+    except Exception as e:  # noqa: BLE001 - ConfigError for an unknown name, OSError
+        _fail(f"--recipe={recipe}: {e}")
+    batch = {**flags, **records.flags_of_text("\n".join(shlex.split(train_flags)))}.get(
+        "per_replica_batch_size")
+    if not str(batch).isdigit() or int(batch) < 1:
+        _fail(f"the batch {batch!r} (--per_replica_batch_size of the recipe or of --train_flags, "
+              f"as --per_replica_batch_size=N) is not a positive whole number")
+    return int(batch)
 
 
-def _train(python, args, name, seed, flags, environment):
+def _train(args, name, seed, flags, environment):
     """Trains one run into args.out/name unless it finished before."""
     model_dir = os.path.join(args.out, name)
     if os.path.exists(os.path.join(model_dir, "summary.json")):
         return model_dir
     batch = args.batch // (2 if "--cpu_replicas=2" in flags else 1)
-    command = [python, "-m", "distributed_mpt.train", f"--recipe={args.recipe}",
+    command = [sys.executable, "-m", "distributed_mpt.train", f"--recipe={args.recipe}",
                "--dataset=cifar10", f"--data_dir={args.data_dir}", f"--seed={seed}",
                *shlex.split(args.train_flags), f"--per_replica_batch_size={batch}",
                "--log_every_steps=1", f"--model_dir={model_dir}", *flags]
@@ -89,8 +93,12 @@ def _fail(message, code=2):
 
 
 def _losses(model_dir):
-    with open(os.path.join(model_dir, "metrics.jsonl")) as records:
-        return {r["step"]: r["loss"] for r in map(json.loads, records) if "loss" in r}
+    """Each logged step's training loss (the package's reader: a damaged
+    line is left out, not fatal)."""
+    from distributed_mpt import files
+
+    records = files.read_jsonl(os.path.join(model_dir, "metrics.jsonl"))[0]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
 
 
 def _weights(model_dir):
@@ -115,7 +123,6 @@ def main():
     parser.add_argument("--recipe", default="cpu_cnn")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--out", default="drift-runs")
-    parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--train_flags", default="")
     parser.error = _fail
     args = parser.parse_args()
@@ -125,11 +132,11 @@ def main():
         seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))
     except ValueError:
         _fail(f"--seeds={args.seeds}: integers separated by commas, e.g. 0,1")
-    args.batch = _global_batch(args.python, args.recipe, args.train_flags)
+    args.batch = _global_batch(args.recipe, args.train_flags)
     if args.batch % 2:
         _fail(f"a batch of {args.batch} does not split over two replicas: give an even one")
 
-    dirs = {name: (seed, _train(args.python, args, name, seed, flags, env))
+    dirs = {name: (seed, _train(args, name, seed, flags, env))
             for name, seed, flags, env in _runs(seeds)}
     losses = {name: _losses(d) for name, (_, d) in dirs.items()}
     last = max(losses[f"one-{seeds[0]}"])
@@ -143,8 +150,9 @@ def main():
         row = []
         for name in compared:
             reference = losses[f"one-{dirs[name][0]}"]
-            row.append(max(abs(losses[name][s] - reference[s]) / abs(reference[s])
-                           for s in range(first, end + 1)))
+            row.append(max((abs(losses[name][s] - reference[s]) / abs(reference[s])
+                            for s in range(first, end + 1)
+                            if s in losses[name] and reference.get(s)), default=math.nan))
         print(f"{first}-{end}".ljust(12) + "".join(f"{v:16.1e}" for v in row))
 
     print("\nrun".ljust(22) + "test accuracy".rjust(14) + "weights' distance".rjust(20))
