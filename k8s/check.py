@@ -321,15 +321,16 @@ def quantity(value) -> float:
     """A Kubernetes quantity's value; ValueError, saying why, if it is not
     one or is beyond what Kubernetes holds."""
     text = str(value)
+    shown = text if len(text) < 40 else text[:40] + "..."  # a value may be megabytes long
     match = _QUANTITY.fullmatch(text)
     if not match:
-        raise ValueError(f"{text!r} is not a Kubernetes quantity (4, 500m, 24Gi)")
+        raise ValueError(f"{shown!r} is not a Kubernetes quantity (4, 500m, 24Gi)")
     number, suffix = match.groups()
     # float() reads a decimal exponent of any length at once (to inf or 0),
     # where 10 ** int(exponent) would build a number of that many digits.
     amount = float(number) * _SUFFIXES[suffix] if suffix in _SUFFIXES else float(number + suffix)
     if not abs(amount) <= MAX_QUANTITY:
-        raise ValueError(f"{text if len(text) < 40 else text[:40] + '...'} is beyond the largest quantity "
+        raise ValueError(f"{shown} is beyond the largest quantity "
                          f"Kubernetes holds (2^63-1)")
     return amount
 

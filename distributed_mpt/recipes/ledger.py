@@ -19,12 +19,9 @@ from absl import flags
 from distributed_mpt import cli, recipes
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.recipes import render, suite
-from distributed_mpt.recipes.records import (Ledger, load, recorded_unit, variant, wall_seconds,
-                                             wall_time)
+from distributed_mpt.recipes.records import (Ledger, load, percent, recorded_unit, variant,
+                                             wall_seconds, wall_time)
 
-
-def _percent(value) -> str:
-    return "—" if value is None else f"{100 * value:.2f}%"
 
 
 def listing(ledger: Ledger, recipe: Optional[str] = None) -> str:
@@ -41,8 +38,8 @@ def listing(ledger: Ledger, recipe: Optional[str] = None) -> str:
                   "conditions |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in runs:
             wall = wall_time(wall_seconds(r), recorded_unit(r))
-            lines.append(f"| {r['seed']} | {r['commit'] or '?'} | {_percent(r['eval_accuracy'])}"
-                         f" | {_percent(r.get('eval_accuracy_without_tta'))} | {wall} | "
+            lines.append(f"| {r['seed']} | {r['commit'] or '?'} | {percent(r['eval_accuracy'])}"
+                         f" | {percent(r.get('eval_accuracy_without_tta'))} | {wall} | "
                          f"{r.get('examples_per_second') or '—'} | {r.get('conditions') or ''} |")
     return "\n".join(lines).lstrip("\n") + "\n"
 

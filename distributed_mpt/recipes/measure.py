@@ -19,7 +19,7 @@ README and the recipes state.
 import os
 import subprocess
 import sys
-from typing import List, Optional
+from typing import List
 
 from absl import flags
 
@@ -27,7 +27,7 @@ from distributed_mpt import cli, files, recipes
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import stopping
 from distributed_mpt.recipes import records
-from distributed_mpt.recipes.records import statistics_of, wall_time
+from distributed_mpt.recipes.records import percent, statistics_of, wall_time
 
 
 def _flag_values() -> flags.FlagValues:
@@ -58,9 +58,6 @@ def seeds_of(text: str) -> List[int]:
     return list(range(numbers[0], numbers[1] + 1)) if "-" in text else numbers
 
 
-def _percent(value: Optional[float]) -> str:
-    return "—" if value is None else f"{100 * value:.2f}%"
-
 
 def table(recipe: str, summaries: List[dict]) -> str:
     """The results as Markdown: the statistics of the test accuracy (of the
@@ -79,8 +76,8 @@ def table(recipe: str, summaries: List[dict]) -> str:
     lines = [head, "", "| seed | test accuracy | without TTA | wall time | examples/s | device |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in summaries:
-        lines.append(f"| {s['seed']} | {_percent(s.get('eval_accuracy'))} | "
-                     f"{_percent(s.get('eval_accuracy_without_tta'))} | "
+        lines.append(f"| {s['seed']} | {percent(s.get('eval_accuracy'))} | "
+                     f"{percent(s.get('eval_accuracy_without_tta'))} | "
                      f"{wall_time(s.get('wall_seconds'))} | {s['examples_per_second']:.0f} | "
                      f"{s['device']} |")
     return "\n".join(lines) + "\n"

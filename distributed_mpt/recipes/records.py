@@ -117,6 +117,11 @@ def recorded_unit(run: dict) -> str:
     return "s" if run.get("wall_seconds") is not None else "min"
 
 
+def percent(value: Optional[float]) -> str:
+    """An accuracy as the ledger's tables write it: 94.10%, or — for none."""
+    return "—" if value is None else f"{100 * value:.2f}%"
+
+
 def wall_time(seconds: Optional[float], unit: str = "min", digits: int = 1,
               with_unit: bool = True) -> str:
     """A wall time as every file the ledger renders states one: in `unit`
