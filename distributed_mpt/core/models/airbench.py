@@ -7,7 +7,8 @@ import numpy as np
 from distributed_mpt.core.data import DatasetInfo
 from distributed_mpt.core.models import AIRBENCH_ACTIVATIONS
 from distributed_mpt.core.models.cpu_layers import (COMPILED_ACTIVATIONS, CompiledActivation,
-                                                    FusedBatchNormalization, SideBySideConv2D)
+                                                    FusedBatchNormalization, LeanMaxPooling2D,
+                                                    SideBySideConv2D)
 from distributed_mpt.core.models.layers import WhiteningConv2D, normalized_input
 
 WHITENING_PATCH = 2
@@ -41,7 +42,7 @@ def build(info: DatasetInfo, width: int, identity_init: bool = True, activation:
     def conv_bn_activation(x, channels, pool):
         x = conv(channels)(x)
         if pool:
-            x = keras.layers.MaxPooling2D()(x)
+            x = LeanMaxPooling2D()(x)
         # Synchronized, so that N replicas train like one, as in resnet9;
         # epsilon 1e-12 is airbench's (its PyTorch 0.4).
         x = FusedBatchNormalization(momentum=bn_momentum, epsilon=1e-12, scale=False,
