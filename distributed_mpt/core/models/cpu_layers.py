@@ -17,9 +17,13 @@ input's float dtype, it reads the map once forward and twice backward.
 
 LeanMaxPooling2D: Keras' max pooling keeps its whole input for the
 gradient; this one keeps one byte per output saying where the maximum was.
-In `cpu_cnn94_muon` (batch 1536, mixed_bfloat16) it cut a 12-step run's peak
-resident memory from 2.59 to 2.39 GB, the losses unchanged to the last
-digit (2 cores of a 2.6 GHz Xeon with AMX).
+Compiled by XLA, it is slower than oneDNN's pooling: on 2 cores of a 2.6 GHz
+Xeon with AMX, airbench at batch 1536 (benchmark, alternating with the
+Keras pooling) trained at 385 examples/s instead of 394 in float32, with
+3.26 GiB instead of 3.51 at its peak; in bfloat16 at 1,012 instead of 1,173
+(2.39 GB instead of 2.59 for a 12-step `cpu_cnn94_muon` run). So only
+float32 maps are pooled this way, where the memory is largest and the time
+the smallest part of a step.
 
 SideBySideConv2D: oneDNN computes a convolution in blocks of output pixels
 along a row, which the narrow maps at the end of airbench (7 and 3 pixels
@@ -189,13 +193,13 @@ class LeanMaxPooling2D(keras.layers.MaxPooling2D):
     for its gradient which pixel of each window was the largest (one byte
     per output) instead of its whole input (four outputs' worth, in the
     compute dtype): airbench's pools read the largest maps of the network,
-    whose copies, kept for the backward pass, were a third of what a step
-    holds. Compiled like the activations, on CPUs; the gradient goes where
-    Keras' goes, to the first largest pixel in row-major order. Any other
-    pooling, and GPUs, as Keras computes it."""
+    whose copies, kept for the backward pass, were a fifth of what a step
+    holds. Compiled like the activations, on CPUs, for float32 maps; the
+    gradient goes where Keras' goes, to the first largest pixel in row-major
+    order. Any other pooling or dtype, and GPUs, as Keras computes it."""
 
     def call(self, inputs):
-        lean = (compiles_here() and tuple(self.pool_size) == (2, 2)
+        lean = (compiles_here() and inputs.dtype == tf.float32 and tuple(self.pool_size) == (2, 2)
                 and tuple(self.strides) == (2, 2) and self.padding == "valid"
                 and self.data_format == "channels_last" and len(inputs.shape) == 4)
         return max_pool_2x2(inputs) if lean else super().call(inputs)
