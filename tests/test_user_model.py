@@ -63,6 +63,20 @@ def normalized_in_call(info):
     return NormalizedInCall(info)
 
 
+def muon_everywhere(info):
+    """The dense kernel trained by --optimizer's rule too; a softmax dropped
+    (the hook must survive it)."""
+    model = small_cnn(info)
+    model.parameter_group = lambda variable: "filters" if len(variable.shape) >= 2 else None
+    return model
+
+
+def no_such_group(info):
+    model = small_cnn(info)
+    model.parameter_group = lambda variable: "muon"
+    return model
+
+
 def wrong_classes(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -127,6 +141,9 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
                                    "call in which Keras first builds such a model",
                                    "docs/extending.md")),
     ("{tmp}/nowhere.py:small_cnn", "is not a file"),
+    ("{file}:no_such_group", ("failed to say which parameter group its variables train in "
+                              "(ValueError: model.parameter_group(",
+                              "returned 'muon': name one of filters, shifts, kernels, others")),
     ("no_such_package.models:small_cnn", "cannot find module no_such_package.models"),
 ])
 def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
@@ -140,6 +157,20 @@ def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
     assert_one_error_line(result, first)
     assert all(part in result.stderr for part in more), result.stderr  # said whole
     assert not run.exists(), "nothing written"
+
+
+def test_the_model_says_which_variables_train_by_the_optimizers_rule(model_file, tmp_path):
+    # By default Muon trains the 4-D filters only, and the run says so.
+    default = train([*FLAGS, f"--model={model_file}:small_cnn", "--optimizer=muon",
+                     "--train_steps=2", f"--model_dir={tmp_path / 'default'}"])
+    assert_ok(default)
+    assert "parameter groups: filters: Muon, 1 variable(s), 216 weights" in default.stdout
+    assert "kernels: NesterovSGD, 1 variable(s), 80 weights" in default.stdout
+    chosen = train([*FLAGS, f"--model={model_file}:muon_everywhere", "--optimizer=muon",
+                    "--train_steps=2", f"--model_dir={tmp_path / 'chosen'}"])
+    assert_ok(chosen)
+    assert "parameter groups: filters: Muon, 2 variable(s), 296 weights" in chosen.stdout
+    assert "kernels:" not in chosen.stdout
 
 
 def test_a_model_the_export_cannot_save_is_one_error_line_before_training(model_file, tmp_path):

@@ -75,6 +75,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                         if _augmentation(config).jitters_colors else None)
         lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
         parameter_groups = groups.parameter_groups(model, _group_settings(config, plan))
+        if spec.is_users:  # which rule trains what, which the user may change (extending.md)
+            notes.append(f"parameter groups: {groups.describe(parameter_groups)}")
         optimizer = make_optimizer(parameter_groups, schedule, step,
                                    loss_scaling=plan.loss_scaling)
         # Built here, not lazily in the first step: MirroredStrategy

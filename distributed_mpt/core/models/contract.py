@@ -16,6 +16,8 @@ model (`build_model` in __init__.py; docs/extending.md, "Your own model"):
   adds the softmax back. A subclassed model's softmax is inside its call(),
   which cannot be dropped: it is refused, saying so.
 - It has weights to train.
+- Its `parameter_group` hook, if it has one, names a group of
+  core/optim/groups.py (or None) for every trainable variable.
 
 A model function is code, trusted as its user: whatever it raises, a
 SystemExit and a KeyboardInterrupt included, is one ModelError naming it
@@ -105,8 +107,12 @@ def drop_final_softmax(model, name: str) -> Tuple[object, Optional[str]]:
             # warns of a call whose structure differs from its inputs'.
             inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
             kind = "layer" if isinstance(operation, keras.layers.Layer) else "operation"
-            return (keras.Model(inputs, before, name=model.name),
-                    _dropped(name, f"its last {kind}, {_named(operation)}"))
+            logits = keras.Model(inputs, before, name=model.name)
+            from distributed_mpt.core.optim.groups import HOOK
+
+            if hasattr(model, HOOK):  # the user's choice of update rules, kept
+                setattr(logits, HOOK, getattr(model, HOOK))
+            return logits, _dropped(name, f"its last {kind}, {_named(operation)}")
         last = operation
     if _has_softmax_activation(last):
         last.activation = keras.activations.linear
@@ -190,6 +196,10 @@ def check_contract(name: str, model, info) -> None:
         raise ModelError(f"--model={quoted(name)} has no trainable weights ({len(model.weights)} "
                          f"frozen): there is nothing to train; leave some layers trainable "
                          f"(layer.trainable = False freezes one)")
+    from distributed_mpt.core.optim import groups
+
+    with users_code(name, "failed to say which parameter group its variables train in"):
+        groups.chosen_groups(model)
 
 
 # What the user rescales pixels with: these layers, and arithmetic on the

@@ -15,6 +15,14 @@ from typing import Callable, List, Optional, Tuple
 from distributed_mpt.core.optim.rules import UpdateRule, make_rule
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
 
+# The groups every model's trainable variables are sorted into (airbench's
+# whitening bias, when there is one, aside).
+GROUPS = ("filters", "shifts", "kernels", "others")
+# A model may say which of its variables go to which group: a function
+# `model.parameter_group(variable) -> name of GROUPS or None` (None: the
+# default below). docs/extending.md, "Which variables train how".
+HOOK = "parameter_group"
+
 # What a group does once its `train_steps` are over: "stop" leaves it as it
 # is at once (the references: a variable without a gradient is skipped);
 # "coast" zeroes its gradient and lets its momentum run out.
@@ -76,7 +84,8 @@ class Settings:
 
 
 def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
-    """The groups of `model`'s trainable variables:
+    """The groups of `model`'s trainable variables, each in the group its
+    model's `parameter_group` hook names, or by default:
 
     whitening bias  airbench's; SGD. With --optimizer=sgd as airbench94 has
                     it: the run's rate, decay c; with muon as
@@ -97,20 +106,24 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, keras.layers.BatchNormalization) and layer.center
               and layer.beta.trainable]
-    taken = {id(v) for v in shifts} | ({id(bias)} if bias is not None else set())
-    rest = [v for v in model.trainable_variables if id(v) not in taken]
-    filters = [v for v in rest if len(v.shape) == 4]
-    kernels = [v for v in rest if 2 <= len(v.shape) < 4]
-    others = [v for v in rest if len(v.shape) < 2]
+    shift_ids = {id(v) for v in shifts}
+    chosen = chosen_groups(model)
+    members = {name: [] for name in GROUPS}
+    for variable in model.trainable_variables:
+        if bias is None or variable is not bias:
+            rank = len(variable.shape)
+            default = ("shifts" if id(variable) in shift_ids else "filters" if rank == 4
+                       else "kernels" if rank >= 2 else "others")
+            members[chosen.get(id(variable), default)].append(variable)
     muon = s.filters_rule == "muon"
     groups = [
-        ParameterGroup("filters", tuple(filters),
+        ParameterGroup("filters", tuple(members["filters"]),
                        make_rule(s.filters_rule, s.filters_momentum if muon else s.momentum, s),
                        rate=s.filters_rate, weight_decay=0.0 if muon else s.weight_decay),
-        ParameterGroup("shifts", tuple(shifts), sgd, rate=s.shift_rate,
+        ParameterGroup("shifts", tuple(members["shifts"]), sgd, rate=s.shift_rate,
                        weight_decay=s.weight_decay / s.shift_rate),
-        ParameterGroup("kernels", tuple(kernels), sgd, weight_decay=s.weight_decay),
-        ParameterGroup("others", tuple(others), sgd),
+        ParameterGroup("kernels", tuple(members["kernels"]), sgd, weight_decay=s.weight_decay),
+        ParameterGroup("others", tuple(members["others"]), sgd),
     ]
     if bias is not None and bias.trainable:
         steps = s.whiten_bias_steps
@@ -124,6 +137,38 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
                                    train_steps=steps, freeze=s.whiten_bias_freeze)
         groups.insert(0, group)
     return [group for group in groups if group.variables]
+
+
+def chosen_groups(model) -> dict:
+    """{id(variable): group} for each trainable variable to which `model`'s
+    `parameter_group` hook gives a group; {} for a model without the hook.
+    Raises ValueError for a hook that is not a function, or an answer that
+    names no group (the contract turns it into one line naming the model)."""
+    hook = getattr(model, HOOK, None)
+    if hook is None:
+        return {}
+    if not callable(hook):
+        raise ValueError(f"model.{HOOK} is a {type(hook).__name__}, not a function of a "
+                         f"variable returning one of {', '.join(GROUPS)} or None")
+    chosen = {}
+    for variable in model.trainable_variables:
+        group = hook(variable)
+        if group is not None and (not isinstance(group, str) or group not in GROUPS):
+            raise ValueError(f"model.{HOOK}({variable.path}) returned {group!r}: name one of "
+                             f"{', '.join(GROUPS)}, or None for the default group")
+        if group is not None:
+            chosen[id(variable)] = group
+    return chosen
+
+
+def describe(groups: List[ParameterGroup]) -> str:
+    """The groups in one line, for a run's start: each group's rule and how
+    many variables and weights it trains."""
+    import math
+
+    return "; ".join(f"{group.name}: {type(group.rule).__name__}, {len(group.variables)} "
+                     f"variable(s), {sum(math.prod(v.shape) for v in group.variables):,} weights"
+                     for group in groups)
 
 
 def freezes(groups: List[ParameterGroup]) -> List[Tuple[int, Tuple]]:
