@@ -1,13 +1,10 @@
-"""The compiled training step: a `tf.function` loop that trains a model with
-its optimizer, one code path for every `tf.distribute` strategy.
-
-Keras 3's `Model.fit` fails under MultiWorkerMirroredStrategy, so training is
-a loop of `strategy.run(train_step)` inside a `tf.function` that runs several
-optimizer steps per call; it serves the default strategy, OneDeviceStrategy,
-MirroredStrategy and MultiWorkerMirroredStrategy alike. Read it from
-`Trainer.train` down: the loop, the step, the gradients, then the optimizer's
-update (optim/optimizer.py, optim/rules.py). Evaluation is eval_views.py's;
-the loop that paces the calls, and the run around it, are training/'s.
+"""The compiled training step, read from `Trainer.train` down: a
+`tf.function` loop of `strategy.run(_train_step)`, one code path for every
+`tf.distribute` strategy, then the optimizer's update (optim/optimizer.py,
+optim/rules.py). Keras 3's `Model.fit` fails under
+MultiWorkerMirroredStrategy, hence this loop; it runs several optimizer
+steps per call. Evaluation is eval_views.py's; the loop that paces the
+calls, and the run around it, are training/'s.
 """
 
 import dataclasses
