@@ -60,7 +60,7 @@ class StepRules:
 
     global_batch_size: the loss is averaged over it, so that the all-reduced
     sum of replica gradients is the global batch's gradient (evaluation
-    batches are as large: eval_views.Evaluator); num_workers: workers that must stop at the same
+    batches are as large); num_workers: workers that must stop at the same
     step; label_smoothing: of the training loss's one-hot targets;
     loss_scaling: replicas agree on skipping a non-finite step; xla:
     compile the forward and backward pass; jitter_split: for color jitter
@@ -92,8 +92,8 @@ class SplitOnDevice:
 
 
 class Trainer:
-    """The compiled loops of `model` (logits out) and `optimizer` under
-    `strategy`, as `rules` say. Create the model, the optimizer (built) and
+    """The compiled training loop of `model` (logits out) and `optimizer`
+    under `strategy`, as `rules` say. Create the model, the optimizer (built) and
     `step` (an int64 variable: the one step counter of the run, which the
     optimizer's schedule and the lookahead read) in the strategy's scope
     first. `on_device`: train from the split in device memory;
