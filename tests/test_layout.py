@@ -5,6 +5,7 @@ plumbing, the plumbing nothing from the lifecycle, and no module imports
 itself back through others."""
 
 import ast
+import re
 from pathlib import Path
 
 import distributed_mpt
@@ -111,3 +112,66 @@ def test_no_class_takes_more_than_8_constructor_parameters():
             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
             if (n := _init_parameters(node)) > 8}
     assert not wide, wide
+
+
+# The training step as a reader follows it, from the compiled loop down to
+# the update rules, in reading order (docs/architecture.md, "One training
+# step"): at most 3 files, about 600 lines, and no evaluation among them.
+TRAIN_STEP = ["core/steps.py", "core/optim/optimizer.py", "core/optim/rules.py"]
+TRAIN_STEP_LINES = 600
+
+
+def _step_parts(tree: ast.AST) -> set:
+    """What of the training step a module defines: "step" (it calls
+    apply_gradients), "optimizer" (a Keras optimizer's update_step), "rule"
+    (an UpdateRule subclass)."""
+    parts = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "apply_gradients":
+            parts.add("step")
+        elif isinstance(node, ast.FunctionDef) and node.name == "update_step":
+            parts.add("optimizer")
+        elif isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "UpdateRule"
+                                                    for b in node.bases):
+            parts.add("rule")
+    return parts
+
+
+def _evaluation(tree: ast.AST) -> list:
+    """Where a module evaluates: calls of a model with training=False, and
+    functions named for evaluation or prediction that do more than hand it on
+    (one statement after the docstring)."""
+    found = [f"line {node.lineno}: training=False" for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and any(
+                 k.arg == "training" and getattr(k.value, "value", None) is False
+                 for k in node.keywords)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and re.search("eval|predict", node.name):
+            body = [s for s in node.body if not (isinstance(s, ast.Expr)
+                                                 and isinstance(s.value, ast.Constant))]
+            if len(body) > 1:
+                found.append(f"line {node.lineno}: {node.name}")
+    return found
+
+
+def test_the_training_step_reads_in_at_most_3_files_of_about_600_lines():
+    trees = {str(path.relative_to(PACKAGE)): ast.parse(path.read_text())
+             for path in PACKAGE.rglob("*.py")}
+    holders = {name: parts for name, tree in trees.items() if (parts := _step_parts(tree))}
+    assert {"step", "optimizer", "rule"} <= set().union(*holders.values()), holders
+    outside = sorted(set(holders) - set(TRAIN_STEP))
+    assert not outside, f"parts of the step outside TRAIN_STEP: {outside}"
+    lines = {name: len((PACKAGE / name).read_text().splitlines()) for name in TRAIN_STEP}
+    assert len(TRAIN_STEP) <= 3 and sum(lines.values()) <= TRAIN_STEP_LINES, lines
+    evaluation = {name: where for name in TRAIN_STEP if (where := _evaluation(trees[name]))}
+    assert not evaluation, f"evaluation is not the training step: {evaluation}"
+
+
+def test_the_architecture_names_the_steps_files_in_reading_order_with_their_lines():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    paragraph = text[text.index("**One training step.**"):].split("\n\n")[0]
+    named = re.findall(r"`(core/[\w/]+\.py)`\s+\((\d+)\s+lines", paragraph)
+    assert [name for name, _ in named] == TRAIN_STEP, paragraph
+    for name, stated in named:
+        actual = len((PACKAGE / name).read_text().splitlines())
+        assert abs(int(stated) - actual) <= 0.1 * actual, f"{name}: {stated} lines, is {actual}"

@@ -246,16 +246,14 @@ def test_a_model_without_a_normalize_layer_cannot_take_jitter():
 
 
 def _evaluator(views, fraction, batch=16):
-    """A Trainer of a tiny airbench whose weights are spread (a random
-    network on random images is too unsure of everything), for evaluation."""
-    from distributed_mpt.core.eval_views import EvalViews
-    from distributed_mpt.core.steps import StepRules, Trainer
+    """The Evaluator of a tiny airbench whose weights are spread (a random
+    network on random images is too unsure of everything)."""
+    from distributed_mpt.core.eval_views import EvalViews, Evaluator
 
     model = _tiny_airbench()
     for variable in model.trainable_variables:
         variable.assign(variable * 3.0)
-    return Trainer(model, None, tf.distribute.get_strategy(), tf.Variable(0, dtype=tf.int64),
-                   StepRules(global_batch_size=batch), eval_views=EvalViews(views, fraction))
+    return Evaluator(model, tf.distribute.get_strategy(), batch, EvalViews(views, fraction))
 
 
 def _test_split(count=100):
@@ -277,16 +275,16 @@ def _scores(logits, labels):
 def test_selective_tta_augments_only_the_least_confident_images():
     from distributed_mpt.core import eval_views
 
-    trainer, split = _evaluator("flip_translate_mean", 0.25), _test_split()
+    evaluator, split = _evaluator("flip_translate_mean", 0.25), _test_split()
     views = eval_views.views_of(tf.constant(split.images), "flip_translate_mean")
-    logits = [trainer.model(view, training=False).numpy().astype(np.float64) for _, view in views]
+    logits = [evaluator.model(view, training=False).numpy().astype(np.float64) for _, view in views]
     plain = logits[0]
     confidence = tf.nn.softmax(plain).numpy().max(axis=1)
     chosen = np.argsort(confidence, kind="stable")[:25]
     final = plain.copy()
     final[chosen] = np.mean(logits, axis=0)[chosen]
     assert (final.argmax(1) != plain.argmax(1)).any(), "TTA changes some answers"
-    result = trainer.evaluate(split)
+    result = evaluator.evaluate(split)
     accuracy, loss = _scores(final, split.labels)
     assert result["eval_examples"] == 100
     assert result["eval_accuracy"] == pytest.approx(accuracy, abs=1e-9)
@@ -374,21 +372,21 @@ def test_a_model_that_gives_probabilities_is_scored_as_training_scores_it(views,
     are spread so far that its probabilities underflow.)"""
     from distributed_mpt.core import eval_views
 
-    trainer, split = _evaluator(views, fraction), _test_split()
+    evaluator, split = _evaluator(views, fraction), _test_split()
     probabilities = lambda x: tf.nn.softmax(  # noqa: E731
-        tf.cast(trainer.model(x, training=False), tf.float32)).numpy()
+        tf.cast(evaluator.model(x, training=False), tf.float32)).numpy()
     p = eval_views.class_probabilities(probabilities, split.images, views, fraction, batch_size=7)
     plain = eval_views.class_probabilities(probabilities, split.images, batch_size=7)
     # What training's evaluation computes, image by image: the views' logits averaged.
     pairs = eval_views.views_of(tf.constant(split.images), views)
-    logits = sum(w * trainer.model(view, training=False).numpy().astype(np.float64)
+    logits = sum(w * evaluator.model(view, training=False).numpy().astype(np.float64)
                  for w, view in pairs)
     chosen = np.argsort(plain.max(axis=1), kind="stable")[:int(len(plain) * fraction)]
     want = plain.argmax(1)
     want[chosen] = logits.argmax(1)[chosen]
     np.testing.assert_array_equal(p.argmax(1), want)
     assert (p.argmax(1) != plain.argmax(1)).any(), "the views change some answers"
-    result = trainer.evaluate(split)
+    result = evaluator.evaluate(split)
     assert np.mean(p.argmax(1) == split.labels) == pytest.approx(result["eval_accuracy"], abs=1e-9)
     assert np.mean(plain.argmax(1) == split.labels) == pytest.approx(
         result["eval_accuracy_without_tta"], abs=1e-9)

@@ -1,7 +1,7 @@
 """The ML core: datasets (data/), networks and their layers (models/),
 optimization by parameter groups (optim/), the input pipeline (pipeline.py),
-precision policies (precision.py) and the compiled train and eval steps
-(steps.py).
+precision policies (precision.py), the compiled training step (steps.py)
+and evaluation (eval_views.py).
 
 It imports nothing from the run's lifecycle (training/) or the process
 plumbing (process/), and no TrainConfig: it takes plain arguments and the

@@ -1,32 +1,23 @@
-"""The compiled steps: `tf.function` loops that train and evaluate a model
-with its optimizer, one code path for every `tf.distribute` strategy.
-
-Keras 3's `Model.fit` fails under MultiWorkerMirroredStrategy, so training is
-a loop of `strategy.run(train_step)` inside a `tf.function` that runs several
-optimizer steps per call; it serves the default strategy, OneDeviceStrategy,
-MirroredStrategy and MultiWorkerMirroredStrategy alike. The loop that paces
-the calls, and the run around it, are training/'s.
+"""The compiled training step, read from `Trainer.train` down: a
+`tf.function` loop of `strategy.run(_train_step)`, one code path for every
+`tf.distribute` strategy, then the optimizer's update (optim/optimizer.py,
+optim/rules.py). Keras 3's `Model.fit` fails under
+MultiWorkerMirroredStrategy, hence this loop; it runs several optimizer
+steps per call. Evaluation is eval_views.py's; the loop that paces the
+calls, and the run around it, are training/'s.
 """
 
 import dataclasses
 from typing import Optional, Sequence, Tuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from distributed_mpt.core import pipeline
 from distributed_mpt.core.augmentation import CROP_PADDING
 from distributed_mpt.core.data import ImageSplit
-from distributed_mpt.core.eval_views import EvalViews, least_confident, views_of
+from distributed_mpt.core.eval_views import EvalViews, Evaluator, drain, is_correct, sum_accumulator
 from distributed_mpt.core.optim.lookahead import Lookahead
-
-
-def _sum_accumulator(size: int) -> tf.Variable:
-    """Per-replica running sums, read and reset once per loop call."""
-    return tf.Variable(tf.zeros([size]), trainable=False,
-                       synchronization=tf.VariableSynchronization.ON_READ,
-                       aggregation=tf.VariableAggregation.SUM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,28 +92,25 @@ class SplitOnDevice:
 
 
 class Trainer:
-    """The compiled loops of `model` (logits out) and `optimizer` under
-    `strategy`, as `rules` say. Create the model, the optimizer (built) and
+    """The compiled training loop of `model` (logits out) and `optimizer`
+    under `strategy`, as `rules` say. Create the model, the optimizer (built) and
     `step` (an int64 variable: the one step counter of the run, which the
     optimizer's schedule and the lookahead read) in the strategy's scope
     first. `on_device`: train from the split in device memory;
-    `eval_views`: evaluate with test-time augmentation."""
+    `eval_views`: evaluate with test-time augmentation (`evaluate`)."""
 
     def __init__(self, model: keras.Model, optimizer, strategy: tf.distribute.Strategy,
                  step: tf.Variable, rules: StepRules, *,
                  on_device: Optional[SplitOnDevice] = None,
                  eval_views: EvalViews = EvalViews()):
         self.model, self.optimizer, self.step = model, optimizer, step
-        self.strategy, self._rules, self._on_device, self._eval_views = (
-            strategy, rules, on_device, eval_views)
+        self.strategy, self._rules, self._on_device = strategy, rules, on_device
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         # (step, indices into model.trainable_variables), by step.
         self._freezes = sorted((steps, tuple(index[id(v)] for v in variables))
                                for steps, variables in rules.frozen)
         with strategy.scope():
-            self._train_sums = _sum_accumulator(LoopTotals.PER_STEP)
-            # loss sum, correct, examples, correct without test-time augmentation
-            self._eval_sums = _sum_accumulator(4)
+            self._train_sums = sum_accumulator(LoopTotals.PER_STEP)
             self._device_split = None
             if on_device is not None:
                 # A copy per device, made once; the input pipeline then
@@ -131,7 +119,6 @@ class Trainer:
                                       tf.Variable(on_device.split.labels, trainable=False))
         self._train_loss = keras.losses.CategoricalCrossentropy(
             from_logits=True, label_smoothing=rules.label_smoothing, reduction=None)
-        self._eval_loss = keras.losses.CategoricalCrossentropy(from_logits=True, reduction=None)
         self._gradients = self._compute_gradients
         if rules.xla:
             # Only the forward and backward pass: the gradient all-reduce and
@@ -147,8 +134,7 @@ class Trainer:
         # lookahead's `if step % 5` need it; the steps they call branch on
         # Python values only and are marked `do_not_convert`.
         self._train_loop = tf.function(self._train_loop_fn)
-        self._eval_loop = tf.function(self._eval_loop_fn)
-        self._predict_step = tf.function(self._predict_step_fn)
+        self._evaluator = Evaluator(model, strategy, rules.global_batch_size, eval_views)
 
     @property
     def images_on_device(self) -> bool:
@@ -159,6 +145,10 @@ class Trainer:
         """Makes the loop call under way, or the next, stop at the next step
         boundary (every worker at the same one). Safe from any thread."""
         self._stop_requested.assign(True)
+
+    def evaluate(self, split: ImageSplit) -> dict:
+        """`split` scored as `eval_views.Evaluator.evaluate` says."""
+        return self._evaluator.evaluate(split)
 
     def train(self, iterator, num_steps: int, seconds_per_step: float = 0.0) -> LoopTotals:
         """Runs `num_steps` optimizer steps, fewer if a stop was requested
@@ -184,112 +174,35 @@ class Trainer:
             frozen = tuple(sorted(i for s, indices in self._freezes if s <= first for i in indices))
             yield last - first, frozen
 
-    def evaluate(self, split: ImageSplit) -> dict:
-        """`eval_loss`, `eval_accuracy` and `eval_examples` over the whole of
-        `split`, each example counted once across all workers. With test-time
-        augmentation, also `eval_accuracy_without_tta`, so that every run
-        shows what it buys. With `eval_views.fraction` below 1, only the
-        int(N x fraction) images whose plain view is least confident (lowest
-        top softmax probability; ties by index) are augmented, as the 2025
-        record does; the others are scored by their plain view."""
-        if self._eval_views.views != "none" and self._eval_views.fraction < 1:
-            return self._evaluate_selectively(split, self._eval_views.fraction)
-        loss_sum, correct, examples, plain_correct = self._evaluate_sums(split)
-        result = {"eval_loss": loss_sum / examples, "eval_accuracy": correct / examples,
-                  "eval_examples": int(round(examples))}
-        if self._eval_views.views != "none":
-            result["eval_accuracy_without_tta"] = plain_correct / examples
-        return result
-
-    def _evaluate_sums(self, split: ImageSplit) -> tuple:
-        """The loss sum, correct count (with test-time augmentation), example
-        count and correct count of the plain view, over all of `split`."""
-        batch = self._rules.global_batch_size
-        iterator = iter(self.strategy.distribute_datasets_from_function(
-            pipeline.eval_input_fn(split, batch)))
-        return tuple(float(x) for x in self._eval_loop(
-            iterator, tf.constant(pipeline.eval_steps(len(split), batch))).numpy())
-
-    def _evaluate_selectively(self, split: ImageSplit, fraction: float) -> dict:
-        """`evaluate` in two passes: the plain view of every image (its
-        per-image results gathered from all replicas, so that every worker
-        chooses alike), then every view of the chosen ones."""
-        plain = self._plain_predictions(split)
-        chosen = least_confident(plain["confidence"], fraction)
-        others = np.ones(len(split), bool)
-        others[chosen] = False
-        loss_sum, correct = 0.0, 0.0
-        if len(chosen):
-            loss_sum, correct, _, _ = self._evaluate_sums(
-                ImageSplit(split.images[chosen], split.labels[chosen]))
-        count = len(split)
-        return {"eval_loss": (loss_sum + float(plain["loss"][others].sum())) / count,
-                "eval_accuracy": (correct + float(plain["correct"][others].sum())) / count,
-                "eval_examples": count,
-                "eval_accuracy_without_tta": float(plain["correct"].sum()) / count}
-
-    def _plain_predictions(self, split: ImageSplit) -> dict:
-        """Per image of `split`, in its order, the plain view's `confidence`
-        (top softmax probability), `correct` (1 or 0) and `loss`, as NumPy
-        arrays; each image computed once across all workers."""
-        dataset = self.strategy.distribute_datasets_from_function(
-            pipeline.eval_input_fn(split, self._rules.global_batch_size, with_indices=True))
-        results = {name: np.zeros(len(split), np.float32)
-                   for name in ("confidence", "correct", "loss")}
-        seen = np.zeros(len(split), bool)
-        for batch in dataset:
-            index, weight, *values = (x.numpy() for x in self._predict_step(*batch))
-            real = weight > 0  # padding repeats the last image, at weight 0
-            for name, value in zip(results, values):
-                results[name][index[real]] = value[real]
-            seen[index[real]] = True
-        if not seen.all():  # a broken promise of eval_input_fn, not bad input
-            raise RuntimeError(f"the plain predictions missed {int((~seen).sum())} images")
-        return results
+    def _train_loop_fn(self, iterator, num_steps, seconds_per_step, frozen=()):
+        stop = tf.constant(False)
+        for _ in tf.range(num_steps):
+            # Looked at before every step, so that a stop waits for the step
+            # under way only, however slow a step is.
+            stop = self._stop_agreed()
+            if stop:
+                break
+            self.strategy.run(self._train_step, args=next(iterator), kwargs={"frozen": frozen})
+            # Every step counts, applied or skipped: the one counter that the
+            # schedule, the lookahead and the groups' training steps read.
+            self.step.assign_add(1)
+            if self._rules.lookahead:
+                self._rules.lookahead.after_step(self.step)
+        stop_and_pace = tf.stack([tf.cast(stop, tf.float32), seconds_per_step])
+        totals = self.strategy.run(drain, args=(self._train_sums, stop_and_pace))
+        return self.strategy.reduce("SUM", totals, axis=None)
 
     @tf.autograph.experimental.do_not_convert
-    def _predict_step_fn(self, images, labels, weights, indices):
-        """The plain view's per-image results of one global batch, gathered
-        from every replica: indices, weights, confidence, correct, loss."""
-        def per_replica(images, labels, weights, indices):
-            logits = tf.cast(self.model(images, training=False), tf.float32)
-            return (indices, weights, tf.reduce_max(tf.nn.softmax(logits), axis=-1),
-                    _is_correct(labels, logits),
-                    self._per_example_loss(self._eval_loss, labels, logits))
-        outputs = self.strategy.run(per_replica, args=(images, labels, weights, indices))
-        return [self.strategy.gather(x, axis=0) for x in outputs]
-
-    def _per_example_loss(self, loss_fn, labels, logits):
-        return loss_fn(tf.one_hot(labels, logits.shape[-1]), logits)
-
-    def _compute_gradients(self, images, labels, jitter=None, frozen=()):
-        model = self.model
-        variables = model.trainable_variables
-        sources = [v for i, v in enumerate(variables) if i not in frozen]
-        # Frozen variables are not watched, so that the backward pass that
-        # only they need is never built (airbench's whitening bias: the first
-        # convolution's input gradient and the whitening activation's). They
-        # get zeros instead.
-        with tf.GradientTape(watch_accessed_variables=not frozen) as tape:
-            if frozen:
-                tape.watch([v.value for v in sources])  # Keras' variables hold TensorFlow's
-            if jitter is None:
-                logits = model(images, training=True)
-            else:  # the same variables, the jitter between normalization and the rest
-                normalize, rest = self._rules.jitter_split
-                logits = rest(pipeline.jitter_colors(normalize(images), jitter), training=True)
-            logits = tf.cast(logits, tf.float32)
-            losses = self._per_example_loss(self._train_loss, labels, logits)
-            # Averaged over the global batch, so that the all-reduced sum of
-            # replica gradients is the gradient of the global batch.
-            loss = tf.nn.compute_average_loss(losses, global_batch_size=self._rules.global_batch_size)
-            if model.losses:  # a user's model may carry regularizers of its own
-                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            scaled_loss = self.optimizer.scale_loss(loss)
-        computed = iter(tape.gradient(scaled_loss, sources))
-        gradients = [tf.zeros_like(v) if i in frozen else next(computed)
-                     for i, v in enumerate(variables)]
-        return gradients, loss, tf.reduce_sum(losses), tf.reduce_sum(_is_correct(labels, logits))
+    def _stop_agreed(self):
+        """Whether any worker was asked to stop. Workers are signalled at
+        different moments (or only one is), but must leave the loop at the
+        same step: the next collective would wait forever for the one that
+        left. Within one process a variable read is enough; across workers
+        it costs one all-reduce of a scalar per step."""
+        if self._rules.num_workers == 1:
+            return self._stop_requested.read_value()
+        requests = self.strategy.run(lambda: tf.cast(self._stop_requested, tf.float32))
+        return self.strategy.reduce("SUM", requests, axis=None) > 0
 
     @tf.autograph.experimental.do_not_convert
     def _train_step(self, *batch, frozen=()):
@@ -324,68 +237,31 @@ class Trainer:
         skipped = nonfinite / context.num_replicas_in_sync
         self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))
 
-    def _train_loop_fn(self, iterator, num_steps, seconds_per_step, frozen=()):
-        stop = tf.constant(False)
-        for _ in tf.range(num_steps):
-            # Looked at before every step, so that a stop waits for the step
-            # under way only, however slow a step is.
-            stop = self._stop_agreed()
-            if stop:
-                break
-            self.strategy.run(self._train_step, args=next(iterator), kwargs={"frozen": frozen})
-            # Every step counts, applied or skipped: the one counter that the
-            # schedule, the lookahead and the groups' training steps read.
-            self.step.assign_add(1)
-            if self._rules.lookahead:
-                self._rules.lookahead.after_step(self.step)
-        stop_and_pace = tf.stack([tf.cast(stop, tf.float32), seconds_per_step])
-        totals = self.strategy.run(_drain, args=(self._train_sums, stop_and_pace))
-        return self.strategy.reduce("SUM", totals, axis=None)
-
-    @tf.autograph.experimental.do_not_convert
-    def _stop_agreed(self):
-        """Whether any worker was asked to stop. Workers are signalled at
-        different moments (or only one is), but must leave the loop at the
-        same step: the next collective would wait forever for the one that
-        left. Within one process a variable read is enough; across workers
-        it costs one all-reduce of a scalar per step."""
-        if self._rules.num_workers == 1:
-            return self._stop_requested.read_value()
-        requests = self.strategy.run(lambda: tf.cast(self._stop_requested, tf.float32))
-        return self.strategy.reduce("SUM", requests, axis=None) > 0
-
-    @tf.autograph.experimental.do_not_convert
-    def _eval_step(self, images, labels, weights):
-        # CIFAR-10's classes are symmetric under a horizontal flip and small
-        # shifts, and the model was trained on such views: averaging their
-        # logits removes part of the model's variance.
-        views = views_of(images, self._eval_views.views)
-        view_logits = [tf.cast(self.model(view, training=False), tf.float32) for _, view in views]
-        logits = tf.add_n([weight * l for (weight, _), l in zip(views, view_logits)])
-        plain_correct = _is_correct(labels, view_logits[0])
-        losses = self._per_example_loss(self._eval_loss, labels, logits)
-        self._eval_sums.assign_add(tf.stack([tf.reduce_sum(losses * weights),
-                                             tf.reduce_sum(_is_correct(labels, logits) * weights),
-                                             tf.reduce_sum(weights),
-                                             tf.reduce_sum(plain_correct * weights)]))
-
-    def _eval_loop_fn(self, iterator, num_steps):
-        for _ in tf.range(num_steps):
-            self.strategy.run(self._eval_step, args=next(iterator))
-        totals = self.strategy.run(_drain, args=(self._eval_sums, tf.zeros([0])))
-        return self.strategy.reduce("SUM", totals, axis=None)
-
-
-def _is_correct(labels, logits):
-    """1.0 where the highest-scoring class is the label, per example."""
-    predictions = tf.argmax(logits, axis=-1, output_type=tf.int32)
-    return tf.cast(predictions == labels, tf.float32)
-
-
-@tf.autograph.experimental.do_not_convert
-def _drain(accumulator, extra):
-    """This replica's sums (with `extra` appended); zeros the accumulator."""
-    totals = tf.concat([accumulator.read_value(), extra], 0)
-    with tf.control_dependencies([totals]):
-        accumulator.assign(tf.zeros_like(accumulator))
-    return totals
+    def _compute_gradients(self, images, labels, jitter=None, frozen=()):
+        model = self.model
+        variables = model.trainable_variables
+        sources = [v for i, v in enumerate(variables) if i not in frozen]
+        # Frozen variables are not watched, so that the backward pass that
+        # only they need is never built (airbench's whitening bias: the first
+        # convolution's input gradient and the whitening activation's). They
+        # get zeros instead.
+        with tf.GradientTape(watch_accessed_variables=not frozen) as tape:
+            if frozen:
+                tape.watch([v.value for v in sources])  # Keras' variables hold TensorFlow's
+            if jitter is None:
+                logits = model(images, training=True)
+            else:  # the same variables, the jitter between normalization and the rest
+                normalize, rest = self._rules.jitter_split
+                logits = rest(pipeline.jitter_colors(normalize(images), jitter), training=True)
+            logits = tf.cast(logits, tf.float32)
+            losses = self._train_loss(tf.one_hot(labels, logits.shape[-1]), logits)
+            # Averaged over the global batch, so that the all-reduced sum of
+            # replica gradients is the gradient of the global batch.
+            loss = tf.nn.compute_average_loss(losses, global_batch_size=self._rules.global_batch_size)
+            if model.losses:  # a user's model may carry regularizers of its own
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            scaled_loss = self.optimizer.scale_loss(loss)
+        computed = iter(tape.gradient(scaled_loss, sources))
+        gradients = [tf.zeros_like(v) if i in frozen else next(computed)
+                     for i, v in enumerate(variables)]
+        return gradients, loss, tf.reduce_sum(losses), tf.reduce_sum(is_correct(labels, logits))

@@ -12,7 +12,7 @@ flags are checked without TensorFlow.)
 import dataclasses
 from typing import Callable, List, Optional, Tuple
 
-from distributed_mpt.core.optim.rules import UpdateRule, make_rule
+from distributed_mpt.core.optim.rules import UPDATE_RULES, UpdateRule
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
 
 # The groups every model's trainable variables are sorted into (airbench's
@@ -101,7 +101,7 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     import keras
 
     s = settings
-    sgd = make_rule("sgd", s.momentum, s)
+    sgd = UPDATE_RULES["sgd"](s.momentum, s)
     bias = _whitening_bias(model)
     shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, keras.layers.BatchNormalization) and layer.center
@@ -118,7 +118,7 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     muon = s.filters_rule == "muon"
     groups = [
         ParameterGroup("filters", tuple(members["filters"]),
-                       make_rule(s.filters_rule, s.filters_momentum if muon else s.momentum, s),
+                       UPDATE_RULES[s.filters_rule](s.filters_momentum if muon else s.momentum, s),
                        rate=s.filters_rate, weight_decay=0.0 if muon else s.weight_decay),
         ParameterGroup("shifts", tuple(members["shifts"]), sgd, rate=s.shift_rate,
                        weight_decay=s.weight_decay / s.shift_rate),

@@ -112,43 +112,6 @@ class Muon(UpdateRule):
         optimizer.assign(variable, weights)
 
 
-def periodic_renormalization(total_steps: int) -> list:
-    """Which of the steps 0 .. total_steps - 1 renormalize Muon's filters in
-    the 2025 record (hiverge/cifar10-speedrun): with n = step + 1, those where
-    n - (the last such n, at first 0) >= 2 + floor(15 n / total_steps), so
-    every 2nd step at first and up to every 17th at the end (in a run of 243
-    steps the longest gap is 16). In between, the filters' norm grows with
-    each step, which shrinks the step relative to the filter (a slowly
-    falling effective rate)."""
-    due, last = [], 0
-    for n in range(1, total_steps + 1):
-        renormalize = n - last >= 2 + (15 * n) // total_steps
-        due.append(renormalize)
-        if renormalize:
-            last = n
-    return due
-
-
-def make_rule(name: str, momentum: float, settings) -> UpdateRule:
-    """The update rule `name` (an UPDATE_RULES key) with `momentum`, and its
-    options from `settings` (a groups.Settings)."""
-    return UPDATE_RULES[name](momentum, settings)
-
-
-def _muon(momentum: float, s) -> Muon:
-    periodic = s.muon_renormalize == "periodic"
-    return Muon(momentum, weight_decay=s.muon_weight_decay,
-                renormalize_steps=periodic_renormalization(s.total_steps) if periodic else None,
-                coefficients=NEWTON_SCHULZ[s.muon_newton_schulz])
-
-
-# name -> (momentum, groups.Settings) -> rule. --optimizer's choices.
-UPDATE_RULES = {
-    "sgd": lambda momentum, s: NesterovSGD(momentum, s.momentum_form),
-    "muon": _muon,
-}
-
-
 def orthogonalize(matrix, steps: int = 3, coefficients=NEWTON_SCHULZ["airbench"]):
     """`matrix` with its singular values moved near 1 by `steps` Newton-Schulz
     iterations (U S V^T -> about U V^T): Muon's update, with the quintic
@@ -171,3 +134,34 @@ def orthogonalize(matrix, steps: int = 3, coefficients=NEWTON_SCHULZ["airbench"]
     if tall:
         x = tf.transpose(x)
     return tf.cast(x, matrix.dtype)
+
+
+def periodic_renormalization(total_steps: int) -> list:
+    """Which of the steps 0 .. total_steps - 1 renormalize Muon's filters in
+    the 2025 record (hiverge/cifar10-speedrun): with n = step + 1, those where
+    n - (the last such n, at first 0) >= 2 + floor(15 n / total_steps), so
+    every 2nd step at first and up to every 17th at the end (in a run of 243
+    steps the longest gap is 16). In between, the filters' norm grows with
+    each step, which shrinks the step relative to the filter (a slowly
+    falling effective rate)."""
+    due, last = [], 0
+    for n in range(1, total_steps + 1):
+        renormalize = n - last >= 2 + (15 * n) // total_steps
+        due.append(renormalize)
+        if renormalize:
+            last = n
+    return due
+
+
+def _muon(momentum: float, s) -> Muon:
+    periodic = s.muon_renormalize == "periodic"
+    return Muon(momentum, weight_decay=s.muon_weight_decay,
+                renormalize_steps=periodic_renormalization(s.total_steps) if periodic else None,
+                coefficients=NEWTON_SCHULZ[s.muon_newton_schulz])
+
+
+# name -> (momentum, groups.Settings) -> rule. --optimizer's choices.
+UPDATE_RULES = {
+    "sgd": lambda momentum, s: NesterovSGD(momentum, s.momentum_form),
+    "muon": _muon,
+}
