@@ -6,7 +6,7 @@ that TensorFlow's start-up (5-10 s a worker) is paid once per set.
 `measure(AllReduce(...))` starts the workers on 127.0.0.1 (as the launcher
 does, through `cells.run_cell`) and returns the chief's timings; each worker
 is `python -m distributed_mpt.benchmark.allreduce AllReduce SPEC_JSON` with
-its TF_CONFIG, which is also how tests/test_scaling.py starts them in
+its TF_CONFIG, which is also how tests/benchmark/test_scaling.py starts them in
 network namespaces. `fit` turns timings into the ring's latency and
 bandwidth (docs/scaling.md, section 1).
 """

@@ -18,7 +18,7 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, WatchedProcess, assert_ok, read_summary, run_in_process, train
-from k8s_pods import K8S, VARIANTS, edit, edit_settings, load_check, of_kind, render, training_pods
+from support.k8s_pods import K8S, VARIANTS, edit, edit_settings, load_check, of_kind, render, training_pods
 
 check = load_check()
 PAGE = (REPO / "docs" / "extending.md").read_text()

@@ -9,7 +9,7 @@ packet, in both directions, for a while, then delivers what it held (a
 link that goes silent and recovers, as a switch rebooting or a congested
 uplink does).
 
-    python tests/lossy_link.py NETNS_A NETNS_B --delay_ms=200 --loss=0.05
+    python tests/support/lossy_link.py NETNS_A NETNS_B --delay_ms=200 --loss=0.05
 
 creates a device named `lossy0` in each of the namespaces /run/netns/NETNS_A
 and /run/netns/NETNS_B, prints `ready`, then reads commands on stdin, one a
@@ -22,7 +22,7 @@ line, and answers each with one line on stdout:
 
 At the end of its stdin (its parent closed it, or died) it prints the
 statistics and exits; the devices go with it. Setting the devices up and
-routing through them is the caller's part (tests/netns.py).
+routing through them is the caller's part (tests/support/netns.py).
 Needs root (CAP_NET_ADMIN) and /dev/net/tun.
 """
 

@@ -8,7 +8,7 @@ new UTS namespace (`unshare --uts`) carries the pod's hostname. Needs root;
 
 Faults: a link cut, narrowed (tc tbf), delayed and lossy (tc netem, where
 the kernel has it), or routed through a userspace forwarder that delays,
-drops and stalls (tests/lossy_link.py: any kernel with TUN devices).
+drops and stalls (tests/support/lossy_link.py: any kernel with TUN devices).
 """
 
 import json
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 
 from conftest import SMALL_MODEL
-from lossy_link import DEVICE
+from support.lossy_link import DEVICE
 
 SUBNET = "10.231.{}.{}"  # a private /24 per network, far from common defaults
 
@@ -59,7 +59,7 @@ def netem_unavailable() -> Optional[str]:
 
 
 def tun_unavailable() -> Optional[str]:
-    """Why tests/lossy_link.py cannot make its TUN devices here, or None."""
+    """Why tests/support/lossy_link.py cannot make its TUN devices here, or None."""
     return None if os.path.exists("/dev/net/tun") else "no /dev/net/tun (the tun module is not loaded)"
 
 
@@ -161,7 +161,7 @@ class Network:
 
     def lossy_link(self, delay_ms: float, loss: float, pods=(0, 1)) -> "Forwarder":
         """Routes the two `pods` to each other through a userspace forwarder
-        (tests/lossy_link.py) that delays each packet by `delay_ms` and drops
+        (tests/support/lossy_link.py) that delays each packet by `delay_ms` and drops
         the fraction `loss`, each way: netem's job on any kernel. It stays
         until the network is removed; `.stall(seconds)` holds the link."""
         forwarder = Forwarder([self.namespaces[pod] for pod in pods], delay_ms, loss)
@@ -192,7 +192,7 @@ class Network:
 
 
 class Forwarder:
-    """A running tests/lossy_link.py between two namespaces."""
+    """A running tests/support/lossy_link.py between two namespaces."""
 
     def __init__(self, namespaces: Sequence[str], delay_ms: float, loss: float):
         self.process = subprocess.Popen(

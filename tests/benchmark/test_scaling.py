@@ -16,10 +16,10 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-import netns
 from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, run_module, subprocess_env, train
 from distributed_mpt.benchmark import allreduce, scaling
 from distributed_mpt.core.optim import schedules
+from support import netns
 
 # The fit's sizes (latency to bandwidth), and the size it must predict for
 # one worker more. On 2 cores of an AMD EPYC beside 7 other jobs (load 9-17)

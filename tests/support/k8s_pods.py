@@ -1,8 +1,8 @@
 """The rendered k8s/ variants, and the pods their controllers would make of
 them: each pod's hostname, the DNS names that reach it, its command, the
 environment it gets, and whether the manifest's failure policy retries an
-exit code. Shared by tests/test_k8s.py (offline checks) and
-tests/test_k8s_pods.py (the pods run as processes); and edited copies of
+exit code. Shared by tests/k8s/test_k8s.py (offline checks) and
+tests/k8s/test_k8s_pods.py (the pods run as processes); and edited copies of
 k8s/, as a user edits k8s/settings.
 
 Only what a controller hands a pod is modelled here, from the controllers'
@@ -28,7 +28,7 @@ from typing import Callable, Dict, List
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 VARIANTS = ("indexed-job", "jobset", "trainjob")
 TRAINING_KINDS = ("JobSet", "TrainJob")

@@ -1,6 +1,6 @@
 """The TrainJob progress reporter (distributed_mpt/process/trainjob_status.py)
 against a real local HTTPS server with a CA and a certificate of its own
-(tests/status_server.py): answering as Kubeflow Trainer's controller does,
+(tests/support/status_server.py): answering as Kubeflow Trainer's controller does,
 the server gets every report with the bearer token; answering with an
 endless body or endless headers, a trickle, a redirect to http://, a 401,
 a status line that quotes the token, garbage for a TLS handshake or a
@@ -24,8 +24,8 @@ import pytest
 from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
 from distributed_mpt.process.trainjob_status import (
     CLOSE_SECONDS, MAX_ANSWER_BYTES, REQUEST_SECONDS, TrainJobStatus)
-from netns import checkpointed_step
-from status_server import Listener, StatusServer, echo, trainer_status_schema
+from support.netns import checkpointed_step
+from support.status_server import Listener, StatusServer, echo, trainer_status_schema
 
 # Random, so that any piece of it found in the output was printed, not typed.
 TOKEN = secrets.token_urlsafe(32)

@@ -110,7 +110,7 @@ def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
 
     ledger = tmp_path / "ledger.jsonl"
     ledger.write_text("")
-    one_test = "tests/test_layout.py::test_the_walk_sees_lazy_imports"
+    one_test = "tests/product/test_layout.py::test_the_walk_sees_lazy_imports"
     assert suite.time_tests("fast", "a test", path=str(ledger), targets=(one_test,)) == 0
     machine, run = (json.loads(line) for line in ledger.read_text().splitlines())
     assert machine == records.describe_machine()
@@ -134,7 +134,7 @@ def test_a_damaged_ledger_is_found_before_the_suite_runs(tmp_path, monkeypatch):
         raise AssertionError(f"the suite was run: {args}")
     monkeypatch.setattr(suite.subprocess, "run", run)
     with pytest.raises(files.DamagedFileError, match=str(ledger)):
-        suite.time_tests("fast", "a test", path=str(ledger), targets=("tests/test_layout.py",))
+        suite.time_tests("fast", "a test", path=str(ledger), targets=("tests/product/test_layout.py",))
 
 
 def _ledger_of(runs, tests=()):

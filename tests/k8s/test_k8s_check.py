@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from k8s_pods import K8S, VARIANTS, edit, edit_kustomization, edit_settings, load_check, render, run_check
+from support.k8s_pods import (K8S, VARIANTS, edit, edit_kustomization, edit_settings, load_check, render,
+                              run_check)
 
 check = load_check()
 DIGEST = "sha256:" + "ab" * 32

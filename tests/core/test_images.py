@@ -119,7 +119,7 @@ def test_a_later_gif_frame_that_grows_the_screen_past_the_bound_is_refused(tmp_p
 @pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP", "TIFF"])
 def test_frames_together_are_bounded_before_the_next_is_decoded(tmp_path, monkeypatch, fmt):
     # At a bound of 100,000 pixels (the real one: 100 million, which
-    # tests/test_predict_bounds.py's 30 frames of 2000 x 2000 pass at the
+    # tests/entry_points/test_predict_bounds.py's 30 frames of 2000 x 2000 pass at the
     # 26th), 10 frames of 100 x 100 are 100,000: 11 are too many, whatever
     # their format.
     monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 100_000)

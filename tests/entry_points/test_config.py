@@ -71,7 +71,7 @@ def test_shipped_recipes_parse(tmp_path):
     (["--recipe=nope"], "--recipe=nope is not one of the shipped recipes"),
     (["--recipe=cpu_cnn", "--recipe", "mlp"], "--recipe given 2 times (cpu_cnn, mlp): one recipe"),
     (["--seed=-1"], "seed"),
-    # The 2025 record's options (tests/test_record2025.py).
+    # The 2025 record's options (tests/core/test_record2025.py).
     (["--muon_weight_decay=-0.1"], "--muon_weight_decay=-0.1 must be >= 0"),
     (["--muon_weight_decay=inf"], "--muon_weight_decay=inf: inf is not a decimal number"),
     (["--muon_renormalize=sometimes"], "--muon_renormalize=sometimes: value should be one of <every_step|periodic>"),

@@ -12,7 +12,7 @@ from distributed_mpt import cli, errors, launch
 from distributed_mpt.process import stopping
 from distributed_mpt.errors import ExitCode, first_line
 
-RELIABILITY = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+RELIABILITY = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 
 
 def test_the_documented_table_is_the_one_in_errors_py():

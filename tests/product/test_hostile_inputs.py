@@ -139,7 +139,7 @@ def _run_entry(entry: str, args: List[str], monkeypatch):
     elif entry == "prepare_data":
         from distributed_mpt.prepare_data import main
     elif entry == "k8s/check.py":
-        from k8s_pods import load_check
+        from support.k8s_pods import load_check
         main = load_check().main
     return run_in_process(main, args)
 
@@ -442,7 +442,7 @@ case("a release of short files", "prepare_data", lambda scene: [
 # -------------------------------------------------------------- k8s/check.py
 
 def _settings(scene) -> Path:
-    from k8s_pods import K8S
+    from support.k8s_pods import K8S
     return scene.touch(shutil.copytree(K8S / "settings", scene.tmp_path / "settings"))
 
 

@@ -81,7 +81,7 @@ def test_synthetic_run_writes_every_output(model_dir):
 
 def test_cifar10_from_tensorflow_datasets(model_dir):
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "mock_cifar10_train.py"), "300",
+        [sys.executable, str(REPO / "tests" / "support" / "mock_cifar10_train.py"), "300",
          "--model=resnet9", "--model_width=4", "--per_replica_batch_size=32", "--train_steps=6",
          "--steps_per_loop=3", "--log_every_steps=3", "--noexport", f"--model_dir={model_dir}",
          "--data_dir=/nonexistent"],

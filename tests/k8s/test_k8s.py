@@ -4,11 +4,11 @@ Every variant is rendered with `kubectl kustomize` and validated with what a
 cluster checks it with (k8s/check.py's validation: the Kubernetes schemas
 through kubernetes-validate, the carried CRDs through jsonschema; the
 trainer's flag parser). The rest is what only a test can see offline: every
-pod as its controllers make it (tests/k8s_pods.py), the route of a user's
+pod as its controllers make it (tests/support/k8s_pods.py), the route of a user's
 own network and images into every variant, the documented data load and
 export run as the volume pod runs them, locked-down pods, the
 NetworkPolicies, the image. k8s/check.py's own verdicts are tested in
-tests/test_k8s_check.py.
+tests/k8s/test_k8s_check.py.
 
 Every expectation about a setting is read from the settings under test, so
 the tests pass on a copy of the repository whose k8s/settings was edited.
@@ -33,8 +33,8 @@ from conftest import run_module
 from distributed_mpt import errors
 from distributed_mpt.process.cluster import resolve_cluster
 from distributed_mpt.train import parse_config
-from k8s_pods import (K8S, REPO, VARIANTS, edit_kustomization, edit_settings, load_check, main_container, of_kind,
-                      render, training_job, training_pods)
+from support.k8s_pods import (K8S, REPO, VARIANTS, edit_kustomization, edit_settings, load_check,
+                              main_container, of_kind, render, training_job, training_pods)
 
 check = load_check()
 RENDERED = VARIANTS + check.EXTRAS  # the training variants, k8s/data and k8s/volume
@@ -336,7 +336,7 @@ def test_your_model_trains_on_your_images_as_a_pod_runs_it(own_model, tmp_path):
     """A training pod's rendered command, run with the files its volumes hold:
     the ConfigMap's at /models, an image folder loaded as documented at
     /data/images (here host directories). Only the cluster is left out (one
-    process, --strategy=default; tests/test_k8s_pods.py runs the pods as a
+    process, --strategy=default; tests/k8s/test_k8s_pods.py runs the pods as a
     group) and the run shortened, by flags appended as a user would."""
     docs = render("indexed-job", own_model)
     (configmap,) = of_kind(docs, "ConfigMap")
@@ -582,7 +582,8 @@ def test_the_image_installs_pinned_dependencies():
 
 
 def test_readme_names_only_paths_and_variants_that_exist_and_needs_only_kubectl():
-    for path in set(re.findall(r"\bk8s/[\w./-]*[\w-]", README)):
+    # tests/k8s/ is a path of its own (the tests of k8s/), checked as one.
+    for path in set(re.findall(r"(?<![\w/])(?:tests/)?k8s/[\w./-]*[\w-]", README)):
         assert (REPO / path).exists(), f"k8s/README.md names {path}, which does not exist"
     applied = set(re.findall(r"kubectl (?:apply|delete|kustomize)[^\n]*?-k\s+k8s/([\w-]+)", README))
     assert applied and applied <= set(RENDERED), applied

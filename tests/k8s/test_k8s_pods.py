@@ -1,7 +1,7 @@
 """The pods of every multi-worker variant, run: each rendered pod's container
 command starts as a process in a network namespace of its own, under the
 pod's hostname, with the environment its controllers give it and the job's
-DNS names in its hosts file (tests/k8s_pods.py, tests/netns.py). The two
+DNS names in its hosts file (tests/support/k8s_pods.py, tests/support/netns.py). The two
 workers of every variant train on synthetic data to the end, on ports the
 job's NetworkPolicy admits. In one variant a worker is also killed: the exit
 codes must be ones the manifest's failure policy retries, and the restarted
@@ -26,11 +26,11 @@ from datetime import datetime
 import jsonschema
 import pytest
 
-import netns
 from distributed_mpt import errors
-from k8s_pods import render, training_job, training_pods
-from netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
-from status_server import StatusServer, trainer_status_schema
+from support import netns
+from support.k8s_pods import render, training_job, training_pods
+from support.netns import PEER_TIMEOUT_SECONDS, TRAIN_STEPS, Groups, checkpointed_step
+from support.status_server import StatusServer, trainer_status_schema
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]

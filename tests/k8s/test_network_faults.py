@@ -1,11 +1,11 @@
 """Faults between hosts: two workers of the indexed Job, each in a network
-namespace of its own, joined by a bridge (tests/netns.py), while they train.
+namespace of its own, joined by a bridge (tests/support/netns.py), while they train.
 
 - A slow, lossy link (50 ms each way, 1% loss; tc netem, where the kernel
   has it) and a narrow one (1 Mbit/s each way; tc tbf) slow training and
   lose nothing: the run finishes without a restart.
 - On any kernel with TUN devices, through a userspace forwarder
-  (tests/lossy_link.py, itself checked first with probes: the delay, the
+  (tests/support/lossy_link.py, itself checked first with probes: the delay, the
   loss rate, full-size packets, TCP both ways, a stall, the teardown):
   - a job over 200 ms each way and 5% loss, from its start, finishes with
     the weights of the same job on a clean link;
@@ -34,11 +34,11 @@ import time
 import numpy as np
 import pytest
 
-import netns
 from conftest import checkpoint_weights, subprocess_env
 from distributed_mpt import errors
-from k8s_pods import render, training_pods
-from netns import TRAIN_STEPS, Groups, checkpointed_step
+from support import netns
+from support.k8s_pods import render, training_pods
+from support.netns import TRAIN_STEPS, Groups, checkpointed_step
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]
@@ -338,7 +338,7 @@ def test_a_job_over_200_ms_and_5_percent_loss_trains_the_weights_of_a_clean_link
     assert all(c["dropped"] > 0 for c in counts.values()), "the link dropped packets both ways"
     # The same job: the same sums in the same order, so only float32
     # round-off may differ. The bound is the one a 2-worker run meets
-    # against 1 worker at twice the batch (tests/test_distribution.py).
+    # against 1 worker at twice the batch (tests/process/test_distribution.py).
     lossy_weights, clean_weights = (checkpoint_weights(runs[name][1]) for name in ("lossy", "clean"))
     assert lossy_weights.keys() == clean_weights.keys()
     largest = max(float(np.max(np.abs(lossy_weights[k] - clean_weights[k]), initial=0)) for k in clean_weights)

@@ -2,7 +2,8 @@
 statement of the package, those inside functions (lazy imports) included:
 the ML core imports nothing from the run's lifecycle or the process
 plumbing, the plumbing nothing from the lifecycle, and no module imports
-itself back through others."""
+itself back through others. And the tests as their folders show them:
+in the folder of what each tests."""
 
 import ast
 from pathlib import Path
@@ -111,3 +112,22 @@ def test_no_class_takes_more_than_8_constructor_parameters():
             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
             if (n := _init_parameters(node)) > 8}
     assert not wide, wide
+
+
+TESTS = Path(__file__).resolve().parents[1]
+# The folders of tests/ that are no folder of the package (pytest.ini says
+# what each holds); every other folder is named after one of the package's.
+TEST_FOLDERS_OF_THEIR_OWN = {"entry_points", "k8s", "leaves", "product", "support"}
+
+
+def test_every_test_lives_in_a_folder_named_after_what_it_tests():
+    at_the_root = sorted(path.name for path in TESTS.glob("test_*.py"))
+    assert not at_the_root, f"tests/ holds {at_the_root}: move each into the folder of what it tests"
+    package_folders = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    folders = {path.name for path in TESTS.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders - package_folders <= TEST_FOLDERS_OF_THEIR_OWN, sorted(
+        folders - package_folders - TEST_FOLDERS_OF_THEIR_OWN)
+    # Without __init__.py, pytest imports a test file by its name alone: two
+    # files of one name in different folders would collide.
+    names = [path.name for path in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})

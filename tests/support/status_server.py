@@ -12,7 +12,7 @@ import time
 
 import yaml
 
-from k8s_pods import K8S
+from support.k8s_pods import K8S
 
 
 class StatusServer:
