@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distributed_mpt.core.models import cpu_layers
-from distributed_mpt.core.models.cpu_layers import CompiledActivation
+from distributed_mpt.core.models import faster_layers
+from distributed_mpt.core.models.faster_layers import CompiledActivation
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def _values_and_gradients(layer, x, weights):
     return [np.asarray(tf.cast(t, tf.float64)) for t in (y, tape.gradient(loss, x))]
 
 
-@pytest.mark.parametrize("name", cpu_layers.COMPILED_ACTIVATIONS)
+@pytest.mark.parametrize("name", faster_layers.COMPILED_ACTIVATIONS)
 def test_the_compiled_activation_computes_keras_activation_and_its_gradient(name):
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(0.0, 3.0, (4, 5, 5, 8)), tf.float32)  # both tails and the bend
@@ -38,7 +38,7 @@ def test_the_compiled_activation_computes_keras_activation_and_its_gradient(name
         np.testing.assert_allclose(c, e, rtol=1e-6, atol=1e-6, err_msg=what)
 
 
-@pytest.mark.parametrize("name", cpu_layers.COMPILED_ACTIVATIONS)
+@pytest.mark.parametrize("name", faster_layers.COMPILED_ACTIVATIONS)
 def test_in_bfloat16_the_compiled_activation_is_as_close_to_the_exact_function(name):
     # Keras rounds each of its ops to bfloat16; the compiled function
     # computes in float32 and rounds once: never further from the exact
@@ -70,10 +70,10 @@ def _op_types(layer):
 
 
 def test_compiled_only_where_it_pays(monkeypatch):
-    monkeypatch.setattr(cpu_layers, "compiles_here", lambda: True)
+    monkeypatch.setattr(faster_layers, "compiles_here", lambda: True)
     types, compiled = _op_types(CompiledActivation("gelu"))
     assert compiled and "Erfc" not in types  # inside the XLA function
-    monkeypatch.setattr(cpu_layers, "compiles_here", lambda: False)  # GPUs
+    monkeypatch.setattr(faster_layers, "compiles_here", lambda: False)  # GPUs
     types, compiled = _op_types(CompiledActivation("gelu"))
     assert not compiled and "Erfc" in types  # Keras' own ops
 

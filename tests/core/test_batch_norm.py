@@ -16,7 +16,7 @@ from conftest import (assert_ok, checkpoint_weights, read_summary, subprocess_en
                       weights_of_one_and_two_replicas)
 from distributed_mpt.core import batch_norm, models
 from distributed_mpt.core.data import cifar10
-from distributed_mpt.core.models.cpu_layers import FusedBatchNormalization
+from distributed_mpt.core.models.faster_layers import FusedBatchNormalization
 from distributed_mpt.training import export
 
 

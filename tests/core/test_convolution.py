@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distributed_mpt.core.models import cpu_layers as layers
-from distributed_mpt.core.models.cpu_layers import SideBySideConv2D
+from distributed_mpt.core.models import faster_layers as layers
+from distributed_mpt.core.models.faster_layers import SideBySideConv2D
 
 
 @pytest.fixture(autouse=True)

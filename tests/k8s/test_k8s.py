@@ -31,7 +31,7 @@ from PIL import Image
 
 from conftest import run_module
 from distributed_mpt import errors
-from distributed_mpt.process.cluster import resolve_cluster
+from distributed_mpt.cluster.environment import resolve_cluster
 from distributed_mpt.train import parse_config
 from support.k8s_pods import (K8S, REPO, VARIANTS, edit_kustomization, edit_settings, load_check,
                               main_container, of_kind, render, training_job, training_pods)

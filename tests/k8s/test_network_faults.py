@@ -338,7 +338,7 @@ def test_a_job_over_200_ms_and_5_percent_loss_trains_the_weights_of_a_clean_link
     assert all(c["dropped"] > 0 for c in counts.values()), "the link dropped packets both ways"
     # The same job: the same sums in the same order, so only float32
     # round-off may differ. The bound is the one a 2-worker run meets
-    # against 1 worker at twice the batch (tests/process/test_distribution.py).
+    # against 1 worker at twice the batch (tests/cluster/test_strategy.py).
     lossy_weights, clean_weights = (checkpoint_weights(runs[name][1]) for name in ("lossy", "clean"))
     assert lossy_weights.keys() == clean_weights.keys()
     largest = max(float(np.max(np.abs(lossy_weights[k] - clean_weights[k]), initial=0)) for k in clean_weights)

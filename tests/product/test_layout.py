@@ -1,9 +1,9 @@
 """The architecture as the folders show it, checked on every import
 statement of the package, those inside functions (lazy imports) included:
-the ML core imports nothing from the run's lifecycle or the process
-plumbing, the plumbing nothing from the lifecycle, and no module imports
-itself back through others. And the tests as their folders show them:
-in the folder of what each tests."""
+the ML core imports nothing from the run's lifecycle, the process
+plumbing or the cluster, neither of these from the lifecycle or each
+other, and no module imports itself back through others. And the tests as
+their folders show them: in the folder of what each tests."""
 
 import ast
 from pathlib import Path
@@ -16,6 +16,7 @@ LEAVES = {"distributed_mpt.errors", "distributed_mpt.files"}
 ALLOWED = {
     "distributed_mpt.core": LEAVES,
     "distributed_mpt.process": LEAVES,
+    "distributed_mpt.cluster": LEAVES,
 }
 
 
@@ -49,7 +50,7 @@ def _graph() -> dict:
     return {name: _imports(path, modules) - {name} for name, path in modules.items()}
 
 
-def test_the_core_and_the_plumbing_import_only_themselves_and_the_leaves():
+def test_the_core_the_plumbing_and_the_cluster_import_only_themselves_and_the_leaves():
     graph = _graph()
     breaches = []
     for layer, allowed in ALLOWED.items():
@@ -124,7 +125,8 @@ def test_every_test_lives_in_a_folder_named_after_what_it_tests():
     at_the_root = sorted(path.name for path in TESTS.glob("test_*.py"))
     assert not at_the_root, f"tests/ holds {at_the_root}: move each into the folder of what it tests"
     package_folders = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
-    folders = {path.name for path in TESTS.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    folders = {path.name for path in TESTS.iterdir()  # not __pycache__, .pytest_cache
+               if path.is_dir() and not path.name.startswith(("_", "."))}
     assert folders - package_folders <= TEST_FOLDERS_OF_THEIR_OWN, sorted(
         folders - package_folders - TEST_FOLDERS_OF_THEIR_OWN)
     # Without __init__.py, pytest imports a test file by its name alone: two

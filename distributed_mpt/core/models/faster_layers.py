@@ -1,7 +1,14 @@
-"""Keras layers made fast on CPUs: the same function and variables as Keras'
+"""Keras' layers computed faster: the same function and variables as Keras'
 own (an export gets Keras' layers in their place: layers.with_keras_layers),
-each computed another way where that was measured to pay
-(docs/performance.md).
+each computed another way where that was measured to pay (docs/performance.md):
+the batch norm wherever one replica sees the global batch, the activation and
+the convolution on CPUs.
+
+A model saved with these layers in it (not an export) names each by its class
+name, which Keras looks up in the `custom_objects` it loads with; the module
+it also records is not read. Renaming a class would break such files, and
+renaming this module does not (tests/core/test_faster_layers.py loads one
+saved when it had another name).
 
 FusedBatchNormalization: Keras 3's `BatchNormalization` casts a bfloat16
 activation to float32 and normalizes it in several elementwise passes,

@@ -1,4 +1,4 @@
-"""The TrainJob progress reporter (distributed_mpt/process/trainjob_status.py)
+"""The TrainJob progress reporter (distributed_mpt/cluster/trainjob_progress.py)
 against a real local HTTPS server with a CA and a certificate of its own
 (tests/support/status_server.py): answering as Kubeflow Trainer's controller does,
 the server gets every report with the bearer token; answering with an
@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 
 from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
-from distributed_mpt.process.trainjob_status import (
+from distributed_mpt.cluster.trainjob_progress import (
     CLOSE_SECONDS, MAX_ANSWER_BYTES, REQUEST_SECONDS, TrainJobStatus)
 from support.netns import checkpointed_step
 from support.status_server import Listener, StatusServer, echo, trainer_status_schema

@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
                       read_summary, run_module, subprocess_env, train)
-from distributed_mpt.process.cluster import resolve_cluster
-from distributed_mpt.process.distribution import resolve_strategy_name
+from distributed_mpt.cluster.environment import resolve_cluster
+from distributed_mpt.cluster.strategy import resolve_strategy_name
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.launch import free_ports, worker_tf_configs
 

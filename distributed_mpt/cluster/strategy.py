@@ -13,7 +13,7 @@ from typing import Optional
 import tensorflow as tf
 
 from distributed_mpt.errors import ClusterError, ConfigError
-from distributed_mpt.process.cluster import Cluster
+from distributed_mpt.cluster.environment import Cluster
 
 # What TensorFlow raises on the survivors when a peer of a multi-worker job
 # is lost.

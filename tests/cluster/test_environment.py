@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distributed_mpt.process.cluster import MAX_TASKS, resolve_cluster
+from distributed_mpt.cluster.environment import MAX_TASKS, resolve_cluster
 from distributed_mpt.errors import ClusterError
 
 KUBEFLOW_CHIEF_AND_WORKERS = {
