@@ -166,7 +166,7 @@ class TrainConfig:
     activation: str = _option(
         "gelu", "airbench: the activation of its convolution stages. gelu (airbench94's), silu "
         "(the 2025 record's), relu (which TensorFlow fuses into batch norm); GELU and SiLU are "
-        "compiled into one pass each way on CPUs (core/models/cpu_layers.py).",
+        "compiled into one pass each way on CPUs (core/models/faster_layers.py).",
         AIRBENCH_ACTIVATIONS)
     bn_momentum: float = _option(
         0.6, "airbench: its batch norms' momentum in Keras' sense (the weight of the old moving "

@@ -308,7 +308,7 @@ def _trainer():
         sys.path.insert(0, str(repo))  # this clone's trainer, not another installed one
     try:
         from distributed_mpt.errors import UserError
-        from distributed_mpt.process.cluster import MAX_TASKS
+        from distributed_mpt.cluster.environment import MAX_TASKS
         from distributed_mpt.train import parse_config
     except ImportError:
         return None

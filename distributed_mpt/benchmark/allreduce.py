@@ -1,12 +1,13 @@
 """All-reduce timed with the package's own MultiWorkerMirroredStrategy
-(`distribution.create_strategy`): one set of worker processes times every
-tensor size, and a model's gradients in packs of each `bytes_per_pack`, so
-that TensorFlow's start-up (5-10 s a worker) is paid once per set.
+(`cluster/strategy.py`: `create_strategy`): one set of worker processes
+times every tensor size, and a model's gradients in packs of each
+`bytes_per_pack`, so that TensorFlow's start-up (5-10 s a worker) is paid
+once per set.
 
 `measure(AllReduce(...))` starts the workers on 127.0.0.1 (as the launcher
 does, through `cells.run_cell`) and returns the chief's timings; each worker
 is `python -m distributed_mpt.benchmark.allreduce AllReduce SPEC_JSON` with
-its TF_CONFIG, which is also how tests/test_scaling.py starts them in
+its TF_CONFIG, which is also how tests/benchmark/test_scaling.py starts them in
 network namespaces. `fit` turns timings into the ring's latency and
 bandwidth (docs/scaling.md, section 1).
 """
@@ -90,10 +91,10 @@ def time_in_this_worker(spec: AllReduce) -> dict:
     "packed": [{"bytes_per_pack", "packs", "seconds"}], "workers"}."""
     import tensorflow as tf
 
-    from distributed_mpt.process import cluster, distribution
+    from distributed_mpt.cluster.environment import resolve_cluster
+    from distributed_mpt.cluster.strategy import create_strategy
 
-    strategy = distribution.create_strategy(
-        "multi_worker", communication=spec.communication, cluster=cluster.resolve_cluster())
+    strategy = create_strategy("multi_worker", communication=spec.communication, cluster=resolve_cluster())
 
     def timed(values, calls: int, bytes_per_pack: int = 0) -> list:
         options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bytes_per_pack)

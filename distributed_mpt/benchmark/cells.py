@@ -61,15 +61,16 @@ def measure(cell: Cell) -> dict:
     import tensorflow as tf
 
     from distributed_mpt import config
+    from distributed_mpt.cluster.environment import resolve_cluster
+    from distributed_mpt.cluster.strategy import create_strategy, peak_resident_bytes
     from distributed_mpt.core import data, precision
-    from distributed_mpt.process import cluster, distribution
     from distributed_mpt.training.build import build, train_input
     from distributed_mpt.training.plan import plan_run
 
     gpus = tf.config.list_physical_devices("GPU")
-    workers = cluster.resolve_cluster() if cell.strategy == "multi_worker" else None
+    workers = resolve_cluster() if cell.strategy == "multi_worker" else None
     cpu_replicas = cell.replicas if cell.strategy == "mirrored" and not gpus else 0
-    strategy = distribution.create_strategy(cell.strategy, cpu_replicas, cluster=workers)
+    strategy = create_strategy(cell.strategy, cpu_replicas, cluster=workers)
     replicas = strategy.num_replicas_in_sync
     if cell.batch_size % replicas:
         raise ValueError(f"global batch {cell.batch_size} does not split over {replicas} replicas")
@@ -99,7 +100,7 @@ def measure(cell: Cell) -> dict:
     steps = cell.steps or min(max(round(cell.seconds * 2 / seconds_of(2)), MIN_STEPS), MAX_STEPS)
     rates = [steps * plan.global_batch_size / seconds_of(steps) for _ in range(cell.repeats)]
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
-            else distribution.peak_resident_bytes())
+            else peak_resident_bytes())
     return {"examples_per_second": max(rates), "runs": rates, "steps": steps,
             "replicas": replicas, "peak_memory_bytes": peak,
             "training_flops_per_example": roof.TRAINING_FLOPS_PER_FORWARD_FLOP

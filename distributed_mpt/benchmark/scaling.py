@@ -118,7 +118,7 @@ RING = (2.71e-3, 1 / 138e6)
 
 # Each model's trainable variables in bytes (float32 gradients), in the
 # order Keras lists them, and its batch norms, counted from the models the
-# package builds at width 64 (tests/test_scaling.py keeps them equal), so
+# package builds at width 64 (tests/benchmark/test_scaling.py keeps them equal), so
 # that a projection needs no TensorFlow.
 GRADIENT_TENSORS = {
     "airbench": (96, 55296, 256, 147456, 256, 589824, 1024, 2359296, 1024, 2359296, 1024, 2359296,

@@ -238,11 +238,11 @@ def run_benchmark(options: Options) -> dict:
     import keras
     import tensorflow as tf
 
-    from distributed_mpt.process import distribution
+    from distributed_mpt.cluster.strategy import describe_devices
 
     started = time.perf_counter()
     benchmark = Benchmark(options)
-    results = {"machine": {"devices": distribution.describe_devices(),
+    results = {"machine": {"devices": describe_devices(),
                            "mixed_policy": benchmark.mixed_policy,
                            "auto_policy": benchmark.auto_policy, "tensorflow": tf.__version__,
                            "keras": keras.__version__, "python": platform.python_version(),

@@ -5,6 +5,6 @@ and evaluation (eval_views.py).
 
 It imports nothing from the run's lifecycle (training/) or the process
 plumbing (process/), and no TrainConfig: it takes plain arguments and the
-specs its registries declare (tests/test_layout.py walks the imports).
+specs its registries declare (tests/product/test_layout.py walks the imports).
 Extending it: docs/extending.md.
 """

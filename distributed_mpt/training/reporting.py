@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.config import PROGRESS_SECONDS
-from distributed_mpt.process.trainjob_status import TrainJobStatus
+from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 
 # What every record of metrics.jsonl holds; a line without them is damaged.
 _RECORD_FIELDS = {"step": int, "elapsed_seconds": (int, float)}

@@ -11,12 +11,13 @@ import tensorflow as tf
 
 from distributed_mpt import config as config_lib
 from distributed_mpt import files
+from distributed_mpt.cluster.environment import Cluster
+from distributed_mpt.cluster.strategy import describe_devices, peak_resident_bytes
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import batch_norm, data, models, precision
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
-from distributed_mpt.process import distribution, stopping
-from distributed_mpt.process.cluster import Cluster
+from distributed_mpt.process import stopping
 from distributed_mpt.training import export
 from distributed_mpt.training.agreement import check_workers_agree, leave_together
 from distributed_mpt.training.build import Built, build, recalibration_input, train_input
@@ -93,7 +94,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             # This process's, from its start to the end of the export (this
             # segment only, where the run resumed; the chief's, of several workers).
-            summary["peak_memory_bytes"] = distribution.peak_resident_bytes()
+            summary["peak_memory_bytes"] = peak_resident_bytes()
             if is_chief:  # a loss that overflowed is null, not a file no reader takes
                 files.write_json(f"{config.model_dir}/summary.json", files.finite_values(summary))
             if plan.num_workers > 1:
@@ -188,7 +189,7 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
         "train_loss": train_metrics.get("loss"), "train_accuracy": train_metrics.get("accuracy"),
         "examples_per_second": throughput, "resumed_from_step": start_step,
         "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.eval_tta,
-        "device": distribution.describe_devices(),
+        "device": describe_devices(),
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
 

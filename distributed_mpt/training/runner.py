@@ -32,7 +32,7 @@ def _run(config: TrainConfig) -> int:
         # The cheap checks first, without TensorFlow.
         from distributed_mpt import files
         from distributed_mpt.process import run_lock
-        from distributed_mpt.process.cluster import resolve_cluster
+        from distributed_mpt.cluster.environment import resolve_cluster
         from distributed_mpt.process.startup_watchdog import StartupWatchdog
         from distributed_mpt.training import model_dir
         cluster = resolve_cluster(os.environ)
@@ -66,19 +66,20 @@ def _run(config: TrainConfig) -> int:
         watchdog = StartupWatchdog(deadline, peers, new_model_dir, model_dir.BEFORE_TRAINING)
         with stopping.tensorflow_starting(), watchdog:
             # TensorFlow is imported only now, behind the log filter.
-            from distributed_mpt.process import distribution
+            from distributed_mpt.cluster.strategy import (PEER_ERRORS, create_strategy,
+                                                          resolve_strategy_name)
             from distributed_mpt.training.run import train_and_evaluate
-            strategy_name = distribution.resolve_strategy_name(
+            strategy_name = resolve_strategy_name(
                 config.strategy, cluster, config.cpu_replicas)
             try:
-                strategy = distribution.create_strategy(
+                strategy = create_strategy(
                     strategy_name, config.cpu_replicas, config.communication, cluster)
-            except distribution.PEER_ERRORS as e:
+            except PEER_ERRORS as e:
                 return _lost_a_peer(e, cluster)
         stopping.enter(stopping.Phase.PREPARING)
         try:
             train_and_evaluate(config, strategy, strategy_name, cluster)
-        except distribution.PEER_ERRORS as e:
+        except PEER_ERRORS as e:
             return _lost_a_peer(e, cluster)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -4,7 +4,7 @@ trained on and what distributed-mpt-predict classifies go through the same
 code, so a model sees a user's photo as it saw its training images.
 
 The formats are those whose decoders this module was tested against,
-damaged and oversized (tests/test_images.py): PNG (animated too), JPEG (and
+damaged and oversized (tests/core/test_images.py): PNG (animated too), JPEG (and
 MPO, as cameras and phones write it), GIF, BMP, WebP and TIFF. Any other
 (ICO, ICNS, PSD, ...) is refused by name, not handed to a decoder whose
 bounds were never checked. A file is decoded whole: every frame of an

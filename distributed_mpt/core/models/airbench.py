@@ -6,9 +6,9 @@ import numpy as np
 
 from distributed_mpt.core.data import DatasetInfo
 from distributed_mpt.core.models import AIRBENCH_ACTIVATIONS
-from distributed_mpt.core.models.cpu_layers import (COMPILED_ACTIVATIONS, CompiledActivation,
-                                                    FusedBatchNormalization, LeanMaxPooling2D,
-                                                    SideBySideConv2D)
+from distributed_mpt.core.models.faster_layers import (COMPILED_ACTIVATIONS, CompiledActivation,
+                                                       FusedBatchNormalization, LeanMaxPooling2D,
+                                                       SideBySideConv2D)
 from distributed_mpt.core.models.layers import WhiteningConv2D, normalized_input
 
 WHITENING_PATCH = 2
@@ -31,7 +31,7 @@ def build(info: DatasetInfo, width: int, identity_init: bool = True, activation:
         raise ValueError(f"activation {activation!r}: choose from {AIRBENCH_ACTIVATIONS}")
 
     def activate(name):
-        # One compiled pass each way where it pays (cpu_layers.py).
+        # One compiled pass each way where it pays (faster_layers.py).
         return (CompiledActivation(name) if name in COMPILED_ACTIVATIONS
                 else keras.layers.Activation(name))
 

@@ -1,7 +1,7 @@
 """Layers the built-in models share, and that a user's model may use:
 normalization of uint8 input, a whitening convolution computed from the
 data, and the copy of a model an export holds (Keras' own layers in place of
-this package's: cpu_layers.py has the faster ones).
+this package's: faster_layers.py has the faster ones).
 """
 
 import keras

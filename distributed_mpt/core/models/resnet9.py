@@ -3,7 +3,7 @@
 import keras
 
 from distributed_mpt.core.data import DatasetInfo
-from distributed_mpt.core.models.cpu_layers import FusedBatchNormalization
+from distributed_mpt.core.models.faster_layers import FusedBatchNormalization
 from distributed_mpt.core.models.layers import normalized_input
 
 
@@ -21,7 +21,7 @@ def build(info: DatasetInfo, width: int) -> keras.Model:
         # Synchronized: batch statistics over the global batch, so that N
         # replicas at batch b train like one at N*b, and every replica keeps
         # the same moving statistics (Keras 3 would otherwise let them drift);
-        # fused where one replica sees the whole batch (cpu_layers.py).
+        # fused where one replica sees the whole batch (faster_layers.py).
         x = FusedBatchNormalization(momentum=0.9, epsilon=1e-5, synchronized=True)(x)
         return keras.layers.Activation("relu")(x)
 

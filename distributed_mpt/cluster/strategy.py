@@ -1,0 +1,134 @@
+"""One function from a strategy name to a `tf.distribute.Strategy`.
+
+Call `create_strategy` before any other TensorFlow op: logical CPU devices
+can only be configured, and MultiWorkerMirroredStrategy only created, before
+the runtime starts.
+"""
+
+import os
+import resource
+import sys
+from typing import Optional
+
+import tensorflow as tf
+
+from distributed_mpt.errors import ClusterError, ConfigError
+from distributed_mpt.cluster.environment import Cluster
+
+# What TensorFlow raises on the survivors when a peer of a multi-worker job
+# is lost.
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+               tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+
+_COMMUNICATION = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+
+
+def resolve_strategy_name(name: str, cluster: Optional[Cluster], cpu_replicas: int) -> str:
+    """Turns `auto` into a concrete strategy for this process and its devices."""
+    if name == "multi_worker" and cluster is None:
+        raise ConfigError("--strategy=multi_worker needs a cluster: set TF_CONFIG, run as a "
+                          "Kubernetes indexed Job, under SLURM, or use distributed-mpt-launch")
+    if cluster is not None and cluster.num_workers > 1 and name not in ("auto", "multi_worker"):
+        raise ConfigError(f"--strategy={name} with a cluster of {cluster.num_workers} workers "
+                          f"would train {cluster.num_workers} separate models: use "
+                          f"--strategy=multi_worker (or auto), or unset TF_CONFIG")
+    if name != "auto":
+        return name
+    if cluster is not None and cluster.num_workers > 1:
+        return "multi_worker"
+    num_gpus = len(tf.config.list_physical_devices("GPU"))
+    if num_gpus > 1 or cpu_replicas > 1:
+        return "mirrored"
+    return "one_device" if num_gpus == 1 else "default"
+
+
+def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto",
+                    cluster: Optional[Cluster] = None) -> tf.distribute.Strategy:
+    """Creates strategy `name` (already resolved, not `auto`).
+
+    mirrored: every local GPU, or `cpu_replicas` logical CPU devices when set.
+    multi_worker: MultiWorkerMirroredStrategy over `cluster`, once every
+    peer has joined. Without a deadline a worker whose peers never start
+    waits for an hour (the coordination service's timeout), silently, and
+    deaf to SIGTERM: run it under startup_watchdog.StartupWatchdog.
+    """
+    if cpu_replicas:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(cpu_replicas)])
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "one_device":
+        if not tf.config.list_physical_devices("GPU"):
+            print("--strategy=one_device: TensorFlow sees no GPU, so this run trains on the CPU",
+                  flush=True)
+            return tf.distribute.OneDeviceStrategy("/cpu:0")
+        return tf.distribute.OneDeviceStrategy("/gpu:0")
+    if name == "mirrored":
+        if cpu_replicas:
+            return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(cpu_replicas)])
+        return tf.distribute.MirroredStrategy()
+    assert name == "multi_worker", name  # resolve_strategy_name returns no other
+    return _multi_worker(cluster, communication)
+
+
+def _multi_worker(cluster: Cluster, communication: str):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster.tf_config["cluster"]), task_type=cluster.task_type,
+        task_id=cluster.task_index, rpc_layer="grpc")
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=_COMMUNICATION[communication])
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            resolver, communication_options=options)
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in str(e):
+            raise
+        # TensorFlow's words are kept: the launcher looks for them.
+        raise ClusterError(
+            f"Could not start gRPC server on port {cluster.own_address.rpartition(':')[2]} "
+            f"({cluster.own_address}): the port is taken on some address of this host "
+            f"(see `ss -ltnp`)") from None
+
+    # The first collective completes only once every peer has joined.
+    # Not converted by AutoGraph: there is nothing to convert.
+    @tf.function(autograph=False)
+    def join_all():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    join_all()
+    return strategy
+
+
+def describe_devices() -> str:
+    """What this worker trains on, for a run's summary: its GPUs' names, or
+    its CPU's model and core count."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        # The cores this process may use (a container's share), not the host's.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return f"{_cpu_model()}, {cores} cores"
+    names = [tf.config.experimental.get_device_details(g).get("device_name", "GPU") for g in gpus]
+    return ", ".join(f"{names.count(name)} x {name}" for name in sorted(set(names)))
+
+
+def peak_resident_bytes() -> int:
+    """The largest resident set size this process has had since it started
+    (getrusage's ru_maxrss: host memory, its threads included, its child
+    processes not; a GPU's memory is not in it)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes there, KiB on Linux
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or "CPU"

@@ -1,0 +1,319 @@
+"""Keras' layers computed faster, or leaner: the same function and variables as Keras'
+own (an export gets Keras' layers in their place: layers.with_keras_layers),
+each computed another way where that was measured to pay (docs/performance.md):
+the batch norm wherever one replica sees the global batch, the activation and
+the convolution on CPUs, and the pooling of float32 maps on CPUs for less memory.
+
+A model saved with these layers in it (not an export) names each by its class
+name, which Keras looks up in the `custom_objects` it loads with; the module
+it also records is not read. Renaming a class would break such files, and
+renaming this module does not (tests/core/test_faster_layers.py loads one
+saved when it had another name).
+
+FusedBatchNormalization: Keras 3's `BatchNormalization` casts a bfloat16
+activation to float32 and normalizes it in several elementwise passes,
+forward and backward; TensorFlow's `FusedBatchNormV3` does it in one pass
+each way. It cannot all-reduce its statistics, so it is used only when the
+batch is the global one (one replica in sync); with more, Keras'
+synchronized path keeps N replicas training like one.
+
+CompiledActivation: the exact GELU is five TensorFlow ops, each a pass over
+the feature map, and its gradient as many again; compiled by XLA (only these
+elementwise ops: the convolutions stay oneDNN's), in float32 whatever the
+input's float dtype, it reads the map once forward and twice backward.
+
+LeanMaxPooling2D: Keras' max pooling keeps its whole input for the
+gradient; this one keeps one byte per output saying where the maximum was.
+Compiled by XLA, it is slower than oneDNN's pooling: on 2 cores of a 2.6 GHz
+Xeon with AMX, airbench at batch 1536 (benchmark, alternating with the
+Keras pooling) trained at 385 examples/s instead of 394 in float32, with
+3.26 GiB instead of 3.51 at its peak; in bfloat16 at 1,012 instead of 1,173
+(2.39 GB instead of 2.59 for a 12-step `cpu_cnn94_muon` run). So only
+float32 maps are pooled this way, where the memory is largest and the time
+the smallest part of a step.
+
+SideBySideConv2D: oneDNN computes a convolution in blocks of output pixels
+along a row, which the narrow maps at the end of airbench (7 and 3 pixels
+wide) leave mostly empty. On a CPU with AMX, in bfloat16, images placed side
+by side in rows 64 pixels wide (a zero gap between neighbours: the same
+convolution) ran the 3-pixel weight gradient at 253 GFLOP/s instead of 41.
+On a CPU with AVX512_BF16 and no AMX, oneDNN has no brgemm kernel for the
+weight gradient; as 9 matrix products, one per tap of the kernel, it ran
+1.6x (7 pixels) and 2.7x (3 pixels) faster. Elsewhere (float32, wider maps)
+both were slower, and are not used.
+
+Measured on 2 cores of an AMD EPYC (Zen 5, AVX512_BF16): the compiled
+activation and the weight gradient by taps cut a bfloat16 step's CPU time
+from about 1.9 to 1.4-1.5 s; with the cores shared with another job of the
+same priority, airbench trained 1.31-1.44x faster; with the cores its own,
+no faster (TensorFlow's two inter-op threads already hid the elementwise
+passes beside the convolutions).
+"""
+
+import functools
+import math
+
+import keras
+import tensorflow as tf
+
+from distributed_mpt.core import precision
+
+# Images up to this wide are placed side by side in rows of about
+# ROW_WIDTH pixels, or get their weight gradient by taps, where either pays.
+MAX_IMAGE_WIDTH = 7
+ROW_WIDTH = 64
+# The rows of a weight gradient by taps are summed in this many parts, one
+# batched matrix product per tap: the 7-pixel 256 -> 256 weight gradient at
+# batch 1536 ran at 552 GFLOP/s instead of 491 as one product, the 3-pixel
+# one at 523 instead of 480 (bfloat16, timed alone on 2 cores of the AMD EPYC
+# Zen 5; 2, 8 and 16 parts: 480-548).
+TAP_ROW_PARTS = 4
+# The activations with a compiled form, by their Keras names (an export names
+# its activation, so that Keras alone can load it). Not ReLU: TensorFlow
+# fuses it into the batch norm before it.
+COMPILED_ACTIVATIONS = ("gelu", "silu")
+
+
+class FusedBatchNormalization(keras.layers.BatchNormalization):
+    """`keras.layers.BatchNormalization`, trained by `FusedBatchNormV3` when
+    one replica sees the global batch (and the input is NHWC, unmasked)."""
+
+    def call(self, inputs, training=None, mask=None):
+        replicas = tf.distribute.get_replica_context()  # None in a cross-replica context
+        fusable = (training and self.trainable and mask is None and not self.renorm
+                   and len(inputs.shape) == 4 and self.axis in (-1, 3)
+                   and replicas is not None and replicas.num_replicas_in_sync == 1)
+        if not fusable:
+            return super().call(inputs, training=training, mask=mask)
+        channels = inputs.shape[-1]
+        ones, zeros = tf.ones([channels], tf.float32), tf.zeros([channels], tf.float32)
+        empty = tf.constant([], tf.float32)
+        outputs, mean, variance, *_ = tf.raw_ops.FusedBatchNormV3(
+            x=inputs, scale=tf.cast(self.gamma, tf.float32) if self.scale else ones,
+            offset=tf.cast(self.beta, tf.float32) if self.center else zeros,
+            mean=empty, variance=empty, epsilon=self.epsilon, is_training=True)
+        # The kernel returns the unbiased (n - 1) variance, for its own moving
+        # average; Keras' moving variance, which inference uses, is biased.
+        count = tf.cast(tf.size(inputs) // channels, tf.float32)
+        variance *= (count - 1.0) / count
+        self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
+        self.moving_variance.assign(
+            self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
+        return tf.cast(outputs, self.compute_dtype)
+
+
+class SideBySideConv2D(keras.layers.Conv2D):
+    """`keras.layers.Conv2D`, which convolves images of at most
+    MAX_IMAGE_WIDTH pixels side by side where that pays (bfloat16 on a CPU
+    with AMX), and computes their weight gradient by taps where that pays
+    (bfloat16 on a CPU with AVX512_BF16 and no AMX). Only a stride-1,
+    "same"-padded, channels-last convolution of an odd kernel; any other as
+    Keras computes it."""
+
+    def convolution_op(self, inputs, kernel):
+        width = inputs.shape[2]
+        narrow = (self.padding == "same" and self.data_format == "channels_last"
+                  and tuple(self.strides) == (1, 1) and tuple(self.dilation_rate) == (1, 1)
+                  and self.kernel_size[0] % 2 == 1 and self.kernel_size[1] % 2 == 1
+                  and self.groups == 1 and None not in inputs.shape[1:]
+                  and width <= MAX_IMAGE_WIDTH and inputs.dtype == tf.bfloat16)
+        if narrow and _cpu() == "amx":
+            return side_by_side(lambda rows: super(SideBySideConv2D, self).convolution_op(rows, kernel),
+                                inputs, ROW_WIDTH // (width + 1), gap=self.kernel_size[1] // 2)
+        if narrow and _cpu() == "avx512_bf16":
+            # A tensor of the inputs' dtype, not the (autocast) variable: the
+            # custom gradient is the kernel tensor's.
+            return convolve_with_weight_gradient_by_taps(inputs, tf.cast(kernel, inputs.dtype))
+        return super().convolution_op(inputs, kernel)
+
+
+@functools.cache
+def _cpu() -> str:
+    """"amx", "avx512_bf16" (without AMX), or "" (other CPUs, or GPUs present)."""
+    if tf.config.list_physical_devices("GPU"):
+        return ""
+    instructions = precision.cpu_bfloat16_instructions()
+    return "amx" if "amx_bf16" in instructions else "avx512_bf16" if instructions else ""
+
+
+def side_by_side(convolve, images, per_row: int, gap: int):
+    """`convolve(images)` computed on rows of `per_row` images side by side,
+    each followed by `gap` zero columns (half the kernel's width, so that
+    no output pixel reaches past its image into the next one); zero images
+    fill the last row. images: [N, H, W, C] of static H, W and C."""
+    count = tf.shape(images)[0]
+    _, height, width, channels = images.shape
+    spaced = width + gap
+    padded = tf.pad(images, [[0, -count % per_row], [0, 0], [0, gap], [0, 0]])
+    # [N, H, W + gap, C] -> [N / per_row, H, per_row * (W + gap), C]
+    rows = tf.transpose(tf.reshape(padded, [-1, per_row, height, spaced, channels]), [0, 2, 1, 3, 4])
+    outputs = convolve(tf.reshape(rows, [-1, height, per_row * spaced, channels]))
+    # ... and back, without the gaps and the filling images.
+    filters = outputs.shape[-1]
+    outputs = tf.transpose(tf.reshape(outputs, [-1, height, per_row, spaced, filters]), [0, 2, 1, 3, 4])
+    return tf.reshape(outputs, [-1, height, spaced, filters])[:count, :, :width]
+
+
+def convolve_with_weight_gradient_by_taps(images, kernel):
+    """tf.nn.conv2d(images, kernel, 1, "SAME") with its usual input
+    gradient, and its weight gradient from `weight_gradient_by_taps`.
+    kernel: [height, width, in, out] of odd height and width."""
+
+    @tf.custom_gradient
+    def convolve(images, kernel):
+        def gradients(output_gradient):
+            image_gradient = tf.raw_ops.Conv2DBackpropInput(
+                input_sizes=tf.shape(images), filter=kernel, out_backprop=output_gradient,
+                strides=[1, 1, 1, 1], padding="SAME")
+            return image_gradient, weight_gradient_by_taps(images, output_gradient, kernel.shape)
+
+        return tf.nn.conv2d(images, kernel, 1, "SAME"), gradients
+
+    return convolve(images, kernel)
+
+
+def weight_gradient_by_taps(images, output_gradient, kernel_shape):
+    """The gradient of a stride-1 "same" convolution's kernel [height, width,
+    in, out] (odd height and width) from its images [N, H, W, in] and the
+    gradient of its outputs [N, H, W, out]: for each tap (i, j), the images
+    shifted by it (zero-padded as the convolution pads them) times the output
+    gradient, summed over every image and pixel: a matrix product
+    [in, N*H*W] x [N*H*W, out] per tap. The N*H*W rows are cut into
+    TAP_ROW_PARTS parts where they split evenly (a batch of static size), one
+    batched product per tap, and the parts summed in float32: oneDNN then
+    shares the long sum among its threads (see TAP_ROW_PARTS)."""
+    kernel_height, kernel_width, channels, filters = kernel_shape
+    count, height, width, _ = images.shape
+    rows = None if count is None else count * height * width
+    parts = TAP_ROW_PARTS if rows and rows % TAP_ROW_PARTS == 0 else 1
+    padded = tf.pad(images, [[0, 0], [kernel_height // 2] * 2, [kernel_width // 2] * 2, [0, 0]])
+    gradient = tf.reshape(output_gradient, [parts, -1, filters])
+    shifted = [tf.reshape(padded[:, i:i + height, j:j + width], [parts, -1, channels])
+               for i in range(kernel_height) for j in range(kernel_width)]
+    taps = [tf.linalg.matmul(images_at_tap, gradient, transpose_a=True) for images_at_tap in shifted]
+    summed = tf.reduce_sum(tf.cast(tf.stack(taps), tf.float32), axis=1)  # [taps, in, out]
+    return tf.cast(tf.reshape(summed, kernel_shape), images.dtype)
+
+
+class LeanMaxPooling2D(keras.layers.MaxPooling2D):
+    """`keras.layers.MaxPooling2D` over 2x2 windows at stride 2, which keeps
+    for its gradient which pixel of each window was the largest (one byte
+    per output) instead of its whole input (four outputs' worth, in the
+    compute dtype): airbench's pools read the largest maps of the network,
+    whose copies, kept for the backward pass, were a fifth of what a step
+    holds. Compiled like the activations, on CPUs, for float32 maps; the
+    gradient goes where Keras' goes, to the first largest pixel in row-major
+    order. Any other pooling or dtype, and GPUs, as Keras computes it."""
+
+    def call(self, inputs):
+        lean = (compiles_here() and inputs.dtype == tf.float32 and tuple(self.pool_size) == (2, 2)
+                and tuple(self.strides) == (2, 2) and self.padding == "valid"
+                and self.data_format == "channels_last" and len(inputs.shape) == 4)
+        return max_pool_2x2(inputs) if lean else super().call(inputs)
+
+
+def max_pool_2x2(images):
+    """2x2 max pooling at stride 2 ("valid": an odd last row or column is
+    dropped) whose gradient keeps only the uint8 position of each window's
+    maximum. images: [N, H, W, C]."""
+
+    @tf.custom_gradient
+    def pool(images):
+        pooled, position = _pool_forward(images)
+        # Taken now: a shape read in the gradient would keep the images.
+        dropped = tf.shape(images)[1:3] % 2
+
+        def gradient(output_gradient):
+            spread = _pool_backward(position, output_gradient)
+            # The row and column "valid" pooling dropped get no gradient.
+            return tf.pad(spread, [[0, 0], [0, dropped[0]], [0, dropped[1]], [0, 0]])
+
+        return pooled, gradient
+
+    return pool(images)
+
+
+def _window_corners(images):
+    """The four pixels of every 2x2 window, in row-major order, as four
+    [N, H // 2, W // 2, C] maps."""
+    height, width = tf.shape(images)[1] // 2 * 2, tf.shape(images)[2] // 2 * 2
+    even = images[:, :height, :width]
+    return [even[:, i::2, j::2] for i in (0, 1) for j in (0, 1)]
+
+
+@tf.function(jit_compile=True)
+def _pool_forward(images):
+    corners = _window_corners(images)
+    pooled = tf.reduce_max(tf.stack(corners), axis=0)
+    # The first corner equal to the maximum, as Keras' gradient routes it.
+    position = tf.fill(tf.shape(pooled), tf.constant(3, tf.uint8))
+    for index in (2, 1, 0):
+        position = tf.where(corners[index] == pooled, tf.constant(index, tf.uint8), position)
+    return pooled, position
+
+
+@tf.function(jit_compile=True)
+def _pool_backward(position, output_gradient):
+    zero = tf.zeros_like(output_gradient)
+    top, bottom = [[tf.where(position == 2 * i + j, output_gradient, zero) for j in (0, 1)]
+                   for i in (0, 1)]
+    # Interleave: [N, H/2, W/2, 2 (column), C] -> rows, then [N, H/2, 2 (row), W, C].
+    count, half_height, half_width, channels = (tf.shape(output_gradient)[k] for k in range(4))
+    rows = [tf.reshape(tf.stack(pair, axis=3), [count, half_height, 2 * half_width, channels])
+            for pair in (top, bottom)]
+    return tf.reshape(tf.stack(rows, axis=2),
+                      [count, 2 * half_height, 2 * half_width, channels])
+
+
+class CompiledActivation(keras.layers.Activation):
+    """`keras.layers.Activation(name)` for a name of COMPILED_ACTIVATIONS,
+    computed by `activate` on CPUs (GPUs keep TensorFlow's kernels: not
+    measured)."""
+
+    def __init__(self, activation: str, **kwargs):
+        if activation not in COMPILED_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: choose from {COMPILED_ACTIVATIONS}")
+        super().__init__(activation, **kwargs)
+        self._activation_name = activation
+
+    def call(self, inputs):
+        if compiles_here():
+            return activate(inputs, self._activation_name)
+        return super().call(inputs)
+
+
+@functools.cache
+def compiles_here() -> bool:
+    """Whether to compile activations: without GPUs."""
+    return not tf.config.list_physical_devices("GPU")
+
+
+def activate(x, name: str):
+    """Activation `name` of x, compiled forward and backward (see above)."""
+
+    @tf.custom_gradient
+    def compiled(x):
+        return _forward(x, name), lambda output_gradient: _backward(x, output_gradient, name)
+
+    return compiled(x)
+
+
+def _value_and_slope(name: str, x):
+    """activation(x) and its derivative at x (float32)."""
+    if name == "gelu":  # exact, as keras.activations.gelu: x * Phi(x)
+        cdf = 0.5 * tf.math.erfc(x * -math.sqrt(0.5))
+        return x * cdf, cdf + x * tf.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    sigmoid = tf.sigmoid(x)  # silu
+    return x * sigmoid, sigmoid * (1 + x * (1 - sigmoid))
+
+
+@tf.function(jit_compile=True)
+def _forward(x, name):
+    value, _ = _value_and_slope(name, tf.cast(x, tf.float32))
+    return tf.cast(value, x.dtype)
+
+
+@tf.function(jit_compile=True)
+def _backward(x, output_gradient, name):
+    _, slope = _value_and_slope(name, tf.cast(x, tf.float32))
+    return tf.cast(tf.cast(output_gradient, tf.float32) * slope, x.dtype)

@@ -1,0 +1,193 @@
+"""Strategies from names, and multi-worker training with real worker
+processes talking gRPC on 127.0.0.1, started by the real launcher: N workers
+equal one with N times the batch, a lost worker or a SIGTERM survived, a
+start-up that always ends."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
+                      read_summary, run_module, subprocess_env, train)
+from distributed_mpt.cluster.environment import resolve_cluster
+from distributed_mpt.cluster.strategy import resolve_strategy_name
+from distributed_mpt.errors import ConfigError
+from distributed_mpt.launch import free_ports, worker_tf_configs
+
+# Every test here starts several workers: the full suite only (README).
+pytestmark = pytest.mark.slow
+
+TWO_WORKERS = resolve_cluster({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]}, '
+                                            '"task": {"type": "worker", "index": 0}}'})
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+
+
+@pytest.mark.parametrize("name, cluster, cpu_replicas, expected", [
+    ("auto", TWO_WORKERS, 0, "multi_worker"),
+    ("auto", None, 2, "mirrored"),
+    ("auto", None, 0, "one_device" if HAS_GPU else "default"),
+    ("mirrored", None, 0, "mirrored"),
+    ("one_device", None, 0, "one_device"),
+    ("multi_worker", TWO_WORKERS, 0, "multi_worker"),
+])
+def test_resolve_strategy_name(name, cluster, cpu_replicas, expected):
+    assert resolve_strategy_name(name, cluster, cpu_replicas) == expected
+
+
+def test_multi_worker_without_a_cluster_says_how_to_get_one():
+    with pytest.raises(ConfigError, match="TF_CONFIG"):
+        resolve_strategy_name("multi_worker", None, 0)
+
+
+def test_a_single_worker_strategy_under_a_multi_worker_cluster_is_refused():
+    with pytest.raises(ConfigError, match="separate models"):
+        resolve_strategy_name("mirrored", TWO_WORKERS, 0)
+
+
+# --- several workers in real processes -------------------------------------------
+
+# The peer timeout bounds TensorFlow's whole start-up, its import included,
+# which takes most of a minute on a loaded machine.
+MW_FLAGS = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+            "--peer_timeout_seconds=300"]
+
+
+def launch(args, tmp_path, timeout=300):
+    """Runs the launcher; worker temp files go to tmp_path/tmp so that the test can see them."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return run_module("distributed_mpt.launch", [str(a) for a in args], timeout=timeout,
+                      env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+
+
+def test_two_workers_train_like_one_worker_with_twice_the_batch(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    result = launch(["--num_workers=2", "--max_restarts=0", "--", *MW_FLAGS, "--train_steps=8",
+                     "--precision=float32", f"--model_dir={two}"], tmp_path)
+    assert_ok(result)
+    assert re.search(r"\[worker 0\] step +8/8", result.stdout)
+    assert "[worker 1] step" not in result.stdout, "only the chief reports progress"
+    summary = read_summary(two)
+    assert (summary["strategy"], summary["num_workers"], summary["num_replicas"]) == ("multi_worker", 2, 2)
+    assert summary["global_batch_size"] == 32
+    assert summary["eval_examples"] == 1024 // 5, "the test split evaluated once across workers"
+    assert summary["eval_accuracy"] > 0.5
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "the non-chief worker removed its scratch files"
+
+    assert_ok(train([*MW_FLAGS, "--train_steps=8", "--precision=float32", "--strategy=default",
+                     "--per_replica_batch_size=32", f"--model_dir={one}"]))
+    assert read_summary(one)["eval_accuracy"] == pytest.approx(summary["eval_accuracy"], abs=0.01)
+    a, b = checkpoint_weights(two), checkpoint_weights(one)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-6, err_msg=name)
+
+    # The same checkpoint resumed by one worker: a new global batch, and it says so.
+    resumed = train([*MW_FLAGS, "--train_steps=12", "--precision=float32", "--strategy=default",
+                     "--noexport", f"--model_dir={two}"])
+    assert_ok(resumed)
+    assert "trained at global batch 32; continuing at global batch 16" in resumed.stdout
+    assert read_summary(two)["resumed_from_step"] == 8
+
+
+def test_group_survives_a_killed_and_a_stopped_worker_and_finishes_every_step(tmp_path):
+    """Two faults in one run, each followed by the launcher's restart: a
+    worker killed (SIGKILL; the group resumes from the periodic checkpoint)
+    and, in the restarted group, a worker sent SIGTERM (both workers stop at
+    the step they agree on and save it; the group resumes from there)."""
+    model_dir = tmp_path / "run"
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    run = WatchedProcess("distributed_mpt.launch", [
+        "--num_workers=2", "--max_restarts=2", "--grace_seconds=5", "--", *MW_FLAGS, *SMALL_MODEL,
+        "--train_steps=48", "--steps_per_loop=2", "--log_every_steps=4",
+        "--checkpoint_every_steps=10", "--noevaluate", f"--model_dir={model_dir}"],
+        env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+    _, started = run.wait_for(r"started worker 1 \(pid (\d+)\)", timeout=180)
+    run.wait_for(r"\[worker 0\] step +12/", timeout=180)
+    os.kill(int(started.group(1)), signal.SIGKILL)
+
+    run.wait_for(r"restart 1/2", timeout=180)
+    _, killed_at = run.wait_for(r"\[worker 0\] resuming from step (\d+)", timeout=180)
+    assert int(killed_at.group(1)) in (10, 20, 30, 40), "from the periodic checkpoint"
+    restarted = re.findall(r"started worker 1 \(pid (\d+)\)", run.output())[-1]
+    run.wait_for(r"\[worker 0\] step +(2[4-9]|3\d)/", timeout=180)  # only the restarted group gets here
+    os.kill(int(restarted), signal.SIGTERM)
+
+    assert run.finish(timeout=300) == 0, run.output()[-4000:]
+    output = run.output()
+    assert "exited with 137" in output  # 128 + SIGKILL
+    assert "exited with 143" in output and "restart 2/2" in output
+    # Both workers stopped at the step they agreed on and saved it.
+    stopped = re.search(r"stopped by a signal at step (\d+); checkpoint saved", output)
+    assert stopped, output[-4000:]
+    summary = read_summary(model_dir)
+    assert summary["steps"] == 48, "exactly the requested number of optimizer steps"
+    assert summary["resumed_from_step"] == int(stopped.group(1)) >= 24
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "no scratch checkpoints left behind"
+
+
+def test_worker_gives_up_on_peers_that_never_come_up(tmp_path):
+    tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:47611", "127.0.0.1:47612"]},
+                            "task": {"type": "worker", "index": 0}})
+    started = time.monotonic()
+    result = run_module("distributed_mpt.train",
+                        [*SMOKE_FLAGS, "--peer_timeout_seconds=5", f"--model_dir={tmp_path / 'run'}"],
+                        timeout=120, env=subprocess_env(TF_CONFIG=tf_config))
+    assert time.monotonic() - started < 90
+    assert result.returncode == -signal.SIGALRM, result.stderr[-3000:]  # 142 in a shell
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "127.0.0.1:47612" in errors[0] and "peer_timeout_seconds" in errors[0]
+
+
+def _blocks_sigterm(pid: int) -> bool:
+    """True while the worker waits for its peers (it blocks SIGTERM then)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_sigterm_to_the_group_ends_a_worker_waiting_for_its_peers(tmp_path):
+    tf_config = worker_tf_configs(free_ports(2))[0]  # worker 1 is never started
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS,
+         "--peer_timeout_seconds=600", f"--model_dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=subprocess_env(TF_CONFIG=tf_config), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _blocks_sigterm(worker.pid):
+            assert worker.poll() is None and time.monotonic() < deadline, "never waited for peers"
+            time.sleep(0.1)
+        time.sleep(1)  # inside TensorFlow's wait, where its own handler would swallow SIGTERM
+        signalled = time.monotonic()
+        os.killpg(worker.pid, signal.SIGTERM)  # as the launcher or a terminal does
+        _, stderr = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+    assert time.monotonic() - signalled < 10, "the worker ends within seconds, not at the deadline"
+    assert worker.returncode == -signal.SIGKILL, stderr[-3000:]  # 137: retryable
+    assert "SIGTERM while TensorFlow started: stopping (nothing trained yet" in stderr
+
+
+def test_workers_that_would_resume_from_different_steps_refuse_together(tmp_path):
+    """Without one shared --model_dir, the chief resumes and the other worker
+    does not: both say so, instead of calling the collectives differently."""
+    flags = [*MW_FLAGS, "--precision=float32", "--train_steps=16"]
+    assert_ok(train([*flags, "--train_steps=8", "--per_replica_batch_size=32",
+                     f"--model_dir={tmp_path / 'shared'}"]))
+    configs = worker_tf_configs(free_ports(2))
+    workers = [WatchedProcess("distributed_mpt.train", [*flags, f"--model_dir={tmp_path / name}"],
+                              env=subprocess_env(TF_CONFIG=config))
+               for name, config in zip(["shared", "elsewhere"], configs)]
+    for worker in workers:
+        assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
+        assert "the workers of this job see different runs" in worker.output()
+        assert "Traceback" not in worker.output()

@@ -1,0 +1,363 @@
+"""The TrainJob progress reporter (distributed_mpt/cluster/trainjob_progress.py)
+against a real local HTTPS server with a CA and a certificate of its own
+(tests/support/status_server.py): answering as Kubeflow Trainer's controller does,
+the server gets every report with the bearer token; answering with an
+endless body or endless headers, a trickle, a redirect to http://, a 401,
+a status line that quotes the token, garbage for a TLS handshake or a
+certificate of another CA, it costs one warning line, bounded time and
+bounded memory, and the token is sent nowhere else and printed nowhere,
+not a part of it. So are token and CA files that are not what the
+controller mounts, and URLs that are not https. One run of the real entry
+point trains to its final checkpoint against a hostile server."""
+
+import contextlib
+import json
+import os
+import secrets
+import threading
+import time
+from typing import Tuple
+
+import jsonschema
+import pytest
+
+from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
+from distributed_mpt.cluster.trainjob_progress import (
+    CLOSE_SECONDS, MAX_ANSWER_BYTES, REQUEST_SECONDS, TrainJobStatus)
+from support.netns import checkpointed_step
+from support.status_server import Listener, StatusServer, echo, trainer_status_schema
+
+# Random, so that any piece of it found in the output was printed, not typed.
+TOKEN = secrets.token_urlsafe(32)
+# What an "endless" answer sends at most, however much is read: 256 MiB,
+# 4,096 times what the reporter may read.
+ENDLESS_BYTES = 1 << 28
+# close() on a machine shared with training runs: its bound, and room.
+CLOSE_ROOM_SECONDS = CLOSE_SECONDS + 10
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Starts StatusServer(answer) on 127.0.0.1, each with certificates of
+    its own; all are stopped after the test."""
+    with contextlib.ExitStack() as servers:
+        def start(answer=None):
+            directory = tmp_path / f"controller-{len(list(tmp_path.glob('controller-*')))}"
+            directory.mkdir()
+            return servers.enter_context(StatusServer("127.0.0.1", directory, answer, TOKEN))
+        yield start
+
+
+def report(env, capfd):
+    """One report as the chief sends it, then close(), within its bound: the
+    lines of stderr about the TrainJob, and the whole output."""
+    status = TrainJobStatus.from_environment(env)
+    assert status is not None, capfd.readouterr().err
+    status.update(50, 60.4, {"loss": 1.5, "accuracy": 0.25})
+    out, err = close(status, capfd)
+    assert all(line.startswith("warning: ") for line in err.splitlines()), err
+    return [line for line in err.splitlines() if "TrainJob" in line], out + err
+
+
+def close(status: TrainJobStatus, capfd) -> Tuple[str, str]:
+    """status.close(), which must return within its bound, its thread ended
+    (a join that merely timed out returns in time too); the output until then."""
+    began = time.monotonic()
+    status.close()
+    seconds = time.monotonic() - began
+    out, err = capfd.readouterr()
+    print(f"close() took {seconds:.2f} s (its bound: {CLOSE_SECONDS:g} s)")
+    assert seconds < CLOSE_ROOM_SECONDS
+    assert not status._thread.is_alive(), "close() returned with the reporter still running"
+    return out, err
+
+
+def assert_one_warning(lines, fragment):
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and fragment in lines[0], lines
+
+
+def assert_no_part_of_the_token(output, token=TOKEN):
+    """Not the token, nor any 6 characters of it in a row (its start and its
+    end included)."""
+    leaked = {token[i:i + 6] for i in range(len(token) - 5)} & {
+        output[i:i + 6] for i in range(len(output) - 5)}
+    assert not leaked, (leaked, output)
+
+
+def test_the_controller_gets_each_report_with_the_token(serve, capfd):
+    server = serve()
+    # Kubernetes writes the token without a newline; a file a person wrote has one.
+    with open(server.env["KUBEFLOW_TRAINER_SERVER_TOKEN"], "a") as f:
+        f.write("\n")
+    warnings, output = report(server.env, capfd)
+    assert not warnings
+    assert_no_part_of_the_token(output)
+    ((_, headers, body),) = server.requests
+    assert headers["Authorization"] == f"Bearer {TOKEN}"
+    assert headers["Content-Type"] == "application/json"
+    status = json.loads(body)["trainerStatus"]
+    jsonschema.validate(status, trainer_status_schema())
+    assert (status["progressPercentage"], status["estimatedRemainingSeconds"]) == (50, 60)
+    assert status["metrics"] == [{"name": "loss", "value": "1.5"},
+                                 {"name": "accuracy", "value": "0.25"}]
+
+
+class EndlessBody:
+    """200, then a body without end (up to ENDLESS_BYTES); records how much
+    of it each connection took before it hung up."""
+
+    def __init__(self):
+        self.sent = []
+
+    def __call__(self, handler, number):
+        handler.send_response(200)
+        handler.end_headers()
+        chunk, sent = b"0" * (1 << 16), 0
+        try:
+            while sent < ENDLESS_BYTES:
+                handler.wfile.write(chunk)
+                sent += len(chunk)
+        except OSError:  # the reporter hung up
+            pass
+        self.sent.append(sent)
+
+
+def endless_headers(handler, number):
+    handler.send_response(200)
+    handler.flush_headers()
+    with contextlib.suppress(OSError):
+        for i in range(ENDLESS_BYTES // 16):
+            handler.wfile.write(b"X-Again: %08d\r\n" % i)
+
+
+def unauthorized(handler, number):
+    """401, its reason phrase and body the token the request carried."""
+    handler.send_response(401, handler.headers["Authorization"])
+    handler.end_headers()
+    handler.wfile.write(handler.headers["Authorization"].encode())
+
+
+def token_in_the_status_line(handler, number):
+    handler.wfile.write(f"HTTP/1.1 2OO {handler.headers['Authorization']}\r\n\r\n".encode())
+
+
+@pytest.mark.parametrize("answer, fragment", [
+    (EndlessBody(), f"it answered with more than {MAX_ANSWER_BYTES:,} bytes"),
+    (endless_headers, "not an HTTP answer"),
+    (unauthorized, "it answered 401)"),
+    (token_in_the_status_line, "not an HTTP answer (BadStatusLine)"),
+], ids=["endless body", "endless headers", "401 quoting the token", "token in status line"])
+def test_a_hostile_answer_costs_one_warning(serve, capfd, answer, fragment):
+    server = serve(answer)
+    warnings, output = report(server.env, capfd)
+    assert_one_warning(warnings, fragment)
+    assert_no_part_of_the_token(output)
+    assert len(server.requests) == 1
+    if isinstance(answer, EndlessBody):
+        assert_hung_up_early(answer)
+
+
+def assert_hung_up_early(endless: EndlessBody) -> None:
+    """What the server got into the sockets' buffers before the reporter
+    hung up, each time: the reporter read at most MAX_ANSWER_BYTES of it."""
+    deadline = time.monotonic() + 60
+    while not endless.sent and time.monotonic() < deadline:  # the server's last write to fail
+        time.sleep(0.1)
+    print(f"the endless body: {endless.sent} bytes sent before the reporter hung up")
+    assert endless.sent and max(endless.sent) < 32 << 20
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_a_redirect_is_never_followed(serve, capfd, status):
+    elsewhere = Listener()
+
+    def redirect(handler, number):
+        handler.send_response(status)
+        handler.send_header("Location", f"http://127.0.0.1:{elsewhere.port}/status")
+        handler.end_headers()
+    try:
+        server = serve(redirect)
+        warnings, output = report(server.env, capfd)
+        time.sleep(0.5)  # for a connection made at the end of close()
+        assert not elsewhere.received, elsewhere.received
+    finally:
+        elsewhere.close()
+    assert_one_warning(warnings, f"it answered {status}, a redirect")
+    assert_no_part_of_the_token(output)
+
+
+def test_a_trickling_server_holds_neither_the_thread_nor_the_final_report(serve, capfd):
+    """The first request's answer comes a byte a second (each socket read
+    well within any per-read timeout); the final report must still go, in
+    close()'s bound."""
+    hung_up_after = []
+
+    def trickle_first(handler, number):
+        if number > 0:
+            return echo(handler, number)
+        began = time.monotonic()
+        handler.send_response(200)
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            for _ in range(60):
+                handler.wfile.write(b" ")
+                time.sleep(1)
+        hung_up_after.append(time.monotonic() - began)
+
+    server = serve(trickle_first)
+    status = TrainJobStatus.from_environment(server.env)
+    status.update(10, 90, {"loss": 2.0})
+    time.sleep(2)  # the first report is under way, trickled
+    status.update(100, 0, {"loss": 0.5})
+    _, err = close(status, capfd)
+    cut_by = time.monotonic() + 60  # the server's next write to fail, after close()
+    while not hung_up_after and time.monotonic() < cut_by:
+        time.sleep(0.1)
+    print(f"the trickle was cut after {hung_up_after} s")
+    assert len(server.requests) == 2, "the final report was sent"
+    assert json.loads(server.requests[1][2])["trainerStatus"]["progressPercentage"] == 100
+    assert hung_up_after and hung_up_after[0] < REQUEST_SECONDS + 10
+    warnings = [line for line in err.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, "no complete answer within 5.0 s")
+    assert_no_part_of_the_token(err)
+
+
+def test_a_slow_answer_leaves_the_final_report_its_turn(serve, capfd):
+    """The first report is answered after nearly all of its REQUEST_SECONDS;
+    the final one, given while the first is under way, must still go within
+    close()'s bound. (Its turn, counted from the first one's answer, came
+    too late for close()'s deadline: the 100% was never sent.)"""
+    def slow_first(handler, number):
+        if number == 0:
+            time.sleep(REQUEST_SECONDS - 0.5)
+        with contextlib.suppress(OSError):  # the reporter may have given up on it
+            echo(handler, number)
+
+    server = serve(slow_first)
+    status = TrainJobStatus.from_environment(server.env)
+    status.update(10, 90, {"loss": 2.0})
+    arrived_by = time.monotonic() + 60
+    while not server.requests and time.monotonic() < arrived_by:
+        time.sleep(0.02)
+    assert server.requests, "the first report arrived"
+    status.update(100, 0, {"loss": 0.5})
+    _, err = close(status, capfd)
+    print(err)
+    assert len(server.requests) == 2, "the final report was sent"
+    assert json.loads(server.requests[1][2])["trainerStatus"]["progressPercentage"] == 100
+    assert "no time left" not in err
+
+
+def test_garbage_for_a_handshake_or_another_ca_certificate(serve, capfd):
+    garbage = Listener(reply=b"HTTP/1.1 200 OK\r\n\r\n" + os.urandom(4096))
+    ours, theirs = serve(), serve()
+    try:
+        warnings, output = report(
+            {**ours.env, "KUBEFLOW_TRAINER_SERVER_URL": f"https://127.0.0.1:{garbage.port}/"},
+            capfd)
+        assert_one_warning(warnings, "TLS failed")
+    finally:
+        garbage.close()
+    warnings, output_too = report({**ours.env, "KUBEFLOW_TRAINER_SERVER_URL": theirs.url}, capfd)
+    assert_one_warning(warnings, "its certificate is not trusted")
+    assert not theirs.requests
+    assert_no_part_of_the_token(output + output_too)
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("http://127.0.0.1:{port}/status", "is not an https:// URL"),
+    ("HTTP://127.0.0.1:{port}/status", "is not an https:// URL"),
+    ("file:///dev/zero", "is not an https:// URL"),
+    ("https://someone:{port}@127.0.0.1:{port}/", "holds a user name"),
+    ("https://127.0.0.1:{port}/status\n", "holds spaces or control characters"),
+])
+def test_only_an_https_url_is_used(serve, capfd, url, fragment):
+    listener = Listener()
+    try:
+        env = {**serve().env, "KUBEFLOW_TRAINER_SERVER_URL": url.format(port=listener.port)}
+        assert TrainJobStatus.from_environment(env) is None
+        time.sleep(0.5)
+        assert not listener.received, "nothing is sent"
+    finally:
+        listener.close()
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, fragment)
+
+
+def _file_of_kind(path, kind: str, contents: dict):
+    """`path` made a file of `contents[kind]`, or a path of `kind` (conftest.make_path)."""
+    if kind not in contents:
+        return make_path(kind, path)
+    path.write_text(contents[kind])
+    return path
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("FIFO", "is a FIFO, not a regular file"),
+    ("device", "is a device node, not a regular file"),
+    ("newline inside", "does not hold a bearer token"),
+    ("not ASCII", "does not hold a bearer token"),
+    ("huge", "is larger than 65,536 bytes"),
+    ("empty", "is empty"),
+])
+def test_a_token_file_that_holds_no_token(serve, capfd, tmp_path, kind, fragment):
+    server = serve()
+    path = _file_of_kind(tmp_path / "token", kind, {
+        "newline inside": f"{TOKEN[:20]}\n{TOKEN[20:]}", "not ASCII": f"{TOKEN}\u00e9",
+        "huge": TOKEN * 2000, "empty": ""})
+    warnings, output = report({**server.env, "KUBEFLOW_TRAINER_SERVER_TOKEN": str(path)}, capfd)
+    assert_one_warning(warnings, fragment)
+    assert not server.requests
+    assert_no_part_of_the_token(output)
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("FIFO", "is a FIFO, not a regular file"),
+    ("device", "is a device node, not a regular file"),
+    ("huge", "is larger than 1,048,576 bytes"),
+    ("empty", "is not a PEM certificate"),
+    ("not a certificate", "is not a PEM certificate"),
+])
+def test_a_ca_file_that_holds_no_ca_certificate(serve, capfd, tmp_path, kind, fragment):
+    server = serve()
+    path = _file_of_kind(tmp_path / "ca.crt", kind, {
+        "huge": "-" * (2 << 20), "empty": "", "not a certificate": "-----BEGIN CERTIFICATE-----\n"})
+    made = []
+    start = threading.Thread(target=lambda: made.append(TrainJobStatus.from_environment(
+        {**server.env, "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(path)})), daemon=True)
+    start.start()
+    start.join(30)
+    assert made == [None], "refused, without waiting"
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, fragment)
+
+
+@pytest.mark.slow
+def test_a_run_finishes_to_its_final_checkpoint_whatever_the_server_does(serve, tmp_path):
+    """The real entry point, with the variables the controller injects,
+    against a server that answers each report in a worse way."""
+    elsewhere = Listener()
+
+    def redirect(handler, number):
+        handler.send_response(302)
+        handler.send_header("Location", f"http://127.0.0.1:{elsewhere.port}/")
+        handler.end_headers()
+    endless = EndlessBody()
+    answers = [endless, redirect, unauthorized, token_in_the_status_line]
+    server = serve(lambda handler, number: answers[number % len(answers)](handler, number))
+    model_dir = tmp_path / "run"
+    try:
+        result = run_module("distributed_mpt.train", [
+            *SMOKE_FLAGS, "--train_steps=30", "--log_every_steps=5", f"--model_dir={model_dir}"],
+            timeout=900, env=subprocess_env(**server.env))
+    finally:
+        elsewhere.close()
+    assert_ok(result)
+    assert read_summary(model_dir)["steps"] == checkpointed_step(model_dir) == 30
+    print(f"{len(server.requests)} reports")
+    assert server.requests and not elsewhere.received
+    assert_hung_up_early(endless)
+    warnings = [line for line in result.stderr.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, "not reported to")
+    assert_no_part_of_the_token(result.stdout + result.stderr)

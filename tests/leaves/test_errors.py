@@ -1,0 +1,100 @@
+"""Exit codes: each named once in errors.py, with what a restart policy does
+with it; the documentation's table is that one; the signals that end a
+process say the same as the codes it would exit with. And the one line an
+error is reported in."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from distributed_mpt import cli, errors, launch
+from distributed_mpt.process import stopping
+from distributed_mpt.errors import ExitCode, first_line
+
+RELIABILITY = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+
+
+def test_the_documented_table_is_the_one_in_errors_py():
+    assert errors.exit_code_table() in RELIABILITY.read_text(), \
+        "regenerate docs/reliability.md's table with errors.exit_code_table()"
+
+
+def test_codes_follow_kubeflows_exit_code_restart_policy():
+    # restartPolicy: ExitCode retries 128-255 and gives up on 1-127.
+    for code in ExitCode:
+        assert code.retryable == (code >= 128), code.name
+    assert len({int(code) for code in ExitCode}) == len(ExitCode), "no code means two things"
+
+
+def test_the_launcher_gives_up_only_on_codes_a_restart_cannot_fix():
+    assert all(not ExitCode(code).retryable for code in launch._PERMANENT)
+
+
+def test_a_process_ended_by_the_startup_watchdog_reports_the_named_code():
+    assert errors.status_of_signal(stopping.PEER_TIMEOUT_SIGNAL) == ExitCode.PEER_TIMEOUT
+    assert errors.status_of_signal(stopping.WAITING_WORKER_STOP_SIGNAL) == ExitCode.KILLED
+    assert launch.exit_status(-stopping.PEER_TIMEOUT_SIGNAL) == ExitCode.PEER_TIMEOUT
+
+
+def test_every_code_is_one_a_user_can_read_about():
+    for code in ExitCode:
+        assert code.meaning and not re.search(r"\s{2}", code.meaning), code.name
+
+
+def test_first_line():
+    assert first_line(ValueError("one\ntwo")) == "one"
+    assert first_line(KeyError()) == "KeyError", "an error without a message: its kind"
+    assert first_line("x" * 300, 10) == "x" * 10
+    assert first_line("\nafter a blank line") == "after a blank line"
+
+
+def test_first_line_of_an_error_in_a_tf_function_is_its_cause():
+    import tensorflow as tf  # here: the rest of this file needs no TensorFlow
+
+    @tf.function
+    def gather_out_of_range(values):
+        return tf.gather(values, 5)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        gather_out_of_range(tf.constant([1, 2]))
+    assert str(raised.value).startswith("Graph execution error:"), "what TensorFlow says first"
+    assert re.match(r"indices.* = 5 is not in \[0, 2\)", first_line(raised.value)), \
+        first_line(raised.value)
+
+
+# What TensorFlow 2.21 raised for tf.gather out of range in a tf.function
+# under MirroredStrategy on 2 logical CPUs (its frames shortened).
+_TWO_REPLICAS_FAILED = """Graph execution error:
+
+Detected at node replica_1/GatherV2 defined at (most recent call last):
+  File "<stdin>", line 7, in <lambda>
+
+Detected at node GatherV2 defined at (most recent call last):
+  File "<stdin>", line 7, in <lambda>
+
+2 root error(s) found.
+  (0) INVALID_ARGUMENT:  indices = 5 is not in [0, 2)
+\t [[{{node replica_1/GatherV2}}]]
+  (1) INVALID_ARGUMENT:  indices = 5 is not in [0, 2)
+\t [[{{node GatherV2}}]]
+0 successful operations.
+0 derived errors ignored. [Op:__inference_step_20]"""
+
+
+def test_first_line_of_errors_on_several_replicas_is_the_first_cause():
+    assert first_line(_TWO_REPLICAS_FAILED) == "indices = 5 is not in [0, 2)"
+
+
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt(), ExitCode.ABORTED),
+                                        (stopping.Terminated(), ExitCode.PREEMPTED)])
+def test_an_entry_point_stopped_says_so_and_exits_with_the_stops_code(stop, code, capsys):
+    # One mechanism for predict, prepare_data, the benchmark and the scaling
+    # projection: Ctrl-C aborts, SIGTERM (raised as Terminated) is a preemption.
+    def stopped():
+        raise stop
+
+    assert cli.guarded(stopped, on_interrupt="nothing written") == code
+    assert capsys.readouterr().err == "interrupted: nothing written\n"
+    with pytest.raises(type(stop)):  # an entry point that saves on a stop handles it itself
+        cli.guarded(stopped)

@@ -1,0 +1,199 @@
+"""The architecture as the folders show it, checked on every import
+statement of the package, those inside functions (lazy imports) included:
+the ML core imports nothing from the run's lifecycle, the process
+plumbing or the cluster, neither of these from the lifecycle or each
+other, and no module imports itself back through others. And the tests as
+their folders show them: in the folder of what each tests."""
+
+import ast
+import re
+from pathlib import Path
+
+import distributed_mpt
+
+PACKAGE = Path(distributed_mpt.__file__).parent
+# What each layer may import of the package, besides itself.
+LEAVES = {"distributed_mpt.errors", "distributed_mpt.files"}
+ALLOWED = {
+    "distributed_mpt.core": LEAVES,
+    "distributed_mpt.process": LEAVES,
+    "distributed_mpt.cluster": LEAVES,
+}
+
+
+def _modules() -> dict:
+    """{module name: its file} for every module of the package."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path, modules: dict) -> set:
+    """The package's modules that `path` imports, anywhere in it: `from X
+    import name` counts as X.name where that is a module, else X."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                imported.add(submodule if submodule in modules else node.module)
+    return {name for name in imported if name in modules}
+
+
+def _graph() -> dict:
+    modules = _modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def test_the_core_the_plumbing_and_the_cluster_import_only_themselves_and_the_leaves():
+    graph = _graph()
+    breaches = []
+    for layer, allowed in ALLOWED.items():
+        for module, imported in graph.items():
+            if module == layer or module.startswith(layer + "."):
+                breaches += [f"{module} imports {other}" for other in imported
+                             if not (other == layer or other.startswith(layer + ".")
+                                     or other in allowed)]
+    assert not breaches, "\n".join(sorted(breaches))
+
+
+def test_no_import_cycle_lazy_imports_included():
+    graph = _graph()
+    cycles, state = [], {}  # state: 1 on the path, 2 done
+
+    def visit(module, path):
+        state[module] = 1
+        for other in sorted(graph[module]):
+            if state.get(other) == 1:
+                cycles.append(" -> ".join(path[path.index(other):] + [other]))
+            elif other not in state:
+                visit(other, path + [other])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_walk_sees_lazy_imports():
+    # The check above is only as good as the edges it finds: predict imports
+    # the core's models inside a function.
+    assert "distributed_mpt.core.models" in _graph()["distributed_mpt.predict"]
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def _init_parameters(cls: ast.ClassDef) -> int:
+    """How many arguments the class's own __init__ takes (self not counted);
+    0 for a class without one."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            arguments = node.args
+            return len(arguments.posonlyargs) + len(arguments.args) - 1 + len(arguments.kwonlyargs)
+    return 0
+
+
+def test_no_class_takes_more_than_8_constructor_parameters():
+    # A class that needs more does several things: its settings go in
+    # records of their own (core/steps.py's Trainer takes StepRules). The
+    # records themselves (dataclasses, whose fields are their parameters)
+    # are not counted: TrainConfig's flat fields are settings not yet in
+    # sections, which this rule does not settle.
+    wide = {f"{path.relative_to(PACKAGE)}:{node.name}": n for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            if (n := _init_parameters(node)) > 8}
+    assert not wide, wide
+
+
+# The training step as a reader follows it, from the compiled loop down to
+# the update rules, in reading order (docs/architecture.md, "One training
+# step"): at most 3 files, about 600 lines, and no evaluation among them.
+TRAIN_STEP = ["core/steps.py", "core/optim/optimizer.py", "core/optim/rules.py"]
+TRAIN_STEP_LINES = 600
+
+
+def _step_parts(tree: ast.AST) -> set:
+    """What of the training step a module defines: "step" (it calls
+    apply_gradients), "optimizer" (a Keras optimizer's update_step), "rule"
+    (an UpdateRule subclass)."""
+    parts = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "apply_gradients":
+            parts.add("step")
+        elif isinstance(node, ast.FunctionDef) and node.name == "update_step":
+            parts.add("optimizer")
+        elif isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "UpdateRule"
+                                                    for b in node.bases):
+            parts.add("rule")
+    return parts
+
+
+def _evaluation(tree: ast.AST) -> list:
+    """Where a module evaluates: calls of a model with training=False, and
+    functions named for evaluation or prediction that do more than hand it on
+    (one statement after the docstring)."""
+    found = [f"line {node.lineno}: training=False" for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and any(
+                 k.arg == "training" and getattr(k.value, "value", None) is False
+                 for k in node.keywords)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and re.search("eval|predict", node.name):
+            body = [s for s in node.body if not (isinstance(s, ast.Expr)
+                                                 and isinstance(s.value, ast.Constant))]
+            if len(body) > 1:
+                found.append(f"line {node.lineno}: {node.name}")
+    return found
+
+
+def test_the_training_step_reads_in_at_most_3_files_of_about_600_lines():
+    trees = {str(path.relative_to(PACKAGE)): ast.parse(path.read_text())
+             for path in PACKAGE.rglob("*.py")}
+    holders = {name: parts for name, tree in trees.items() if (parts := _step_parts(tree))}
+    assert {"step", "optimizer", "rule"} <= set().union(*holders.values()), holders
+    outside = sorted(set(holders) - set(TRAIN_STEP))
+    assert not outside, f"parts of the step outside TRAIN_STEP: {outside}"
+    lines = {name: len((PACKAGE / name).read_text().splitlines()) for name in TRAIN_STEP}
+    assert len(TRAIN_STEP) <= 3 and sum(lines.values()) <= TRAIN_STEP_LINES, lines
+    evaluation = {name: where for name in TRAIN_STEP if (where := _evaluation(trees[name]))}
+    assert not evaluation, f"evaluation is not the training step: {evaluation}"
+
+
+def test_the_architecture_names_the_steps_files_in_reading_order_with_their_lines():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    paragraph = text[text.index("**One training step.**"):].split("\n\n")[0]
+    named = re.findall(r"`(core/[\w/]+\.py)`\s+\((\d+)\s+lines", paragraph)
+    assert [name for name, _ in named] == TRAIN_STEP, paragraph
+    for name, stated in named:
+        actual = len((PACKAGE / name).read_text().splitlines())
+        assert abs(int(stated) - actual) <= 0.1 * actual, f"{name}: {stated} lines, is {actual}"
+
+
+TESTS = Path(__file__).resolve().parents[1]
+# The folders of tests/ that are no folder of the package (pytest.ini says
+# what each holds); every other folder is named after one of the package's.
+TEST_FOLDERS_OF_THEIR_OWN = {"entry_points", "k8s", "leaves", "product", "support"}
+
+
+def test_every_test_lives_in_a_folder_named_after_what_it_tests():
+    at_the_root = sorted(path.name for path in TESTS.glob("test_*.py"))
+    assert not at_the_root, f"tests/ holds {at_the_root}: move each into the folder of what it tests"
+    package_folders = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    folders = {path.name for path in TESTS.iterdir()  # not __pycache__, .pytest_cache
+               if path.is_dir() and not path.name.startswith(("_", "."))}
+    assert folders - package_folders <= TEST_FOLDERS_OF_THEIR_OWN, sorted(
+        folders - package_folders - TEST_FOLDERS_OF_THEIR_OWN)
+    # Without __init__.py, pytest imports a test file by its name alone: two
+    # files of one name in different folders would collide.
+    names = [path.name for path in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})

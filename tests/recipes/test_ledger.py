@@ -1,0 +1,223 @@
+"""The results ledger (distributed_mpt/recipes/ledger.jsonl) and what is
+rendered from it: the README's table and figures, each recipe's headline,
+docs/recipes.md's tables of runs. The repository agrees with it, a figure
+typed by hand is caught, and a recipe holds its flags and a short header."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import REPO, assert_ok, run_module
+
+LEDGER = "distributed_mpt.recipes.ledger"
+RECIPES = REPO / "distributed_mpt" / "recipes"
+
+
+def test_readme_recipes_and_docs_say_what_the_ledger_says():
+    result = run_module(LEDGER, ["--check", "--nocount_tests"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow  # collecting the tests imports TensorFlow: a minute or more
+def test_readme_states_the_number_of_tests_a_fresh_collection_finds():
+    result = run_module(LEDGER, ["--check"], timeout=1800)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_each_recipe_is_its_flags_and_a_header_of_at_most_10_lines():
+    for path in sorted(RECIPES.glob("*.flags")):
+        lines = path.read_text().splitlines()
+        header = [line for line in lines if line.startswith("#")]
+        assert lines[:len(header)] == header, f"{path.name}: comments among the flags"
+        assert len(header) <= 10, f"{path.name}: a header of {len(header)} lines"
+        assert all(line.startswith("--") for line in lines[len(header):]), path.name
+        assert any(line.startswith("# Measured") for line in header), path.name
+
+
+def _copy_of_the_repository(tmp_path):
+    """The package, the README and docs/, where the check can be run on edits."""
+    for part in ("distributed_mpt", "docs"):
+        shutil.copytree(REPO / part, tmp_path / part,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    return tmp_path
+
+
+def _check(copy, *flags):
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    return subprocess.run([sys.executable, "-m", LEDGER, *flags], cwd=copy, text=True,
+                          capture_output=True, env=subprocess_env(PYTHONPATH=str(copy)),
+                          timeout=300)
+
+
+def test_a_figure_typed_over_the_ledgers_is_caught_and_rendered_back(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    readme = (copy / "README.md").read_text()
+    assert "**94.10%** mean of 6 runs" in readme
+    (copy / "README.md").write_text(readme.replace("**94.10%** mean of 6", "**94.20%** mean of 6"))
+    caught = _check(copy, "--check", "--nocount_tests")
+    assert caught.returncode == 1 and "README.md disagrees with the ledger" in caught.stdout
+    assert_ok(_check(copy, "--write", "--nocount_tests"))
+    assert (copy / "README.md").read_text() == readme
+
+
+def test_a_run_changed_in_the_ledger_changes_every_figure_drawn_from_it(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    ledger = copy / "distributed_mpt" / "recipes" / "ledger.jsonl"
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    run = next(r for r in records if r.get("id") == "cpu_cnn94_muon/c773f04/seed-0")
+    run["eval_accuracy"] = 0.9462  # 94.02% -> 94.62%: the mean of six moves by 0.10
+    run["peak_memory_bytes"] = 2_345_678_901  # and its peak memory is known
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
+    caught = _check(copy, "--check", "--nocount_tests")
+    assert caught.returncode == 1
+    for path in ("README.md", "distributed_mpt/recipes/cpu_cnn94_muon.flags", "docs/recipes.md"):
+        assert f"{path} disagrees with the ledger" in caught.stdout, caught.stdout
+    assert_ok(_check(copy, "--write", "--nocount_tests"))
+    assert "**94.20%** mean of 6 runs" in (copy / "README.md").read_text()
+    header = (copy / "distributed_mpt/recipes/cpu_cnn94_muon.flags").read_text()
+    assert "94.20% mean of 6 runs" in header
+    assert "peak resident memory 2.3 GB" in " ".join(header.replace("#   ", "").split())
+    assert _check(copy, "--check", "--nocount_tests").returncode == 0
+
+
+def test_a_damaged_ledger_is_one_error_line(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    ledger = copy / "distributed_mpt" / "recipes" / "ledger.jsonl"
+    ledger.write_text(ledger.read_text() + '{"kind": "run", "id": \n')
+    result = _check(copy, "--check", "--nocount_tests")
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert "line" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_the_ledger_lists_a_recipes_runs():
+    result = run_module(LEDGER, ["cpu_cnn94_muon"])
+    assert_ok(result)
+    assert "## cpu_cnn94_muon@c773f04: `cpu_cnn94_muon` (as shipped)" in result.stdout
+    assert "| 5 | c773f04 | 94.29% | 93.14% | 559.6 s | 696 |" in result.stdout
+    bad = run_module(LEDGER, ["no_such_recipe"])
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no_such_recipe is not one")
+
+
+def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
+    """--time_tests runs pytest, times it, and appends the run's record and,
+    new to the ledger, this machine's (it once failed only after the whole
+    suite had run: a local name hid the records module)."""
+    from distributed_mpt.recipes import records, suite
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("")
+    one_test = "tests/product/test_layout.py::test_the_walk_sees_lazy_imports"
+    assert suite.time_tests("fast", "a test", path=str(ledger), targets=(one_test,)) == 0
+    machine, run = (json.loads(line) for line in ledger.read_text().splitlines())
+    assert machine == records.describe_machine()
+    assert (run["kind"], run["suite"], run["tests"], run["machine"], run["conditions"]) == (
+        "tests", "fast", 1, machine["machine"], "a test")
+    assert run["wall_seconds"] > 0 and "1 passed" in run["outcome"]
+    assert run["command"] == f"python -m pytest -q {one_test} -m 'not slow'"
+    assert "recorded in" in capsys.readouterr().out
+
+
+def test_a_damaged_ledger_is_found_before_the_suite_runs(tmp_path, monkeypatch):
+    """The fast tier takes minutes, the whole suite an hour: the ledger it is
+    recorded into is read first."""
+    from distributed_mpt import files
+    from distributed_mpt.recipes import suite
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"kind": "machine"\n')
+
+    def run(*args, **kwargs):
+        raise AssertionError(f"the suite was run: {args}")
+    monkeypatch.setattr(suite.subprocess, "run", run)
+    with pytest.raises(files.DamagedFileError, match=str(ledger)):
+        suite.time_tests("fast", "a test", path=str(ledger), targets=("tests/product/test_layout.py",))
+
+
+def _ledger_of(runs, tests=()):
+    """A ledger of `runs` of cpu_cnn94 as shipped, each (machine, seconds
+    or None, minutes or None, session), and `tests` records; its machines
+    in the order the runs name them."""
+    from distributed_mpt.recipes import records
+
+    flags = records.recipe_flags("cpu_cnn94")
+    machines = list(dict.fromkeys([m for m, *_ in runs] + [t["machine"] for t in tests]))
+    return records.Ledger(
+        [{"kind": "machine", "machine": m, "cpu": f"a CPU called {m}", "column": m} for m in machines]
+        + [{"kind": "run", "id": f"run {i}", "recipe": "cpu_cnn94", "set": f"on {machine}",
+            "session": session, "against": None, "flags": flags, "machine": machine, "seed": i,
+            "commit": None, "eval_accuracy": 0.94, "eval_accuracy_without_tta": 0.93,
+            "wall_seconds": seconds, "wall_minutes": minutes}
+           for i, (machine, seconds, minutes, session) in enumerate(runs)]
+        + [{"kind": "tests", **t} for t in tests])
+
+
+def test_the_xeons_minutes_are_the_xeons_runs_whatever_the_order_of_the_columns():
+    """The README's "The 2.0 GHz Xeon's N min" took the second column's runs."""
+    from distributed_mpt.recipes import render
+
+    ledger = _ledger_of([("epyc", 600, None, None), ("zen3", 1200, None, None),
+                         ("xeon-amx", 1800, None, None)])
+    pattern, figure = render._README_QUOTES[1]
+    assert pattern.sub(lambda m: m.group(1) + figure(ledger) + m.group(3),
+                       "The 2.0 GHz Xeon's 0 min") == "The 2.0 GHz Xeon's 30 min"
+
+
+def test_a_session_row_states_its_wall_times_in_one_unit():
+    """A row of runs timed in seconds and in minutes says minutes, of each
+    (the seconds were printed as they were, labelled min)."""
+    from distributed_mpt.recipes import render
+
+    ledger = _ledger_of([("epyc", 600.0, None, "S"), ("epyc", None, 10.5, "S")])
+    assert render.session_table(ledger, "S").splitlines()[-1] == (
+        "| 1-2 | `cpu_cnn94` seeds 0, 1 | 94.00%, 94.00% (93.00, 93.00) | 10.0, 10.5 min |")
+
+
+def test_a_timed_suite_states_its_time_in_whole_minutes_and_seconds():
+    """119.6 s is 2 min 0 s (it was "1 min 60 s")."""
+    from distributed_mpt.recipes import records, suite
+
+    ledger = _ledger_of([], tests=[{"suite": "fast", "tests": 10, "wall_seconds": 119.6,
+                                    "date": "2026-12-04", "commit": "abc1234", "machine": "epyc",
+                                    "conditions": "quiet"}])
+    assert "took 2 min 0 s on a CPU called epyc, quiet" in " ".join(
+        suite.lines(ledger, "fast", 10).replace("# ", "").split())
+    assert [records.wall_time(s, unit) for s, unit in (
+        (None, "s"), (559.64, "s"), (780, "min"), (692.4, "min s"))] == [
+        "—", "559.6 s", "13.0 min", "11 min 32 s"]
+
+
+def test_on_a_tie_the_headline_is_the_set_measured_side_by_side():
+    """Two sets of a recipe with as many runs: the one that alternated with
+    another recipe speaks for it (its ratio is the headline's), even when the
+    other was measured later."""
+    from distributed_mpt.recipes import records, render
+
+    def run(i, recipe, machine, session, against):
+        return {"kind": "run", "id": f"run {i}", "recipe": recipe, "machine": machine,
+                "set": f"{recipe} on {machine}", "session": session, "against": against,
+                "flags": records.recipe_flags(recipe), "seed": i, "commit": None,
+                "eval_accuracy": 0.94, "eval_accuracy_without_tta": 0.93,
+                "wall_seconds": 500.0 + i, "wall_minutes": None}
+    ledger = records.Ledger(
+        [{"kind": "machine", "machine": m, "cpu": m, "column": m} for m in ("epyc", "xeon")]
+        + [run(0, "cpu_cnn94", "epyc", "s", None), run(1, "cpu_cnn94_muon", "epyc", "s", "cpu_cnn94"),
+           run(2, "cpu_cnn94_muon", "epyc", "s", "cpu_cnn94"),
+           run(3, "cpu_cnn94_muon", "xeon", "t", None), run(4, "cpu_cnn94_muon", "xeon", "t", None)])
+    headline = render.headline_set(ledger, "cpu_cnn94_muon")
+    assert [r["id"] for r in headline] == ["run 1", "run 2"]
+    assert render.time_ratio(ledger, headline) is not None
+    assert [r["id"] for r in render.headline_set(ledger, "cpu_cnn94_muon", "xeon")] == ["run 3", "run 4"]
+
+
+def test_every_figure_the_readme_quotes_is_where_the_renderer_looks():
+    """A quoted figure whose words were reworded or wrapped over two lines
+    would no longer be rendered, and would drift from the ledger unseen."""
+    from distributed_mpt.recipes import render
+
+    readme = (REPO / "README.md").read_text()
+    for pattern, _ in render._README_QUOTES:
+        assert len(pattern.findall(readme)) == 1, pattern.pattern
