@@ -42,8 +42,8 @@ from distributed_mpt.core.data import DatasetInfo, images
 from distributed_mpt.errors import (CheckpointMismatchError, ConfigError, ExitCode, first_line,
                                     quoted)
 from distributed_mpt.process import log_filter
-from distributed_mpt.training.export import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
-                                             SAVED_MODEL_DIR, model_info)
+from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
+                                              SAVED_MODEL_DIR, model_info)
 
 MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = images.MAX_IMAGE_BYTES, images.MAX_IMAGE_PIXELS
 
@@ -92,7 +92,7 @@ class Classifier:
     class_names: list
     image_shape: tuple  # (height, width, channels) the model takes
     source: str  # the export or checkpoint it was read from
-    info: dict   # what it is and was trained on (export.model_info); {} if unknown
+    info: dict   # what it is and was trained on (outputs.model_info); {} if unknown
 
 
 def load_classifier(model_dir: str) -> Classifier:

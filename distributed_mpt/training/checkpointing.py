@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line, quoted
-from distributed_mpt.training.model_dir import debris, remove_matching
+from distributed_mpt.training.outputs import debris, remove_matching
 
 MAX_TO_KEEP = 3
 

@@ -17,7 +17,7 @@ from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
-from distributed_mpt.training import export
+from distributed_mpt.training import outputs
 from distributed_mpt.training.agreement import check_workers_agree, leave_together
 from distributed_mpt.training.build import Built, build, recalibration_input, train_input
 from distributed_mpt.training.checkpointing import Checkpoints, model_identity
@@ -126,13 +126,13 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
               f"--eval_tta_fraction={scored['eval_tta_fraction']}; to score it with others: "
               f"distributed-mpt-predict --model_dir={config.model_dir} --evaluate "
               f"--tta={config.eval_tta} --tta_fraction={config.eval_tta_fraction}", flush=True)
-    if config.export and not export.export_is_whole(config.model_dir):
+    if config.export and not outputs.export_is_whole(config.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
         trained = {**dataclasses.asdict(config), **resumed.previous_config}
-        path = export.export_model(built.trainer.model, config.model_dir, info.class_names,
-                                   info.image_shape,
-                                   export.model_info(trained, resumed.finished_summary))
+        path = outputs.export_model(built.trainer.model, config.model_dir, info.class_names,
+                                    info.image_shape,
+                                    outputs.model_info(trained, resumed.finished_summary))
         print(f"its export was missing or incomplete: exported again to {path}", flush=True)
 
 
@@ -234,8 +234,8 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     if export_model and config.export:
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
-        info = export.model_info(dataclasses.asdict(config), summary)
+        info = outputs.model_info(dataclasses.asdict(config), summary)
         with reporter.doing("exporting the model"):
-            path = export.export_model(built.trainer.model, config.model_dir,
-                                       dataset.info.class_names, dataset.info.image_shape, info)
+            path = outputs.export_model(built.trainer.model, config.model_dir,
+                                        dataset.info.class_names, dataset.info.image_shape, info)
         reporter.say(f"exported to {path}")

@@ -34,15 +34,15 @@ def _run(config: TrainConfig) -> int:
         from distributed_mpt.process import run_lock
         from distributed_mpt.process.cluster import resolve_cluster
         from distributed_mpt.process.startup_watchdog import StartupWatchdog
-        from distributed_mpt.training import model_dir
+        from distributed_mpt.training import outputs
         cluster = resolve_cluster(os.environ)
         # A user's file where the run keeps a directory of its own (or the
         # reverse), a user's `export` that an export would replace, or a
         # directory of the user's files, is refused now, not after hours of
         # training; nothing of it is touched.
-        model_dir.check_layout(config.model_dir, export=config.export)
+        outputs.check_layout(config.model_dir, export=config.export)
         if cluster is None or cluster.is_chief:
-            model_dir.check_ours(config.model_dir, adopt=config.adopt_model_dir)
+            outputs.check_ours(config.model_dir, adopt=config.adopt_model_dir)
             if not os.path.exists(config.model_dir):
                 new_model_dir = config.model_dir
                 # A stop before the lock: the directory goes if still empty.
@@ -53,17 +53,17 @@ def _run(config: TrainConfig) -> int:
             lock = run_lock.RunLock(config.model_dir)
             if new_model_dir:  # a stop before training leaves nothing new
                 stopping.on_stop_before_training(lambda: lock.release(
-                    remove_model_dir_if_unused=True, own_files=model_dir.BEFORE_TRAINING))
-            removed = model_dir.remove_debris(config.model_dir, lock.previous_tags)
+                    remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING))
+            removed = outputs.remove_debris(config.model_dir, lock.previous_tags)
             if removed:
                 print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
-            model_dir.mark(config.model_dir)
+            outputs.mark(config.model_dir)
         # Only TensorFlow's start-up runs with the stop signals held: no
         # handler of ours could interrupt it, so the start-up watchdog acts on
         # a stop in its place, and bounds the wait for the peers.
         peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
         deadline = config.peer_timeout_seconds if cluster else None
-        watchdog = StartupWatchdog(deadline, peers, new_model_dir, model_dir.BEFORE_TRAINING)
+        watchdog = StartupWatchdog(deadline, peers, new_model_dir, outputs.BEFORE_TRAINING)
         with stopping.tensorflow_starting(), watchdog:
             # TensorFlow is imported only now, behind the log filter.
             from distributed_mpt.process import distribution
@@ -103,7 +103,7 @@ def _run(config: TrainConfig) -> int:
     finally:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
-            from distributed_mpt.training.model_dir import MARKER
+            from distributed_mpt.training.outputs import MARKER
             lock.release(remove_model_dir_if_unused=bool(new_model_dir), own_files=(MARKER,))
     return ExitCode.OK
 
