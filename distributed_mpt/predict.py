@@ -157,12 +157,12 @@ def _load_checkpoint(model_dir: str) -> Classifier:
 
     from distributed_mpt.core import models
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
-    from distributed_mpt.training import checkpointing
+    from distributed_mpt.training import checkpoints
 
     # The newest checkpoint that reads back whole, as training resumes from;
     # the `checkpoint` index file may be damaged or point at a missing one.
-    step, prefix = next(((step, prefix) for step, prefix in checkpointing.checkpoints_on_disk(
-        os.path.join(model_dir, "checkpoints")) if not checkpointing.why_unreadable(prefix)),
+    step, prefix = next(((step, prefix) for step, prefix in checkpoints.checkpoints_on_disk(
+        os.path.join(model_dir, "checkpoints")) if not checkpoints.why_unreadable(prefix)),
         (None, None))
     config_path = os.path.join(model_dir, "config.json")
     if not (prefix and os.path.exists(config_path)):

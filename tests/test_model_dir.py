@@ -16,7 +16,7 @@ from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, snaps
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.process import run_lock
 from distributed_mpt.process.run_lock import RunLock
-from distributed_mpt.training import checkpointing, outputs
+from distributed_mpt.training import checkpoints, outputs
 
 E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
 
@@ -127,7 +127,7 @@ def test_what_tensorflow_leaves_when_killed_mid_save_is_debris(tmp_path):
     with RunLock(str(tmp_path)):
         outputs.remove_debris(str(tmp_path), [])
     for path in checkpoint_dir.iterdir():
-        assert path.name == "checkpoint" or checkpointing._CHECKPOINT_FILE.match(path.name), path
+        assert path.name == "checkpoint" or checkpoints._CHECKPOINT_FILE.match(path.name), path
 
 
 def test_a_run_after_a_killed_run_removes_its_debris_and_only_that(model_dir):

@@ -11,7 +11,7 @@ from distributed_mpt.core.data import cifar10, synthetic
 from distributed_mpt.core.models.layers import WhiteningConv2D
 from distributed_mpt.core.optim import groups
 from distributed_mpt.training import outputs
-from distributed_mpt.training.checkpointing import model_identity
+from distributed_mpt.training.checkpoints import model_identity
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import models
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.errors import ConfigError, quoted
-from distributed_mpt.training.checkpointing import Checkpoints, Restored
+from distributed_mpt.training.checkpoints import Checkpoints, Restored
 from distributed_mpt.training.plan import RunPlan
 
 

@@ -9,8 +9,9 @@ A checkpoint is lost only if every copy of it is: a run restores the newest
 checkpoint that reads back whole, found by listing the files on disk rather
 than by trusting the `checkpoint` index file (a crash, a full disk or a user
 can leave that file garbage or pointing at nothing), and skips damaged newer
-ones, saying why; the index file is then rewritten from what was found. When checkpoints exist and none reads back, the run stops
-and changes nothing: it never starts from step 0 over them. Beside the
+ones, saying why; the index file is then rewritten from what was found.
+When checkpoints exist and none reads back, the run stops and changes
+nothing: it never starts from step 0 over them. Beside the
 checkpoints, `model.json` records which model they hold, so that a run of
 another model refuses the directory instead of failing deep in TensorFlow
 or, worse, overwriting it.
