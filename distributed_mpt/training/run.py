@@ -18,13 +18,12 @@ from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.process import distribution, stopping
 from distributed_mpt.process.cluster import Cluster
 from distributed_mpt.training import outputs
-from distributed_mpt.training.agreement import check_workers_agree, leave_together
 from distributed_mpt.training.build import Built, build, recalibration_input, train_input
 from distributed_mpt.training.checkpoints import Checkpoints, model_identity
 from distributed_mpt.training.loop import Reporter, TrainingLoop
-from distributed_mpt.training.plan import RunPlan, plan_run, start_warnings
-from distributed_mpt.training.resumption import (continue_with, refuse_other_data,
-                                                 refuse_other_training, resume)
+from distributed_mpt.training.plan import (RunPlan, check_workers_agree, continue_with,
+                                           leave_together, plan_run, refuse_other_data,
+                                           refuse_other_training, resume, start_warnings)
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
