@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
 
 # Prefixes of the temporary names this module writes under, each followed
-# by owner_tag(): what a killed run can leave behind (training/model_dir.py
+# by owner_tag(): what a killed run can leave behind (training/outputs.py
 # clears it, and only what carries the tag of a run that held the lock).
 TEMPORARY_PREFIX = ".tmp-"          # write_text, before its rename
 WRITE_TEST_PREFIX = ".write-test-"  # check_writable

@@ -42,8 +42,8 @@ from distributed_mpt.core.data import DatasetInfo, images
 from distributed_mpt.errors import (CheckpointMismatchError, ConfigError, ExitCode, first_line,
                                     quoted)
 from distributed_mpt.process import log_filter
-from distributed_mpt.training.export import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
-                                             SAVED_MODEL_DIR, model_info)
+from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
+                                              SAVED_MODEL_DIR, model_info)
 
 MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = images.MAX_IMAGE_BYTES, images.MAX_IMAGE_PIXELS
 
@@ -92,7 +92,7 @@ class Classifier:
     class_names: list
     image_shape: tuple  # (height, width, channels) the model takes
     source: str  # the export or checkpoint it was read from
-    info: dict   # what it is and was trained on (export.model_info); {} if unknown
+    info: dict   # what it is and was trained on (outputs.model_info); {} if unknown
 
 
 def load_classifier(model_dir: str) -> Classifier:
@@ -157,12 +157,12 @@ def _load_checkpoint(model_dir: str) -> Classifier:
 
     from distributed_mpt.core import models
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
-    from distributed_mpt.training import checkpointing
+    from distributed_mpt.training import checkpoints
 
     # The newest checkpoint that reads back whole, as training resumes from;
     # the `checkpoint` index file may be damaged or point at a missing one.
-    step, prefix = next(((step, prefix) for step, prefix in checkpointing.checkpoints_on_disk(
-        os.path.join(model_dir, "checkpoints")) if not checkpointing.why_unreadable(prefix)),
+    step, prefix = next(((step, prefix) for step, prefix in checkpoints.checkpoints_on_disk(
+        os.path.join(model_dir, "checkpoints")) if not checkpoints.why_unreadable(prefix)),
         (None, None))
     config_path = os.path.join(model_dir, "config.json")
     if not (prefix and os.path.exists(config_path)):

@@ -135,9 +135,10 @@ def main(argv=None) -> int:
 
     def train() -> int:
         config = parse_config(argv)
-        # Imported only now, so that bad flags are answered without TensorFlow.
-        from distributed_mpt.training import runner
-        return runner.run(config)
+        # Imported only now, so that bad flags are answered at once (the run
+        # imports TensorFlow only once it holds --model_dir).
+        from distributed_mpt.training import run as training
+        return training.run(config)
 
     return cli.guarded(train)
 

@@ -91,7 +91,7 @@ class RunLock:
                 f"offers no locks; choose a --model_dir on a local disk or NFSv4") from None
         # What is there is ours to replace only if a run wrote it: empty (a
         # run released it), or the record of a holder that was killed, whose
-        # owner tag proves which temporary files it left (model_dir.py).
+        # owner tag proves which temporary files it left (training/outputs.py).
         found = _read_record(self._fd)
         if found is None:
             os.close(self._fd)

@@ -285,9 +285,9 @@ def exit_now(code: int) -> None:
 def _say_now(message: str) -> None:
     """Writes a line from the watching thread, with one os.write (the main
     thread may be inside a print). On a terminal it goes where the status
-    line is (stdout, see reporting.Reporter), clearing it first, so that the
-    line starts at the left margin and not after `step 20/679`; elsewhere,
-    to stderr."""
+    line is (stdout, see training/loop.py's Reporter), clearing it first, so
+    that the line starts at the left margin and not after `step 20/679`;
+    elsewhere, to stderr."""
     try:
         if os.isatty(1):
             os.write(1, b"\r\x1b[K" + message.encode() + b"\n")

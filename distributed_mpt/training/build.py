@@ -18,7 +18,7 @@ from distributed_mpt.core.optim.schedules import learning_rate_schedule
 from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.process import memory
-from distributed_mpt.training import export
+from distributed_mpt.training import outputs
 from distributed_mpt.training.plan import RunPlan
 
 
@@ -67,7 +67,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"{config.model}'s batch norm synchronized over {plan.num_replicas} replicas: "
                 f"drop --xla, or use it with one replica")
         if config.export:
-            export.check_exportable(model, config.model)
+            outputs.check_exportable(model, config.model)
         if spec.is_users:
             _check_memory(sum(int(tf.size(v)) for v in model.weights), config)
         models.initialize_from_data(model, dataset.train.images, config.model)

@@ -1,37 +1,166 @@
-"""One training run, from data to export: load, plan, build, restore, train,
-evaluate, export. Writes checkpoints, logs, metrics, `summary.json` and the
-export into --model_dir (the chief; other workers use scratch directories)."""
+"""One training process, from a validated config to its exit code, and the
+run it trains.
+
+`run`: the cluster, the lock on --model_dir, the strategy, the training, and
+what each way of ending means to a launcher or to Kubernetes (see
+errors.py). How a signal stops it, in each phase, is stopping.py's.
+
+`train_and_evaluate`: load, plan, build, restore, train, evaluate, export.
+Writes checkpoints, logs, metrics, `summary.json` and the export into
+--model_dir (the chief; other workers use scratch directories).
+
+The directory is checked and locked before TensorFlow starts: a refusal
+costs nothing, and MultiWorkerMirroredStrategy must be created before any
+other TensorFlow op. So this module imports TensorFlow, and the modules of
+the package that import it, only inside its functions (tests/test_layout.py
+checks that importing it imports neither TensorFlow nor Keras).
+"""
+
+from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
-from typing import Optional
-
-import keras
-import tensorflow as tf
+from typing import TYPE_CHECKING, Optional
 
 from distributed_mpt import config as config_lib
 from distributed_mpt import files
-from distributed_mpt.cluster.environment import Cluster
-from distributed_mpt.cluster.strategy import describe_devices, peak_resident_bytes
+from distributed_mpt.cluster.environment import Cluster, resolve_cluster
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import batch_norm, data, models, precision
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
-from distributed_mpt.process import stopping
-from distributed_mpt.training import export
-from distributed_mpt.training.agreement import check_workers_agree, leave_together
-from distributed_mpt.training.build import Built, build, recalibration_input, train_input
-from distributed_mpt.training.checkpointing import Checkpoints, model_identity
-from distributed_mpt.training.loop import TrainingLoop
-from distributed_mpt.training.plan import RunPlan, plan_run, start_warnings
-from distributed_mpt.training.reporting import Reporter
-from distributed_mpt.training.resumption import (continue_with, refuse_other_data,
-                                                 refuse_other_training, resume)
+from distributed_mpt.errors import (EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError,
+                                    first_line)
+from distributed_mpt.process import log_filter, run_lock, stopping
+from distributed_mpt.process.startup_watchdog import StartupWatchdog
+from distributed_mpt.training import outputs
+
+if TYPE_CHECKING:  # for the annotations only: at run time, imported where they are used
+    import tensorflow as tf
+
+    from distributed_mpt.training.build import Built
+    from distributed_mpt.training.checkpoints import Checkpoints
+    from distributed_mpt.training.loop import Reporter
+    from distributed_mpt.training.plan import RunPlan
+
+
+def run(config: TrainConfig) -> int:
+    """Trains as `config` says, in this process; returns the exit code."""
+    with log_filter.filtering():
+        with stopping.owning_stops():
+            code = _run(config)
+            stopped = stopping.requested()
+    if stopped:
+        # Saved, flushed and unlocked: all a stop asked for is done, and
+        # TensorFlow's teardown at the interpreter's exit would only delay
+        # the exit (by a minute, on a loaded machine).
+        stopping.exit_now(code)
+    return code
+
+
+def _run(config: TrainConfig) -> int:
+    lock, new_model_dir = None, None
+    try:
+        # The cheap checks first, without TensorFlow.
+        cluster = resolve_cluster(os.environ)
+        # A user's file where the run keeps a directory of its own (or the
+        # reverse), a user's `export` that an export would replace, or a
+        # directory of the user's files, is refused now, not after hours of
+        # training; nothing of it is touched.
+        outputs.check_layout(config.model_dir, export=config.export)
+        if cluster is None or cluster.is_chief:
+            outputs.check_ours(config.model_dir, adopt=config.adopt_model_dir)
+            if not os.path.exists(config.model_dir):
+                new_model_dir = config.model_dir
+                # A stop before the lock: the directory goes if still empty.
+                stopping.on_stop_before_training(lambda: os.rmdir(new_model_dir))
+            # One run per model_dir, held until the end (the OS drops it if
+            # the process dies); only the holder may mark it or clear debris.
+            files.check_writable(config.model_dir)
+            lock = run_lock.RunLock(config.model_dir)
+            if new_model_dir:  # a stop before training leaves nothing new
+                stopping.on_stop_before_training(lambda: lock.release(
+                    remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING))
+            removed = outputs.remove_debris(config.model_dir, lock.previous_tags)
+            if removed:
+                print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
+            outputs.mark(config.model_dir)
+        # Only TensorFlow's start-up runs with the stop signals held: no
+        # handler of ours could interrupt it, so the start-up watchdog acts on
+        # a stop in its place, and bounds the wait for the peers.
+        peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
+        deadline = config.peer_timeout_seconds if cluster else None
+        watchdog = StartupWatchdog(deadline, peers, new_model_dir, outputs.BEFORE_TRAINING)
+        with stopping.tensorflow_starting(), watchdog:
+            # TensorFlow is imported only now, behind the log filter.
+            from distributed_mpt.cluster.strategy import (PEER_ERRORS, create_strategy,
+                                                          resolve_strategy_name)
+            strategy_name = resolve_strategy_name(
+                config.strategy, cluster, config.cpu_replicas)
+            try:
+                strategy = create_strategy(
+                    strategy_name, config.cpu_replicas, config.communication, cluster)
+            except PEER_ERRORS as e:
+                return _lost_a_peer(e, cluster)
+        stopping.enter(stopping.Phase.PREPARING)
+        try:
+            train_and_evaluate(config, strategy, strategy_name, cluster)
+        except PEER_ERRORS as e:
+            return _lost_a_peer(e, cluster)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except Preempted as e:
+        print(f"{e}; exiting with {e.exit_code:d} so that a restart resumes", file=sys.stderr)
+        # Its traceback holds the training's TensorFlow objects: freeing them
+        # is the teardown that stopping.exit_now skips.
+        stopping.keep_until_exit(e)
+        return e.exit_code
+    except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
+        if not files.is_disk_full(e):
+            raise
+        # Checkpoints say this themselves; this is for the other files
+        # (metrics, summary, export), each written whole or not at all.
+        where = getattr(e, "filename", None) or config.model_dir
+        print(f"error: no space left for {where}: free space in --model_dir={config.model_dir} "
+              f"(docs/reliability.md, \"Disk space\") and run the same command again to resume",
+              file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    finally:
+        if lock is not None:
+            # A run refused before it wrote anything leaves no trace.
+            lock.release(remove_model_dir_if_unused=bool(new_model_dir),
+                         own_files=(outputs.MARKER,))
+    return ExitCode.OK
+
+
+def _lost_a_peer(error: Exception, cluster) -> int:
+    """A peer died (its node was lost, it was OOM-killed) and the collectives
+    failed on this survivor: a retryable exit lets the launcher or Kubernetes
+    restart the group from the latest checkpoint. Without a cluster the error
+    is not about peers: it is raised again."""
+    if cluster is None:
+        raise error
+    print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
+          f"{first_line(error).rstrip(' :')}); exiting with {EXIT_PEER_LOST:d} so that "
+          f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
+    return EXIT_PEER_LOST
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                        strategy_name: str, cluster: Optional[Cluster]) -> dict:
     """Trains, evaluates and exports as `config` says; returns the summary."""
+    import keras
+
+    from distributed_mpt.cluster.strategy import peak_resident_bytes
+    from distributed_mpt.training.build import build, train_input
+    from distributed_mpt.training.checkpoints import Checkpoints, model_identity
+    from distributed_mpt.training.loop import Reporter, TrainingLoop
+    from distributed_mpt.training.plan import (check_workers_agree, continue_with, leave_together,
+                                               plan_run, refuse_other_data, refuse_other_training,
+                                               resume, start_warnings)
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
     dataset = data.load_dataset(config.dataset, data_source(config))
@@ -127,13 +256,13 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
               f"--eval_tta_fraction={scored['eval_tta_fraction']}; to score it with others: "
               f"distributed-mpt-predict --model_dir={config.model_dir} --evaluate "
               f"--tta={config.eval_tta} --tta_fraction={config.eval_tta_fraction}", flush=True)
-    if config.export and not export.export_is_whole(config.model_dir):
+    if config.export and not outputs.export_is_whole(config.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
         trained = {**dataclasses.asdict(config), **resumed.previous_config}
-        path = export.export_model(built.trainer.model, config.model_dir, info.class_names,
-                                   info.image_shape,
-                                   export.model_info(trained, resumed.finished_summary))
+        path = outputs.export_model(built.trainer.model, config.model_dir, info.class_names,
+                                    info.image_shape,
+                                    outputs.model_info(trained, resumed.finished_summary))
         print(f"its export was missing or incomplete: exported again to {path}", flush=True)
 
 
@@ -178,6 +307,10 @@ def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:
 def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: str,
              start_step: int, train_metrics: dict, throughput: Optional[float]) -> dict:
     """What summary.json says of a run, before its evaluation."""
+    import keras
+    import tensorflow as tf
+
+    from distributed_mpt.cluster.strategy import describe_devices
     steps = int(built.trainer.step.numpy())
     return {
         "strategy": strategy_name, "num_workers": plan.num_workers,
@@ -201,6 +334,7 @@ def _recalibrate_batch_norm(built: Built, config: TrainConfig, plan: RunPlan,
     says so (core/batch_norm.py), and saves them into the last checkpoint:
     a finished run exported again, and predict reading the checkpoint, get
     them too. Returns what summary.json says of it (None: not done)."""
+    from distributed_mpt.training.build import recalibration_input
     trainer = built.trainer
     steps = int(trainer.step.numpy())
     layers, why = batch_norm.to_recalibrate(trainer.model, steps, config.bn_recalibration)
@@ -235,8 +369,8 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     if export_model and config.export:
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
-        info = export.model_info(dataclasses.asdict(config), summary)
+        info = outputs.model_info(dataclasses.asdict(config), summary)
         with reporter.doing("exporting the model"):
-            path = export.export_model(built.trainer.model, config.model_dir,
-                                       dataset.info.class_names, dataset.info.image_shape, info)
+            path = outputs.export_model(built.trainer.model, config.model_dir,
+                                        dataset.info.class_names, dataset.info.image_shape, info)
         reporter.say(f"exported to {path}")

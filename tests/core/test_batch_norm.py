@@ -17,7 +17,7 @@ from conftest import (assert_ok, checkpoint_weights, read_summary, subprocess_en
 from distributed_mpt.core import batch_norm, models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.models.faster_layers import FusedBatchNormalization
-from distributed_mpt.training import export
+from distributed_mpt.training import outputs
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +82,7 @@ def test_the_keras_file_holds_keras_layers_and_the_trained_function(tmp_path):
     for layer in model.layers:
         if isinstance(layer, FusedBatchNormalization):
             layer.beta.assign(np.linspace(-0.5, 0.5, layer.beta.shape[0]))
-    export.export_model(model, str(tmp_path), cifar10.INFO.class_names, cifar10.INFO.image_shape)
+    outputs.export_model(model, str(tmp_path), cifar10.INFO.class_names, cifar10.INFO.image_shape)
     keras_file = tmp_path / "export" / "model.keras"
     with zipfile.ZipFile(keras_file) as archive:
         config = archive.read("config.json").decode()

@@ -137,12 +137,12 @@ def three_classes(tmp_path_factory):
     """An untrained tiny model's export of three classes of 32 x 32 images."""
     from distributed_mpt.core import models
     from distributed_mpt.core.data import DatasetInfo, cifar10
-    from distributed_mpt.training import export
+    from distributed_mpt.training import outputs
 
     info = DatasetInfo((32, 32, 3), ("cars", "dogs", "ships"), cifar10.INFO.mean, cifar10.INFO.std)
     directory = tmp_path_factory.mktemp("three")
     model = models.build_model(models.model_spec("resnet9"), info, 4)
-    export.export_model(model, str(directory), info.class_names, info.image_shape)
+    outputs.export_model(model, str(directory), info.class_names, info.image_shape)
     return directory
 
 

@@ -10,8 +10,8 @@ from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10, synthetic
 from distributed_mpt.core.models.layers import WhiteningConv2D
 from distributed_mpt.core.optim import groups
-from distributed_mpt.training import export
-from distributed_mpt.training.checkpointing import model_identity
+from distributed_mpt.training import outputs
+from distributed_mpt.training.checkpoints import model_identity
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def test_model_outputs_logits_and_its_export_float32_probabilities(name, policy)
     assert logits.shape == (3, 10) and np.all(np.isfinite(logits))
     assert not np.allclose(logits.sum(axis=-1), 1.0, atol=1e-3), "logits, not probabilities"
     # What a user's Keras loads: the same network, ending in a float32 softmax.
-    probabilities = export._keras_model_with_probabilities(model, (32, 32, 3))(images, training=False)
+    probabilities = outputs._keras_model_with_probabilities(model, (32, 32, 3))(images, training=False)
     assert probabilities.dtype == "float32" and tuple(probabilities.shape) == (3, 10)
     np.testing.assert_allclose(np.sum(probabilities, axis=-1), 1.0, rtol=1e-3)
     np.testing.assert_allclose(probabilities, keras.ops.softmax(logits), rtol=1e-2, atol=1e-3)

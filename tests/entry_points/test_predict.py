@@ -20,7 +20,7 @@ from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, deadline, m
 from distributed_mpt import predict as predict_module
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
-from distributed_mpt.training import export
+from distributed_mpt.training import outputs
 
 CLASS_NAMES = cifar10.INFO.class_names
 
@@ -28,7 +28,7 @@ CLASS_NAMES = cifar10.INFO.class_names
 def _export_untrained(directory, info=None):
     """An untrained tiny resnet9's export in `directory`."""
     model = models.build_model(models.model_spec("resnet9"), cifar10.INFO, 4)
-    export.export_model(model, str(directory), CLASS_NAMES, cifar10.INFO.image_shape, info)
+    outputs.export_model(model, str(directory), CLASS_NAMES, cifar10.INFO.image_shape, info)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def synthetic_run(tmp_path_factory):
 
 
 def test_a_model_of_synthetic_data_says_so_before_its_answers(synthetic_run, photo):
-    info = json.loads((synthetic_run / "export" / export.MODEL_INFO_NAME).read_text())
+    info = json.loads((synthetic_run / "export" / outputs.MODEL_INFO_NAME).read_text())
     summary = read_summary(synthetic_run)
     assert info["dataset"] == "synthetic" and info["model"] == "mlp"
     assert info["steps"] == summary["steps"] == 20

@@ -12,7 +12,7 @@ from PIL import Image
 from conftest import REPO, assert_ok, assert_one_error_line, run_in_process, subprocess_env
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
-from distributed_mpt.training import export
+from distributed_mpt.training import outputs
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,9 @@ def untrained(tmp_path_factory):
     (what a run stopped in its first compiled call leaves)."""
     directory = tmp_path_factory.mktemp("run")
     model = models.build_model(models.model_spec("airbench"), cifar10.INFO, width=4)
-    export.export_model(model, str(directory), cifar10.INFO.class_names, cifar10.INFO.image_shape,
-                        {"model": "airbench", "model_width": 4, "dataset": "cifar10", "seed": 0,
-                         "steps": 0})
+    outputs.export_model(model, str(directory), cifar10.INFO.class_names, cifar10.INFO.image_shape,
+                         {"model": "airbench", "model_width": 4, "dataset": "cifar10", "seed": 0,
+                          "steps": 0})
     return directory
 
 

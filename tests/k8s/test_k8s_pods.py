@@ -74,7 +74,7 @@ def _wait_for_a_checkpoint(network, pods, docs, group, model_dir) -> None:
 
 def assert_a_clean_end(output: str) -> None:
     """A job that succeeded logs no abort or crash: workers leave together,
-    after the chief's export (training/agreement.py)."""
+    after the chief's export (training/plan.py)."""
     for word in ("StartAbort", "crashed", "unhealthy"):
         assert word not in output, output
 

@@ -15,7 +15,7 @@ from conftest import REPO, SMOKE_FLAGS, assert_ok, subprocess_env, train
 from distributed_mpt.process import run_lock
 from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError
 from distributed_mpt.process.run_lock import ModelDirBusyError, RunLock
-from distributed_mpt.training import model_dir as model_dir_lib
+from distributed_mpt.training import outputs
 
 E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
 
@@ -23,10 +23,10 @@ E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
 _HOLDER = """
 import sys, time
 from distributed_mpt.process.run_lock import RunLock
-from distributed_mpt.training import model_dir
+from distributed_mpt.training import outputs
 lock = RunLock(sys.argv[1])
 if sys.argv[2:] == ["mark"]:
-    model_dir.mark(sys.argv[1])
+    outputs.mark(sys.argv[1])
 print("held", flush=True)
 time.sleep(600)
 """
@@ -125,7 +125,7 @@ def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_di
         assert len(errors) == 1 and "Traceback" not in result.stderr
         assert f"pid {holder.pid} on host" in errors[0] and time.monotonic() - started < 120
         assert sorted(p.name for p in model_dir.iterdir()) == \
-            sorted([run_lock.LOCK_NAME, *([model_dir_lib.MARKER] if marked else [])])
+            sorted([run_lock.LOCK_NAME, *([outputs.MARKER] if marked else [])])
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -158,5 +158,5 @@ def test_a_stop_mid_write_removes_the_new_directory_with_its_own_temporary_file(
         directory.mkdir()
         lock = RunLock(str(directory))
         (directory / name).write_text("half")
-        lock.release(remove_model_dir_if_unused=True, own_files=model_dir_lib.BEFORE_TRAINING)
+        lock.release(remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING)
         assert directory.exists() is not removed, name

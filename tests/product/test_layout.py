@@ -7,6 +7,8 @@ their folders show them: in the folder of what each tests."""
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import distributed_mpt
@@ -92,6 +94,35 @@ def test_no_module_is_over_400_lines():
     long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
             if (n := len(path.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def test_training_holds_at_most_6_modules():
+    # One run's code, named by what a reader looks for (plan, build, loop,
+    # checkpoints, outputs, run): it was 11 modules, read together.
+    modules = sorted(path.name for path in (PACKAGE / "training").glob("*.py")
+                     if path.name != "__init__.py")
+    assert len(modules) <= 6, modules
+
+
+def _heavy_imports(module: str) -> list:
+    """Which of TensorFlow and Keras a fresh interpreter holds after
+    importing `module` of this checkout."""
+    probe = (f"import sys, {module}; "
+             f"print(*sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=300, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.splitlines()[-1].split()
+
+
+def test_importing_the_run_imports_neither_tensorflow_nor_keras():
+    # training/run.py checks and locks --model_dir before TensorFlow starts
+    # (MultiWorkerMirroredStrategy must come before any other TensorFlow op,
+    # and a refusal should cost nothing): it imports TensorFlow, and the
+    # modules that do, only inside its functions.
+    assert _heavy_imports("distributed_mpt.training.run") == []
+    # The probe sees an import where there is one.
+    assert _heavy_imports("distributed_mpt.training.loop") == ["keras", "tensorflow"]
 
 
 def _init_parameters(cls: ast.ClassDef) -> int:

@@ -16,9 +16,9 @@ from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.optim import groups, optimizer as optimizer_lib
 from distributed_mpt.errors import CheckpointMismatchError, UserError
-from distributed_mpt.training import checkpointing
-from distributed_mpt.training.checkpointing import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
-                                                    DiskFullError, model_identity)
+from distributed_mpt.training import checkpoints
+from distributed_mpt.training.checkpoints import (MAX_TO_KEEP, CheckpointDamagedError, Checkpoints,
+                                                  DiskFullError, model_identity)
 
 
 def build_model(name, width=64):
@@ -275,7 +275,7 @@ def test_a_full_disk_is_one_error_that_leaves_no_partial_checkpoint(tmpfs):
     with pytest.raises(DiskFullError) as raised:
         saver.save(2)
     message = str(raised.value)
-    needed = (MAX_TO_KEEP + 1) * checkpointing.checkpoint_bytes(model=model, step=step)
+    needed = (MAX_TO_KEEP + 1) * checkpoints.checkpoint_bytes(model=model, step=step)
     assert str(mount_point / "checkpoints") in message and f"{-(-needed // 10**6)} MB" in message
     assert "\n" not in message and raised.value.exit_code == 2
     assert sorted(p.name for p in (mount_point / "checkpoints").iterdir()) == \
@@ -301,7 +301,7 @@ def test_checkpoint_bytes_match_the_files_written(tmp_path):
     Checkpoints(str(tmp_path), None, model_identity(model, "float32"), model=model,
                 optimizer=optimizer, step=step).save(1)
     written = sum(p.stat().st_size for p in (tmp_path / "checkpoints").glob("ckpt-1.*"))
-    estimate = checkpointing.checkpoint_bytes(model=model, optimizer=optimizer, step=step)
+    estimate = checkpoints.checkpoint_bytes(model=model, optimizer=optimizer, step=step)
     assert estimate <= written < estimate * 1.05 + 20_000
 
 

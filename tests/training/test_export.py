@@ -12,7 +12,7 @@ from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.errors import ConfigError
-from distributed_mpt.training import export
+from distributed_mpt.training import outputs
 
 
 def _build(name, width=64):
@@ -20,8 +20,8 @@ def _build(name, width=64):
 
 
 def _export(model, model_dir, info=None):
-    return export.export_model(model, str(model_dir), cifar10.INFO.class_names,
-                               cifar10.INFO.image_shape, info)
+    return outputs.export_model(model, str(model_dir), cifar10.INFO.class_names,
+                                cifar10.INFO.image_shape, info)
 
 
 def _file(path):
@@ -59,19 +59,19 @@ def test_a_users_export_is_refused_and_kept(tmp_path, make):
     make(tmp_path / "export")
     before = _contents(tmp_path)
     with pytest.raises(ConfigError, match="not an export of this program"):
-        export.check_export_destination(str(tmp_path))
+        outputs.check_export_destination(str(tmp_path))
     with pytest.raises(ConfigError, match="not an export of this program"):
         _export(_build("mlp"), tmp_path)
     assert _contents(tmp_path) == before  # nothing moved, no staging directory left
 
 
 def test_nothing_an_empty_directory_or_a_previous_export_is_replaceable(tmp_path):
-    export.check_export_destination(str(tmp_path))
+    outputs.check_export_destination(str(tmp_path))
     (tmp_path / "export").mkdir()
-    export.check_export_destination(str(tmp_path))
+    outputs.check_export_destination(str(tmp_path))
     (tmp_path / "export" / "saved_model").mkdir()
     (tmp_path / "export" / "classes.txt").write_text("airplane\n")
-    export.check_export_destination(str(tmp_path))
+    outputs.check_export_destination(str(tmp_path))
 
 
 def test_export_replaces_the_previous_export_whole(tmp_path):

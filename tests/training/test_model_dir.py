@@ -16,15 +16,15 @@ from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, snaps
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.process import run_lock
 from distributed_mpt.process.run_lock import RunLock
-from distributed_mpt.training import checkpointing, model_dir as model_dir_lib
+from distributed_mpt.training import checkpoints, outputs
 
 E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
 
 
 def test_a_directory_of_the_users_files_is_refused_unless_adopted(tmp_path):
-    assert model_dir_lib.check_ours(str(tmp_path / "missing")) is None
+    assert outputs.check_ours(str(tmp_path / "missing")) is None
     (tmp_path / "empty").mkdir()
-    model_dir_lib.check_ours(str(tmp_path / "empty"))
+    outputs.check_ours(str(tmp_path / "empty"))
     # What another run writes before its marker: the lock, its write test and
     # the marker's temporary file. Left to the lock (CI saw two runs started
     # together end in exit 2, "files this program did not write", not busy).
@@ -33,19 +33,19 @@ def test_a_directory_of_the_users_files_is_refused_unless_adopted(tmp_path):
     for name in (run_lock.LOCK_NAME, ".write-test-4242-9f3ab2c1-ab12cd_3",
                  ".tmp-4242-9f3ab2c1-x9y8z7w6"):
         (starting / name).write_text("")
-    model_dir_lib.check_ours(str(starting))
+    outputs.check_ours(str(starting))
     users = tmp_path / "users"
     users.mkdir()
     (users / "config.json").write_text('{"mine": 1}')
     (users / ".tmp-notes").write_text("mine")
     with pytest.raises(ConfigError) as raised:
-        model_dir_lib.check_ours(str(users))
+        outputs.check_ours(str(users))
     message = str(raised.value)
     assert "holds files this program did not write (.tmp-notes, config.json)" in message
     assert "--adopt_model_dir" in message and "\n" not in message
-    model_dir_lib.check_ours(str(users), adopt=True)
-    model_dir_lib.mark(str(users))
-    model_dir_lib.check_ours(str(users))  # marked: ours from now on
+    outputs.check_ours(str(users), adopt=True)
+    outputs.mark(str(users))
+    outputs.check_ours(str(users))  # marked: ours from now on
 
 
 def test_a_run_refuses_a_directory_of_the_users_files_and_adopts_it_when_told(model_dir):
@@ -62,7 +62,7 @@ def test_a_run_refuses_a_directory_of_the_users_files_and_adopts_it_when_told(mo
 
     assert_ok(train([*E2E, "--train_steps=2", "--adopt_model_dir", f"--model_dir={model_dir}"]))
     assert (model_dir / "notes.txt").read_text() == "mine\n", "the user's other files stay"
-    assert (model_dir / model_dir_lib.MARKER).is_file()
+    assert (model_dir / outputs.MARKER).is_file()
     # Marked: the next run needs no flag.
     assert_ok(train([*E2E, "--train_steps=4", f"--model_dir={model_dir}"]))
 
@@ -90,12 +90,12 @@ def test_remove_debris_takes_only_what_carries_a_killed_runs_tag(tmp_path):
     for name in debris + kept:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    model_dir_lib.mark(str(tmp_path))
+    outputs.mark(str(tmp_path))
     with RunLock(str(tmp_path)):
-        removed = model_dir_lib.remove_debris(str(tmp_path), [TAG])
+        removed = outputs.remove_debris(str(tmp_path), [TAG])
     assert len(removed) == 8
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    assert left == sorted(kept + [run_lock.LOCK_NAME, model_dir_lib.MARKER])
+    assert left == sorted(kept + [run_lock.LOCK_NAME, outputs.MARKER])
 
 
 def test_remove_debris_touches_nothing_in_a_directory_not_marked_as_ours(tmp_path):
@@ -104,7 +104,7 @@ def test_remove_debris_touches_nothing_in_a_directory_not_marked_as_ours(tmp_pat
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     before = snapshot(tmp_path)
-    assert model_dir_lib.remove_debris(str(tmp_path), [TAG]) == []
+    assert outputs.remove_debris(str(tmp_path), [TAG]) == []
     assert snapshot(tmp_path) == before
 
 
@@ -123,11 +123,11 @@ def test_what_tensorflow_leaves_when_killed_mid_save_is_debris(tmp_path):
         saver.send_signal(signal.SIGKILL)
         saver.wait()
     assert list(checkpoint_dir.glob("ckpt-*_temp")), "killed while a checkpoint was being written"
-    model_dir_lib.mark(str(tmp_path))
+    outputs.mark(str(tmp_path))
     with RunLock(str(tmp_path)):
-        model_dir_lib.remove_debris(str(tmp_path), [])
+        outputs.remove_debris(str(tmp_path), [])
     for path in checkpoint_dir.iterdir():
-        assert path.name == "checkpoint" or checkpointing._CHECKPOINT_FILE.match(path.name), path
+        assert path.name == "checkpoint" or checkpoints._CHECKPOINT_FILE.match(path.name), path
 
 
 def test_a_run_after_a_killed_run_removes_its_debris_and_only_that(model_dir):

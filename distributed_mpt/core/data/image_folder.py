@@ -18,7 +18,7 @@ standard deviation the model normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
 SHA-256 of its file list with their sizes: what a resumed run compares, so
-that it does not continue on other images (training/resumption.py).
+that it does not continue on other images (training/plan.py).
 """
 
 import hashlib

@@ -9,8 +9,9 @@ A checkpoint is lost only if every copy of it is: a run restores the newest
 checkpoint that reads back whole, found by listing the files on disk rather
 than by trusting the `checkpoint` index file (a crash, a full disk or a user
 can leave that file garbage or pointing at nothing), and skips damaged newer
-ones, saying why; the index file is then rewritten from what was found. When checkpoints exist and none reads back, the run stops
-and changes nothing: it never starts from step 0 over them. Beside the
+ones, saying why; the index file is then rewritten from what was found.
+When checkpoints exist and none reads back, the run stops and changes
+nothing: it never starts from step 0 over them. Beside the
 checkpoints, `model.json` records which model they hold, so that a run of
 another model refuses the directory instead of failing deep in TensorFlow
 or, worse, overwriting it.
@@ -32,7 +33,7 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.errors import CheckpointMismatchError, UserError, first_line, quoted
-from distributed_mpt.training.model_dir import debris, remove_matching
+from distributed_mpt.training.outputs import debris, remove_matching
 
 MAX_TO_KEEP = 3
 
@@ -218,15 +219,15 @@ class Checkpoints:
         run again changes no file)."""
         path = os.path.join(self._shared_dir, _INDEX_FILE)
         names = [os.path.basename(p) for p in reversed(older)] + [f"ckpt-{step}"]
-        state = _read_index(path)
+        listed = _read_index(path)
         if step is None:
             if os.path.lexists(path):
                 files.warn(f"removed {path}: it names checkpoints that are not there")
                 os.remove(path)
             return
-        if state is not None and state.names == names:
+        if listed == names:
             return
-        if state is None and os.path.lexists(path):
+        if listed is None and os.path.lexists(path):
             files.warn(f"{path} was damaged; rewritten from the checkpoints on disk")
         # CheckpointManager deletes only checkpoints newer than the "last
         # preserved" time, so they get now and that time a second before.
@@ -295,14 +296,10 @@ def checkpoints_on_disk(directory: str) -> List[Tuple[int, str]]:
     return [(step, os.path.join(directory, f"ckpt-{step}")) for step in sorted(steps, reverse=True)]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Index:
-    names: List[str]  # the checkpoints the index file lists, oldest first
-
-
-def _read_index(path: str) -> Optional[_Index]:
-    """What the index file at `path` lists; None if there is none, or if it
-    is not what CheckpointManager writes (then it is rebuilt, never trusted)."""
+def _read_index(path: str) -> Optional[List[str]]:
+    """The checkpoints the index file at `path` lists, oldest first; None if
+    there is none, or if it is not what CheckpointManager writes (then it is
+    rebuilt, never trusted)."""
     try:
         text = files.read_text(path, remedy="")
     except files.DamagedFileError:
@@ -316,7 +313,7 @@ def _read_index(path: str) -> Optional[_Index]:
             return None
         if match.group(1) == "all_model_checkpoint_paths":
             names.append(match.group(2))
-    return _Index(names)
+    return names
 
 
 def _number(prefix: str) -> int:
