@@ -33,7 +33,7 @@ from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.errors import (EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError,
                                     first_line)
-from distributed_mpt.process import log_filter, run_lock, stopping
+from distributed_mpt.process import log_filter, memory, run_lock, stopping
 from distributed_mpt.process.startup_watchdog import StartupWatchdog
 from distributed_mpt.training import outputs
 
@@ -357,6 +357,10 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
                          reporter: Reporter, summary: dict, export_model: bool) -> None:
     """Evaluates the trained model into `summary`, and exports it if
     `export_model` (the chief) and the config say so."""
+    # What training freed back to the system first, and what evaluation
+    # freed before the export: each grows from what is in use, not from the
+    # phase before's peak (process/memory.py).
+    memory.release_freed_memory()
     if config.evaluate:
         activity = f"evaluating on the {len(dataset.test)} test images"
         reporter.say(activity)
@@ -367,6 +371,7 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         # curve ends where the run ends.
         reporter.log(summary["steps"], {"epoch": summary["epochs"], **result})
     if export_model and config.export:
+        memory.release_freed_memory()
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
         info = outputs.model_info(dataclasses.asdict(config), summary)

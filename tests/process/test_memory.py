@@ -182,3 +182,29 @@ def test_counting_the_parameters_changes_no_initial_weight(name):
     models.parameter_count(spec, cifar10.INFO, 8)
     counted_first = models.build_model(spec, cifar10.INFO, 8).get_weights()
     assert all(np.array_equal(a, b) for a, b in zip(plain, counted_first))
+
+
+def test_freed_memory_goes_back_to_the_system():
+    # A heap that holds 320 MB freed below a block still in use: glibc keeps
+    # it (it gives back only what is free at the top) until told.
+    probe = """
+import os
+from distributed_mpt.process import memory
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+chunks = [b"x" * 32768 for _ in range(10_000)]
+in_use = b"y" * 32768
+del chunks
+kept = resident()
+released = memory.release_freed_memory()
+print(released, kept, resident())
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env=subprocess_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    released, kept, after = result.stdout.split()
+    print(f"resident before {int(kept) / 1e6:.0f} MB, after {int(after) / 1e6:.0f} MB")
+    assert released == "True"
+    assert int(kept) - int(after) > 200e6
