@@ -31,7 +31,7 @@ import re
 import statistics
 from importlib import resources
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.errors import ConfigError
@@ -236,7 +236,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     import datetime
     from distributed_mpt import recipes
     existing = files.read_jsonl(path, {"kind": str})[0]
-    machine, commit = describe_machine(), code_commit()
+    commit = code_commit()
     given = []
     for arg in train_flags:  # `--name value`, as absl takes it too, becomes `--name=value`
         if given and not arg.startswith("-") and "=" not in given[-1]:
@@ -250,7 +250,8 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
         import hashlib
         digest = hashlib.sha1(json.dumps(run_flags, sort_keys=True).encode()).hexdigest()
         label = f"flags {digest[:8]}"
-    records = [] if any(r.get("machine") == machine["machine"] for r in existing) else [machine]
+    machine, is_new = ledger_machine([r for r in existing if r.get("kind") == "machine"])
+    records = [machine] if is_new else []
     ids = {r.get("id") for r in existing}
 
     def end_of(summary_path):
@@ -281,10 +282,31 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     return records
 
 
-def describe_machine(cpuinfo: str = "/proc/cpuinfo") -> dict:
+def ledger_machine(known: List[dict], described: Optional[dict] = None) -> Tuple[dict, bool]:
+    """(the ledger's record of this machine, whether it is new to the
+    ledger) among the machine records `known`: the one whose id is this
+    machine's description (`describe_machine`, or `described`), or whose
+    "described" field names it (a machine the ledger names by hand, as
+    "xeon-amx-2.6ghz"), or, recorded before descriptions had a clock, whose
+    id is the description without it; else the description, new."""
+    machine = described or describe_machine()
+    clockless = re.sub(r"-[0-9]+-[0-9]+-ghz(?=-)", "", machine["machine"])
+    for candidate in (machine["machine"], clockless):
+        for record in known:
+            if candidate in (record["machine"], record.get("described")):
+                return record, False
+    return machine, True
+
+
+def describe_machine(cpuinfo: str = "/proc/cpuinfo",
+                     max_frequency: str = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"
+                     ) -> dict:
     """A machine record for this host, from /proc/cpuinfo: its CPU's model,
-    family and model numbers, cores this process may use, and its widest
-    vector and bfloat16 instructions."""
+    family and model numbers, clock, cores this process may use, and its
+    widest vector and bfloat16 instructions. The clock tells apart CPUs that
+    report the same model (a virtual machine's "Intel(R) Xeon(R) Processor",
+    family 6, model 167, at 2.0 and at 2.6 GHz): the highest frequency cpufreq
+    states, else /proc/cpuinfo's "cpu MHz" (fixed in a virtual machine)."""
     fields = {}
     try:
         with open(cpuinfo) as f:
@@ -297,7 +319,16 @@ def describe_machine(cpuinfo: str = "/proc/cpuinfo") -> dict:
     isa = ", ".join(i.upper() for i in ("avx512_bf16", "amx_bf16", "avx512f", "avx2")
                     if i in flags) or "no AVX2"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        with open(max_frequency) as f:
+            megahertz = int(f.read()) / 1000
+    except (OSError, ValueError):
+        try:
+            megahertz = float(fields.get("cpu MHz", ""))
+        except ValueError:
+            megahertz = None
+    clock = f", {megahertz / 1000:.1f} GHz" if megahertz else ""
     cpu = (f"{cores} cores of an {fields.get('model name', 'unknown CPU')} (family "
-           f"{fields.get('cpu family', '?')}, model {fields.get('model', '?')}) with {isa}")
+           f"{fields.get('cpu family', '?')}, model {fields.get('model', '?')}{clock}) with {isa}")
     return {"kind": "machine", "machine": re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-"),
             "cpu": cpu, "column": cpu}

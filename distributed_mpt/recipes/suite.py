@@ -86,8 +86,8 @@ def time_tests(suite: str, conditions: str, path: str = records.PATH,
     outcome = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     tests = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|xfailed|xpassed|"
                                            r"errors?)", outcome))
-    machine = records.describe_machine()
-    new = [] if machine["machine"] in ledger.machines else [machine]
+    machine, is_new = records.ledger_machine(list(ledger.machines.values()))
+    new = [machine] if is_new else []
     new.append({"kind": "tests", "suite": suite, "tests": tests,
                 "wall_seconds": round(seconds, 1),
                 "command": f"python -m pytest -q {' '.join(targets)}" + (

@@ -102,6 +102,35 @@ def test_the_ledger_lists_a_recipes_runs():
     assert bad.returncode == 2 and bad.stderr.startswith("error: no_such_recipe is not one")
 
 
+def test_a_machines_description_has_its_clock(tmp_path):
+    # Two Xeons a virtual machine reports alike, but for the clock.
+    from distributed_mpt.recipes import records
+
+    cpuinfo = tmp_path / "cpuinfo"
+    described = {}
+    for mhz in ("2000.000", "2600.000"):
+        cpuinfo.write_text(f"model name\t: Intel(R) Xeon(R) Processor\ncpu family\t: 6\n"
+                           f"model\t\t: 167\ncpu MHz\t\t: {mhz}\nflags\t\t: avx2 amx_bf16\n")
+        described[mhz] = records.describe_machine(str(cpuinfo), str(tmp_path / "no_cpufreq"))
+    assert "(family 6, model 167, 2.6 GHz) with AMX_BF16, AVX2" in described["2600.000"]["cpu"]
+    assert described["2000.000"]["machine"] != described["2600.000"]["machine"]
+    (tmp_path / "max_freq").write_text("3500000\n")  # kHz: cpufreq's, where there is one
+    assert ", 3.5 GHz)" in records.describe_machine(str(cpuinfo), str(tmp_path / "max_freq"))["cpu"]
+
+
+def test_runs_go_to_the_machine_the_ledger_names_for_their_description():
+    from distributed_mpt.recipes import records
+
+    here = {"kind": "machine", "machine": "2-cores-of-an-x-family-6-model-167-2-6-ghz-with-avx2",
+            "cpu": "...", "column": "..."}
+    named = {"kind": "machine", "machine": "xeon-2.6ghz", "described": here["machine"]}
+    older = {"kind": "machine", "machine": "2-cores-of-an-x-family-6-model-167-with-avx2"}
+    assert records.ledger_machine([named, older], here) == (named, False)
+    # Recorded before descriptions had a clock: the same record, not a new one.
+    assert records.ledger_machine([older], here) == (older, False)
+    assert records.ledger_machine([], here) == (here, True)
+
+
 def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
     """--time_tests runs pytest, times it, and appends the run's record and,
     new to the ledger, this machine's (it once failed only after the whole
@@ -113,7 +142,7 @@ def test_a_timed_suite_is_recorded_with_its_machine(tmp_path, capsys):
     one_test = "tests/product/test_layout.py::test_the_walk_sees_lazy_imports"
     assert suite.time_tests("fast", "a test", path=str(ledger), targets=(one_test,)) == 0
     machine, run = (json.loads(line) for line in ledger.read_text().splitlines())
-    assert machine == records.describe_machine()
+    assert machine == records.describe_machine()  # new to an empty ledger
     assert (run["kind"], run["suite"], run["tests"], run["machine"], run["conditions"]) == (
         "tests", "fast", 1, machine["machine"], "a test")
     assert run["wall_seconds"] > 0 and "1 passed" in run["outcome"]
