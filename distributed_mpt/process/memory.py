@@ -149,10 +149,9 @@ def release_freed_memory() -> bool:
     the peak varies with the order in which threads allocate). False where
     the C library has no malloc_trim (not glibc)."""
     import ctypes
-    import ctypes.util
 
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    try:  # the C library the process runs on, whatever its file is called
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
     trim(0)

@@ -208,3 +208,15 @@ print(released, kept, resident())
     print(f"resident before {int(kept) / 1e6:.0f} MB, after {int(after) / 1e6:.0f} MB")
     assert released == "True"
     assert int(kept) - int(after) > 200e6
+
+
+def test_without_malloc_trim_nothing_is_released(monkeypatch):
+    # musl or macOS: a C library without glibc's malloc_trim.
+    import ctypes
+
+    class WithoutTrim:
+        def __init__(self, name):
+            pass
+
+    monkeypatch.setattr(ctypes, "CDLL", WithoutTrim)
+    assert memory.release_freed_memory() is False
