@@ -23,7 +23,6 @@ from distributed_mpt.recipes.records import (Ledger, load, percent, recorded_uni
                                              wall_seconds, wall_time)
 
 
-
 def listing(ledger: Ledger, recipe: Optional[str] = None) -> str:
     """Every run (of `recipe`), set by set, as Markdown."""
     lines = []

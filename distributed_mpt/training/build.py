@@ -2,6 +2,7 @@
 optimizer, the lookahead and the compiled steps, built from the flags in the
 strategy's scope, and the input pipeline that feeds them."""
 
+import contextlib
 import dataclasses
 
 import tensorflow as tf
@@ -11,6 +12,7 @@ from distributed_mpt.core import models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import Dataset, ImageSplit
 from distributed_mpt.core.eval_views import EvalViews
+from distributed_mpt.core.models.contract import users_code
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import make_optimizer
@@ -74,7 +76,10 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
         jitter_split = (models.split_at_normalization(model, config.model)
                         if _augmentation(config).jitters_colors else None)
         lookahead = Lookahead(model, plan.total_steps) if config.lookahead else None
-        parameter_groups = groups.parameter_groups(model, _group_settings(config, plan))
+        # A user's model may name its variables' groups: its hook is code.
+        with (users_code(config.model, "failed to say which parameter group its variables "
+                         "train in") if spec.is_users else contextlib.nullcontext()):
+            parameter_groups = groups.parameter_groups(model, _group_settings(config, plan))
         if spec.is_users:  # which rule trains what, which the user may change (extending.md)
             notes.append(f"parameter groups: {groups.describe(parameter_groups)}")
         optimizer = make_optimizer(parameter_groups, schedule, step,

@@ -17,7 +17,8 @@ model (`build_model` in __init__.py; docs/extending.md, "Your own model"):
   which cannot be dropped: it is refused, saying so.
 - It has weights to train.
 - Its `parameter_group` hook, if it has one, names a group of
-  core/optim/groups.py (or None) for every trainable variable.
+  core/optim/groups.py (or None) for every trainable variable: checked
+  where the groups are made (training/build.py), which calls it once.
 
 A model function is code, trusted as its user: whatever it raises, a
 SystemExit and a KeyboardInterrupt included, is one ModelError naming it
@@ -196,10 +197,6 @@ def check_contract(name: str, model, info) -> None:
         raise ModelError(f"--model={quoted(name)} has no trainable weights ({len(model.weights)} "
                          f"frozen): there is nothing to train; leave some layers trainable "
                          f"(layer.trainable = False freezes one)")
-    from distributed_mpt.core.optim import groups
-
-    with users_code(name, "failed to say which parameter group its variables train in"):
-        groups.chosen_groups(model)
 
 
 # What the user rescales pixels with: these layers, and arithmetic on the

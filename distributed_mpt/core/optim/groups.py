@@ -143,7 +143,7 @@ def chosen_groups(model) -> dict:
     """{id(variable): group} for each trainable variable to which `model`'s
     `parameter_group` hook gives a group; {} for a model without the hook.
     Raises ValueError for a hook that is not a function, or an answer that
-    names no group (the contract turns it into one line naming the model)."""
+    names no group (training/build.py turns it into one line naming the model)."""
     hook = getattr(model, HOOK, None)
     if hook is None:
         return {}
