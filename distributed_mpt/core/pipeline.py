@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from distributed_mpt.core.augmentation import CROP_PADDING, Augmentation
 from distributed_mpt.core.data import ImageSplit
+from distributed_mpt.core.data.dataset import ALIGNMENT
 
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     """Full global batches per epoch (training drops the ragged remainder)."""
@@ -78,9 +79,20 @@ def _pipeline_share(values: tf.Tensor, steps: int, context: tf.distribute.InputC
 
 def _host_tensors(split: ImageSplit):
     """The split as tensors in host memory, where tf.data runs (an eager
-    constant would otherwise land on the GPU and be copied back)."""
+    constant would otherwise land on the GPU and be copied back), sharing
+    the split's buffers: `tf.constant` would copy them twice and keep one
+    copy for the life of the process (TensorFlow 2.21: 300 MB for CIFAR-10's
+    train split). DLPack shares a buffer only if it is C-contiguous and
+    64-byte aligned (TensorFlow aborts the process otherwise), as
+    `ImageSplit` keeps them, and writeable (NumPy's rule)."""
+    def tensor(array):
+        if (array.flags.c_contiguous and array.flags.writeable and array.size
+                and array.ctypes.data % ALIGNMENT == 0):
+            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        return tf.constant(array)
+
     with tf.device("/cpu:0"):
-        return tf.constant(split.images), tf.constant(split.labels)
+        return tensor(split.images), tensor(split.labels)
 
 
 def _options() -> tf.data.Options:

@@ -106,3 +106,27 @@ def test_augmentation_matches_reflect_pad_crop_and_flip():
                                                 offsets[[5, 0, 63]], flips[[5, 0, 63]])
     np.testing.assert_array_equal(augmented, expected[[5, 0, 63]])
     np.testing.assert_array_equal(labels, [5, 0, 63])
+
+
+def test_the_pipeline_reads_the_splits_own_buffer_not_a_copy():
+    # tf.constant would copy CIFAR-10's train split twice and keep one copy
+    # for good (300 MB of a run's peak): the pipeline shares the buffer. An
+    # ImageSplit keeps it as TensorFlow can share it, whatever it was given.
+    from distributed_mpt.core.data import ImageSplit
+    from distributed_mpt.core.data.dataset import ALIGNMENT
+    rng = np.random.default_rng(0)
+    given = np.zeros(100 * 12 + 1, np.uint8)[1:].reshape(100, 2, 2, 3)  # 1 byte off: unaligned
+    given[...] = rng.integers(0, 256, given.shape)
+    split = ImageSplit(given, np.arange(100, dtype=np.int32))
+    np.testing.assert_array_equal(split.images, given)
+    assert split.images.ctypes.data % ALIGNMENT == 0 and split.labels.ctypes.data % ALIGNMENT == 0
+    images, labels = pipeline._host_tensors(split)
+    split.images[7] = 255 - split.images[7]
+    split.labels[7] = 99
+    np.testing.assert_array_equal(images.numpy(), split.images)
+    assert labels.numpy()[7] == 99
+    # What cannot be shared (read-only) is copied, as before.
+    frozen = ImageSplit(split.images.copy(), split.labels.copy())
+    frozen.images.flags.writeable = False
+    images, _ = pipeline._host_tensors(frozen)
+    np.testing.assert_array_equal(images.numpy(), frozen.images)
