@@ -50,10 +50,6 @@ class AllReduce:
     def replicas(self) -> int:
         return self.workers
 
-    @property
-    def steps(self) -> int:  # fixed by the spec: every worker makes the same calls
-        return self.repeats
-
     def describe(self) -> str:
         """The measurement in a few words, for errors."""
         return f"all-reduce over {self.workers} workers ({self.communication})"
@@ -170,7 +166,7 @@ def fit(measurements: Sequence[dict], cores: int) -> Tuple[float, float, Dict[in
         n = result["workers"]
         for timing in result["sizes"]:
             rows.append(ring_features(n, timing["bytes"], cores))
-            times.append(float(np.median(timing["seconds"])))
+            times.append(median_seconds(timing))
             workers.append(n)
     rows, times = np.array(rows), np.array(times)
     (latency, per_byte), *_ = np.linalg.lstsq(rows / times[:, None], np.ones(len(times)), rcond=None)

@@ -46,6 +46,12 @@ class Cell:
     seconds: float = 2.0
     steps: int = 0  # timed steps per call; 0: chosen from `seconds`
 
+    def __post_init__(self):
+        # Workers must agree on the steps of every call, rather than each
+        # judging its own speed.
+        if self.strategy == "multi_worker" and not self.steps:
+            raise ValueError("a multi_worker cell needs its steps fixed")
+
     def describe(self) -> str:
         """The cell in a few words, for progress lines and errors."""
         parallel = f" x{self.replicas}" if self.strategy != "default" else ""
@@ -95,8 +101,6 @@ def measure(cell: Cell) -> dict:
         return time.perf_counter() - started
 
     seconds_of(WARMUP_STEPS)
-    # Workers must agree on the steps of every call: a multi_worker cell comes
-    # with them fixed (run_cell insists) rather than each judging its speed.
     steps = cell.steps or min(max(round(cell.seconds * 2 / seconds_of(2)), MIN_STEPS), MAX_STEPS)
     rates = [steps * plan.global_batch_size / seconds_of(steps) for _ in range(cell.repeats)]
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
@@ -116,8 +120,6 @@ def run_cell(cell) -> dict:
     the (chief's) figures; raises RuntimeError naming the cell and the
     failure's last line."""
     multi_worker = getattr(cell, "strategy", None) == "multi_worker"
-    if multi_worker and not cell.steps:
-        raise ValueError("a multi_worker cell needs its steps fixed")
     # Never a `./distributed_mpt/` of the working directory (helper_command).
     # A measurement defined elsewhere names the module whose process runs it.
     command = helper_command(getattr(cell, "module", "distributed_mpt.benchmark.cells"), type(cell).__name__,
@@ -128,8 +130,10 @@ def run_cell(cell) -> dict:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
                  stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in tf_configs]
-        processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True,
-                                      env=_environment(tf_config))
+        environment = dict(os.environ, PYTHONUNBUFFERED="1")
+        environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
+        processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True, env=dict(
+            environment, TF_CONFIG=tf_config) if tf_config else environment)
                      for (out, err), tf_config in zip(logs, tf_configs)]
         deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
         try:  # a worker that fails leaves its peers waiting in a collective: stop all
@@ -150,12 +154,6 @@ def run_cell(cell) -> dict:
             raise RuntimeError(f"{cell.describe()}: exited {code}: {reason}")
         logs[0][0].seek(0)
         return json.loads(logs[0][0].read().strip().splitlines()[-1])
-
-
-def _environment(tf_config) -> dict:
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
-    return dict(environment, TF_CONFIG=tf_config) if tf_config else environment
 
 
 def main(measures=None) -> int:
