@@ -42,13 +42,7 @@ class AllReduce:
     gradients: Tuple[int, ...] = ()
     bytes_per_pack: Tuple[int, ...] = ()
 
-    # What cells.run_cell reads of a measurement in several processes.
-    strategy = "multi_worker"
-    module = "distributed_mpt.benchmark.allreduce"
-
-    @property
-    def replicas(self) -> int:
-        return self.workers
+    module = "distributed_mpt.benchmark.allreduce"  # whose process times it (cells.run_cell)
 
     def describe(self) -> str:
         """The measurement in a few words, for errors."""

@@ -52,6 +52,11 @@ class Cell:
         if self.strategy == "multi_worker" and not self.steps:
             raise ValueError("a multi_worker cell needs its steps fixed")
 
+    @property
+    def workers(self) -> int:
+        """The processes of its multi-worker job (cells.run_cell); 0: one, no job."""
+        return self.replicas if self.strategy == "multi_worker" else 0
+
     def describe(self) -> str:
         """The cell in a few words, for progress lines and errors."""
         parallel = f" x{self.replicas}" if self.strategy != "default" else ""
@@ -116,16 +121,15 @@ _MEASURES = {Cell.__name__: (Cell, measure), roof.Roof.__name__: (roof.Roof, roo
 
 
 def run_cell(cell) -> dict:
-    """Measures `cell` (a Cell or a roof.Roof) in fresh processes and returns
-    the (chief's) figures; raises RuntimeError naming the cell and the
-    failure's last line."""
-    multi_worker = getattr(cell, "strategy", None) == "multi_worker"
+    """Measures `cell` in fresh processes: one, or its `workers` as a job on
+    127.0.0.1. Returns the (chief's) figures; raises RuntimeError naming the
+    cell and the failure's last line. A Cell or a roof.Roof runs in this
+    module's process; a measurement defined elsewhere names its `module`."""
     # Never a `./distributed_mpt/` of the working directory (helper_command).
-    # A measurement defined elsewhere names the module whose process runs it.
     command = helper_command(getattr(cell, "module", "distributed_mpt.benchmark.cells"), type(cell).__name__,
                              json.dumps(dataclasses.asdict(cell)))
-    tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
-                  else [None])
+    workers = getattr(cell, "workers", 0)
+    tf_configs = launch.worker_tf_configs(launch.free_ports(workers)) if workers else [None]
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
