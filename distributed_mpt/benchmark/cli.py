@@ -40,7 +40,7 @@ from distributed_mpt.process import log_filter, stopping
 from distributed_mpt import files
 from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
-    SECTIONS, Options, failed_sections, format_report, run_benchmark)
+    SECTIONS, Options, format_report, run_benchmark)
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
@@ -159,10 +159,10 @@ def main(argv=None) -> int:
         return ExitCode.USAGE
     if options.output:
         print(f"wrote {options.output}", flush=True)
-    for name in failed_sections(results):
-        print(f"error: section {name} FAILED: {results['sections'][name]['failed']}",
-              file=sys.stderr)
-    return ExitCode.CRASHED if failed_sections(results) else ExitCode.OK
+    failed = {name: s["failed"] for name, s in results["sections"].items() if "failed" in s}
+    for name, reason in failed.items():
+        print(f"error: section {name} FAILED: {reason}", file=sys.stderr)
+    return ExitCode.CRASHED if failed else ExitCode.OK
 
 
 def _write(output: str, results: dict) -> Optional[str]:

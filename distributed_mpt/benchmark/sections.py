@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 from distributed_mpt.benchmark.cells import Cell, run_cell
 from distributed_mpt.benchmark.roof import Roof, best_rate
+from distributed_mpt.errors import first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,15 +252,10 @@ def run_benchmark(options: Options) -> dict:
         except NotMeasured as e:
             section = {"not_measured": str(e)}
         except Exception as e:  # noqa: BLE001 — one broken section must not lose the others
-            section = {"failed": (str(e).strip().splitlines() or [type(e).__name__])[0]}
+            section = {"failed": first_line(e, limit=1000)}
         results["sections"][name] = {**section, "seconds": time.perf_counter() - section_started}
     results["seconds"] = time.perf_counter() - started
     return results
-
-
-def failed_sections(results: dict) -> list:
-    """The names of the sections that failed in `results`."""
-    return [name for name, section in results["sections"].items() if "failed" in section]
 
 
 def _format(value: float, unit: str) -> str:
