@@ -42,17 +42,7 @@ class AllReduce:
     gradients: Tuple[int, ...] = ()
     bytes_per_pack: Tuple[int, ...] = ()
 
-    # What cells.run_cell reads of a measurement in several processes.
-    strategy = "multi_worker"
-    module = "distributed_mpt.benchmark.allreduce"
-
-    @property
-    def replicas(self) -> int:
-        return self.workers
-
-    @property
-    def steps(self) -> int:  # fixed by the spec: every worker makes the same calls
-        return self.repeats
+    module = "distributed_mpt.benchmark.allreduce"  # whose process times it (cells.run_cell)
 
     def describe(self) -> str:
         """The measurement in a few words, for errors."""
@@ -170,7 +160,7 @@ def fit(measurements: Sequence[dict], cores: int) -> Tuple[float, float, Dict[in
         n = result["workers"]
         for timing in result["sizes"]:
             rows.append(ring_features(n, timing["bytes"], cores))
-            times.append(float(np.median(timing["seconds"])))
+            times.append(median_seconds(timing))
             workers.append(n)
     rows, times = np.array(rows), np.array(times)
     (latency, per_byte), *_ = np.linalg.lstsq(rows / times[:, None], np.ones(len(times)), rcond=None)

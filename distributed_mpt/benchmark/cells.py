@@ -46,6 +46,17 @@ class Cell:
     seconds: float = 2.0
     steps: int = 0  # timed steps per call; 0: chosen from `seconds`
 
+    def __post_init__(self):
+        # Workers must agree on the steps of every call, rather than each
+        # judging its own speed.
+        if self.strategy == "multi_worker" and not self.steps:
+            raise ValueError("a multi_worker cell needs its steps fixed")
+
+    @property
+    def workers(self) -> int:
+        """The processes of its multi-worker job (cells.run_cell); 0: one, no job."""
+        return self.replicas if self.strategy == "multi_worker" else 0
+
     def describe(self) -> str:
         """The cell in a few words, for progress lines and errors."""
         parallel = f" x{self.replicas}" if self.strategy != "default" else ""
@@ -95,8 +106,6 @@ def measure(cell: Cell) -> dict:
         return time.perf_counter() - started
 
     seconds_of(WARMUP_STEPS)
-    # Workers must agree on the steps of every call: a multi_worker cell comes
-    # with them fixed (run_cell insists) rather than each judging its speed.
     steps = cell.steps or min(max(round(cell.seconds * 2 / seconds_of(2)), MIN_STEPS), MAX_STEPS)
     rates = [steps * plan.global_batch_size / seconds_of(steps) for _ in range(cell.repeats)]
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"] if gpus
@@ -112,24 +121,23 @@ _MEASURES = {Cell.__name__: (Cell, measure), roof.Roof.__name__: (roof.Roof, roo
 
 
 def run_cell(cell) -> dict:
-    """Measures `cell` (a Cell or a roof.Roof) in fresh processes and returns
-    the (chief's) figures; raises RuntimeError naming the cell and the
-    failure's last line."""
-    multi_worker = getattr(cell, "strategy", None) == "multi_worker"
-    if multi_worker and not cell.steps:
-        raise ValueError("a multi_worker cell needs its steps fixed")
+    """Measures `cell` in fresh processes: one, or its `workers` as a job on
+    127.0.0.1. Returns the (chief's) figures; raises RuntimeError naming the
+    cell and the failure's last line. A Cell or a roof.Roof runs in this
+    module's process; a measurement defined elsewhere names its `module`."""
     # Never a `./distributed_mpt/` of the working directory (helper_command).
-    # A measurement defined elsewhere names the module whose process runs it.
     command = helper_command(getattr(cell, "module", "distributed_mpt.benchmark.cells"), type(cell).__name__,
                              json.dumps(dataclasses.asdict(cell)))
-    tf_configs = (launch.worker_tf_configs(launch.free_ports(cell.replicas)) if multi_worker
-                  else [None])
+    workers = getattr(cell, "workers", 0)
+    tf_configs = launch.worker_tf_configs(launch.free_ports(workers)) if workers else [None]
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
                  stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in tf_configs]
-        processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True,
-                                      env=_environment(tf_config))
+        environment = dict(os.environ, PYTHONUNBUFFERED="1")
+        environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
+        processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True, env=dict(
+            environment, TF_CONFIG=tf_config) if tf_config else environment)
                      for (out, err), tf_config in zip(logs, tf_configs)]
         deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
         try:  # a worker that fails leaves its peers waiting in a collective: stop all
@@ -150,12 +158,6 @@ def run_cell(cell) -> dict:
             raise RuntimeError(f"{cell.describe()}: exited {code}: {reason}")
         logs[0][0].seek(0)
         return json.loads(logs[0][0].read().strip().splitlines()[-1])
-
-
-def _environment(tf_config) -> dict:
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
-    return dict(environment, TF_CONFIG=tf_config) if tf_config else environment
 
 
 def main(measures=None) -> int:

@@ -28,7 +28,6 @@ the others still run, and the exit status is 1.
 # JSON file and the exit status (0; 1 if a section failed; 2 for bad flags).
 
 import os
-import stat
 import sys
 import textwrap
 from typing import Optional
@@ -37,11 +36,11 @@ from absl import flags
 
 from distributed_mpt import cli
 from distributed_mpt import config as config_lib
-from distributed_mpt.process import console, log_filter, stopping
+from distributed_mpt.process import log_filter, stopping
 from distributed_mpt import files
 from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.benchmark.sections import (
-    SECTIONS, Options, failed_sections, format_report, run_benchmark)
+    SECTIONS, Options, format_report, run_benchmark)
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
@@ -82,25 +81,13 @@ def _flag_values() -> flags.FlagValues:
 
 
 def output_kind(path: str) -> Optional[str]:
-    """What `path` is when it is neither absent nor a regular file (nor a
-    link to one): the JSON is written whole, to a temporary file renamed over
-    `path`, which would put a regular file in place of a device node (as
-    root, --output=/dev/null would replace the system's), a FIFO or a socket."""
-    if not os.path.lexists(path):
+    """What `path` is, in words, when it is there and neither a regular file
+    nor a link to one: the JSON is renamed over the file, which would put a
+    regular file in place of a device node (as root, --output=/dev/null would
+    replace the system's), a FIFO or a socket."""
+    if not os.path.lexists(path) or files.is_regular_file(path):
         return None
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:  # a dangling link, a loop of links
-        return "a symbolic link to nothing"
-    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((kind for test, kind in kinds if test(mode)), "a device node")
-
-
-def _written_path(output: str) -> str:
-    """Where --output is written: a symbolic link's target, so that the file
-    the link names is replaced (atomically) and the link stays a link."""
-    return os.path.realpath(output)
+    return files.kind_of(os.path.realpath(path) if os.path.exists(path) else path)
 
 
 def _regular_file_or_absent(path: Optional[str]) -> bool:
@@ -140,23 +127,22 @@ def parse_options(argv) -> Options:
     return options
 
 
-def help_text() -> str:
-    """This module's docstring, each section's description, and the flags."""
+def _help_text() -> str:
+    """This module's docstring and each section's description."""
     about = "\n".join(textwrap.fill(f"{name}: {s.about}.", 79, initial_indent="  ",
                                     subsequent_indent="      ") for name, s in SECTIONS.items())
-    return f"{__doc__}\nSections:\n{about}\n\nFlags:\n{_flag_values().get_help()}"
+    return f"{__doc__}\nSections:\n{about}\n"
 
 
 def main(argv=None) -> int:
     """Runs the benchmark from command-line flags; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help", "--helpfull"} & set(argv):
-        print(help_text())
-        return ExitCode.OK
+    if cli.wants_help(argv):
+        return cli.show_help(_help_text(), _flag_values())
     try:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
-            files.check_writable(os.path.dirname(_written_path(options.output)), "--output")
+            files.check_writable(os.path.dirname(os.path.realpath(options.output)), "--output")
         # TensorFlow's C++ start-up lines, off the report; SIGTERM ends the cells too.
         with log_filter.filtering(), stopping.stops_interrupting():
             results = run_benchmark(options)
@@ -165,31 +151,35 @@ def main(argv=None) -> int:
         return e.exit_code
     except KeyboardInterrupt as e:
         return cli.interrupted(e, "nothing written")
-    unwritten, kind = None, options.output and output_kind(options.output)
-    if kind:  # it became one while we measured: left as it is
-        unwritten = (f"error: --output={options.output} is now {kind}: not replaced; the report "
-                     f"above is all there is")
-    elif options.output:  # first: the report's console may fail (console.py), the file must not
-        try:
-            files.write_json(_written_path(options.output), results)
-        except OSError as e:  # the disk filled, or the directory went, while it measured
-            unwritten = (f"error: cannot write --output={options.output} ({e.strerror}): the "
-                         f"report above is all there is")
-        except UserError as e:  # it became a link to a link that is no file, meanwhile
-            unwritten = f"error: {e}; the report above is all there is"
+    # The file first: the report's console may fail (console.py), the file must not.
+    unwritten = options.output and _write(options.output, results)
     print(format_report(results), flush=True)
     if unwritten:
-        print(unwritten, file=sys.stderr, flush=True)
+        print(f"error: {unwritten}", file=sys.stderr, flush=True)
         return ExitCode.USAGE
     if options.output:
         print(f"wrote {options.output}", flush=True)
-    for name in failed_sections(results):
-        print(f"error: section {name} FAILED: {results['sections'][name]['failed']}",
-              file=sys.stderr)
-    return ExitCode.CRASHED if failed_sections(results) else ExitCode.OK
+    failed = {name: s["failed"] for name, s in results["sections"].items() if "failed" in s}
+    for name, reason in failed.items():
+        print(f"error: section {name} FAILED: {reason}", file=sys.stderr)
+    return ExitCode.CRASHED if failed else ExitCode.OK
+
+
+def _write(output: str, results: dict) -> Optional[str]:
+    """Writes `results` to --output; None, or why it could not (the error line)."""
+    kind = output_kind(output)
+    if kind:  # it became one while we measured: left as it is
+        return f"--output={output} is now {kind}: not replaced; the report above is all there is"
+    try:  # a link's target: the file it names is replaced, and the link stays a link
+        files.write_json(os.path.realpath(output), results)
+    except OSError as e:  # the disk filled, or the directory went, while it measured
+        return f"cannot write --output={output} ({e.strerror}): the report above is all there is"
+    except UserError as e:  # it became a link to a link that is no file, meanwhile
+        return f"{e}; the report above is all there is"
+    return None
 
 
 def run() -> None:
     """Console-script entry point. Ends the process at once when done,
     every output written (see `stopping.exit_now`)."""
-    stopping.exit_now(console.run_with_console(main))
+    cli.console_script(main)

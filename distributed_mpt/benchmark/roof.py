@@ -57,15 +57,22 @@ def measure(roof: Roof) -> dict:
         call = tf.function(lambda a=a, b=b, op=op: tf.reduce_sum(
             tf.cast(tf.reshape(op(a, b), [-1])[:1], tf.float32)))
         call().numpy()
-        rates = []
-        for _ in range(roof.repeats):
-            calls, started = 0, time.perf_counter()
-            while calls == 0 or time.perf_counter() - started < roof.seconds:
-                call().numpy()
-                calls += 1
-            rates.append(calls * flops / (time.perf_counter() - started))
-        rows.append({"kernel": name, "flops_per_second": max(rates)})
+        rows.append({"kernel": name, "flops_per_second": best_rate(
+            lambda: call().numpy(), flops, roof.repeats, roof.seconds)})
     return {"rows": rows}
+
+
+def best_rate(call, work: float, repeats: int, seconds: float) -> float:
+    """The best of `repeats` windows of about `seconds`, each calling `call`
+    as often as fits (once at least): `work` a call over the window's time."""
+    rates = []
+    for _ in range(repeats):
+        calls, started = 0, time.perf_counter()
+        while calls == 0 or time.perf_counter() - started < seconds:
+            call()
+            calls += 1
+        rates.append(calls * work / (time.perf_counter() - started))
+    return max(rates)
 
 
 def forward_flops(model) -> int:

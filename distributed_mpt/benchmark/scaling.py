@@ -358,6 +358,7 @@ def _project(fv: flags.FlagValues, argv: List[str]) -> int:
         files.check_writable(os.path.dirname(os.path.abspath(fv.svg)), "--svg")
     if fv.device == "cpu" and fv.communication != "ring":
         raise ConfigError("--device=cpu: CPUs all-reduce over gRPC; add --communication=ring")
+    chosen = workloads(fv)  # refused now, not after minutes of --measure
     ring = RING
     if fv.measure:
         from distributed_mpt.benchmark.allreduce import measure_and_fit
@@ -369,7 +370,6 @@ def _project(fv: flags.FlagValues, argv: List[str]) -> int:
                   file=sys.stderr, flush=True)
             return ExitCode.CRASHED
         print(report, flush=True)
-    chosen = workloads(fv)
     projections = {w.name: projection(w, fv.device, fv.communication, tuple(ring)) for w in chosen}
     print("\n\n".join(format_table(w, fv.device, fv.communication, projections[w.name])
                       for w in chosen), flush=True)

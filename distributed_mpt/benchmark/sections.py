@@ -18,7 +18,8 @@ import time
 from typing import Dict, Optional, Tuple
 
 from distributed_mpt.benchmark.cells import Cell, run_cell
-from distributed_mpt.benchmark.roof import Roof
+from distributed_mpt.benchmark.roof import Roof, best_rate
+from distributed_mpt.errors import first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +75,10 @@ class Options:
     sections: tuple = tuple(SECTIONS)
     models: tuple = ("mlp", "resnet9")
     batch_sizes: tuple = (32, 256)
-    # auto: what training's --precision=auto picks here; mixed: this
-    # machine's mixed policy, emulated on CPUs without bfloat16 instructions.
+    # Not mixed: emulated on CPUs without bfloat16 instructions, for minutes a cell.
     precisions: tuple = ("float32", "auto")
-    model_width: int = 64
-    repeats: int = 3
+    model_width: int = Cell.model_width
+    repeats: int = Cell.repeats
     seconds: float = Cell.seconds  # per timed loop call
     examples: int = Cell.examples
     roof_batch_size: int = Roof.batch_size
@@ -222,14 +222,7 @@ def pipeline_images_per_second(batch_size: int, options: Options) -> float:
     batches = iter(pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(
         tf.distribute.InputContext()))
     next(batches)  # builds the pipeline
-    rates = []
-    for _ in range(options.repeats):
-        count, started = 0, time.perf_counter()
-        while time.perf_counter() - started < options.seconds:
-            next(batches)
-            count += 1
-        rates.append(count * batch_size / (time.perf_counter() - started))
-    return max(rates)
+    return best_rate(lambda: next(batches), batch_size, options.repeats, options.seconds)
 
 
 def run_benchmark(options: Options) -> dict:
@@ -259,15 +252,10 @@ def run_benchmark(options: Options) -> dict:
         except NotMeasured as e:
             section = {"not_measured": str(e)}
         except Exception as e:  # noqa: BLE001 — one broken section must not lose the others
-            section = {"failed": (str(e).strip().splitlines() or [type(e).__name__])[0]}
+            section = {"failed": first_line(e, limit=1000)}
         results["sections"][name] = {**section, "seconds": time.perf_counter() - section_started}
     results["seconds"] = time.perf_counter() - started
     return results
-
-
-def failed_sections(results: dict) -> list:
-    """The names of the sections that failed in `results`."""
-    return [name for name, section in results["sections"].items() if "failed" in section]
 
 
 def _format(value: float, unit: str) -> str:

@@ -332,3 +332,17 @@ def test_flops_are_counted_from_the_convolutions_and_dense_layers():
     x = keras.layers.Conv2D(6, 1, groups=2)(x)  # 4*4*6 outputs x 1*1*(4/2) weights
     x = keras.layers.Dense(3)(keras.layers.Flatten()(x))  # 3 outputs x 96 weights
     assert roof.forward_flops(keras.Model(images, x)) == 2 * (4608 + 192 + 288)
+
+
+def test_a_multi_worker_cell_without_fixed_steps_is_refused_when_made():
+    """Its workers must make the same calls: none may judge its own speed."""
+    with pytest.raises(ValueError, match="a multi_worker cell needs its steps fixed"):
+        cells.Cell("mlp", "float32", 32, strategy="multi_worker", replicas=2)
+    assert cells.Cell("mlp", "float32", 32, strategy="multi_worker", replicas=2, steps=2).workers == 2
+    assert cells.Cell("mlp", "float32", 32, strategy="mirrored", replicas=2).workers == 0
+
+
+def test_the_best_rate_times_every_window_with_one_call_at_least():
+    calls = []
+    rate = roof.best_rate(lambda: calls.append(1), 10, repeats=3, seconds=0)
+    assert len(calls) == 3 and rate > 0 and math.isfinite(rate)

@@ -99,6 +99,15 @@ def test_the_projection_refuses_half_a_model_of_ones_own(tmp_path):
                           "needs all of --params, --step_ms and --batch")
 
 
+def test_half_a_model_is_refused_before_the_ring_is_timed(capsys, monkeypatch):
+    def measure_and_fit():
+        raise AssertionError("the ring was timed (minutes) before the flags were checked")
+
+    monkeypatch.setattr(allreduce, "measure_and_fit", measure_and_fit)
+    assert scaling.main(["--measure", "--communication=ring", "--params=1e6"]) == 2
+    assert "needs all of --params, --step_ms and --batch" in capsys.readouterr().err
+
+
 YOURS = {"params": "25557032", "step_ms": "103.6", "batch": "256"}
 
 
