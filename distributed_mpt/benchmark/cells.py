@@ -134,7 +134,8 @@ def run_cell(cell) -> dict:
         # Files, not pipes: a child whose pipe fills up would block.
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
                  stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in tf_configs]
-        environment = dict(os.environ, PYTHONUNBUFFERED="1")
+        # TensorFlow's C++ log lines off: the failure's last line must be the error.
+        environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
         environment.pop("TF_CONFIG", None)  # a cell is its own job, never the caller's
         processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True, env=dict(
             environment, TF_CONFIG=tf_config) if tf_config else environment)
