@@ -390,3 +390,22 @@ def test_a_model_that_gives_probabilities_is_scored_as_training_scores_it(views,
     assert np.mean(p.argmax(1) == split.labels) == pytest.approx(result["eval_accuracy"], abs=1e-9)
     assert np.mean(plain.argmax(1) == split.labels) == pytest.approx(
         result["eval_accuracy_without_tta"], abs=1e-9)
+
+
+def test_evaluation_batches_are_bounded_whatever_the_training_batch(monkeypatch):
+    # Evaluation keeps no activations for a backward pass: a training batch
+    # of thousands would only make its maps larger (120 MB more at 1536 in
+    # bfloat16). The results are the same at any batch.
+    from distributed_mpt.core import eval_views
+
+    monkeypatch.setattr(eval_views, "EVAL_BATCH_PER_REPLICA", 32)
+    split, results, seen = _test_split(), [], []
+    for batch in (16, 96):
+        evaluator = _evaluator("flip_translate_mean", 0.25, batch=batch)
+        call = evaluator.model.call
+        evaluator.model.call = lambda x, *a, **k: (seen.append(x.shape[0]), call(x, *a, **k))[1]
+        results.append(evaluator.evaluate(split))
+    assert max(seen) == 32 and 16 in seen, seen
+    for name in ("eval_accuracy", "eval_accuracy_without_tta", "eval_examples"):
+        assert results[0][name] == results[1][name]
+    assert results[0]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-5)
