@@ -149,7 +149,9 @@ def release_freed_memory() -> bool:
     the peak varies with the order in which threads allocate). False where
     the C library has no malloc_trim (not glibc)."""
     import ctypes
+    import gc
 
+    gc.collect()  # what only Python's cycle collector would free (TensorFlow's objects)
     try:  # the C library the process runs on, whatever its file is called
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):

@@ -291,3 +291,40 @@ def test_two_replicas_at_the_largest_batch_keep_the_mlp_finite(model_dir):
                     f"--model_dir={model_dir}"])
     assert_ok(result)
     assert np.isfinite(read_summary(model_dir)["train_loss"])
+
+
+def test_evaluation_starts_without_the_train_split(tmp_path, monkeypatch):
+    """The train split (150 MB for CIFAR-10) and its pipeline are let go once
+    training is over: evaluation and the export grow from what is left."""
+    import weakref
+
+    import keras
+    import tensorflow as tf
+
+    from distributed_mpt.config import TrainConfig
+    from distributed_mpt.core import data, steps
+    from distributed_mpt.training.run import train_and_evaluate
+
+    train_splits, alive_at_evaluation = [], []
+    load, evaluate = data.load_dataset, steps.Trainer.evaluate
+
+    def loading(*args, **kwargs):
+        dataset = load(*args, **kwargs)
+        train_splits.append(weakref.ref(dataset.train))
+        return dataset
+
+    def evaluating(trainer, split):
+        alive_at_evaluation.append(train_splits[0]() is not None)
+        return evaluate(trainer, split)
+
+    monkeypatch.setattr(data, "load_dataset", loading)
+    monkeypatch.setattr(steps.Trainer, "evaluate", evaluating)
+    config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=512,
+                         model="mlp", per_replica_batch_size=64, train_steps=4, export=False,
+                         precision="float32")
+    try:
+        summary = train_and_evaluate(config, tf.distribute.get_strategy(), "default", None)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert summary["eval_examples"] == 512 // 5
+    assert alive_at_evaluation == [False]
