@@ -42,6 +42,9 @@ def _flag_values() -> flags.FlagValues:
                         flag_values=fv)
     flags.DEFINE_string("conditions", None, "What else ran on the machine meanwhile, for the "
                         "ledger (\"quiet\", \"tests at nice 10\").", flag_values=fv)
+    flags.DEFINE_bool("shared", False, "Other work used the cores meanwhile: the ledger marks the "
+                      "runs, and their figures say so (their wall times are not the machine's).",
+                      flag_values=fv)
     return fv
 
 
@@ -141,7 +144,7 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
     if book and finished:
         added = records.record_runs(book, fv.recipe, finished, train_flags, " ".join(
             ["python -m distributed_mpt.recipes.measure", *own, "--", *train_flags]),
-            fv.conditions)
+            fv.conditions, fv.shared)
         print(f"[measure] {sum(r['kind'] == 'run' for r in added)} run(s) added to {book}; "
               f"`python -m distributed_mpt.recipes.ledger --write` renders the figures",
               flush=True)

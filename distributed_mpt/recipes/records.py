@@ -227,7 +227,7 @@ def code_commit() -> str:
 
 
 def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List[str],
-                command: str, conditions: Optional[str]) -> List[dict]:
+                command: str, conditions: Optional[str], shared: bool = False) -> List[dict]:
     """Adds to the ledger in `path` a record for each (seed, summary,
     summary path) of `finished` runs of `recipe` that it does not hold yet
     (a measurement run again reads its finished runs back: they are not
@@ -275,7 +275,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
             "wall_seconds": summary.get("wall_seconds"),
             "examples_per_second": summary.get("examples_per_second"),
             "peak_memory_bytes": summary.get("peak_memory_bytes"),
-            "shared": None, "conditions": conditions, "notes": None, "flags": run_flags})
+            "shared": shared or None, "conditions": conditions, "notes": None, "flags": run_flags})
     if not any(r["kind"] == "run" for r in records):
         return []
     append(path, records)

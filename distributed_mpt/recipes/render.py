@@ -136,7 +136,7 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
         measured = (f" (the largest of {len(peaks)} runs)" if len(peaks) == len(runs) > 1 else
                     f" (measured in {len(peaks)} of its {len(runs)} runs)"
                     if len(peaks) < len(runs) else "")
-        text += f", peak resident memory {max(peaks) / 1e9:.1f} GB{measured}"
+        text += f", peak resident memory {max(peaks) / 1e9:.2f} GB{measured}"
     if ratio is not None:
         text += (f", {stars}{ratio:.2f}x{stars} the time of `{first['against']}`, run "
                  f"alternating with it")

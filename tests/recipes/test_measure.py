@@ -18,7 +18,8 @@ def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path
     runs, ledger = tmp_path / "runs", tmp_path / "ledger.jsonl"
     first = run_module("distributed_mpt.recipes.measure",
                        ["--recipe=mlp", "--seeds=0-2", f"--runs_dir={runs}",
-                        f"--ledger={ledger}", "--conditions=a test", *SHORT], timeout=900)
+                        f"--ledger={ledger}", "--conditions=a test", "--shared", *SHORT],
+                       timeout=900)
     assert_ok(first)
     results = json.loads((runs / "results.json").read_text())["runs"]
     assert [r["seed"] for r in results] == [0, 1, 2]
@@ -38,6 +39,7 @@ def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path
         assert record["wall_seconds"] == summary["wall_seconds"]
         assert record["peak_memory_bytes"] == summary["peak_memory_bytes"] > 0
         assert record["machine"] == machine["machine"] and record["conditions"] == "a test"
+        assert record["shared"] is True  # --shared: the figures will say so
         assert record["flags"]["train_steps"] == "6" and record["flags"]["model"] == "mlp"
         assert "data_dir" not in record["flags"] and record["commit"]
 
