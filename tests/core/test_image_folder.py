@@ -191,7 +191,7 @@ def test_the_run_records_its_data_and_that_image_folders_are_not_flipped(tiny_ru
 
 def test_flips_are_the_dataset_s_default_unless_given(tmp_path):
     def flip(*flags):
-        return train_entry_point.parse_config([*flags, f"--model_dir={tmp_path}"]).flip
+        return train_entry_point.parse_config([*flags, f"--model_dir={tmp_path}"]).augmentation.flip
 
     folder = ["--dataset=image_folder", f"--data_dir={tmp_path}"]
     assert (flip(), flip("--dataset=synthetic"), flip(*folder)) == ("random", "random", "none")

@@ -156,7 +156,8 @@ def _jitter_of_each_image(pipelines=1, seed=5, epochs=2, count=64, batch=16, on_
     dataset_fn = pipeline.train_input_fn(
         split, global_batch_size=batch, seed=seed, start_step=0,
         num_steps=epochs * count // batch, images_on_device=on_device,
-        augmentation=Augmentation(0, "none", **augmentation))
+        augmentation=Augmentation(0, "none", **{f"{name}_jitter": value
+                                                for name, value in augmentation.items()}))
     seen = {}
     for index in range(pipelines):
         context = tf.distribute.InputContext(pipelines, index, pipelines)
@@ -191,7 +192,7 @@ def test_without_jitter_the_batches_are_what_they_were(on_device):
 
     split = ImageSplit(np.zeros((32, 32, 32, 3), np.uint8), np.zeros(32, np.int32))
     plain = pipeline.train_input_fn(split, 16, seed=0, start_step=0, num_steps=1,
-                                    images_on_device=on_device, augmentation=Augmentation())
+                                    images_on_device=on_device, augmentation=Augmentation(flip="random"))
     assert len(next(iter(plain(tf.distribute.InputContext())))) == (3 if on_device else 2)
 
 
