@@ -74,8 +74,9 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
         # A user's model may name its variables' groups: its hook is code.
         with (users_code(spec.name, "failed to say which parameter group its variables "
                          "train in") if spec.is_users else contextlib.nullcontext()):
-            parameter_groups = groups.parameter_groups(model, config.optimizer.settings(
-                config.muon, plan.learning_rate, plan.steps_per_epoch, plan.total_steps))
+            parameter_groups = groups.parameter_groups(model, groups.Settings(
+                config.optimizer, plan.learning_rate, config.muon, plan.steps_per_epoch,
+                plan.total_steps))
         if spec.is_users:  # which rule trains what, which the user may change (extending.md)
             notes.append(f"parameter groups: {groups.describe(parameter_groups)}")
         optimizer = make_optimizer(parameter_groups, schedule, step,

@@ -54,38 +54,6 @@ class ParameterGroup:
     freeze: str = "stop"
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What the groups are made from (each a flag of distributed-mpt-train).
-
-    filters_rule: the update rule of the convolution filters (--optimizer);
-    filters_rate: their rate relative to the run's (Muon's own peak over the
-    run's); momentum_form: SGD's (rules.NesterovSGD); shift_rate: batch-norm
-    shifts' multiple of the rate, their decay divided by it so that their
-    decay per step is the kernels'; whiten_bias_steps: how long airbench's
-    whitening bias trains, and whiten_bias_freeze how it stops. Muon's
-    options (the 2025 record's; rules.Muon): muon_weight_decay,
-    muon_renormalize (one of rules.MUON_RENORMALIZATIONS), muon_newton_schulz
-    (a rules.NEWTON_SCHULZ key), and total_steps, the run's length, which
-    the periodic renormalization's table spans.
-    """
-
-    peak_learning_rate: float
-    weight_decay: float
-    momentum: float
-    filters_rule: str = "sgd"
-    filters_rate: float = 1.0
-    filters_momentum: float = 0.0
-    momentum_form: str = "keras"
-    shift_rate: float = 1.0
-    whiten_bias_steps: int = 0
-    whiten_bias_freeze: str = "coast"
-    muon_weight_decay: float = 0.0
-    muon_renormalize: str = "every_step"
-    muon_newton_schulz: str = "airbench"
-    total_steps: int = 0
-
-
 _MAX_MULTIPLIER = 1e4
 # Far above any rate that trains (airbench94's peak is 1.5 at batch 1024),
 # and low enough that scaled by any global batch it stays finite.
@@ -208,26 +176,24 @@ class OptimizerOptions(Options):
             rule += f" = {scaled:g}, capped at --max_learning_rate={self.max_learning_rate:g}"
         return rule
 
-    def settings(self, muon: MuonOptions, peak_learning_rate: float, steps_per_epoch: int,
-                 total_steps: int) -> "Settings":
-        """What `parameter_groups` makes the groups from, for a run of these numbers."""
-        is_muon = self.optimizer == "muon"
-        return Settings(
-            peak_learning_rate=peak_learning_rate, weight_decay=self.weight_decay,
-            momentum=self.momentum, momentum_form=self.momentum_form, filters_rule=self.optimizer,
-            # Muon's rate is its own peak, following the run's schedule.
-            filters_rate=muon.muon_learning_rate / peak_learning_rate if is_muon else 1.0,
-            filters_momentum=muon.muon_momentum, shift_rate=self.shift_lr_multiplier,
-            whiten_bias_steps=round(self.whiten_bias_epochs * steps_per_epoch),
-            whiten_bias_freeze=self.whiten_bias_freeze, muon_weight_decay=muon.muon_weight_decay,
-            muon_renormalize=muon.muon_renormalize, muon_newton_schulz=muon.muon_newton_schulz,
-            total_steps=total_steps)
-
     def make_lookahead(self, model, total_steps: int):
         """airbench94's lookahead over `model` (lookahead.py) if asked for, else None."""
         from distributed_mpt.core.optim.lookahead import Lookahead
 
         return Lookahead(model, total_steps) if self.lookahead else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the groups are made from: the optimizer's options and Muon's,
+    the run's peak rate, and its steps per epoch (the whitening bias's
+    epochs count them) and in all (Muon's periodic renormalization spans them)."""
+
+    optimizer: OptimizerOptions
+    peak_learning_rate: float
+    muon: MuonOptions = MuonOptions()
+    steps_per_epoch: int = 1
+    total_steps: int = 0
 
 
 def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
@@ -236,19 +202,21 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
 
     whitening bias  airbench's; SGD. With --optimizer=sgd as airbench94 has
                     it: the run's rate, decay c; with muon as
-                    airbench94_muon has it: shift_rate x the peak, falling
-                    linearly to 0 over its steps, decay c / shift_rate.
-    filters         convolution kernels (4-D): `filters_rule`; SGD decays
-                    them by c, Muon not at all (it renormalizes them).
-    shifts          batch-norm shifts (beta): SGD at shift_rate x the rate,
-                    decay c / shift_rate.
+                    airbench94_muon has it: --shift_lr_multiplier x the peak,
+                    falling linearly to 0 over its steps, decay c / that.
+    filters         convolution kernels (4-D): --optimizer's rule; SGD decays
+                    them by c, Muon not at all (it renormalizes them); Muon
+                    at its own peak rate, following the run's schedule.
+    shifts          batch-norm shifts (beta): SGD at --shift_lr_multiplier x
+                    the rate, decay c / that.
     kernels         the other kernels (dense layers): SGD, decay c.
     others          biases, batch-norm scales: SGD, no decay.
     """
     import keras
 
-    s = settings
-    sgd = UPDATE_RULES["sgd"](s.momentum, s)
+    s, options, muon_options = settings, settings.optimizer, settings.muon
+    sgd = UPDATE_RULES["sgd"](options.momentum, s)
+    decay, shift_rate = options.weight_decay, options.shift_lr_multiplier
     bias = _whitening_bias(model)
     shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, keras.layers.BatchNormalization) and layer.center
@@ -262,26 +230,28 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
             default = ("shifts" if id(variable) in shift_ids else "filters" if rank == 4
                        else "kernels" if rank >= 2 else "others")
             members[chosen.get(id(variable), default)].append(variable)
-    muon = s.filters_rule == "muon"
+    muon = options.optimizer == "muon"
+    filters_rule = UPDATE_RULES[options.optimizer](
+        muon_options.muon_momentum if muon else options.momentum, s)
     groups = [
-        ParameterGroup("filters", tuple(members["filters"]),
-                       UPDATE_RULES[s.filters_rule](s.filters_momentum if muon else s.momentum, s),
-                       rate=s.filters_rate, weight_decay=0.0 if muon else s.weight_decay),
-        ParameterGroup("shifts", tuple(members["shifts"]), sgd, rate=s.shift_rate,
-                       weight_decay=s.weight_decay / s.shift_rate),
-        ParameterGroup("kernels", tuple(members["kernels"]), sgd, weight_decay=s.weight_decay),
+        ParameterGroup("filters", tuple(members["filters"]), filters_rule,
+                       rate=muon_options.muon_learning_rate / s.peak_learning_rate if muon else 1.0,
+                       weight_decay=0.0 if muon else decay),
+        ParameterGroup("shifts", tuple(members["shifts"]), sgd, rate=shift_rate,
+                       weight_decay=decay / shift_rate),
+        ParameterGroup("kernels", tuple(members["kernels"]), sgd, weight_decay=decay),
         ParameterGroup("others", tuple(members["others"]), sgd),
     ]
     if bias is not None and bias.trainable:
-        steps = s.whiten_bias_steps
+        steps = round(options.whiten_bias_epochs * s.steps_per_epoch)
+        freeze = options.whiten_bias_freeze
         if muon:  # its own rate, falling to 0 over its steps, whatever the schedule
-            own = learning_rate_schedule(s.shift_rate * s.peak_learning_rate, steps, 0, "linear")
+            own = learning_rate_schedule(shift_rate * s.peak_learning_rate, steps, 0, "linear")
             group = ParameterGroup("whitening bias", (bias,), sgd, schedule=own,
-                                   weight_decay=s.weight_decay / s.shift_rate,
-                                   train_steps=steps, freeze=s.whiten_bias_freeze)
+                                   weight_decay=decay / shift_rate, train_steps=steps, freeze=freeze)
         else:
-            group = ParameterGroup("whitening bias", (bias,), sgd, weight_decay=s.weight_decay,
-                                   train_steps=steps, freeze=s.whiten_bias_freeze)
+            group = ParameterGroup("whitening bias", (bias,), sgd, weight_decay=decay,
+                                   train_steps=steps, freeze=freeze)
         groups.insert(0, group)
     return [group for group in groups if group.variables]
 
