@@ -7,7 +7,7 @@ training."""
 
 import dataclasses
 
-from distributed_mpt.options import Options, option, require, require_at_most
+from distributed_mpt.options import Options, option, require, require_at_most, require_positive
 
 _MAX_CPU_REPLICAS = 64  # logical devices: TensorFlow stalls creating 100,000
 _MAX_PEER_TIMEOUT_SECONDS = 7 * 24 * 3600  # peers not up in a week: waiting for nothing
@@ -30,8 +30,7 @@ class ClusterOptions(Options):
                                        "after this long.")
 
     def check(self) -> None:
-        require(self.peer_timeout_seconds > 0,
-                f"--peer_timeout_seconds={self.peer_timeout_seconds} must be a positive integer")
+        require_positive(self, "peer_timeout_seconds")
         require_at_most(self, _MAX_CPU_REPLICAS, "cpu_replicas")
         require_at_most(self, _MAX_PEER_TIMEOUT_SECONDS, "peer_timeout_seconds")
         require(self.cpu_replicas >= 0,

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Optional
 
 from distributed_mpt.core import augmentation, batch_norm, precision
-from distributed_mpt.options import MAX_STEPS, Options, option, require, require_at_most
+from distributed_mpt.options import (MAX_STEPS, Options, option, require, require_at_most,
+                                     require_positive)
 
 # A progress line at least this often, whatever --log_every_steps says.
 PROGRESS_SECONDS = 20
@@ -54,9 +55,7 @@ class RunOptions(Options):
         require(bool(self.model_dir),
                 "--model_dir is required: where checkpoints, logs and the exported model go")
         counts = ("steps_per_loop", "log_every_steps", "checkpoint_every_steps")
-        for name in ("per_replica_batch_size", *counts):
-            value = getattr(self, name)
-            require(value > 0, f"--{name}={value} must be a positive integer")
+        require_positive(self, "per_replica_batch_size", *counts)
         require_at_most(self, MAX_STEPS, *counts)
         require_at_most(self, _MAX_BATCH, "per_replica_batch_size")
         # Seeds feed numpy (< 2**32) and TensorFlow's stateless ops (int32, plus small offsets).

@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 
 from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo,
                                                DatasetSpec, ImageSplit)
-from distributed_mpt.options import MAX_EXAMPLES, Options, option, require, require_at_most
+from distributed_mpt.options import (MAX_EXAMPLES, Options, option, require, require_at_most,
+                                     require_positive)
 
 _HERE = "distributed_mpt.core.data"
 IMAGE_FOLDER_LAYOUT = "DATA_DIR/train/<class>/<images> and DATA_DIR/test/<class>/<images>"
@@ -59,8 +60,7 @@ class DataOptions(Options):
                 f"--image_size={self.image_size} must be in [{_MIN_IMAGE_SIZE}, {_MAX_IMAGE_SIZE}]")
         require(0 <= self.test_fraction < 1,
                 f"--test_fraction={self.test_fraction} must be in [0, 1)")
-        require(self.synthetic_examples > 0,
-                f"--synthetic_examples={self.synthetic_examples} must be a positive integer")
+        require_positive(self, "synthetic_examples")
         require_at_most(self, MAX_EXAMPLES, "synthetic_examples")
 
     def load(self, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:

@@ -33,7 +33,8 @@ from typing import List, Optional, Tuple
 from distributed_mpt.core.models import contract
 from distributed_mpt.core.models.contract import ModelError, users_code
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
-from distributed_mpt.options import MAX_EXAMPLES, Options, option, require, require_at_most
+from distributed_mpt.options import (MAX_EXAMPLES, Options, option, require, require_at_most,
+                                     require_positive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ class ModelOptions(Options):
             model_spec(self.model)
         except UserError as e:
             raise ConfigError(str(e)) from None
-        require(self.model_width > 0, f"--model_width={self.model_width} must be a positive integer")
+        require_positive(self, "model_width")
         require_at_most(self, _MAX_WIDTH, "model_width")
 
     @property
