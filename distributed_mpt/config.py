@@ -33,7 +33,6 @@ class TrainConfig:
     checked by the part that reads it (docs/architecture.md). Every field of
     a section is the flag of the same name of `distributed-mpt-train`."""
 
-    run: RunOptions
     data: DataOptions
     model: ModelOptions
     airbench: AirbenchOptions
@@ -41,6 +40,7 @@ class TrainConfig:
     muon: MuonOptions
     schedule: ScheduleOptions
     augmentation: Augmentation
+    run: RunOptions
     evaluation: EvaluationOptions
     cluster: ClusterOptions
 
