@@ -295,13 +295,19 @@ def parse_record(text: str, fields: dict) -> Tuple[Optional[dict], Optional[str]
         return None, f"not JSON: {first_line(e, 80)}"
     if not isinstance(data, dict):
         return None, f"a JSON {type(data).__name__}, not an object"
+    problem = missing_fields(data, fields)
+    return (None, problem) if problem else (data, None)
+
+
+def missing_fields(data: dict, fields: dict) -> Optional[str]:
+    """What of `fields` (key: type) the object `data` lacks, or None."""
     for key, kind in fields.items():
         if key not in data:
-            return None, f"no {key!r}"
+            return f"no {key!r}"
         # JSON has no integers apart from numbers: true is not a step.
         if not isinstance(data[key], kind) or (isinstance(data[key], bool) and kind is not bool):
-            return None, f"{key!r} is a {type(data[key]).__name__}"
-    return data, None
+            return f"{key!r} is a {type(data[key]).__name__}"
+    return None
 
 
 def _refuse_constant(name: str):

@@ -36,7 +36,7 @@ import numpy as np
 from absl import flags
 
 from distributed_mpt import cli, files
-from distributed_mpt.config import DATASETS, TrainConfig, user_path
+from distributed_mpt.config import DATASETS, DEFAULTS, TrainConfig, flat_record, user_path
 from distributed_mpt.core.augmentation import TTA_VIEWS
 from distributed_mpt.core.data import DatasetInfo, images
 from distributed_mpt.errors import (CheckpointMismatchError, ConfigError, ExitCode, first_line,
@@ -67,7 +67,7 @@ def _flag_values() -> flags.FlagValues:
                       "the test/ folder of --data_dir.", flag_values=fv)
     flags.DEFINE_string("data_dir", None, "Where the test split is, as in training.",
                         flag_values=fv)
-    flags.DEFINE_bool("download", TrainConfig.download, "Download CIFAR-10 if it is not in "
+    flags.DEFINE_bool("download", DEFAULTS["download"], "Download CIFAR-10 if it is not in "
                       "--data_dir.", flag_values=fv)
     cli.define_integer(fv, "synthetic_examples", None, "As in training (default: the model's): "
                        "--dataset=synthetic's test split has a fifth as many.")
@@ -169,31 +169,31 @@ def _load_checkpoint(model_dir: str) -> Classifier:
         raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export (export/saved_model) "
                           f"and no checkpoint with its config.json")
     recorded = files.read_json(config_path)
-    config = _checked_config(recorded, config_path)
+    config = _checked_config(flat_record(recorded), config_path)
     resolved = recorded.get("resolved") if isinstance(recorded.get("resolved"), dict) else {}
     info = _dataset_info(config, resolved, config_path)
+    network = config.model
+    spec = models.model_spec(network.model)
     try:
-        spec = models.model_spec(config.model)
-        model = models.build_model(spec, info, config.model_width,
-                                   **{name: getattr(config, name) for name in spec.options})
+        model = network.build(info, config.airbench)
     except (MemoryError, tf.errors.ResourceExhaustedError):
         raise ConfigError(f"{quoted(config_path)} names a model too large for this machine's "
-                          f"memory ({config.model}, width {config.model_width})") from None
+                          f"memory ({network.model}, width {network.model_width})") from None
     refuse_another_model(resolved, model_signature(spec, model), spec,
                          f"the run in --model_dir={quoted(model_dir)}",
                          "restore what differs, or predict from the run's export")
     mismatch = _restore_weights(model, prefix)
     if mismatch:
         raise CheckpointMismatchError(
-            f"{quoted(prefix)} does not hold the weights of the {quoted(config.model)} of width "
-            f"{config.model_width} that {quoted(config_path)} names ({quoted(mismatch)}): "
+            f"{quoted(prefix)} does not hold the weights of the {quoted(network.model)} of width "
+            f"{network.model_width} that {quoted(config_path)} names ({quoted(mismatch)}): "
             f"predict from the run's export, or restore its config.json")
     # The test results are this checkpoint's only if the run ended with it.
     summary = files.read_json(os.path.join(model_dir, "summary.json"))
     results = summary if summary.get("steps") == step else {}
-    trained = model_info(dataclasses.asdict(config),
+    trained = model_info(config.flags(),
                          {**results, "steps": step,
-                          "precision": resolved.get("precision") or config.precision})
+                          "precision": resolved.get("precision") or config.run.precision})
 
     def probabilities(x):
         return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
@@ -233,12 +233,11 @@ def _checked_config(values: dict, source: str = "") -> TrainConfig:
     """`values` (TrainConfig's fields, any subset) checked as training checks
     its flags, with the same bounds; ConfigError naming the file `source` (if
     they come from one) if they fail."""
-    known = {field.name for field in dataclasses.fields(TrainConfig)}
     try:
         if source and not values:
             raise ConfigError("no settings in it")
         # The run's own directories may be elsewhere now: they are not used.
-        return TrainConfig(**{**{k: v for k, v in values.items() if k in known},
+        return TrainConfig.from_flags(**{**{k: v for k, v in values.items() if k in DEFAULTS},
                               "model_dir": ".", "data_dir": values.get("data_dir") or "."})
     except (ConfigError, TypeError, ValueError) as e:
         if not source:
@@ -353,21 +352,19 @@ def _predict(fv: flags.FlagValues, argv) -> int:
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:
     """The flags' test split (by default the one the model was trained on:
     for synthetic data, the split of its own seed and size), evaluated."""
-    from distributed_mpt.core import data
-
     trained = {k: v for k, v in classifier.info.items()
                if k in ("dataset", "seed", "synthetic_examples", "image_size", "test_fraction")}
     chosen = {k: v for k, v in (("dataset", fv.dataset),
                                 ("synthetic_examples", fv.synthetic_examples)) if v is not None}
     split = _checked_config({**trained, **chosen, "data_dir": fv.data_dir})
-    source = data.DataSource(data_dir=fv.data_dir, download=fv.download, seed=split.seed,
-                             synthetic_examples=split.synthetic_examples,
-                             image_size=classifier.image_shape[0],
-                             test_fraction=split.test_fraction)
-    loaded = data.load_dataset(split.dataset, source, splits=("test",))
-    _refuse_other_classes(classifier, split.dataset, loaded.info)  # else its accuracy means nothing
+    # The data_dir as given here (or None), and the model's own image size.
+    chosen_data = dataclasses.replace(split.data, data_dir=fv.data_dir, download=fv.download,
+                                      image_size=classifier.image_shape[0])
+    loaded = chosen_data.load(split.run.seed, splits=("test",))
+    dataset = chosen_data.dataset
+    _refuse_other_classes(classifier, dataset, loaded.info)  # else its accuracy means nothing
     test = loaded.test
-    return {"dataset": split.dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
+    return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
             **evaluate(classifier.probabilities, test.images, test.labels, fv.tta,
                        fv.tta_fraction)}
 

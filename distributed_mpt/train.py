@@ -12,7 +12,6 @@ Real CIFAR-10 offline: add --data_dir=DIR --nodownload, DIR holding the official
                      cifar-10-batches-bin/ (or a tensorflow-datasets directory).
 TensorFlow's own start-up log lines are hidden; DMPT_VERBOSE=1 shows them.
 """
-import dataclasses
 import os
 import sys
 import typing
@@ -32,14 +31,14 @@ _DEFINE = {bool: lambda name, default, text, flag_values: flags.DEFINE_bool(
 
 
 def _flag_values() -> flags.FlagValues:
-    """One flag per `TrainConfig` field, with the field's default and help
-    text, plus --recipe."""
+    """One flag per field of a `TrainConfig` section, with the field's
+    default and help text, plus --recipe."""
     fv = flags.FlagValues()
     flags.DEFINE_enum("recipe", None, recipes.names(),
                       "A shipped recipe, read as a --flagfile (flags given explicitly override "
                       "it). What each is, what it reached and the flags it sets: \"Recipes\", "
                       "at the end of this help.", flag_values=fv)
-    for field in dataclasses.fields(config_lib.TrainConfig):
+    for field in config_lib.FIELDS:
         help_text = field.metadata["help"]
         if field.name in models.USER_DEFAULTS.values():
             help_text += " Default per model: " + ", ".join(
@@ -123,8 +122,8 @@ def parse_config(argv) -> config_lib.TrainConfig:
         raise ConfigError(f"--recipe={fv.recipe} must be given on the command line, as "
                           f"--recipe={fv.recipe} (inside a flagfile, use --flagfile="
                           f"{recipes.path(fv.recipe)})")
-    return config_lib.TrainConfig(**{field.name: fv[field.name].value
-                                     for field in dataclasses.fields(config_lib.TrainConfig)})
+    return config_lib.TrainConfig.from_flags(**{name: fv[name].value
+                                                for name in config_lib.DEFAULTS})
 
 
 def main(argv=None) -> int:

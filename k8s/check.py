@@ -429,12 +429,13 @@ def arrival_errors(settings: dict, docs, trainer) -> list:
         except trainer.user_error as e:
             found.append(f"{where}: the trainer refuses its flags: {e}")
             continue
-        for flag, path in (("data_dir", config and config.data_dir), ("model_dir", config and config.model_dir)):
+        for flag, path in (("data_dir", config and config.data.data_dir),
+                           ("model_dir", config and config.run.model_dir)):
             if config and not (path or "").startswith("/data/"):
                 found.append(f"{where}: --{flag}={path} is not on the claim, the pods' /data")
-        source = config.model.rpartition(":")[0] if config else ""
+        source = config.model.model.rpartition(":")[0] if config else ""
         if source.endswith(".py") and not (source.startswith(MODELS) and source[len(MODELS):] in models):
-            found.append(f"{where}: --model={config.model}: the pods see only the files of k8s/settings/model, "
+            found.append(f"{where}: --model={config.model.model}: the pods see only the files of k8s/settings/model, "
                          f"at {MODELS} ({', '.join(sorted(models))})")
     return found + [f"{where} is {value}, settings.yaml says workers: {workers}" for where, value in counts
                     if str(value) != str(workers)]

@@ -41,6 +41,19 @@ SMOKE_FLAGS = [
 SMALL_MODEL = ["--model=airbench", "--model_width=4", "--learning_rate=3"]
 
 
+def group_settings(peak_learning_rate: float, steps_per_epoch: int = 1, total_steps: int = 0,
+                   **flags):
+    """core/optim/groups.py's Settings from flags by name; the model's
+    defaults that the groups do not read at neutral values."""
+    from distributed_mpt.core.optim.groups import MuonOptions, OptimizerOptions, Settings
+
+    muon = {name: flags.pop(name) for name in list(flags) if name.startswith("muon_")}
+    optimizer = OptimizerOptions(**{"learning_rate": 0.1, "max_learning_rate": 0.0,
+                                    "label_smoothing": 0.0, **flags})
+    return Settings(optimizer, peak_learning_rate, MuonOptions(**muon), steps_per_epoch,
+                    total_steps)
+
+
 def subprocess_env(**extra) -> dict:
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)

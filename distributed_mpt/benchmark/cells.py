@@ -85,7 +85,7 @@ def measure(cell: Cell) -> dict:
     replicas = strategy.num_replicas_in_sync
     if cell.batch_size % replicas:
         raise ValueError(f"global batch {cell.batch_size} does not split over {replicas} replicas")
-    train_config = config.TrainConfig(
+    train_config = config.TrainConfig.from_flags(
         # The Trainer writes nothing there; only train_and_evaluate does.
         model_dir=tempfile.gettempdir(), dataset="synthetic", synthetic_examples=cell.examples,
         model=cell.model, model_width=cell.model_width, precision=cell.precision,

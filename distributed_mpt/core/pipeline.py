@@ -112,7 +112,7 @@ def _options() -> tf.data.Options:
 
 def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,
                    num_steps: int, images_on_device: bool = False,
-                   augmentation: Augmentation = Augmentation()
+                   augmentation: Augmentation = Augmentation(flip="random")
                    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """A `dataset_fn` for `distribute_datasets_from_function` yielding
     `(uint8 images, int32 labels)` per-replica batches for steps
@@ -163,9 +163,9 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
             share = lambda x: _pipeline_share(x, epoch_steps, context, replica_batch)
             parts = (share(order), share(offsets), share(flips))
             if augmentation.jitters_colors:
-                brightness = augmentation.brightness * tf.random.stateless_uniform(
+                brightness = augmentation.brightness_jitter * tf.random.stateless_uniform(
                     [used], seed=tf.stack([seed + 4, e]), minval=-1.0, maxval=1.0)
-                contrast = 1.0 + augmentation.contrast * tf.random.stateless_uniform(
+                contrast = 1.0 + augmentation.contrast_jitter * tf.random.stateless_uniform(
                     [used], seed=tf.stack([seed + 5, e]), minval=-1.0, maxval=1.0)
                 parts += (share(tf.stack([brightness, contrast], axis=1)),)
             return tf.data.Dataset.from_tensor_slices(parts)

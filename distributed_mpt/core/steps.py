@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from distributed_mpt.core import pipeline
-from distributed_mpt.core.augmentation import CROP_PADDING
+from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import ImageSplit
 from distributed_mpt.core.eval_views import EvalViews, Evaluator, drain, is_correct, sum_accumulator
 from distributed_mpt.core.optim.lookahead import Lookahead
@@ -85,10 +85,10 @@ class StepRules:
 @dataclasses.dataclass(frozen=True)
 class SplitOnDevice:
     """The training split kept on the device: batches are then indices,
-    offsets and flips, gathered and cropped with `crop_padding`."""
+    offsets and flips, gathered and cropped as `augmentation` says."""
 
     split: ImageSplit
-    crop_padding: int = CROP_PADDING
+    augmentation: Augmentation
 
 
 class Trainer:
@@ -208,7 +208,7 @@ class Trainer:
     def _train_step(self, *batch, frozen=()):
         if self._device_split is not None:  # batch: indices, crop offsets, flips[, jitter]
             images, labels = pipeline.gather_and_augment(*self._device_split, *batch[:3],
-                                                         self._on_device.crop_padding)
+                                                         self._on_device.augmentation.crop_padding)
             jitter = batch[3:]
         else:  # images, labels[, jitter]
             images, labels, *jitter = batch

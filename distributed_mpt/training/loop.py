@@ -23,7 +23,8 @@ from typing import Optional
 import tensorflow as tf
 
 from distributed_mpt import files
-from distributed_mpt.config import PROGRESS_SECONDS, TrainConfig
+from distributed_mpt.config import TrainConfig
+from distributed_mpt.training import PROGRESS_SECONDS
 from distributed_mpt.core import precision
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
@@ -57,7 +58,7 @@ class TrainingLoop:
         """Returns the last interval's metrics and the throughput in examples
         per second (the first call excluded, as it includes tracing, unless
         it was the only one)."""
-        trainer, config, plan = self._trainer, self._config, self._plan
+        trainer, plan, run = self._trainer, self._plan, self._config.run
         if start_step >= plan.total_steps:
             # Trained before, but stopped before its summary was written
             # (SIGKILL during the export): the log has the training figures.
@@ -75,13 +76,14 @@ class TrainingLoop:
         seconds_per_step = agreed_seconds_per_step = 0.0
         current = start_step
         # Evaluation at the end is train_and_evaluate's; this is for the curve.
-        eval_every_steps = config.eval_every_epochs * plan.steps_per_epoch or plan.total_steps
-        boundaries = (config.log_every_steps, config.checkpoint_every_steps, eval_every_steps,
+        eval_every_steps = (self._config.evaluation.eval_every_epochs * plan.steps_per_epoch
+                            or plan.total_steps)
+        boundaries = (run.log_every_steps, run.checkpoint_every_steps, eval_every_steps,
                       plan.steps_per_epoch)
         first_call = None
         while current < plan.total_steps:
             num_steps = min(plan.total_steps, current + _steps_per_call(agreed_seconds_per_step,
-                                                                        config.steps_per_loop),
+                                                                        run.steps_per_loop),
                             *(_next_multiple(current, b) for b in boundaries)) - current
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
@@ -105,7 +107,7 @@ class TrainingLoop:
             # A line now if the next call, about as long as this one, would
             # end past the promised interval.
             due = time.perf_counter() - last_line + call_seconds >= PROGRESS_SECONDS
-            if (current % config.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
+            if (current % run.log_every_steps == 0 or current % plan.steps_per_epoch == 0 or
                     current == plan.total_steps or due or lines < 2):
                 # The first line comes after the first call, so that a slow
                 # start (tracing) shows; it has no ETA, as tracing is in it.
@@ -126,7 +128,7 @@ class TrainingLoop:
                 self._reporter.log(current, {"epoch": current / plan.steps_per_epoch, **result})
                 interval_start += time.perf_counter() - eval_started  # not training time
 
-            if current % config.checkpoint_every_steps == 0 or current == plan.total_steps:
+            if current % run.checkpoint_every_steps == 0 or current == plan.total_steps:
                 save_started = time.perf_counter()
                 with self._reporter.doing(f"saving the checkpoint of step {current}"):
                     self._checkpoints.save(current)

@@ -24,11 +24,11 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import files
-from distributed_mpt.config import PRECISIONS, TrainConfig, training_flags
-from distributed_mpt.core import models, pipeline, precision
+from distributed_mpt.config import (DEFAULTS, PRECISIONS, TrainConfig, flat_record,
+                                    training_flags)
+from distributed_mpt.core import pipeline, precision
 from distributed_mpt.core.models.signature import refuse_another_model
-from distributed_mpt.core.optim.schedules import (linear_rule_limit, linear_rule_warning,
-                                                  scaled_learning_rate)
+from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
 from distributed_mpt.errors import ClusterError, ConfigError, quoted
 from distributed_mpt.training.checkpoints import Checkpoints, Restored
 
@@ -55,23 +55,20 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
              num_train_examples: int) -> RunPlan:
     """Scales batch and learning rate to the replicas; raises ConfigError if
     the global batch does not fit the training split."""
-    global_batch = config.per_replica_batch_size * num_replicas
+    per_replica = config.run.per_replica_batch_size
+    global_batch = per_replica * num_replicas
     epoch_steps = pipeline.steps_per_epoch(num_train_examples, global_batch)
     if epoch_steps == 0:
         raise ConfigError(
-            f"the global batch of {global_batch} ({config.per_replica_batch_size} x {num_replicas} "
+            f"the global batch of {global_batch} ({per_replica} x {num_replicas} "
             f"replicas) exceeds the {num_train_examples} training examples; "
             f"lower --per_replica_batch_size")
-    # A fraction of an epoch counts its steps, rounded up (airbench's 9.9).
-    total_steps = config.train_steps or math.ceil(round(config.epochs * epoch_steps, 6))
+    total_steps = config.schedule.total_steps(epoch_steps)
     return RunPlan(
-        policy=precision.resolve_precision(config.precision), num_workers=num_workers,
+        policy=precision.resolve_precision(config.run.precision), num_workers=num_workers,
         num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
-        total_steps=total_steps,
-        learning_rate=scaled_learning_rate(config.learning_rate, global_batch,
-                                           config.max_learning_rate),
-        # Capped here as the schedule caps it, so that config.json says what ran.
-        warmup_steps=min(round(config.warmup_epochs * epoch_steps), total_steps // 2))
+        total_steps=total_steps, learning_rate=config.optimizer.peak_learning_rate(global_batch),
+        warmup_steps=config.schedule.warmup_steps(epoch_steps, total_steps))
 
 
 # Below these a run's length comes out of --epochs too short to learn from
@@ -102,7 +99,7 @@ def short_run(config: TrainConfig, plan: RunPlan,
     epochs that then give SHORT_RUN_STEPS; "" for any other run, and for one
     whose --train_steps says how many steps it takes. With it, the batch it
     suggests (None where it suggests none)."""
-    if config.train_steps or (plan.steps_per_epoch >= SHORT_EPOCH_STEPS
+    if config.schedule.fixed_length or (plan.steps_per_epoch >= SHORT_EPOCH_STEPS
                               and plan.total_steps >= SHORT_RUN_STEPS):
         return "", None
     said = (f"this run trains {plan.total_steps} step{'s' * (plan.total_steps != 1)} "
@@ -112,10 +109,11 @@ def short_run(config: TrainConfig, plan: RunPlan,
     fitting = num_train_examples // (SHORT_EPOCH_STEPS * replicas)
     if not fitting:  # fewer images than SHORT_EPOCH_STEPS per replica: no batch is small enough
         return f"{said}; more training images would give more steps per epoch", None
-    batch = min(config.per_replica_batch_size, 2 ** int(math.log2(fitting)))
+    per_replica = config.run.per_replica_batch_size
+    batch = min(per_replica, 2 ** int(math.log2(fitting)))
     epoch_steps = pipeline.steps_per_epoch(num_train_examples, batch * replicas)
-    steps = math.ceil(round(config.epochs * epoch_steps, 6))
-    advice = [f"--per_replica_batch_size={batch}"] if batch < config.per_replica_batch_size else []
+    steps = config.schedule.total_steps(epoch_steps)
+    advice = [f"--per_replica_batch_size={batch}"] if batch < per_replica else []
     if steps < SHORT_RUN_STEPS:
         epochs = math.ceil(SHORT_RUN_STEPS / epoch_steps)
         advice.append(f"--epochs={epochs}")
@@ -170,8 +168,11 @@ def _previous_config(model_dir: str) -> dict:
     config_path = os.path.join(model_dir, "config.json")
     remedy = ("it records the flags of the run that wrote the checkpoints: restore an intact "
               "copy, or remove it to resume without comparing them")
-    previous_config = files.read_json(
-        config_path, {"dataset": str, "seed": int, "resolved": dict}, remedy=remedy)
+    previous_config = files.read_json(config_path, remedy=remedy)
+    problem = files.missing_fields(flat_record(previous_config),
+                                   {"dataset": str, "seed": int, "resolved": dict})
+    if problem:
+        raise files.DamagedFileError(f"{quoted(config_path)} is damaged ({problem}); {remedy}")
     earlier = previous_config.get("earlier", [])  # absent in runs from before it was kept
     if not (isinstance(earlier, list) and all(isinstance(e, dict) for e in earlier)):
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ('earlier' is not a list "
@@ -190,12 +191,13 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
     compared."""
     if fingerprint is None or not checkpoints.on_disk():
         return
-    recorded = _previous_config(config.model_dir).get("resolved", {}).get("data_fingerprint")
+    model_dir = config.run.model_dir
+    recorded = _previous_config(model_dir).get("resolved", {}).get("data_fingerprint")
     if not isinstance(recorded, dict) or recorded == fingerprint:
         return
     raise ConfigError(
-        f"--model_dir={quoted(config.model_dir)} holds a run trained on other images than "
-        f"--data_dir={quoted(config.data_dir)} holds: {_data_difference(recorded, fingerprint)}. "
+        f"--model_dir={quoted(model_dir)} holds a run trained on other images than "
+        f"--data_dir={quoted(config.data.data_dir)} holds: {_data_difference(recorded, fingerprint)}. "
         f"Resume it on the images it was trained on, or choose another --model_dir")
 
 
@@ -235,23 +237,22 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
     another network than the run's (`signature`: this one's, from
     signature.model_signature): two runs mixed into one model, silently,
     and a config.json that would say only the second."""
-    previous = resumption.previous_config
-    if not previous:
+    if not resumption.previous_config:
         return
-    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
-    changed = [(name, previous.get(name, defaults[name]), value)
+    previous = flat_record(resumption.previous_config)
+    changed = [(name, previous.get(name, DEFAULTS[name]), value)
                for name, value in training_flags(config).items()
-               if previous.get(name, defaults[name]) != value]
+               if previous.get(name, DEFAULTS[name]) != value]
     if changed:
         theirs = " ".join(f"--{name}={quoted(old, 60)}" for name, old, _ in changed)
         mine = ", ".join(f"--{name}={quoted(old, 40)} to {quoted(new, 40)}"
                          for name, old, new in changed)
         raise ConfigError(
-            f"--model_dir={quoted(config.model_dir)} holds a run trained otherwise: this run "
+            f"--model_dir={quoted(config.run.model_dir)} holds a run trained otherwise: this run "
             f"changes {mine}. Pass {theirs} to resume it (only its length, batch, evaluation "
             f"and where it runs may change), or choose another --model_dir")
-    refuse_another_model(previous.get("resolved", {}), signature, models.model_spec(config.model),
-                         f"the run in --model_dir={quoted(config.model_dir)}",
+    refuse_another_model(previous.get("resolved", {}), signature, config.model.spec,
+                         f"the run in --model_dir={quoted(config.run.model_dir)}",
                          "restore what differs to resume, or choose another --model_dir")
 
 

@@ -28,7 +28,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.cluster.environment import Cluster, resolve_cluster
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.core import batch_norm, data, models, precision
+from distributed_mpt.core import batch_norm, data, precision
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.errors import (EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError,
@@ -69,39 +69,35 @@ def _run(config: TrainConfig) -> int:
         # reverse), a user's `export` that an export would replace, or a
         # directory of the user's files, is refused now, not after hours of
         # training; nothing of it is touched.
-        outputs.check_layout(config.model_dir, export=config.export)
+        outputs.check_layout(config.run.model_dir, export=config.run.export)
         if cluster is None or cluster.is_chief:
-            outputs.check_ours(config.model_dir, adopt=config.adopt_model_dir)
-            if not os.path.exists(config.model_dir):
-                new_model_dir = config.model_dir
+            outputs.check_ours(config.run.model_dir, adopt=config.run.adopt_model_dir)
+            if not os.path.exists(config.run.model_dir):
+                new_model_dir = config.run.model_dir
                 # A stop before the lock: the directory goes if still empty.
                 stopping.on_stop_before_training(lambda: os.rmdir(new_model_dir))
             # One run per model_dir, held until the end (the OS drops it if
             # the process dies); only the holder may mark it or clear debris.
-            files.check_writable(config.model_dir)
-            lock = run_lock.RunLock(config.model_dir)
+            files.check_writable(config.run.model_dir)
+            lock = run_lock.RunLock(config.run.model_dir)
             if new_model_dir:  # a stop before training leaves nothing new
                 stopping.on_stop_before_training(lambda: lock.release(
                     remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING))
-            removed = outputs.remove_debris(config.model_dir, lock.previous_tags)
+            removed = outputs.remove_debris(config.run.model_dir, lock.previous_tags)
             if removed:
                 print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
-            outputs.mark(config.model_dir)
+            outputs.mark(config.run.model_dir)
         # Only TensorFlow's start-up runs with the stop signals held: no
         # handler of ours could interrupt it, so the start-up watchdog acts on
         # a stop in its place, and bounds the wait for the peers.
         peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
-        deadline = config.peer_timeout_seconds if cluster else None
-        watchdog = StartupWatchdog(deadline, peers, new_model_dir, outputs.BEFORE_TRAINING)
+        watchdog = StartupWatchdog(config.cluster.startup_deadline(cluster), peers, new_model_dir,
+                                   outputs.BEFORE_TRAINING)
         with stopping.tensorflow_starting(), watchdog:
             # TensorFlow is imported only now, behind the log filter.
-            from distributed_mpt.cluster.strategy import (PEER_ERRORS, create_strategy,
-                                                          resolve_strategy_name)
-            strategy_name = resolve_strategy_name(
-                config.strategy, cluster, config.cpu_replicas)
+            from distributed_mpt.cluster.strategy import PEER_ERRORS
             try:
-                strategy = create_strategy(
-                    strategy_name, config.cpu_replicas, config.communication, cluster)
+                strategy_name, strategy = config.cluster.create_strategy(cluster)
             except PEER_ERRORS as e:
                 return _lost_a_peer(e, cluster)
         stopping.enter(stopping.Phase.PREPARING)
@@ -123,8 +119,8 @@ def _run(config: TrainConfig) -> int:
             raise
         # Checkpoints say this themselves; this is for the other files
         # (metrics, summary, export), each written whole or not at all.
-        where = getattr(e, "filename", None) or config.model_dir
-        print(f"error: no space left for {where}: free space in --model_dir={config.model_dir} "
+        where = getattr(e, "filename", None) or config.run.model_dir
+        print(f"error: no space left for {where}: free space in --model_dir={config.run.model_dir} "
               f"(docs/reliability.md, \"Disk space\") and run the same command again to resume",
               file=sys.stderr, flush=True)
         return EXIT_USAGE
@@ -163,24 +159,24 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                                                resume, start_warnings)
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
-    dataset = data.load_dataset(config.dataset, data_source(config))
+    dataset = config.data.load(config.run.seed)
     plan = plan_run(config, strategy.num_replicas_in_sync,
                     cluster.num_workers if cluster else 1, len(dataset.train))
     precision.set_precision(plan.policy)
-    keras.utils.set_random_seed(config.seed)
+    keras.utils.set_random_seed(config.run.seed)
     built = build(config, plan, strategy, dataset)
     trainer = built.trainer
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
-    spec = models.model_spec(config.model)
+    spec = config.model.spec
     identity = model_identity(trainer.model, plan.policy, spec.identity)
     signature = model_signature(spec, trainer.model)
-    checkpoints = Checkpoints(config.model_dir, worker, identity, **built.checkpointables)
+    checkpoints = Checkpoints(config.run.model_dir, worker, identity, **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
         refuse_other_data(checkpoints, config, dataset.fingerprint)
         if is_chief and checkpoints.on_disk():
-            print(f"restoring the newest intact checkpoint of {config.model_dir}", flush=True)
-        resumed = resume(checkpoints, trainer.step, config.model_dir, plan.total_steps)
+            print(f"restoring the newest intact checkpoint of {config.run.model_dir}", flush=True)
+        resumed = resume(checkpoints, trainer.step, config.run.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
             check_workers_agree(strategy, resumed.agreement(plan), config_lib.shared_flags(config),
                                 {"model file (and the modules it imports)": fingerprint(signature),
@@ -192,11 +188,11 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             if plan.num_workers > 1:
                 leave_together(strategy)
             return resumed.finished_summary
-        reporter = Reporter(config.model_dir, is_chief, plan.total_steps, resumed.start_step,
-                            started, evaluates_at_end=config.evaluate)
+        reporter = Reporter(config.run.model_dir, is_chief, plan.total_steps, resumed.start_step,
+                            started, evaluates_at_end=config.evaluation.evaluate)
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
-                files.write_json(f"{config.model_dir}/config.json", _config_record(
+                files.write_json(f"{config.run.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset, resumed, signature))
             reporter.say(_start_line(config, plan, strategy_name))
             if is_chief:
@@ -228,7 +224,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             # segment only, where the run resumed; the chief's, of several workers).
             summary["peak_memory_bytes"] = peak_resident_bytes()
             if is_chief:  # a loss that overflowed is null, not a file no reader takes
-                files.write_json(f"{config.model_dir}/summary.json", files.finite_values(summary))
+                files.write_json(f"{config.run.model_dir}/summary.json", files.finite_values(summary))
             if plan.num_workers > 1:
                 leave_together(strategy)
             return summary
@@ -238,32 +234,27 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         checkpoints.close()
 
 
-def data_source(config: TrainConfig) -> data.DataSource:
-    """Where the run's data is, and how to read it."""
-    return data.DataSource(data_dir=config.data_dir, download=config.download, seed=config.seed,
-                           synthetic_examples=config.synthetic_examples,
-                           image_size=config.image_size, test_fraction=config.test_fraction)
-
-
 def _finished_again(config: TrainConfig, resumed, built: Built, info: data.DatasetInfo) -> None:
     """A finished run started again: its results stay exactly as they are,
     but an export that was lost is made again."""
-    print(f"{config.model_dir} holds a finished run of {resumed.start_step} steps (see "
+    print(f"{config.run.model_dir} holds a finished run of {resumed.start_step} steps (see "
           f"summary.json); nothing to train. To train longer, pass a larger --epochs or "
           f"--train_steps.", flush=True)
-    scored = {name: resumed.previous_config.get(name, getattr(TrainConfig, name))
+    previous = config_lib.flat_record(resumed.previous_config)
+    scored = {name: previous.get(name, config_lib.DEFAULTS[name])
               for name in ("eval_tta", "eval_tta_fraction")}
-    if config.evaluate and scored != {name: getattr(config, name) for name in scored}:
+    if config.evaluation.evaluate and scored != {name: getattr(config.evaluation, name)
+                                                 for name in scored}:
         # Other test-time views asked of a finished run: say what does it.
         print(f"Its test results are with --eval_tta={scored['eval_tta']} "
               f"--eval_tta_fraction={scored['eval_tta_fraction']}; to score it with others: "
-              f"distributed-mpt-predict --model_dir={config.model_dir} --evaluate "
-              f"--tta={config.eval_tta} --tta_fraction={config.eval_tta_fraction}", flush=True)
-    if config.export and not outputs.export_is_whole(config.model_dir):
+              f"distributed-mpt-predict --model_dir={config.run.model_dir} --evaluate "
+              f"--tta={config.evaluation.eval_tta} --tta_fraction={config.evaluation.eval_tta_fraction}", flush=True)
+    if config.run.export and not outputs.export_is_whole(config.run.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
-        trained = {**dataclasses.asdict(config), **resumed.previous_config}
-        path = outputs.export_model(built.trainer.model, config.model_dir, info.class_names,
+        trained = {**config.flags(), **previous}
+        path = outputs.export_model(built.trainer.model, config.run.model_dir, info.class_names,
                                     info.image_shape,
                                     outputs.model_info(trained, resumed.finished_summary))
         print(f"its export was missing or incomplete: exported again to {path}", flush=True)
@@ -294,16 +285,13 @@ def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
 def _start_line(config: TrainConfig, plan: RunPlan, strategy_name: str) -> str:
     """What the run will do, and why: the precision and what decided it, the
     strategy, the global batch, and the learning rate with its rule."""
-    scaled = config.learning_rate * plan.global_batch_size / REFERENCE_BATCH_SIZE
-    rate_rule = f"{config.learning_rate:g} x {plan.global_batch_size}/{REFERENCE_BATCH_SIZE}"
-    if plan.learning_rate < scaled:
-        rate_rule += f" = {scaled:g}, capped at --max_learning_rate={config.max_learning_rate:g}"
-    return (f"{config.model} on {config.dataset}: "
-            f"{precision.describe_precision_choice(config.precision)}; {strategy_name} strategy, "
+    rate_rule = config.optimizer.describe_rate(plan.global_batch_size, plan.learning_rate)
+    return (f"{config.model.spec.name} on {config.data.dataset}: "
+            f"{precision.describe_precision_choice(config.run.precision)}; {strategy_name} strategy, "
             f"{plan.num_workers} worker(s), {plan.num_replicas} replica(s); global batch "
-            f"{plan.global_batch_size} = {config.per_replica_batch_size} per replica x "
+            f"{plan.global_batch_size} = {config.run.per_replica_batch_size} per replica x "
             f"{plan.num_replicas}; peak learning rate {plan.learning_rate:g} = {rate_rule}, "
-            f"{config.lr_schedule} schedule with {plan.warmup_steps} warmup steps; "
+            f"{config.schedule.describe(plan.warmup_steps)}; "
             f"{plan.total_steps} steps ({plan.steps_per_epoch} per epoch)")
 
 
@@ -317,14 +305,14 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
     steps = int(built.trainer.step.numpy())
     return {
         "strategy": strategy_name, "num_workers": plan.num_workers,
-        "num_replicas": plan.num_replicas, "per_replica_batch_size": config.per_replica_batch_size,
+        "num_replicas": plan.num_replicas, "per_replica_batch_size": config.run.per_replica_batch_size,
         "global_batch_size": plan.global_batch_size, "precision": plan.policy,
-        "model": config.model, "dataset": config.dataset, "steps": steps,
+        "model": config.model.spec.name, "dataset": config.data.dataset, "steps": steps,
         "epochs": steps / plan.steps_per_epoch, "learning_rate": plan.learning_rate,
         "reference_batch_size": REFERENCE_BATCH_SIZE,
         "train_loss": train_metrics.get("loss"), "train_accuracy": train_metrics.get("accuracy"),
         "examples_per_second": throughput, "resumed_from_step": start_step,
-        "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.eval_tta,
+        "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.evaluation.eval_tta,
         "device": describe_devices(),
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
@@ -340,7 +328,7 @@ def _recalibrate_batch_norm(built: Built, config: TrainConfig, plan: RunPlan,
     from distributed_mpt.training.build import recalibration_input
     trainer = built.trainer
     steps = int(trainer.step.numpy())
-    layers, why = batch_norm.to_recalibrate(trainer.model, steps, config.bn_recalibration)
+    layers, why = batch_norm.to_recalibrate(trainer.model, steps, config.evaluation.bn_recalibration)
     if not layers:
         return None
     batches = batch_norm.recalibration_batches(len(train_split), plan.global_batch_size)
@@ -364,7 +352,7 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     # freed before the export: each grows from what is in use, not from the
     # phase before's peak (process/memory.py).
     memory.release_freed_memory()
-    if config.evaluate:
+    if config.evaluation.evaluate:
         activity = f"evaluating on the {len(dataset.test)} test images"
         reporter.say(activity)
         with reporter.doing(activity):
@@ -373,12 +361,12 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         # Logged like the evaluations during training, so that the accuracy
         # curve ends where the run ends.
         reporter.log(summary["steps"], {"epoch": summary["epochs"], **result})
-    if export_model and config.export:
+    if export_model and config.run.export:
         memory.release_freed_memory()
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
-        info = outputs.model_info(dataclasses.asdict(config), summary)
+        info = outputs.model_info(config.flags(), summary)
         with reporter.doing("exporting the model"):
-            path = outputs.export_model(built.trainer.model, config.model_dir,
+            path = outputs.export_model(built.trainer.model, config.run.model_dir,
                                         dataset.info.class_names, dataset.info.image_shape, info)
         reporter.say(f"exported to {path}")

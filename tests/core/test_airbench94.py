@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_ok, checkpoint_weights, train, weights_of_one_and_two_replicas,
-                      weights_of_whole_and_resumed)
+from conftest import (assert_ok, checkpoint_weights, group_settings, train,
+                      weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
 from distributed_mpt.core import data, eval_views, models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import ImageSplit, cifar10
@@ -152,8 +152,9 @@ def _filters(model) -> list:
 
 
 def _settings(**overrides) -> groups.Settings:
-    return groups.Settings(**{**dict(peak_learning_rate=0.5, weight_decay=0.1, momentum=0.9,
-                                     shift_rate=64.0, whiten_bias_steps=10), **overrides})
+    return group_settings(0.5, **{**dict(weight_decay=0.1, momentum=0.9,
+                                         shift_lr_multiplier=64.0, whiten_bias_epochs=10),
+                                  **overrides})
 
 
 def _same(variables, expected) -> bool:
@@ -240,7 +241,7 @@ def test_once_the_whitening_bias_freezes_its_backward_pass_is_skipped_and_nothin
         keras.utils.set_random_seed(0)
         model = _build(width=4)
         step = tf.Variable(0, dtype=tf.int64)
-        made = groups.parameter_groups(model, _settings(whiten_bias_steps=3,
+        made = groups.parameter_groups(model, _settings(whiten_bias_epochs=3,
                                                         whiten_bias_freeze=freeze))
         optimizer = GroupedOptimizer(made, schedules.learning_rate_schedule(0.05, 7, 0, "linear"),
                                      step)
@@ -312,8 +313,8 @@ def test_under_muon_the_filters_carry_no_weight_decay_and_the_whitening_bias_dec
     muon = rule == "muon"
     model = _build()
     made = {group.name: group for group in groups.parameter_groups(
-        model, _settings(filters_rule=rule, filters_rate=0.4 if muon else 1.0,
-                         filters_momentum=0.6))}
+        model, _settings(optimizer=rule, muon_learning_rate=0.2,  # 0.4 x the peak
+                         muon_momentum=0.6))}
     filters, bias = made["filters"], made["whitening bias"]
     assert _same(filters.variables, _filters(model)) and len(filters.variables) == 6
     assert isinstance(filters.rule, Muon if muon else NesterovSGD)

@@ -186,12 +186,12 @@ def test_the_run_records_its_data_and_that_image_folders_are_not_flipped(tiny_ru
     assert fingerprint["classes"] == list(CLASSES) == config["resolved"]["dataset_info"][
         "class_names"]
     assert fingerprint["files"] == {"train": 24, "test": 6} and len(fingerprint["sha256"]) == 64
-    assert config["flip"] == "none", "a mirrored digit or letter is another sign"
+    assert config["augmentation"]["flip"] == "none", "a mirrored digit or letter is another sign"
 
 
 def test_flips_are_the_dataset_s_default_unless_given(tmp_path):
     def flip(*flags):
-        return train_entry_point.parse_config([*flags, f"--model_dir={tmp_path}"]).flip
+        return train_entry_point.parse_config([*flags, f"--model_dir={tmp_path}"]).augmentation.flip
 
     folder = ["--dataset=image_folder", f"--data_dir={tmp_path}"]
     assert (flip(), flip("--dataset=synthetic"), flip(*folder)) == ("random", "random", "none")

@@ -5,6 +5,7 @@ optimizer's, not the model's."""
 import keras
 import numpy as np
 import pytest
+from conftest import group_settings
 
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10, synthetic
@@ -49,8 +50,8 @@ def test_weight_decay_is_a_parameter_group_of_every_kernel(name):
     """What the models' L2 regularizers did, by groups: kernels decay by c,
     batch-norm shifts by c / the shift multiplier, biases and scales not."""
     model = build_model(name, width=8)
-    made = groups.parameter_groups(model, groups.Settings(
-        peak_learning_rate=0.1, weight_decay=5e-4, momentum=0.9, shift_rate=4.0))
+    made = groups.parameter_groups(model, group_settings(
+        0.1, weight_decay=5e-4, momentum=0.9, shift_lr_multiplier=4.0))
     by_variable = {id(v): group for group in made for v in group.variables}
     assert len(by_variable) == sum(len(g.variables) for g in made), "no variable in two groups"
     assert set(by_variable) == {id(v) for v in model.trainable_variables}, "every one in one"

@@ -83,19 +83,19 @@ def test_a_variable_in_no_group_is_refused():
 
 
 def test_plan_scales_batch_and_rate_with_replicas(tmp_path):
-    config = TrainConfig(model_dir=str(tmp_path), per_replica_batch_size=64, learning_rate=0.1,
+    config = TrainConfig.from_flags(model_dir=str(tmp_path), per_replica_batch_size=64, learning_rate=0.1,
                          epochs=2, warmup_epochs=0.5, precision="float32")
     plan = plan_run(config, num_replicas=4, num_workers=2, num_train_examples=50_000)
     assert plan.global_batch_size == 256
     assert plan.learning_rate == pytest.approx(0.2)
     assert plan.steps_per_epoch == 50_000 // 256 and plan.total_steps == 2 * (50_000 // 256)
     assert plan.warmup_steps == round(0.5 * (50_000 // 256))
-    assert plan_run(TrainConfig(model_dir="x", train_steps=7, precision="float32"), 1, 1, 1000).total_steps == 7
+    assert plan_run(TrainConfig.from_flags(model_dir="x", train_steps=7, precision="float32"), 1, 1, 1000).total_steps == 7
 
 
 def test_plan_refuses_a_batch_larger_than_the_data():
     with pytest.raises(ConfigError, match="exceeds"):
-        plan_run(TrainConfig(model_dir="x", per_replica_batch_size=512), 4, 1, 1000)
+        plan_run(TrainConfig.from_flags(model_dir="x", per_replica_batch_size=512), 4, 1, 1000)
 
 
 def test_a_run_shorter_than_its_warmup_still_decays():

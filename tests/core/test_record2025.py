@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_one_error_line, read_summary, train, weights_of_one_and_two_replicas,
-                      weights_of_whole_and_resumed)
+from conftest import (assert_one_error_line, group_settings, read_summary, train,
+                      weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
 
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
@@ -115,11 +115,11 @@ def test_the_settings_reach_the_filters_rule_and_only_it():
     from distributed_mpt.core.data import cifar10
 
     model = models.build_model(models.model_spec("airbench"), cifar10.INFO, 8)
-    settings = groups.Settings(peak_learning_rate=0.5, weight_decay=0.1, momentum=0.9,
-                               filters_rule="muon", filters_rate=0.4, filters_momentum=0.6,
-                               momentum_form="pytorch", whiten_bias_steps=3,
-                               muon_weight_decay=0.05, muon_renormalize="periodic",
-                               muon_newton_schulz="speedrun2025", total_steps=30)
+    settings = group_settings(0.5, weight_decay=0.1, momentum=0.9, optimizer="muon",
+                              muon_learning_rate=0.2, muon_momentum=0.6, momentum_form="pytorch",
+                              whiten_bias_epochs=3, muon_weight_decay=0.05,
+                              muon_renormalize="periodic", muon_newton_schulz="speedrun2025",
+                              total_steps=30)
     made = {group.name: group for group in groups.parameter_groups(model, settings)}
     rule = made["filters"].rule
     assert isinstance(rule, Muon) and rule.momentum == 0.6 and rule.weight_decay == 0.05
@@ -128,7 +128,8 @@ def test_the_settings_reach_the_filters_rule_and_only_it():
     assert made["filters"].weight_decay == 0.0
     for name in ("whitening bias", "shifts", "kernels"):
         assert isinstance(made[name].rule, NesterovSGD) and made[name].rule.form == "pytorch"
-    plain = groups.parameter_groups(model, groups.Settings(0.5, 0.1, 0.9, filters_rule="muon"))
+    plain = groups.parameter_groups(model, group_settings(0.5, weight_decay=0.1, momentum=0.9,
+                                                          optimizer="muon"))
     rule = plain[1].rule
     assert (rule.weight_decay, rule.renormalize_steps, rule.coefficients) == (
         0.0, None, NEWTON_SCHULZ["airbench"])
@@ -156,7 +157,8 @@ def _jitter_of_each_image(pipelines=1, seed=5, epochs=2, count=64, batch=16, on_
     dataset_fn = pipeline.train_input_fn(
         split, global_batch_size=batch, seed=seed, start_step=0,
         num_steps=epochs * count // batch, images_on_device=on_device,
-        augmentation=Augmentation(0, "none", **augmentation))
+        augmentation=Augmentation(0, "none", **{f"{name}_jitter": value
+                                                for name, value in augmentation.items()}))
     seen = {}
     for index in range(pipelines):
         context = tf.distribute.InputContext(pipelines, index, pipelines)
@@ -191,7 +193,7 @@ def test_without_jitter_the_batches_are_what_they_were(on_device):
 
     split = ImageSplit(np.zeros((32, 32, 32, 3), np.uint8), np.zeros(32, np.int32))
     plain = pipeline.train_input_fn(split, 16, seed=0, start_step=0, num_steps=1,
-                                    images_on_device=on_device, augmentation=Augmentation())
+                                    images_on_device=on_device, augmentation=Augmentation(flip="random"))
     assert len(next(iter(plain(tf.distribute.InputContext())))) == (3 if on_device else 2)
 
 

@@ -7,9 +7,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import group_settings
 
 from distributed_mpt.core import data, pipeline
-from distributed_mpt.core.optim.groups import Settings, parameter_groups
+from distributed_mpt.core.optim.groups import parameter_groups
 from distributed_mpt.core.optim.lookahead import Lookahead
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
 from distributed_mpt.core.optim.schedules import learning_rate_schedule
@@ -34,8 +35,7 @@ def test_skipped_steps_leave_one_counter_for_the_schedule_and_the_lookahead():
         model = _tiny_model(dataset.info)
         step = tf.Variable(0, dtype=tf.int64)
         schedule = learning_rate_schedule(0.1, STEPS, 0, "linear")
-        groups = parameter_groups(model, Settings(peak_learning_rate=0.1, weight_decay=0.0,
-                                                  momentum=0.9))
+        groups = parameter_groups(model, group_settings(0.1, weight_decay=0.0, momentum=0.9))
         # A loss scale far too large: float16 gradients overflow, the step is
         # skipped and the scale halves, until it fits.
         optimizer = keras.optimizers.LossScaleOptimizer(

@@ -9,23 +9,23 @@ from distributed_mpt.train import parse_config
 def test_flags_become_config(tmp_path):
     config = parse_config([f"--model_dir={tmp_path}", "--model=mlp", "--precision=mixed_bfloat16",
                            "--per_replica_batch_size=64", "--nodownload", "--train_steps=7"])
-    assert (config.model, config.precision, config.per_replica_batch_size) == ("mlp", "mixed_bfloat16", 64)
-    assert config.download is False and config.train_steps == 7
-    assert config.strategy == "auto" and config.dataset == "cifar10"
+    assert (config.model.model, config.run.precision, config.run.per_replica_batch_size) == ("mlp", "mixed_bfloat16", 64)
+    assert config.data.download is False and config.schedule.train_steps == 7
+    assert config.cluster.strategy == "auto" and config.data.dataset == "cifar10"
 
 
 def test_flagfile(tmp_path):
     flagfile = tmp_path / "run.flags"
     flagfile.write_text("# a recipe\n--model=mlp\n--epochs=3\n")
     config = parse_config([f"--flagfile={flagfile}", f"--model_dir={tmp_path}"])
-    assert (config.model, config.epochs) == ("mlp", 3)
+    assert (config.model.model, config.schedule.epochs) == ("mlp", 3)
 
 
 def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path, monkeypatch):
     # No shell expands it after `=`: a directory named `~` would appear here.
     monkeypatch.setenv("HOME", str(tmp_path))
     config = parse_config(["--model_dir=~/runs/a", "--data_dir=~/data"])
-    assert (config.model_dir, config.data_dir) == (f"{tmp_path}/runs/a", f"{tmp_path}/data")
+    assert (config.run.model_dir, config.data.data_dir) == (f"{tmp_path}/runs/a", f"{tmp_path}/data")
 
 
 def test_shipped_recipes_parse(tmp_path):
@@ -119,7 +119,7 @@ def test_a_config_not_from_flags_is_validated_alike(field, value, fragment):
     from distributed_mpt.config import TrainConfig
 
     with pytest.raises(ConfigError) as error:
-        TrainConfig(model_dir="x", **{field: value})
+        TrainConfig.from_flags(model_dir="x", **{field: value})
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
@@ -137,11 +137,11 @@ def test_each_model_gets_its_own_defaults_unless_a_flag_is_given(tmp_path):
         assert set(defaults) == {"learning_rate", "max_learning_rate", "warmup_epochs",
                                  "momentum", "weight_decay", "label_smoothing"}
         config = parse_config([f"--model_dir={tmp_path}", f"--model={model}"])
-        assert {name: getattr(config, name) for name in defaults} == defaults
+        assert {name: config.flags()[name] for name in defaults} == defaults
     config = parse_config([f"--model_dir={tmp_path}", "--model=mlp", "--learning_rate=0.3",
                            "--weight_decay=0.001"])
-    assert (config.learning_rate, config.weight_decay) == (0.3, 0.001)
-    assert config.warmup_epochs == MODELS["mlp"].defaults.warmup_epochs
+    assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (0.3, 0.001)
+    assert config.schedule.warmup_epochs == MODELS["mlp"].defaults.warmup_epochs
 
 
 def test_help_names_each_models_default(capsys):

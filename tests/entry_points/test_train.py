@@ -225,7 +225,7 @@ def test_the_official_binary_release_trains_offline_and_reports_time_to_accuracy
               for e in tf.compat.v1.train.summary_iterator(str(f)) for v in e.summary.value}
     assert ("eval_accuracy", 4) in tagged
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["learning_rate"] == 0.1875, "the model's default, as used"
+    assert config["optimizer"]["learning_rate"] == 0.1875, "the model's default, as used, in its section"
 
 
 def test_a_damaged_binary_release_is_one_error_line_and_nothing_written(tmp_path):

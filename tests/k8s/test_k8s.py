@@ -86,7 +86,7 @@ def settings_in(docs) -> dict:
         training = training_pods(docs)
         clusters = [resolve_cluster(pod.env) for pod in training]
         found["workers"] = [c.task_type for c in clusters].count("worker")
-        (found["name"],) = {parse_config(pod.command[1:]).model_dir.rsplit("/", 1)[1] for pod in training} | {
+        (found["name"],) = {parse_config(pod.command[1:]).run.model_dir.rsplit("/", 1)[1] for pod in training} | {
             training_job(docs)["metadata"]["name"]} | {p["metadata"]["name"] for p in of_kind(docs, "NetworkPolicy")}
         for key, of in (("resources", lambda t: main_container(t["spec"])["resources"]),
                         ("flags", lambda t: main_container(t["spec"])["args"]),
@@ -158,11 +158,11 @@ def test_the_trainer_accepts_the_flags_and_environment_it_is_given(variant):
     for pod in training:
         assert pod.command[0] == "distributed-mpt-train", pod.hostname
         config = parse_config(pod.command[1:])
-        assert (config.strategy, config.download) == ("multi_worker", False), pod.hostname
-        assert (config.precision, config.communication) == (spec["precision"], spec["communication"])
+        assert (config.cluster.strategy, config.data.download) == ("multi_worker", False), pod.hostname
+        assert (config.run.precision, config.cluster.communication) == (spec["precision"], spec["communication"])
         (download,) = prepare["spec"]["containers"]
-        assert f"--data_dir={config.data_dir}" in download["command"], pod.hostname
-        assert config.model_dir == f"/data/runs/{spec['jobName']}", f"{pod.hostname}: not the run's, on the claim"
+        assert f"--data_dir={config.data.data_dir}" in download["command"], pod.hostname
+        assert config.run.model_dir == f"/data/runs/{spec['jobName']}", f"{pod.hostname}: not the run's, on the claim"
         assert pod.command.index(f"--recipe={spec['recipe']}") == 1, f"{pod.hostname}: flags after it override it"
     clusters = [resolve_cluster(pod.env) for pod in training]
     (addresses,) = {c.addresses for c in clusters}
@@ -315,7 +315,7 @@ def test_your_model_and_images_reach_every_variant(own_model, variant):
     for pod in training_pods(docs):
         assert pod.command[-len(OWN_FLAGS):] == OWN_FLAGS
         config = parse_config(pod.command[1:])
-        assert (config.dataset, config.data_dir, config.model, config.model_dir) == (
+        assert (config.data.dataset, config.data.data_dir, config.model.model, config.run.model_dir) == (
             "image_folder", "/data/images/flowers", "/models/model.py:small_cnn", "/data/runs/flowers-cnn")
 
 
@@ -405,7 +405,7 @@ def test_the_documented_load_puts_the_data_where_training_reads_it(tmp_path, arc
     for name, content in files.items():
         assert (parent / name).read_bytes() == content
     flags = [] if top.startswith("cifar") else ["--dataset=image_folder", f"--data_dir={data_dir}"]
-    (config_dir,) = {parse_config(p.command[1:] + flags).data_dir for p in training_pods(render("jobset"))}
+    (config_dir,) = {parse_config(p.command[1:] + flags).data.data_dir for p in training_pods(render("jobset"))}
     assert config_dir == data_dir and (parent / top).exists()
     with (tmp_path / archive).open("rb") as stdin:  # again: the data in place stays as it is
         assert subprocess.run(["sh", "-c", _on(data, script)], stdin=stdin, capture_output=True).returncode != 0
@@ -423,7 +423,7 @@ def test_the_claim_stands_alone_and_one_command_takes_the_export_out(tmp_path):
     (pod_name, run_dir, entries, output), = re.findall(
         r"kubectl exec (\S+) -- tar czf - -C (\S+) ((?:[\w.]+ ?)+) > (\S+)", README)
     assert pod_name == of_kind(volume, "Pod")[0]["metadata"]["name"]
-    (model_dir,) = {parse_config(p.command[1:]).model_dir for p in training_pods(render("jobset"))}
+    (model_dir,) = {parse_config(p.command[1:]).run.model_dir for p in training_pods(render("jobset"))}
     assert run_dir == model_dir and entries.split() == ["export", "summary.json"]
 
     # Run as the pod runs it, on a run directory laid out as the trainer's.
@@ -485,7 +485,7 @@ def test_a_renamed_job_gets_its_own_networkpolicy_names_and_run(tmp_path):
         for pod in training_pods(docs):
             assert all(a.startswith("cifar10-second-") for a in resolve_cluster(pod.env).addresses), \
                 f"{variant} {pod.hostname}: the pods do not find each other under the new name"
-            assert parse_config(pod.command[1:]).model_dir == "/data/runs/cifar10-second"
+            assert parse_config(pod.command[1:]).run.model_dir == "/data/runs/cifar10-second"
 
 
 def check_networkpolicy(docs) -> str:

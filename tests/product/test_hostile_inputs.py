@@ -185,7 +185,7 @@ case("a flagfile naming a FIFO", "train", lambda scene: (
     scene.touch(scene.tmp_path), [f"--flagfile={scene.tmp_path / 'a.flags'}"])[-1],
     "is a FIFO, not a regular file")
 
-for field in dataclasses.fields(config_lib.TrainConfig):
+for field in config_lib.FIELDS:
     if field.metadata["choices"] or not ({int, float} & {field.type, *getattr(
             field.type, "__args__", ())}):
         continue

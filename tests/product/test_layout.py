@@ -15,7 +15,7 @@ import distributed_mpt
 
 PACKAGE = Path(distributed_mpt.__file__).parent
 # What each layer may import of the package, besides itself.
-LEAVES = {"distributed_mpt.errors", "distributed_mpt.files"}
+LEAVES = {"distributed_mpt.errors", "distributed_mpt.files", "distributed_mpt.options"}
 ALLOWED = {
     "distributed_mpt.core": LEAVES,
     "distributed_mpt.process": LEAVES,
@@ -139,8 +139,7 @@ def test_no_class_takes_more_than_8_constructor_parameters():
     # A class that needs more does several things: its settings go in
     # records of their own (core/steps.py's Trainer takes StepRules). The
     # records themselves (dataclasses, whose fields are their parameters)
-    # are not counted: TrainConfig's flat fields are settings not yet in
-    # sections, which this rule does not settle.
+    # are not counted: a section's fields are its options, each a flag.
     wide = {f"{path.relative_to(PACKAGE)}:{node.name}": n for path in PACKAGE.rglob("*.py")
             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
             if (n := _init_parameters(node)) > 8}
@@ -228,3 +227,112 @@ def test_every_test_lives_in_a_folder_named_after_what_it_tests():
     # files of one name in different folders would collide.
     names = [path.name for path in TESTS.rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+# Settings in sections, each read by the part that declares it
+# (docs/architecture.md, "Settings"): a section is a class of Options; its
+# part is the folder of the module that declares it (the folder's own
+# modules, not those of its subfolders); config.py composes the sections and
+# holds the rules across them. Reads outside a part, each with its reason:
+READERS = {
+    # The names of what a run trains, in its first line and summary.json.
+    ("data", "dataset"): {"distributed_mpt.training.run", "distributed_mpt.predict"},
+    # refuse_other_data names the directory whose images differ.
+    ("data", "data_dir"): {"distributed_mpt.training.plan"},
+    # The loss's, which StepRules takes with the other numbers of the step.
+    ("optimizer", "label_smoothing"): {"distributed_mpt.training.build"},
+    # predict rebuilds a run's model and its test split from the run's record.
+    **{key: {"distributed_mpt.predict"} for key in (
+        ("model", "model"), ("model", "model_width"), ("run", "seed"), ("run", "precision"))},
+}
+COMPOSER = "distributed_mpt.config"
+
+
+def _sections() -> dict:
+    """{section name in TrainConfig: (the module declaring its class, its fields)}."""
+    trees = {name: ast.parse(path.read_text()) for name, path in _modules().items()}
+    declared = {node.name: (module, {item.target.id for item in node.body
+                                     if isinstance(item, ast.AnnAssign)})
+                for module, tree in trees.items() for node in ast.walk(tree)
+                if isinstance(node, ast.ClassDef)
+                and any(getattr(base, "id", "") == "Options" for base in node.bases)}
+    config = next(node for node in ast.walk(trees[COMPOSER])
+                  if isinstance(node, ast.ClassDef) and node.name == "TrainConfig")
+    return {item.target.id: declared[item.annotation.id] for item in config.body
+            if isinstance(item, ast.AnnAssign)}
+
+
+def _part(module: str, modules: dict) -> str:
+    """The folder (as a package name) that `module` belongs to."""
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _section_reads(tree: ast.AST, sections: dict, classes: dict) -> set:
+    """(section, field) of every read in `tree`: `<expr>.<section>.<field>`,
+    `<name>.<field>` where the name holds a section (`x = <expr>.<section>`,
+    or an argument annotated with its class, `classes`: {class: section}),
+    and `<expr>.flags()["<field>"]`."""
+    held = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.value, "attr", None) in sections:
+            held.update((target.id, node.value.attr) for target in node.targets
+                        if isinstance(target, ast.Name))
+        elif isinstance(node, ast.arg) and getattr(node.annotation, "id", None) in classes:
+            held[node.arg] = classes[node.annotation.id]
+    reads = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            holder = node.value
+            section = (holder.attr if isinstance(holder, ast.Attribute) else
+                       held.get(holder.id) if isinstance(holder, ast.Name) else None)
+            if section in sections and node.attr in sections[section][1]:
+                reads.add((section, node.attr))
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call)
+              and getattr(node.value.func, "attr", "") == "flags"
+              and isinstance(node.slice, ast.Constant)):
+            reads |= {(name, node.slice.value) for name, (_, fields) in sections.items()
+                      if node.slice.value in fields}
+    return reads
+
+
+def _ownership_breaches() -> list:
+    modules, sections = _modules(), _sections()
+    classes = {node.name: name for name, (module, fields) in sections.items()
+               for node in ast.walk(ast.parse(modules[module].read_text()))
+               if isinstance(node, ast.ClassDef) and fields == {
+                   item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}}
+    breaches = []
+    for module, path in modules.items():
+        if module == COMPOSER:
+            continue
+        for section, field in sorted(_section_reads(ast.parse(path.read_text()), sections,
+                                                    classes)):
+            owner = _part(sections[section][0], modules)
+            if _part(module, modules) != owner and module not in READERS.get((section, field), ()):
+                breaches.append(f"{module} reads {section}.{field} (owned by {owner})")
+    return breaches
+
+
+def test_every_section_is_read_only_by_its_part():
+    assert set(_sections()) == {"run", "data", "model", "airbench", "optimizer", "muon",
+                                "schedule", "augmentation", "evaluation", "cluster"}
+    breaches = _ownership_breaches()
+    assert not breaches, "\n".join(breaches)
+
+
+def test_the_ownership_check_sees_a_read_outside_the_part(monkeypatch):
+    # A check that cannot fail is no check: Muon's momentum read where the
+    # run is built, as training/build.py did before the sections.
+    build = PACKAGE / "training" / "build.py"
+    leak = build.read_text() + "\n\ndef _leak(config):\n    return config.muon.muon_momentum\n"
+    original = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: leak if self == build
+                        else original(self, *a, **k))
+    assert _ownership_breaches() == ["distributed_mpt.training.build reads muon.muon_momentum "
+                                     "(owned by distributed_mpt.core.optim)"]
+    # A section held in a name, given as an argument, or read flat.
+    sections = _sections()
+    for code, read in (("options = config.cluster\noptions.cpu_replicas", ("cluster", "cpu_replicas")),
+                       ("def f(o: MuonOptions):\n    return o.muon_momentum", ("muon", "muon_momentum")),
+                       ("config.flags()['whiten_images']", ("airbench", "whiten_images"))):
+        assert _section_reads(ast.parse(code), sections, {"MuonOptions": "muon"}) == {read}, code

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, snapshot, train
+from conftest import (SMOKE_FLAGS, assert_ok, group_settings, make_path, read_summary, snapshot,
+                      train)
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.optim import groups, optimizer as optimizer_lib
@@ -294,8 +295,7 @@ def test_checkpoint_bytes_match_the_files_written(tmp_path):
     step = tf.Variable(0, dtype=tf.int64)
     # The optimizer a run checkpoints: a momentum slot per trained variable.
     optimizer = optimizer_lib.make_optimizer(
-        groups.parameter_groups(model, groups.Settings(peak_learning_rate=0.1, weight_decay=5e-4,
-                                                       momentum=0.9)),
+        groups.parameter_groups(model, group_settings(0.1, weight_decay=5e-4, momentum=0.9)),
         lambda s: 0.1, step, loss_scaling=False)
     optimizer.build(model.trainable_variables)
     Checkpoints(str(tmp_path), None, model_identity(model, "float32"), model=model,

@@ -27,6 +27,18 @@ def _with(**fields):
     return lambda record: json.dumps({**record, **fields})
 
 
+def _flat(record: dict) -> str:
+    """config.json as runs wrote it before the sections: every flag at the top."""
+    from distributed_mpt.config import SECTIONS
+
+    return json.dumps({**{k: v for name in SECTIONS for k, v in record[name].items()},
+                       **{k: v for k, v in record.items() if k not in SECTIONS}})
+
+
+def _in_section(section: str, **fields):
+    return lambda record: json.dumps({**record, section: {**record[section], **fields}})
+
+
 def _metrics_line(line: str):
     def edit(model_dir: Path):
         with open(model_dir / "metrics.jsonl", "a") as f:
@@ -37,6 +49,14 @@ def _metrics_line(line: str):
 # case: (edit, steps of the run that follows, the error line's fragment or
 # None for a run that goes on)
 CASES = {
+    # Written in sections; an old run's flat file resumes and is compared alike.
+    "config.json: in sections": (_edit("config.json", json.dumps), 8, None),
+    "config.json: another seed in its section": (
+        _edit("config.json", _in_section("run", seed=3)), 8, "changes --seed=3 to 0"),
+    "config.json: flat, as before sections": (_edit("config.json", _flat), 8, None),
+    "config.json: flat, another seed": (
+        _edit("config.json", lambda r: json.dumps({**json.loads(_flat(r)), "seed": 3})), 8,
+        "changes --seed=3 to 0"),
     "config.json: earlier not a list": (_edit("config.json", _with(earlier="junk")), 8,
                                         "config.json is damaged ('earlier' is not a list"),
     "config.json: earlier of numbers": (_edit("config.json", _with(earlier=[1, 2])), 8,

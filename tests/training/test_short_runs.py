@@ -5,13 +5,13 @@ epochs that would give more; a run of the steps it asked for does not."""
 import pytest
 
 from conftest import assert_ok, train
-from distributed_mpt.config import TrainConfig
+from distributed_mpt.config import DEFAULTS, TrainConfig
 from distributed_mpt.training.plan import (SHORT_EPOCH_STEPS, SHORT_RUN_STEPS, plan_run,
                                            short_run, start_warnings)
 
 
 def _warning(examples, replicas=1, **flags):
-    config = TrainConfig(model_dir="unused", **flags)
+    config = TrainConfig.from_flags(model_dir="unused", **flags)
     return short_run(config, plan_run(config, replicas, 1, examples), examples)[0]
 
 
@@ -42,9 +42,9 @@ def test_what_the_warning_suggests_is_a_run_it_would_not_warn_of(examples, repli
     suggested = dict(flags)
     for option in said.split("; ")[1].split(" would")[0].split(" and "):
         name, value = option.removeprefix("--").split("=")
-        suggested[name] = type(TrainConfig.__dataclass_fields__[name].default)(value)
+        suggested[name] = type(DEFAULTS[name])(value)
     assert suggested != flags
-    plan = plan_run(TrainConfig(model_dir="unused", **suggested), replicas, 1, examples)
+    plan = plan_run(TrainConfig.from_flags(model_dir="unused", **suggested), replicas, 1, examples)
     assert plan.steps_per_epoch >= SHORT_EPOCH_STEPS and plan.total_steps >= SHORT_RUN_STEPS
     assert said.endswith(f"would train {plan.total_steps} ({plan.steps_per_epoch} per epoch)")
     assert not _warning(examples, replicas, **suggested)
@@ -67,7 +67,7 @@ def test_a_split_too_small_for_any_batch_says_so_instead_of_advice_that_still_wa
 
 
 def _start_warnings(examples, replicas, **flags):
-    config = TrainConfig(model_dir="unused", **flags)
+    config = TrainConfig.from_flags(model_dir="unused", **flags)
     return start_warnings(config, plan_run(config, replicas, 1, examples), examples)
 
 

@@ -71,7 +71,7 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
     from distributed_mpt.training.loop import TrainingLoop
     from distributed_mpt.training.plan import plan_run
 
-    config = TrainConfig(model_dir="unused", train_steps=200, precision="float32",
+    config = TrainConfig.from_flags(model_dir="unused", train_steps=200, precision="float32",
                          log_every_steps=1000, checkpoint_every_steps=1000)
     sizes, logged, paces = [], [], iter(pace_of_all_workers)
 
@@ -270,7 +270,7 @@ def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, m
     from distributed_mpt.config import TrainConfig
     from distributed_mpt.training.run import train_and_evaluate
 
-    config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=2048,
+    config = TrainConfig.from_flags(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=2048,
                          model=model, model_width=8, per_replica_batch_size=batch,
                          train_steps=steps, export=False)
     try:

@@ -5,10 +5,13 @@ line below (docs/extending.md); --dataset, --help, the checks and predict
 take it from here. The loaders are imported only to load.
 """
 
-from typing import Sequence
+import dataclasses
+from typing import Optional, Sequence
 
 from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo,
                                                DatasetSpec, ImageSplit)
+from distributed_mpt.options import (MAX_EXAMPLES, Options, option, require, require_at_most,
+                                     require_positive)
 
 _HERE = "distributed_mpt.core.data"
 IMAGE_FOLDER_LAYOUT = "DATA_DIR/train/<class>/<images> and DATA_DIR/test/<class>/<images>"
@@ -24,11 +27,55 @@ DATASETS = {spec.name: spec for spec in (
 )}
 
 
+# Three pooling stages need 8 pixels; 512 squared is 768 KB an image in memory.
+_MIN_IMAGE_SIZE, _MAX_IMAGE_SIZE = 8, 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions(Options):
+    """Which data a run trains on, and how it is read."""
+
+    dataset: str = option("cifar10", " ".join(
+        f"{spec.name}: {spec.summary}." for spec in DATASETS.values()), tuple(DATASETS))
+    data_dir: Optional[str] = option(
+        None, "Where the data is. cifar10: a directory holding the official binary release "
+        "(cifar-10-batches-bin/, read directly), or a tensorflow-datasets data directory "
+        "(default ~/tensorflow_datasets). image_folder: the folder of class folders.")
+    download: bool = option(True, "Download and prepare CIFAR-10 if it is not in --data_dir. "
+                            "Turn off on workers that must read prepared data.")
+    synthetic_examples: int = option(50_000, "Training examples of --dataset=synthetic (test: "
+                                     "a fifth as many).")
+    image_size: int = option(32, "--dataset=image_folder: images are resized to this many "
+                             "pixels square (squashed, not cropped).")
+    test_fraction: float = option(
+        0.0, "--dataset=image_folder without a test/ folder: hold out this fraction of each "
+        "class's training images (chosen by --seed) for testing (beside a test/ folder: an "
+        "error).")
+
+    def check(self) -> None:
+        require(self.dataset != "image_folder" or bool(self.data_dir),
+                "--dataset=image_folder needs --data_dir: the folder of class folders "
+                "(DATA_DIR/train/<class>/<images>)")
+        require(_MIN_IMAGE_SIZE <= self.image_size <= _MAX_IMAGE_SIZE,
+                f"--image_size={self.image_size} must be in [{_MIN_IMAGE_SIZE}, {_MAX_IMAGE_SIZE}]")
+        require(0 <= self.test_fraction < 1,
+                f"--test_fraction={self.test_fraction} must be in [0, 1)")
+        require_positive(self, "synthetic_examples")
+        require_at_most(self, MAX_EXAMPLES, "synthetic_examples")
+
+    def load(self, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+        """The `splits` of this dataset, read as these options say (`seed`:
+        the run's, which synthetic data and a held-out test split are drawn with)."""
+        return load_dataset(self.dataset, DataSource(
+            self.data_dir, self.download, seed, self.synthetic_examples, self.image_size,
+            self.test_fraction), splits)
+
+
 def load_dataset(name: str, source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
     """The `splits` of dataset `name` (a DATASETS key; KeyError otherwise),
     read as `source` says; only those splits are read."""
     return DATASETS[name].load(source, splits)
 
 
-__all__ = ["DATASETS", "SPLITS", "DataSource", "Dataset", "DatasetInfo", "DatasetSpec",
+__all__ = ["DATASETS", "DataOptions", "SPLITS", "DataSource", "Dataset", "DatasetInfo", "DatasetSpec",
            "ImageSplit", "load_dataset"]

@@ -90,14 +90,8 @@ class Dataset:
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """Where a dataset is and how to read it; each loader uses what it needs.
-
-    data_dir: the directory to read (and, for cifar10, to prepare into);
-    download: whether cifar10 may be downloaded; seed and synthetic_examples:
-    what synthetic data is made from; image_size: the side an image folder's
-    images are resized to; test_fraction: the share of an image folder's
-    images held out for testing when it has no test/ folder.
-    """
+    """Where a dataset is and how to read it (the flags of the same names,
+    core/data's DataOptions, and the run's seed); each loader uses what it needs."""
 
     data_dir: Optional[str] = None
     download: bool = True

@@ -32,7 +32,9 @@ from typing import List, Optional, Tuple
 
 from distributed_mpt.core.models import contract
 from distributed_mpt.core.models.contract import ModelError, users_code
-from distributed_mpt.errors import first_line, quoted
+from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
+from distributed_mpt.options import (MAX_EXAMPLES, Options, option, require, require_at_most,
+                                     require_positive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,9 @@ class Defaults:
 class ModelSpec:
     """A network: its --model name, one line saying what it is, its builder
     ("module:function", imported only to build; a user's file path or
-    module), its defaults, and the TrainConfig flags its builder takes as
-    keyword arguments besides (info, width)."""
+    module), its defaults, and the options its builder takes as keyword
+    arguments besides (info, width): fields of AirbenchOptions, the one
+    network with options of its own."""
 
     name: str
     summary: str
@@ -111,6 +114,79 @@ MODELS = {spec.name: spec for spec in (
 USER_DEFAULTS = Defaults(0.1, 0.0, 1.0, 0.9, 5e-4, 0.0, why=(
     "the classic CIFAR ResNet recipe (He et al. 2016): 0.1 at batch 128, momentum 0.9, "
     "L2 5e-4, with a one-epoch warmup; a starting point for a network of your own"))
+
+_MAX_WIDTH = 1024  # resnet9 at 1024 already has 1.7 billion weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions(Options):
+    """Which network a run trains, and how wide."""
+
+    model: str = option(
+        "resnet9", " ".join(f"{spec.name}: {spec.summary}." for spec in MODELS.values())
+        + " Or your own network: path/to/file.py:function or package.module:function, a "
+        "function of the dataset's info returning a Keras model from uint8 images to logits "
+        "(docs/extending.md).")
+    model_width: int = option(64, "Channels of the first stage of resnet9 or airbench (64 in "
+                              "both references).")
+
+    def check(self) -> None:
+        try:
+            model_spec(self.model)
+        except UserError as e:
+            raise ConfigError(str(e)) from None
+        require_positive(self, "model_width")
+        require_at_most(self, _MAX_WIDTH, "model_width")
+
+    @property
+    def spec(self) -> ModelSpec:
+        return model_spec(self.model)
+
+    def build(self, info, own: "AirbenchOptions", notes: Optional[List[str]] = None):
+        """This network for dataset `info` (build_model), with the options of
+        its own that `own` holds (spec.options names them)."""
+        return build_model(self.spec, info, self.model_width, notes, **self._own(own))
+
+    def parameter_count(self, info, own: "AirbenchOptions"):
+        """How many weights this network has for `info` (parameter_count)."""
+        return parameter_count(self.spec, info, self.model_width, **self._own(own))
+
+    def _own(self, own) -> dict:
+        return {name: getattr(own, name) for name in self.spec.options}
+
+    def too_large(self) -> Tuple[str, str]:
+        """(the flags that name this network, what makes it smaller), for a
+        network too large for the memory."""
+        if self.spec.is_users:
+            return f"--model={quoted(self.model)}", "a smaller network"
+        return f"--model={self.model} at --model_width={self.model_width}", "a lower --model_width"
+
+
+@dataclasses.dataclass(frozen=True)
+class AirbenchOptions(Options):
+    """airbench's own options (its builder's keyword arguments)."""
+
+    identity_init: bool = option(
+        True, "airbench: start each 3x3 convolution as the identity on its first c_in filters "
+        "(airbench94's dirac_ initialization), so that each block passes its input through at "
+        "first; --noidentity_init: every filter random, as PyTorch initializes them.")
+    activation: str = option(
+        "gelu", "airbench: the activation of its convolution stages. gelu (airbench94's), silu "
+        "(the 2025 record's), relu (which TensorFlow fuses into batch norm); GELU and SiLU are "
+        "compiled into one pass each way on CPUs (core/models/faster_layers.py).",
+        AIRBENCH_ACTIVATIONS)
+    bn_momentum: float = option(
+        0.6, "airbench: its batch norms' momentum in Keras' sense (the weight of the old moving "
+        "statistics; airbench94: 0.6, the 2025 record: 0.5566).")
+    whiten_images: int = option(
+        5000, "airbench: how many of the first training images its whitening filters are "
+        "computed from (airbench94: 5000, the 2025 record: 960).")
+
+    def check(self) -> None:
+        require(0 <= self.bn_momentum < 1, f"--bn_momentum={self.bn_momentum} must be in [0, 1)")
+        require(2 <= self.whiten_images <= MAX_EXAMPLES,
+                f"--whiten_images={self.whiten_images} must be in [2, {MAX_EXAMPLES:,}]")
+
 
 _MODULE_SOURCE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _FILE_SOURCE = re.compile(r".+\.py:[A-Za-z_]\w*")

@@ -12,8 +12,11 @@ flags are checked without TensorFlow.)
 import dataclasses
 from typing import Callable, List, Optional, Tuple
 
-from distributed_mpt.core.optim.rules import UPDATE_RULES, UpdateRule
-from distributed_mpt.core.optim.schedules import learning_rate_schedule
+from distributed_mpt.core.optim.rules import (MOMENTUM_FORMS, MUON_RENORMALIZATIONS,
+                                              NEWTON_SCHULZ, UPDATE_RULES, UpdateRule)
+from distributed_mpt.core.optim.schedules import (REFERENCE_BATCH_SIZE, learning_rate_schedule,
+                                                  scaled_learning_rate)
+from distributed_mpt.options import MAX_STEPS, Options, option, require, require_at_most
 
 # The groups every model's trainable variables are sorted into (airbench's
 # whitening bias, when there is one, aside).
@@ -51,35 +54,145 @@ class ParameterGroup:
     freeze: str = "stop"
 
 
+_MAX_MULTIPLIER = 1e4
+# Far above any rate that trains (airbench94's peak is 1.5 at batch 1024),
+# and low enough that scaled by any global batch it stays finite.
+MAX_RATE = 1e3
+MAX_DECAY = 1e2  # 5e-4 trains; divided by a multiplier (>= 1e-4) still finite
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonOptions(Options):
+    """Muon's own options (--optimizer=muon), read where the groups and their rules are made."""
+
+    muon_learning_rate: float = option(
+        0.24, "--optimizer=muon: the filters' peak learning rate (not scaled with the batch: "
+        "Muon's step size does not depend on the gradient's); it follows --lr_schedule.")
+    muon_momentum: float = option(0.6, "--optimizer=muon: the filters' Nesterov momentum.")
+    muon_weight_decay: float = option(
+        0.0, "--optimizer=muon: after each step the filters are multiplied by 1 - Muon's rate x "
+        "this (the 2025 record's decoupled decay, hiverge/cifar10-speedrun); a renormalization "
+        "undoes it, so it acts between them (--muon_renormalize=periodic).")
+    muon_renormalize: str = option(
+        "every_step", "--optimizer=muon: when a filter is scaled back to a norm of sqrt(output "
+        "channels). every_step (airbench94_muon). periodic (the 2025 record, "
+        "hiverge/cifar10-speedrun): before step n (from 1) if n minus the last such n is at "
+        "least 2 + floor(15 n / total steps): every 2nd step at first, up to every 17th at the "
+        "end.", MUON_RENORMALIZATIONS)
+    muon_newton_schulz: str = option(
+        "airbench", "--optimizer=muon: the quintic Newton-Schulz coefficients of the "
+        "orthogonalization. airbench: (3.4445, -4.7750, 2.0315), airbench94_muon's. "
+        "speedrun2025: (3.4576, -4.7391, 2.0843), the 2025 record's (hiverge/cifar10-speedrun).",
+        tuple(NEWTON_SCHULZ))
+
+    def check(self) -> None:
+        require(self.muon_weight_decay >= 0,
+                f"--muon_weight_decay={self.muon_weight_decay} must be >= 0")
+        require_at_most(self, MAX_DECAY, "muon_weight_decay")
+        require(0 < self.muon_learning_rate <= MAX_RATE,
+                f"--muon_learning_rate={self.muon_learning_rate} must be in (0, {MAX_RATE:g}]")
+        require(0 <= self.muon_momentum < 1,
+                f"--muon_momentum={self.muon_momentum} must be in [0, 1)")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOptions(Options):
+    """How the groups train: the filters' update rule, the rate, momentum and
+    decay, the shifts' multiple, the whitening bias's training, the label
+    smoothing and the lookahead. None: the model's default (core/models)."""
+
+    optimizer: str = option(
+        "sgd", "sgd: SGD with Nesterov momentum. muon (airbench94_muon's): Muon for the "
+        "convolution filters (orthogonalized steps, no weight decay: Muon keeps their norm; "
+        "see --muon_learning_rate), SGD for the rest, with airbench's whitening bias at the "
+        "batch-norm shifts' rate (--shift_lr_multiplier) falling linearly to 0 over "
+        "--whiten_bias_epochs.", tuple(UPDATE_RULES))
+    learning_rate: Optional[float] = option(
+        None, "Learning rate at the reference batch of 128. The peak rate is this x global "
+        "batch / 128, at most --max_learning_rate; the run prints the rate it uses.")
+    max_learning_rate: Optional[float] = option(
+        None, "Ceiling of the peak learning rate (0: none), for networks that diverge above a "
+        "rate whatever the batch (the MLP's default: 0.05). It caps the model's own rate; an "
+        "explicit --learning_rate is used as scaled, unless --max_learning_rate is given too.")
+    momentum: Optional[float] = option(None, "SGD Nesterov momentum.")
+    momentum_form: str = option(
+        "keras", "How SGD's momentum meets a changing rate. keras: the rate is folded into the "
+        "velocity (v = m v - rate g). pytorch: the velocity sums raw gradients and the current "
+        "rate scales the step (b = m b + g; step = rate (g + m b)), as in the PyTorch code "
+        "airbench's rates were tuned with. The two agree while the rate is constant.",
+        MOMENTUM_FORMS)
+    weight_decay: Optional[float] = option(
+        None, "L2 coefficient c on kernels (2 c w added to their gradient, as c |w|^2 added to "
+        "the mean loss); batch-norm shifts get c / --shift_lr_multiplier; biases and scales "
+        "none (core/optim/groups.py).")
+    label_smoothing: Optional[float] = option(None, "Label smoothing of the training loss.")
+    shift_lr_multiplier: float = option(
+        1.0, "Batch-norm shifts (beta) train at this multiple of the learning rate (airbench94: "
+        "64); their L2 coefficient is --weight_decay divided by it, so that their decay per "
+        "step is as large as the kernels'.")
+    whiten_bias_epochs: float = option(
+        0.0, "airbench: train the whitening layer's bias for this many epochs, then freeze it "
+        "(airbench94: 3; see --optimizer for Muon's); 0: the bias stays 0.")
+    whiten_bias_freeze: str = option(
+        "coast", "How the whitening bias stops after --whiten_bias_epochs. stop: at once, as "
+        "both airbench references do (a variable without a gradient is skipped). coast: its "
+        "gradient is zeroed and its momentum runs out over the next steps (what the cpu_cnn "
+        "and cpu_cnn94 recipes were measured with).", FREEZES)
+    lookahead: bool = option(
+        False, "airbench94's lookahead: every 5 steps the weights (and batch-norm statistics) "
+        "move to an exponential moving average of themselves, of decay 0.95^5 x "
+        "(step/total steps)^3, so that averaging grows as the learning rate falls; after the "
+        "last step they are that average.")
+
+    def check(self) -> None:
+        require_at_most(self, MAX_STEPS, "whiten_bias_epochs")
+        require_at_most(self, MAX_RATE, "max_learning_rate")
+        require_at_most(self, MAX_DECAY, "weight_decay")
+        require(0 < self.learning_rate <= MAX_RATE,
+                f"--learning_rate={self.learning_rate} must be in (0, {MAX_RATE:g}]: the rate at "
+                f"the reference batch of 128, scaled with the global batch")
+        require(self.max_learning_rate >= 0,
+                f"--max_learning_rate={self.max_learning_rate} must be >= 0 (0: no ceiling)")
+        require(0 <= self.momentum < 1, f"--momentum={self.momentum} must be in [0, 1)")
+        require(self.weight_decay >= 0, f"--weight_decay={self.weight_decay} must be >= 0")
+        require(0 <= self.label_smoothing < 1,
+                f"--label_smoothing={self.label_smoothing} must be in [0, 1)")
+        require(1 / _MAX_MULTIPLIER <= self.shift_lr_multiplier <= _MAX_MULTIPLIER,
+                f"--shift_lr_multiplier={self.shift_lr_multiplier} must be in "
+                f"[{1 / _MAX_MULTIPLIER:g}, {_MAX_MULTIPLIER:g}]")
+        require(self.whiten_bias_epochs >= 0,
+                f"--whiten_bias_epochs={self.whiten_bias_epochs} must be >= 0")
+
+    def peak_learning_rate(self, global_batch_size: int) -> float:
+        """The run's peak rate: --learning_rate scaled to the global batch, capped."""
+        return scaled_learning_rate(self.learning_rate, global_batch_size, self.max_learning_rate)
+
+    def describe_rate(self, global_batch_size: int, peak: float) -> str:
+        """How `peak` follows from the flags, for the run's first line."""
+        scaled = self.learning_rate * global_batch_size / REFERENCE_BATCH_SIZE
+        rule = f"{self.learning_rate:g} x {global_batch_size}/{REFERENCE_BATCH_SIZE}"
+        if peak < scaled:
+            rule += f" = {scaled:g}, capped at --max_learning_rate={self.max_learning_rate:g}"
+        return rule
+
+    def make_lookahead(self, model, total_steps: int):
+        """airbench94's lookahead over `model` (lookahead.py) if asked for, else None."""
+        from distributed_mpt.core.optim.lookahead import Lookahead
+
+        return Lookahead(model, total_steps) if self.lookahead else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What the groups are made from (each a flag of distributed-mpt-train).
+    """What the groups are made from: the optimizer's options and Muon's,
+    the run's peak rate, and its steps per epoch (the whitening bias's
+    epochs count them) and in all (Muon's periodic renormalization spans them)."""
 
-    filters_rule: the update rule of the convolution filters (--optimizer);
-    filters_rate: their rate relative to the run's (Muon's own peak over the
-    run's); momentum_form: SGD's (rules.NesterovSGD); shift_rate: batch-norm
-    shifts' multiple of the rate, their decay divided by it so that their
-    decay per step is the kernels'; whiten_bias_steps: how long airbench's
-    whitening bias trains, and whiten_bias_freeze how it stops. Muon's
-    options (the 2025 record's; rules.Muon): muon_weight_decay,
-    muon_renormalize (one of rules.MUON_RENORMALIZATIONS), muon_newton_schulz
-    (a rules.NEWTON_SCHULZ key), and total_steps, the run's length, which
-    the periodic renormalization's table spans.
-    """
-
+    optimizer: OptimizerOptions
     peak_learning_rate: float
-    weight_decay: float
-    momentum: float
-    filters_rule: str = "sgd"
-    filters_rate: float = 1.0
-    filters_momentum: float = 0.0
-    momentum_form: str = "keras"
-    shift_rate: float = 1.0
-    whiten_bias_steps: int = 0
-    whiten_bias_freeze: str = "coast"
-    muon_weight_decay: float = 0.0
-    muon_renormalize: str = "every_step"
-    muon_newton_schulz: str = "airbench"
+    muon: MuonOptions = MuonOptions()
+    steps_per_epoch: int = 1
     total_steps: int = 0
 
 
@@ -89,19 +202,21 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
 
     whitening bias  airbench's; SGD. With --optimizer=sgd as airbench94 has
                     it: the run's rate, decay c; with muon as
-                    airbench94_muon has it: shift_rate x the peak, falling
-                    linearly to 0 over its steps, decay c / shift_rate.
-    filters         convolution kernels (4-D): `filters_rule`; SGD decays
-                    them by c, Muon not at all (it renormalizes them).
-    shifts          batch-norm shifts (beta): SGD at shift_rate x the rate,
-                    decay c / shift_rate.
+                    airbench94_muon has it: --shift_lr_multiplier x the peak,
+                    falling linearly to 0 over its steps, decay c / that.
+    filters         convolution kernels (4-D): --optimizer's rule; SGD decays
+                    them by c, Muon not at all (it renormalizes them); Muon
+                    at its own peak rate, following the run's schedule.
+    shifts          batch-norm shifts (beta): SGD at --shift_lr_multiplier x
+                    the rate, decay c / that.
     kernels         the other kernels (dense layers): SGD, decay c.
     others          biases, batch-norm scales: SGD, no decay.
     """
     import keras
 
-    s = settings
-    sgd = UPDATE_RULES["sgd"](s.momentum, s)
+    s, options, muon_options = settings, settings.optimizer, settings.muon
+    sgd = UPDATE_RULES["sgd"](options.momentum, s)
+    decay, shift_rate = options.weight_decay, options.shift_lr_multiplier
     bias = _whitening_bias(model)
     shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, keras.layers.BatchNormalization) and layer.center
@@ -115,26 +230,28 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
             default = ("shifts" if id(variable) in shift_ids else "filters" if rank == 4
                        else "kernels" if rank >= 2 else "others")
             members[chosen.get(id(variable), default)].append(variable)
-    muon = s.filters_rule == "muon"
+    muon = options.optimizer == "muon"
+    filters_rule = UPDATE_RULES[options.optimizer](
+        muon_options.muon_momentum if muon else options.momentum, s)
     groups = [
-        ParameterGroup("filters", tuple(members["filters"]),
-                       UPDATE_RULES[s.filters_rule](s.filters_momentum if muon else s.momentum, s),
-                       rate=s.filters_rate, weight_decay=0.0 if muon else s.weight_decay),
-        ParameterGroup("shifts", tuple(members["shifts"]), sgd, rate=s.shift_rate,
-                       weight_decay=s.weight_decay / s.shift_rate),
-        ParameterGroup("kernels", tuple(members["kernels"]), sgd, weight_decay=s.weight_decay),
+        ParameterGroup("filters", tuple(members["filters"]), filters_rule,
+                       rate=muon_options.muon_learning_rate / s.peak_learning_rate if muon else 1.0,
+                       weight_decay=0.0 if muon else decay),
+        ParameterGroup("shifts", tuple(members["shifts"]), sgd, rate=shift_rate,
+                       weight_decay=decay / shift_rate),
+        ParameterGroup("kernels", tuple(members["kernels"]), sgd, weight_decay=decay),
         ParameterGroup("others", tuple(members["others"]), sgd),
     ]
     if bias is not None and bias.trainable:
-        steps = s.whiten_bias_steps
+        steps = round(options.whiten_bias_epochs * s.steps_per_epoch)
+        freeze = options.whiten_bias_freeze
         if muon:  # its own rate, falling to 0 over its steps, whatever the schedule
-            own = learning_rate_schedule(s.shift_rate * s.peak_learning_rate, steps, 0, "linear")
+            own = learning_rate_schedule(shift_rate * s.peak_learning_rate, steps, 0, "linear")
             group = ParameterGroup("whitening bias", (bias,), sgd, schedule=own,
-                                   weight_decay=s.weight_decay / s.shift_rate,
-                                   train_steps=steps, freeze=s.whiten_bias_freeze)
+                                   weight_decay=decay / shift_rate, train_steps=steps, freeze=freeze)
         else:
-            group = ParameterGroup("whitening bias", (bias,), sgd, weight_decay=s.weight_decay,
-                                   train_steps=steps, freeze=s.whiten_bias_freeze)
+            group = ParameterGroup("whitening bias", (bias,), sgd, weight_decay=decay,
+                                   train_steps=steps, freeze=freeze)
         groups.insert(0, group)
     return [group for group in groups if group.variables]
 

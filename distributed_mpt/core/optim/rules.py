@@ -154,14 +154,15 @@ def periodic_renormalization(total_steps: int) -> list:
 
 
 def _muon(momentum: float, s) -> Muon:
-    periodic = s.muon_renormalize == "periodic"
-    return Muon(momentum, weight_decay=s.muon_weight_decay,
+    muon = s.muon  # its options (groups.MuonOptions)
+    periodic = muon.muon_renormalize == "periodic"
+    return Muon(momentum, weight_decay=muon.muon_weight_decay,
                 renormalize_steps=periodic_renormalization(s.total_steps) if periodic else None,
-                coefficients=NEWTON_SCHULZ[s.muon_newton_schulz])
+                coefficients=NEWTON_SCHULZ[muon.muon_newton_schulz])
 
 
 # name -> (momentum, groups.Settings) -> rule. --optimizer's choices.
 UPDATE_RULES = {
-    "sgd": lambda momentum, s: NesterovSGD(momentum, s.momentum_form),
+    "sgd": lambda momentum, s: NesterovSGD(momentum, s.optimizer.momentum_form),
     "muon": _muon,
 }

@@ -5,6 +5,12 @@ The learning rate scales linearly with the global batch (Goyal et al. 2017,
 cosine to zero, or linearly to a floor as airbench94 does.
 """
 
+import dataclasses
+import math
+from typing import Optional
+
+from distributed_mpt.options import MAX_STEPS, Options, option, require, require_at_most
+
 SCHEDULES = ("cosine", "linear", "piecewise_linear")
 
 # The batch at which --learning_rate is stated. 128 with lr 0.1 and SGD
@@ -18,6 +24,51 @@ REFERENCE_BATCH_SIZE = 128
 # batches of 10% of the training split. Above either, a run warns.
 LINEAR_RULE_LIMIT = 8192
 LARGE_BATCH_FRACTION = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleOptions(Options):
+    """How long a run trains, and how its learning rate moves over the steps."""
+
+    epochs: float = option(24, "Epochs to train (a fraction of one counts its steps, rounded up).")
+    train_steps: int = option(0, "Optimizer steps to train; overrides --epochs when > 0.")
+    # None: the model's default (its spec's `defaults` in core/models).
+    warmup_epochs: Optional[float] = option(
+        None, "Epochs of the learning-rate warmup (see --lr_schedule); at most half of the run.")
+    lr_schedule: str = option(
+        "cosine", "cosine: linear warmup from 0 to the peak, then cosine decay to 0. linear: "
+        "the same warmup, then linearly to 0. piecewise_linear (airbench94's): linear from 0.2x the peak to the peak over the "
+        "warmup, then linear to 0.07x the peak at the last step.", SCHEDULES)
+
+    def check(self) -> None:
+        # Negative even beside --train_steps, which overrides it: else the typo
+        # trains, and is recorded in config.json.
+        require(self.epochs > 0 or (self.epochs == 0 and self.train_steps > 0),
+                f"--epochs={self.epochs} must be a positive number (or set --train_steps)")
+        require_at_most(self, MAX_STEPS, "train_steps", "epochs", "warmup_epochs")
+        require(self.train_steps >= 0,
+                f"--train_steps={self.train_steps} must be >= 0 (0 means: use --epochs)")
+        require(self.warmup_epochs >= 0, f"--warmup_epochs={self.warmup_epochs} must be >= 0")
+
+    @property
+    def fixed_length(self) -> bool:
+        """Whether --train_steps, not --epochs, says how long the run is."""
+        return self.train_steps > 0
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's steps; a fraction of an epoch counts its steps, rounded up (airbench's 9.9)."""
+        return self.train_steps or math.ceil(round(self.epochs * steps_per_epoch, 6))
+
+    def warmup_steps(self, steps_per_epoch: int, total_steps: int) -> int:
+        """Capped here as the schedule caps it, so that config.json says what ran."""
+        return min(round(self.warmup_epochs * steps_per_epoch), total_steps // 2)
+
+    def schedule(self, peak: float, total_steps: int, warmup_steps: int):
+        """The learning rate of each step (learning_rate_schedule)."""
+        return learning_rate_schedule(peak, total_steps, warmup_steps, self.lr_schedule)
+
+    def describe(self, warmup_steps: int) -> str:
+        return f"{self.lr_schedule} schedule with {warmup_steps} warmup steps"
 
 
 def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
