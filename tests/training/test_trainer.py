@@ -319,9 +319,9 @@ def test_evaluation_starts_without_the_train_split(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data, "load_dataset", loading)
     monkeypatch.setattr(steps.Trainer, "evaluate", evaluating)
-    config = TrainConfig(model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=512,
-                         model="mlp", per_replica_batch_size=64, train_steps=4, export=False,
-                         precision="float32")
+    config = TrainConfig.from_flags(
+        model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=512, model="mlp",
+        per_replica_batch_size=64, train_steps=4, export=False, precision="float32")
     try:
         summary = train_and_evaluate(config, tf.distribute.get_strategy(), "default", None)
     finally:
