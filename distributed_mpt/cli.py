@@ -73,15 +73,21 @@ def show_help(doc: str, fv: flags.FlagValues, epilogue: str = "") -> int:
     return ExitCode.OK
 
 
-def parse(program: str, fv: flags.FlagValues, argv: List[str]) -> List[str]:
+def parse(program: str, fv: flags.FlagValues, argv: List[str],
+          positionals: bool = False) -> List[str]:
     """Parses `argv` (without the program name) into `fv`; returns the
-    positional arguments. Raises ConfigError with absl's one line."""
+    positional arguments, which only a program that takes them (`positionals`)
+    may be given. Raises ConfigError with one line (absl's, or ours)."""
     try:
-        return fv([program, *argv])[1:]
+        rest = fv([program, *argv])[1:]
     except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
         # quoted: absl echoes what it was given (a --flagfile of
         # /proc/self/environ: the environment), control characters and all.
         raise ConfigError(quoted(first_line(e, limit=10_000).removeprefix("ERROR:: "))) from None
+    if rest and not positionals:
+        raise ConfigError(f"unexpected argument(s) {quoted(' '.join(rest))}: all options are "
+                          f"--flags")
+    return rest
 
 
 def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:

@@ -299,7 +299,7 @@ def main(argv=None) -> int:
 
 
 def _predict(fv: flags.FlagValues, argv) -> int:
-    paths = cli.parse("distributed-mpt-predict", fv, argv)
+    paths = cli.parse("distributed-mpt-predict", fv, argv, positionals=True)
     for name in ("model_dir", "data_dir"):
         fv[name].value = user_path(fv[name].value)
     if not fv.model_dir:

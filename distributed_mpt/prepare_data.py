@@ -13,7 +13,7 @@ from absl import flags
 
 from distributed_mpt import cli
 from distributed_mpt.config import user_path
-from distributed_mpt.errors import ConfigError, ExitCode, quoted
+from distributed_mpt.errors import ExitCode
 from distributed_mpt.process import log_filter
 
 
@@ -37,10 +37,7 @@ def main(argv=None) -> int:
 
 
 def _prepare(fv: flags.FlagValues, argv) -> int:
-    rest = cli.parse("distributed-mpt-prepare-data", fv, argv)
-    if rest:
-        raise ConfigError(f"unexpected argument(s) {quoted(' '.join(rest))}: all options are "
-                          f"--flags")
+    cli.parse("distributed-mpt-prepare-data", fv, argv)
     data_dir = user_path(fv.data_dir)
     # TensorFlow's C++ start-up lines, off the console. What training reads:
     # the official binary release, where the directory holds it, is ready as

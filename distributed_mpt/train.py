@@ -114,10 +114,7 @@ def parse_config(argv) -> config_lib.TrainConfig:
     fv = _flag_values()
     args = _expand_recipes(argv)
     _check_flagfiles(args)
-    rest = cli.parse("distributed-mpt-train", fv, args)
-    if rest:
-        raise ConfigError(f"unexpected argument(s) {quoted(' '.join(rest))}: all options are "
-                          f"--flags")
+    cli.parse("distributed-mpt-train", fv, args)
     if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it
         raise ConfigError(f"--recipe={fv.recipe} must be given on the command line, as "
                           f"--recipe={fv.recipe} (inside a flagfile, use --flagfile="

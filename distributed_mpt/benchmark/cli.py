@@ -100,9 +100,7 @@ def _regular_file_or_absent(path: Optional[str]) -> bool:
 def parse_options(argv) -> Options:
     """Flags (without the program name) into Options; raises ConfigError."""
     fv = _flag_values()
-    rest = cli.parse("distributed-mpt-benchmark", fv, argv)
-    if rest:
-        raise ConfigError(f"unexpected argument(s) {' '.join(rest)}: all options are --flags")
+    cli.parse("distributed-mpt-benchmark", fv, argv)
     if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
         raise ConfigError(f"--batch_sizes={quoted(','.join(fv.batch_sizes))} must be whole "
                           f"numbers in decimal digits")

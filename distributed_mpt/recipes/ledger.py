@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
 
 def _run(fv, argv) -> int:
-    rest = cli.parse("ledger", fv, argv)
+    rest = cli.parse("ledger", fv, argv, positionals=True)
     if fv.check or fv.write:
         if rest or fv.check == fv.write or fv.time_tests:
             raise ConfigError("--check or --write, one of them, and nothing else")

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
 
 def _measure(fv: flags.FlagValues, own, train_flags) -> int:
-    if cli.parse("measure", fv, own):
+    if cli.parse("measure", fv, own, positionals=True):
         raise ConfigError("unexpected arguments: training flags go after --")
     if not fv.recipe:
         raise ConfigError("--recipe is required: the recipe to measure")

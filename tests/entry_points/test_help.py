@@ -50,3 +50,17 @@ def test_train_help_says_what_each_recipe_is_reached_and_sets():
         assert " Measured: " in flat
         sets = flat.split(" Sets: ", 1)[1]
         assert sets == " ".join(line for line in lines if line.startswith("--"))
+
+
+@pytest.mark.parametrize("module", ["distributed_mpt.train", "distributed_mpt.prepare_data",
+                                    "distributed_mpt.benchmark.cli",
+                                    "distributed_mpt.benchmark.scaling"])
+def test_an_entry_point_without_positional_arguments_refuses_one(module, capsys):
+    # One rule, in cli.parse, for every program that takes only --flags: a
+    # stray word (a value whose flag lost its `=`) is one error line, exit 2.
+    import importlib
+
+    assert importlib.import_module(module).main(["stray\x1b[2J"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: unexpected argument(s) ") and "all options are --flags" in error
+    assert "\x1b" not in error and error.count("\n") == 1, error
