@@ -74,7 +74,9 @@ class TrainConfig:
         return config
 
     def flags(self) -> dict:
-        """Every field by flag name, as the flags gave them (a flat config.json)."""
+        """Every field by flag name, as resolved (the per-model defaults and the
+        dataset's flip filled in, `~` expanded): what runs compare, and what
+        a config.json held before the sections."""
         return {name: value for section in SECTIONS for name, value in
                 dataclasses.asdict(getattr(self, section)).items()}
 

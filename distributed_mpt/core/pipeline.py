@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from distributed_mpt.core.augmentation import CROP_PADDING, Augmentation
 from distributed_mpt.core.data import ImageSplit
-from distributed_mpt.core.data.dataset import ALIGNMENT
+from distributed_mpt.core.data.dataset import shareable
 
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     """Full global batches per epoch (training drops the ragged remainder)."""
@@ -86,8 +86,7 @@ def _host_tensors(split: ImageSplit):
     64-byte aligned (TensorFlow aborts the process otherwise), as
     `ImageSplit` keeps them, and writeable (NumPy's rule)."""
     def tensor(array):
-        if (array.flags.c_contiguous and array.flags.writeable and array.size
-                and array.ctypes.data % ALIGNMENT == 0):
+        if shareable(array):
             return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
         return tf.constant(array)
 
@@ -101,12 +100,6 @@ def _options() -> tf.data.Options:
     # Sharding is done explicitly above; file-based auto-sharding would be
     # wrong (CIFAR-10 is a single file) and data-based would waste work.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    # tf.data's default rewrites serialize the pipeline's graph, and with it a
-    # copy of the split it captures (150 MB for CIFAR-10's train split, held
-    # while the iterator lives). Without them the host pipeline still makes
-    # 167,000 augmented images/s on 2 cores of a Xeon, against 202,000 (30
-    # batches of 1536), over a hundred times what training takes.
-    options.experimental_optimization.apply_default_optimizations = False
     return options
 
 

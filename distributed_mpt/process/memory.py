@@ -146,8 +146,10 @@ def release_freed_memory() -> bool:
     float32 runs of `cpu_cnn94_muon` with evaluation and export peaked at
     3.17-3.56 GB (4 runs) with their evaluation and export started from a
     trimmed heap, at 3.63-3.64 GB (2) without (2 cores of a 2.6 GHz Xeon;
-    the peak varies with the order in which threads allocate). False where
-    the C library has no malloc_trim (not glibc)."""
+    the peak varies with the order in which threads allocate). Python's
+    cycles are collected first: TensorFlow's objects (a finished input
+    pipeline, the arrays it shares) are often held in one. False where the
+    C library has no malloc_trim (not glibc)."""
     import ctypes
     import gc
 

@@ -191,7 +191,8 @@ _MODEL_INFO_SUMMARY_KEYS = (
 
 def model_info(config: dict, summary: dict) -> dict:
     """model_info.json's content: the model and its data from a run's
-    `config` (TrainConfig's fields, as in config.json), the training and
+    `config` (the flags by name: TrainConfig.flags(), or a config.json read
+    back with config.flat_record), the training and
     its test results from `summary` (summary.json's keys, those known)."""
     info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS
             if key in config and config.get("dataset") in _ONLY_FOR.get(key, (config.get("dataset"),))}

@@ -215,9 +215,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
                                train_metrics, throughput)
             summary["bn_recalibration"] = recalibrated
-            # The train split (150 MB for CIFAR-10) and its pipeline are done
-            # with: evaluation and the export grow from what is left.
-            loop, dataset = None, dataclasses.replace(dataset, splits={"test": dataset.test})
+            # The train split (150 MB for CIFAR-10, shared with its pipeline) is
+            # done with: evaluation and the export grow from what is left
+            # (--data_on_device keeps its copy on the devices).
+            dataset = dataclasses.replace(dataset, splits={"test": dataset.test})
             _evaluate_and_export(built, config, dataset, reporter, summary, export_model=is_chief)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             # This process's, from its start to the end of the export (this
@@ -262,7 +263,8 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
                    dataset: data.Dataset, resumed, signature: dict) -> dict:
-    """config.json: the flags as given, the step this segment of the run
+    """config.json: the flags by section (config.flat_record reads them back
+    by name, as it reads a flat file of before), the step this segment of the run
     starts at, and under "resolved" what `auto` and the per-model defaults
     became on this machine, what the model was built for (predict rebuilds
     it from a checkpoint with it, and checks it is the network `signature`

@@ -267,6 +267,14 @@ def _part(module: str, modules: dict) -> str:
     return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
+def _of_a_config(node: ast.AST, sections: dict) -> bool:
+    """Whether `node` is `<a config>.<section>` (`config.muon`, `self._config.run`),
+    not an attribute that shares a section's name (a trainer's `optimizer`)."""
+    holder = getattr(node, "value", None)
+    name = getattr(holder, "id", None) or getattr(holder, "attr", "")
+    return getattr(node, "attr", None) in sections and "config" in name
+
+
 def _section_reads(tree: ast.AST, sections: dict, classes: dict) -> set:
     """(section, field) of every read in `tree`: `<expr>.<section>.<field>`,
     `<name>.<field>` where the name holds a section (`x = <expr>.<section>`,
@@ -274,9 +282,14 @@ def _section_reads(tree: ast.AST, sections: dict, classes: dict) -> set:
     and `<expr>.flags()["<field>"]`."""
     held = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and getattr(node.value, "attr", None) in sections:
-            held.update((target.id, node.value.attr) for target in node.targets
-                        if isinstance(target, ast.Name))
+        if isinstance(node, ast.Assign):
+            # `x = a.section`, and `x, y = a.section, ...` as the code writes it.
+            pairs = [(target, node.value) for target in node.targets]
+            pairs += [pair for target in node.targets if isinstance(target, ast.Tuple)
+                      and isinstance(node.value, ast.Tuple)
+                      for pair in zip(target.elts, node.value.elts)]
+            held.update((target.id, value.attr) for target, value in pairs
+                        if isinstance(target, ast.Name) and _of_a_config(value, sections))
         elif isinstance(node, ast.arg) and getattr(node.annotation, "id", None) in classes:
             held[node.arg] = classes[node.annotation.id]
     reads = set()
@@ -333,6 +346,7 @@ def test_the_ownership_check_sees_a_read_outside_the_part(monkeypatch):
     # A section held in a name, given as an argument, or read flat.
     sections = _sections()
     for code, read in (("options = config.cluster\noptions.cpu_replicas", ("cluster", "cpu_replicas")),
+                       ("o, n = config.muon, 1\no.muon_momentum", ("muon", "muon_momentum")),
                        ("def f(o: MuonOptions):\n    return o.muon_momentum", ("muon", "muon_momentum")),
                        ("config.flags()['whiten_images']", ("airbench", "whiten_images"))):
         assert _section_reads(ast.parse(code), sections, {"MuonOptions": "muon"}) == {read}, code

@@ -294,8 +294,9 @@ def test_two_replicas_at_the_largest_batch_keep_the_mlp_finite(model_dir):
 
 
 def test_evaluation_starts_without_the_train_split(tmp_path, monkeypatch):
-    """The train split (150 MB for CIFAR-10) and its pipeline are let go once
-    training is over: evaluation and the export grow from what is left."""
+    """The train split's images (150 MB for CIFAR-10), which its pipeline
+    shares, are let go once training is over: evaluation and the export grow
+    from what is left."""
     import weakref
 
     import keras
@@ -310,7 +311,7 @@ def test_evaluation_starts_without_the_train_split(tmp_path, monkeypatch):
 
     def loading(*args, **kwargs):
         dataset = load(*args, **kwargs)
-        train_splits.append(weakref.ref(dataset.train))
+        train_splits.append(weakref.ref(dataset.train.images))  # the buffer the pipeline shared
         return dataset
 
     def evaluating(trainer, split):

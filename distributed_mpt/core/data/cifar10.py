@@ -12,7 +12,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from distributed_mpt import files
-from distributed_mpt.core.data.dataset import SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit
+from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit,
+                                               aligned_empty)
 from distributed_mpt.errors import DataUnavailableError, first_line
 
 NAME = "cifar10"  # tensorflow-datasets' name, and --dataset's
@@ -83,7 +84,9 @@ def load_cifar10_binary(directory: str, splits: Sequence[str] = SPLITS) -> Tuple
         records = np.concatenate(records)
         # Planes [N, 3, 32, 32] -> NHWC, the layout of every other source.
         images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-        return ImageSplit(np.ascontiguousarray(images), records[:, 0].astype(np.int32))
+        aligned = aligned_empty(images.shape, np.uint8)
+        aligned[...] = images
+        return ImageSplit(aligned, records[:, 0].astype(np.int32))
 
     return tuple(read(_BINARY_FILES[split]) for split in splits)
 
@@ -225,8 +228,9 @@ def _read_prepared_split(builder, name: str) -> ImageSplit:
         if path is None:  # every file reads back whole: the records themselves are foreign
             path, problem = builder.data_dir, f"holds unreadable {name} records ({_tf_message(e)})"
         raise _damaged_data_error(path, problem, builder.data_dir_root, builder.data_dir) from None
-    return ImageSplit(np.concatenate([b[0] for b in batches]).astype(np.uint8),
-                      np.concatenate([b[1] for b in batches]).astype(np.int32))
+    images = aligned_empty((sum(len(b[0]) for b in batches), *batches[0][0].shape[1:]), np.uint8)
+    np.concatenate([b[0] for b in batches], out=images, casting="unsafe")
+    return ImageSplit(images, np.concatenate([b[1] for b in batches]).astype(np.int32))
 
 
 def _find_damaged_record_file(split_info) -> Tuple[Optional[str], Optional[str]]:

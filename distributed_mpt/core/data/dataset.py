@@ -34,17 +34,35 @@ class ImageSplit:
 ALIGNMENT = 64
 
 
+def shareable(array) -> bool:
+    """Whether TensorFlow can take `array`'s buffer as it is (DLPack):
+    C-contiguous and ALIGNMENT-byte aligned (TensorFlow aborts the process
+    otherwise), writeable (NumPy's rule for exporting it) and not empty."""
+    return bool(array.flags.c_contiguous and array.flags.writeable and array.size
+                and array.ctypes.data % ALIGNMENT == 0)
+
+
+def aligned_empty(shape, dtype):
+    """An uninitialized C-contiguous array that TensorFlow can share: what
+    the loaders fill, so that an ImageSplit never copies a split to align it.
+    NumPy starts large arrays 16 bytes past a page (glibc's chunk header)."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -buffer.ctypes.data % ALIGNMENT
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def _aligned(array):
-    """`array` itself if it is C-contiguous and ALIGNMENT-byte aligned, else
-    such a copy of it."""
+    """`array` itself if TensorFlow can share it, else such a copy of it."""
     import numpy as np
 
     array = np.asarray(array)
-    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
+    if shareable(array) or not array.size:
         return array
-    buffer = np.empty(array.nbytes + ALIGNMENT, np.uint8)
-    start = -buffer.ctypes.data % ALIGNMENT
-    aligned = buffer[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    aligned = aligned_empty(array.shape, array.dtype)
     aligned[...] = array
     return aligned
 

@@ -31,7 +31,8 @@ import numpy as np
 from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
-from distributed_mpt.core.data.dataset import SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit
+from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit,
+                                               aligned_empty)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted
 
 NAME = "image_folder"
@@ -83,7 +84,8 @@ def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
     # In a fixed shuffled order, not by class: what is computed from the
     # first images (airbench's whitening takes 5,000) must see every class.
     order = np.random.default_rng(0).permutation(len(train))
-    train = ImageSplit(train.images[order], train.labels[order])
+    shuffled = aligned_empty(train.images.shape, np.uint8)
+    train = ImageSplit(np.take(train.images, order, axis=0, out=shuffled), train.labels[order])
     mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
     variance = np.zeros(3)
     for start in range(0, len(train), 4096):  # chunks: no float copy of every image
@@ -207,7 +209,7 @@ def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int
 def _decode(files: Dict[int, List[str]], size: Tuple[int, int]) -> ImageSplit:
     """Every file decoded into one uint8 array, with its label."""
     count = sum(len(paths) for paths in files.values())
-    pixels = np.empty((count, *size, 3), np.uint8)
+    pixels = aligned_empty((count, *size, 3), np.uint8)
     labels = np.empty(count, np.int32)
     index = 0
     for label, paths in files.items():
