@@ -66,8 +66,11 @@ class TrainConfig:
                     f"--{name}={value} must be a finite number")
         if values["flip"] is None and values["dataset"] in data.DATASETS:
             values["flip"] = data.DATASETS[values["dataset"]].flip
-        config = cls(**{name: model if section is ModelOptions else section(**_of(section, values))
-                        for name, section in SECTIONS.items()})
+        # The run's section first: a missing --model_dir is said before what
+        # else is wrong, as before the sections.
+        made = {name: model if section is ModelOptions else section(**_of(section, values))
+                for name, section in sorted(SECTIONS.items(), key=lambda item: item[0] != "run")}
+        config = cls(**made)
         require(config.optimizer.optimizer == "sgd" or config.model.model != "mlp",
                 "--optimizer=muon trains convolution filters, and the mlp has none: use "
                 "--optimizer=sgd")

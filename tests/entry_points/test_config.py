@@ -183,3 +183,12 @@ def test_a_nested_flagfile_that_is_a_fifo_is_refused_unread(tmp_path):
     outer.write_text(f"--model=mlp\n--flagfile={tmp_path / 'fifo'}\n")
     with pytest.raises(ConfigError, match="fifo is a FIFO, not a regular file"):
         parse_config([f"--flagfile={outer}", f"--model_dir={tmp_path}"])
+
+
+def test_a_missing_model_dir_is_said_first():
+    # As before the settings were in sections: what a user most often leaves
+    # out is named before any other mistake of the same command line.
+    from distributed_mpt.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="--model_dir is required"):
+        TrainConfig.from_flags(dataset="image_folder", learning_rate=-1.0, epochs=-2)
