@@ -192,3 +192,12 @@ def test_a_missing_model_dir_is_said_first():
 
     with pytest.raises(ConfigError, match="--model_dir is required"):
         TrainConfig.from_flags(dataset="image_folder", learning_rate=-1.0, epochs=-2)
+
+
+def test_a_dataset_that_needs_a_data_dir_says_what_it_must_hold():
+    # Declared once, by the dataset (DatasetSpec.needs_data_dir), not special-cased by name.
+    with pytest.raises(ConfigError) as error:
+        parse_config(["--dataset=image_folder", "--model_dir=unused"])
+    assert str(error.value) == ("--dataset=image_folder needs --data_dir: the folder of class "
+                                "folders (DATA_DIR/train/<class>/<images>)")
+    parse_config(["--dataset=synthetic", "--model_dir=unused"])  # made from --seed: none needed

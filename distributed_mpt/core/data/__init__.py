@@ -22,8 +22,8 @@ DATASETS = {spec.name: spec for spec in (
                 "(no download)", f"{_HERE}.synthetic:load"),
     # Not flipped unless asked: a mirrored digit or letter is another sign.
     DatasetSpec("image_folder", f"your own labelled images in --data_dir: {IMAGE_FOLDER_LAYOUT}, "
-                f"resized to --image_size", f"{_HERE}.image_folder:load", needs_data_dir=True,
-                flip="none"),
+                f"resized to --image_size", f"{_HERE}.image_folder:load", flip="none",
+                needs_data_dir="the folder of class folders (DATA_DIR/train/<class>/<images>)"),
 )}
 
 
@@ -53,9 +53,8 @@ class DataOptions(Options):
         "error).")
 
     def check(self) -> None:
-        require(self.dataset != "image_folder" or bool(self.data_dir),
-                "--dataset=image_folder needs --data_dir: the folder of class folders "
-                "(DATA_DIR/train/<class>/<images>)")
+        needs = DATASETS[self.dataset].needs_data_dir  # a choice: checked before this
+        require(not needs or bool(self.data_dir), f"--dataset={self.dataset} needs --data_dir: {needs}")
         require(_MIN_IMAGE_SIZE <= self.image_size <= _MAX_IMAGE_SIZE,
                 f"--image_size={self.image_size} must be in [{_MIN_IMAGE_SIZE}, {_MAX_IMAGE_SIZE}]")
         require(0 <= self.test_fraction < 1,

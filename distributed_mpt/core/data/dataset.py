@@ -133,7 +133,9 @@ class DatasetSpec:
     name: str
     summary: str
     loader: str
-    needs_data_dir: bool = False
+    # What --data_dir must hold when the dataset cannot be read without it
+    # (the check's error says so); "": it can.
+    needs_data_dir: str = ""
     flip: str = "random"
 
     def load(self, source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
