@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from distributed_mpt.core.models import faster_layers
-from distributed_mpt.core.models.faster_layers import CompiledActivation
+from distributed_mpt.core.models.faster_layers import CompiledActivation, FusedBatchNormalization
 
 
 @pytest.fixture(autouse=True)
@@ -81,3 +81,40 @@ def test_compiled_only_where_it_pays(monkeypatch):
 def test_an_activation_without_a_compiled_form_is_refused():
     with pytest.raises(ValueError, match="relu"):
         CompiledActivation("relu")  # TensorFlow fuses ReLU into batch norm itself
+
+
+def test_after_a_fused_batch_norm_the_gradient_normalizes_again_instead_of_keeping_the_output(
+        monkeypatch):
+    # airbench's batch norm -> GELU in bfloat16, as the training step traces
+    # it: the gradient must be the same to the bit, and no op of the
+    # backward pass may read the normalized map (so it is not kept).
+    monkeypatch.setattr(faster_layers, "compiles_here", lambda: True)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.normal(1.0, 3.0, (8, 5, 5, 16)), tf.float32)
+    weights = tf.constant(rng.normal(size=(8, 5, 5, 16)), tf.float32)
+    norm, activation = FusedBatchNormalization(scale=False, epsilon=1e-12), CompiledActivation("gelu")
+    norm.build(x.shape)
+
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = activation(norm(tf.cast(x, tf.bfloat16), training=True))
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
+        return tape.gradient(loss, [x, norm.beta])
+
+    def readers_of_the_normalized_map():
+        graph = tf.function(gradients).get_concrete_function(x).graph
+        normalized, = [op.outputs[0] for op in graph.get_operations()
+                       if op.type == "FusedBatchNormV3" and op.get_attr("is_training")]
+        return sorted(op.get_attr("f").name.split("_")[-2] for op in normalized.consumers()
+                      if op.type.endswith("PartitionedCall"))
+
+    normalized_again = [np.asarray(g) for g in tf.function(gradients)(x)]
+    assert readers_of_the_normalized_map() == ["forward"]
+    monkeypatch.setattr(faster_layers, "_normalization_of", lambda x: None)  # the map kept
+    kept = [np.asarray(g) for g in tf.function(gradients)(x)]
+    assert readers_of_the_normalized_map() == ["backward", "forward"]
+    for what, a, b in zip(("input", "shift"), normalized_again, kept):
+        assert np.abs(b).max() > 0, what
+        np.testing.assert_array_equal(a, b, err_msg=what)

@@ -290,13 +290,50 @@ def compiles_here() -> bool:
 
 
 def activate(x, name: str):
-    """Activation `name` of x, compiled forward and backward (see above)."""
+    """Activation `name` of x, compiled forward and backward (see above).
+
+    Where x is the output of a training batch norm in a graph (what
+    FusedBatchNormalization gives the activation after it), the backward
+    pass normalizes the batch norm's input again, which that norm's own
+    gradient keeps anyway, instead of keeping x: one elementwise pass for a
+    feature map's worth of memory (docs/performance.md, "Where a run's
+    memory goes")."""
+    normalize_again = _normalization_of(x)
 
     @tf.custom_gradient
     def compiled(x):
-        return _forward(x, name), lambda output_gradient: _backward(x, output_gradient, name)
+        if normalize_again is None:
+            return _forward(x, name), lambda output_gradient: _backward(x, output_gradient, name)
+
+        def gradient(output_gradient):
+            # Not before the gradient arrives: computed in the forward pass,
+            # the copy would be kept as long as x was.
+            with tf.control_dependencies([output_gradient]):
+                return _backward(normalize_again(), output_gradient, name)
+
+        return _forward(x, name), gradient
 
     return compiled(x)
+
+
+def _normalization_of(x):
+    """A function that computes x again, bit for bit, if x is the output of
+    a training `FusedBatchNormV3` in a graph; None otherwise (eager tensors,
+    any other op)."""
+    op = getattr(x, "op", None) if not tf.executing_eagerly() else None
+    while op is not None and op.type == "Identity" and x is op.outputs[0]:
+        x = op.inputs[0]
+        op = x.op
+    if (op is None or op.type != "FusedBatchNormV3" or x is not op.outputs[0]
+            or not op.get_attr("is_training")):
+        return None
+    inputs, scale, offset = op.inputs[:3]
+    # The batch's mean and biased variance, as the kernel normalized with.
+    mean, variance = op.outputs[3:5]
+    return lambda: tf.raw_ops.FusedBatchNormV3(
+        x=inputs, scale=scale, offset=offset, mean=mean, variance=variance,
+        epsilon=op.get_attr("epsilon"), data_format=op.get_attr("data_format"),
+        is_training=False)[0]
 
 
 def _value_and_slope(name: str, x):
