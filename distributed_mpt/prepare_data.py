@@ -45,7 +45,7 @@ def _prepare(fv: flags.FlagValues, argv) -> int:
     with log_filter.filtering():
         from distributed_mpt.core import data  # imports TensorFlow
         from distributed_mpt.core.data import cifar10
-        dataset = data.load_dataset(cifar10.NAME, data.DataSource(data_dir=data_dir))
+        dataset = data.DataOptions(cifar10.NAME, data_dir).load(seed=0)
     source = "the official binary release" if cifar10.find_binary_release(data_dir) else \
         "tensorflow-datasets"
     print(f"CIFAR-10 ready in {data_dir or '~/tensorflow_datasets'} ({source}): "

@@ -217,8 +217,8 @@ def pipeline_images_per_second(batch_size: int, options: Options) -> float:
 
     from distributed_mpt.core import data, pipeline
 
-    split = data.load_dataset("synthetic", data.DataSource(synthetic_examples=options.examples),
-                              splits=("train",)).train
+    split = data.DataOptions("synthetic", synthetic_examples=options.examples).load(
+        seed=0, splits=("train",)).train
     batches = iter(pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(
         tf.distribute.InputContext()))
     next(batches)  # builds the pipeline
