@@ -68,7 +68,7 @@ SECTIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class BenchmarkOptions:
     """What to measure; set from the flags by `cli.parse_options`."""
 
     output: Optional[str] = None
@@ -87,7 +87,7 @@ class Options:
 class Benchmark:
     """Runs sections for `options`, measuring each cell once."""
 
-    def __init__(self, options: Options):
+    def __init__(self, options: BenchmarkOptions):
         import tensorflow as tf
 
         from distributed_mpt.core import precision
@@ -210,7 +210,7 @@ def _compute_dtype(policy: str) -> str:
     return keras.DTypePolicy(policy).compute_dtype
 
 
-def pipeline_images_per_second(batch_size: int, options: Options) -> float:
+def pipeline_images_per_second(batch_size: int, options: BenchmarkOptions) -> float:
     """Images/s of the trainer's input pipeline (`pipeline.train_input_fn`, one
     host) with nothing consuming them: the best of `repeats` windows."""
     import tensorflow as tf
@@ -225,7 +225,7 @@ def pipeline_images_per_second(batch_size: int, options: Options) -> float:
     return best_rate(lambda: next(batches), batch_size, options.repeats, options.seconds)
 
 
-def run_benchmark(options: Options) -> dict:
+def run_benchmark(options: BenchmarkOptions) -> dict:
     """Runs the chosen sections; a section that fails is recorded as
     {"failed": reason}, and the others still run."""
     import keras
