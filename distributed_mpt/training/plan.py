@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import files
+from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, PRECISIONS, TrainConfig, flat_record,
                                     training_flags)
 from distributed_mpt.core import pipeline, precision
@@ -336,9 +337,4 @@ def leave_together(strategy: tf.distribute.Strategy) -> None:
     coordination service still watched it, which logs it as crashed
     (`StartAbort UNAVAILABLE: ... The tasks have crashed`, as in
     tensorflow/tensorflow#58434) at the end of a run that succeeded."""
-
-    @tf.function(autograph=False)
-    def everyone_here():
-        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
-
-    everyone_here()
+    barrier(strategy)()
