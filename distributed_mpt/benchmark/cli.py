@@ -39,6 +39,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt.process import log_filter, stopping
 from distributed_mpt import files
 from distributed_mpt.benchmark.cells import MAX_REPEATS
+from distributed_mpt.core import models
 from distributed_mpt.benchmark.sections import (SECTIONS, BenchmarkOptions, format_report,
                                                 run_benchmark)
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
@@ -61,7 +62,7 @@ def _flag_values() -> flags.FlagValues:
             os.path.dirname(os.path.abspath(config_lib.user_path(path)))),
         "is in a directory that does not exist; create it first", flag_values=fv)
     flags.DEFINE_list("sections", list(d.sections), f"Of {', '.join(SECTIONS)}.", flag_values=fv)
-    flags.DEFINE_list("models", list(d.models), f"Of {', '.join(config_lib.MODELS)}.",
+    flags.DEFINE_list("models", list(d.models), f"Of {', '.join(models.MODELS)}.",
                       flag_values=fv)
     flags.DEFINE_list("batch_sizes", [str(b) for b in d.batch_sizes], "Global batch sizes; "
                       "scaling uses the largest.", flag_values=fv)
@@ -112,7 +113,7 @@ def parse_options(argv) -> BenchmarkOptions:
     if fv.tiny:
         given.update({k: v for k, v in _TINY.items() if k not in fv or not fv[k].present})
     options = BenchmarkOptions(**given)
-    for name, choices in (("sections", SECTIONS), ("models", config_lib.MODELS),
+    for name, choices in (("sections", SECTIONS), ("models", models.MODELS),
                           ("precisions", _PRECISIONS)):
         values = getattr(options, name)
         bad = [v for v in values if v not in choices]
