@@ -95,7 +95,6 @@ class MuonOptions(Options):
                 f"--muon_momentum={self.muon_momentum} must be in [0, 1)")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions(Options):
     """How the groups train: the filters' update rule, the rate, momentum and
