@@ -90,6 +90,16 @@ def parse(program: str, fv: flags.FlagValues, argv: List[str],
     return rest
 
 
+def run_main(doc: str, fv: flags.FlagValues, body: Callable[[flags.FlagValues, List[str]], int],
+             argv: Optional[List[str]] = None, on_interrupt: Optional[str] = None) -> int:
+    """An entry point's `main`: with a help flag in `argv` (None: the command
+    line's), `doc` and the flags of `fv`; else `body(fv, argv)` as `guarded` runs it."""
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        return show_help(doc, fv)
+    return guarded(lambda: body(fv, argv), on_interrupt)
+
+
 def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     """`main()`'s exit code; a UserError it raises becomes one `error:`
     line on stderr and that error's exit code. With `on_interrupt` (what a

@@ -12,7 +12,7 @@ import os
 from typing import Optional
 
 from distributed_mpt.cluster import ClusterOptions
-from distributed_mpt.core import data, models, precision
+from distributed_mpt.core import data
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import DataOptions
 from distributed_mpt.core.models import AirbenchOptions, ModelOptions
@@ -20,11 +20,6 @@ from distributed_mpt.core.optim.groups import MuonOptions, OptimizerOptions
 from distributed_mpt.core.optim.schedules import ScheduleOptions
 from distributed_mpt.options import require
 from distributed_mpt.training import EvaluationOptions, RunOptions
-
-# The choices of the flags that the entry points list, from the core's registries.
-DATASETS = tuple(data.DATASETS)
-MODELS = tuple(models.MODELS)  # or a user's path/to/file.py:function, package.module:function
-PRECISIONS = precision.PRECISIONS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,17 +64,6 @@ class ExitCode(enum.IntEnum):
         "node's NFS lock to expire (about 90 s): a restart with backoff gets it")
 
 
-# The names the rest of the package imports.
-EXIT_USAGE = ExitCode.USAGE
-EXIT_DIVERGED = ExitCode.DIVERGED
-EXIT_PREEMPTED = ExitCode.PREEMPTED
-EXIT_PEER_LOST = ExitCode.PEER_LOST
-EXIT_PEER_TIMEOUT = ExitCode.PEER_TIMEOUT
-EXIT_ABORTED = ExitCode.ABORTED
-EXIT_KILLED = ExitCode.KILLED
-EXIT_MODEL_DIR_BUSY = ExitCode.MODEL_DIR_BUSY
-
-
 def exit_code_table() -> str:
     """The exit codes as a Markdown table (docs/reliability.md holds a copy,
     which a test keeps equal)."""
@@ -131,7 +120,7 @@ def quoted(value, limit: int = QUOTE_LIMIT) -> str:
 class UserError(Exception):
     """An error caused by input the user controls; printed as one line."""
 
-    exit_code = EXIT_USAGE
+    exit_code = ExitCode.USAGE
 
 
 class ConfigError(UserError):
@@ -157,10 +146,10 @@ class ConsoleError(UserError):
 class DivergedError(UserError):
     """The loss became NaN or infinite and did not recover."""
 
-    exit_code = EXIT_DIVERGED
+    exit_code = ExitCode.DIVERGED
 
 
 class Preempted(Exception):
     """Training stopped on a signal after saving a checkpoint."""
 
-    exit_code = EXIT_PREEMPTED
+    exit_code = ExitCode.PREEMPTED

@@ -37,17 +37,15 @@ from typing import Collection, List, Optional, Tuple
 from absl import flags
 
 from distributed_mpt import cli
-from distributed_mpt.errors import (EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PEER_TIMEOUT,
-                                    EXIT_PREEMPTED, EXIT_USAGE, ConsoleError, ExitCode, UserError,
-                                    status_of_signal, first_line)
+from distributed_mpt.errors import ConsoleError, ExitCode, UserError, first_line, status_of_signal
 from distributed_mpt.process import console
 from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
 
 # Exit codes that say a restart cannot help (see errors.py): bad input,
 # divergence. Any other failure, a crash included, restarts the group.
-_PERMANENT = (EXIT_USAGE, EXIT_DIVERGED)
+_PERMANENT = (ExitCode.USAGE, ExitCode.DIVERGED)
 # Exit codes of a worker that stopped because another one was lost.
-_PEER_LOSS = (EXIT_PEER_LOST, EXIT_PEER_TIMEOUT)
+_PEER_LOSS = (ExitCode.PEER_LOST, ExitCode.PEER_TIMEOUT)
 # What TensorFlow prints when a worker cannot listen on its TF_CONFIG port.
 _GRPC_BIND_FAILURE = "Could not start gRPC server"
 # TensorFlow's gRPC server listens on every interface (0.0.0.0:PORT), whatever
@@ -260,7 +258,7 @@ launcher, command = int(sys.argv[1]), sys.argv[2:]
 if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM.value) != 0:  # PR_SET_PDEATHSIG
     sys.exit(f"error: prctl(PR_SET_PDEATHSIG): {{os.strerror(ctypes.get_errno())}}")
 if os.getppid() != launcher:
-    sys.exit({int(EXIT_PREEMPTED)})
+    sys.exit({int(ExitCode.PREEMPTED)})
 os.execv(command[0], command)
 """
 
@@ -350,7 +348,7 @@ def _finish(group: _Group, grace_seconds: float) -> int:
     # Signalled workers save a checkpoint and exit 143; one that fails
     # otherwise leaves its peers blocked in a collective.
     while not group.done():
-        if any(p.poll() not in (None, 0, EXIT_PREEMPTED) for p in group.processes):
+        if any(p.poll() not in (None, 0, ExitCode.PREEMPTED) for p in group.processes):
             group.stop(grace_seconds)
         time.sleep(0.2)
     group.wait()
@@ -373,16 +371,16 @@ def main(argv=None) -> int:
             raise flags.Error(f"unexpected argument(s) {' '.join(rest[1:])}; put training flags after --")
     except flags.Error as e:
         _say(f"error: {first_line(e)}", sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if not train_flags:
         _say("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
              sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     most, why = max_workers()
     if fv.num_workers > most:
         _say(f"error: --num_workers={fv.num_workers}: this host holds at most {most} ({why})",
              sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
     except UserError as e:  # PortError, WorkerStartError

@@ -36,16 +36,14 @@ import numpy as np
 from absl import flags
 
 from distributed_mpt import cli, files
-from distributed_mpt.config import DATASETS, DEFAULTS, TrainConfig, flat_record, user_path
+from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record, user_path
 from distributed_mpt.core.augmentation import TTA_VIEWS
-from distributed_mpt.core.data import DatasetInfo, images
+from distributed_mpt.core.data import DATASETS, DatasetInfo, images
 from distributed_mpt.errors import (CheckpointMismatchError, ConfigError, ExitCode, first_line,
                                     quoted)
 from distributed_mpt.process import log_filter
 from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                               SAVED_MODEL_DIR, model_info)
-
-MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = images.MAX_IMAGE_BYTES, images.MAX_IMAGE_PIXELS
 
 SYNTHETIC_WARNING = (
     "warning: this model was trained on synthetic data, not CIFAR-10: its answers about "
@@ -61,7 +59,7 @@ def _flag_values() -> flags.FlagValues:
                         flag_values=fv)
     flags.DEFINE_bool("evaluate", False, "Report loss and accuracy on the whole test split.",
                       flag_values=fv)
-    flags.DEFINE_enum("dataset", None, DATASETS, "Test split to evaluate on (default: the "
+    flags.DEFINE_enum("dataset", None, list(DATASETS), "Test split to evaluate on (default: the "
                       "dataset the model was trained on, else cifar10). synthetic is the "
                       "split of the model's own --seed and --synthetic_examples; image_folder "
                       "the test/ folder of --data_dir.", flag_values=fv)

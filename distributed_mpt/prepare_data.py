@@ -7,8 +7,6 @@ Run it where there is network (or with cifar-10-binary.tar.gz in
 --data_dir with --nodownload.
 """
 
-import sys
-
 from absl import flags
 
 from distributed_mpt import cli
@@ -28,12 +26,8 @@ def _flag_values() -> flags.FlagValues:
 
 def main(argv=None) -> int:
     """Prepares CIFAR-10 in --data_dir; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    fv = _flag_values()
-    if cli.wants_help(argv):
-        return cli.show_help(__doc__, fv)
     # tensorflow-datasets downloads into temporary folders: a stop leaves none.
-    return cli.guarded(lambda: _prepare(fv, argv), on_interrupt="nothing prepared")
+    return cli.run_main(__doc__, _flag_values(), _prepare, argv, on_interrupt="nothing prepared")
 
 
 def _prepare(fv: flags.FlagValues, argv) -> int:
@@ -45,7 +39,7 @@ def _prepare(fv: flags.FlagValues, argv) -> int:
     with log_filter.filtering():
         from distributed_mpt.core import data  # imports TensorFlow
         from distributed_mpt.core.data import cifar10
-        dataset = data.load_dataset(cifar10.NAME, data.DataSource(data_dir=data_dir))
+        dataset = data.DataOptions(cifar10.NAME, data_dir).load(seed=0)
     source = "the official binary release" if cifar10.find_binary_release(data_dir) else \
         "tensorflow-datasets"
     print(f"CIFAR-10 ready in {data_dir or '~/tensorflow_datasets'} ({source}): "

@@ -23,11 +23,9 @@ from distributed_mpt import config as config_lib
 from distributed_mpt.core import models
 from distributed_mpt.errors import ConfigError, quoted
 
-_DEFINE = {bool: lambda name, default, text, flag_values: flags.DEFINE_bool(
-               name, default, text, flag_values=flag_values),
-           str: lambda name, default, text, flag_values: flags.DEFINE_string(
-               name, default, text, flag_values=flag_values),
-           int: cli.define_integer, float: cli.define_float}
+_DEFINE = {bool: flags.DEFINE_bool, str: flags.DEFINE_string,
+           int: lambda *args, flag_values: cli.define_integer(flag_values, *args),
+           float: lambda *args, flag_values: cli.define_float(flag_values, *args)}
 
 
 def _flag_values() -> flags.FlagValues:
@@ -51,8 +49,7 @@ def _flag_values() -> flags.FlagValues:
         else:
             # Optional[float] -> float: None stands for "the model's default".
             kind = next(t for t in (*typing.get_args(field.type), field.type) if t in _DEFINE)
-            _DEFINE[kind](fv, field.name, field.default, help_text) if kind in (int, float) \
-                else _DEFINE[kind](field.name, field.default, help_text, flag_values=fv)
+            _DEFINE[kind](field.name, field.default, help_text, flag_values=fv)
     return fv
 
 

@@ -82,7 +82,7 @@ def time_in_this_worker(spec: AllReduce) -> dict:
     import tensorflow as tf
 
     from distributed_mpt.cluster.environment import resolve_cluster
-    from distributed_mpt.cluster.strategy import create_strategy
+    from distributed_mpt.cluster.strategy import barrier, create_strategy
 
     strategy = create_strategy("multi_worker", communication=spec.communication, cluster=resolve_cluster())
 
@@ -102,14 +102,11 @@ def time_in_this_worker(spec: AllReduce) -> dict:
                 return i + 1, reduced
             return tf.while_loop(lambda i, _: i < calls, body, (tf.constant(0), values))[1]
 
-        @tf.function(autograph=False)
-        def barrier():  # every worker starts the block together
-            return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
-
+        all_here = barrier(strategy)  # every worker starts the block together
         block(values)  # traces, and sets up the collective's group
         seconds = []
         for _ in range(spec.repeats):
-            barrier().numpy()
+            all_here().numpy()
             started = time.perf_counter()
             tf.nest.map_structure(lambda t: t.numpy(), block(values))
             seconds.append((time.perf_counter() - started) / calls)

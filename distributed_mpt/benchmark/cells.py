@@ -74,7 +74,7 @@ def measure(cell: Cell) -> dict:
     from distributed_mpt import config
     from distributed_mpt.cluster.environment import resolve_cluster
     from distributed_mpt.cluster.strategy import create_strategy, peak_resident_bytes
-    from distributed_mpt.core import data, precision
+    from distributed_mpt.core import precision
     from distributed_mpt.training.build import build, train_input
     from distributed_mpt.training.plan import plan_run
 
@@ -93,7 +93,7 @@ def measure(cell: Cell) -> dict:
         per_replica_batch_size=cell.batch_size // replicas,
         train_steps=WARMUP_STEPS + 2 + cell.repeats * (cell.steps or MAX_STEPS),
         evaluate=False, export=False)
-    dataset = data.load_dataset("synthetic", data.DataSource(synthetic_examples=cell.examples))
+    dataset = train_config.data.load(seed=0)
     plan = plan_run(train_config, replicas, workers.num_workers if workers else 1,
                     len(dataset.train))
     precision.set_precision(plan.policy)

@@ -24,8 +24,8 @@ the others still run, and the exit status is 1.
   A smoke run, for tests:
       distributed-mpt-benchmark --tiny --output=/tmp/bench.json
 """
-# This module: the command line: flags into `Options`, the run, the report, the
-# JSON file and the exit status (0; 1 if a section failed; 2 for bad flags).
+# This module: the command line: flags into `BenchmarkOptions`, the run, the report,
+# the JSON file and the exit status (0; 1 if a section failed; 2 for bad flags).
 
 import os
 import sys
@@ -39,8 +39,9 @@ from distributed_mpt import config as config_lib
 from distributed_mpt.process import log_filter, stopping
 from distributed_mpt import files
 from distributed_mpt.benchmark.cells import MAX_REPEATS
-from distributed_mpt.benchmark.sections import (
-    SECTIONS, Options, format_report, run_benchmark)
+from distributed_mpt.core import models
+from distributed_mpt.benchmark.sections import (SECTIONS, BenchmarkOptions, format_report,
+                                                run_benchmark)
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
@@ -51,7 +52,7 @@ _PRECISIONS = ("float32", "auto", "mixed", "mixed_float16", "mixed_bfloat16")
 
 
 def _flag_values() -> flags.FlagValues:
-    fv, d = flags.FlagValues(), Options()
+    fv, d = flags.FlagValues(), BenchmarkOptions()
     flags.DEFINE_string("output", None, "Also write every figure as JSON to this file (in an "
                         "existing directory).", flag_values=fv)
     # Checked before any measuring, not found after it.
@@ -61,7 +62,7 @@ def _flag_values() -> flags.FlagValues:
             os.path.dirname(os.path.abspath(config_lib.user_path(path)))),
         "is in a directory that does not exist; create it first", flag_values=fv)
     flags.DEFINE_list("sections", list(d.sections), f"Of {', '.join(SECTIONS)}.", flag_values=fv)
-    flags.DEFINE_list("models", list(d.models), f"Of {', '.join(config_lib.MODELS)}.",
+    flags.DEFINE_list("models", list(d.models), f"Of {', '.join(models.MODELS)}.",
                       flag_values=fv)
     flags.DEFINE_list("batch_sizes", [str(b) for b in d.batch_sizes], "Global batch sizes; "
                       "scaling uses the largest.", flag_values=fv)
@@ -97,8 +98,8 @@ def _regular_file_or_absent(path: Optional[str]) -> bool:
     return True
 
 
-def parse_options(argv) -> Options:
-    """Flags (without the program name) into Options; raises ConfigError."""
+def parse_options(argv) -> BenchmarkOptions:
+    """Flags (without the program name) into BenchmarkOptions; raises ConfigError."""
     fv = _flag_values()
     cli.parse("distributed-mpt-benchmark", fv, argv)
     if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
@@ -111,8 +112,8 @@ def parse_options(argv) -> Options:
                  precisions=tuple(fv.precisions))
     if fv.tiny:
         given.update({k: v for k, v in _TINY.items() if k not in fv or not fv[k].present})
-    options = Options(**given)
-    for name, choices in (("sections", SECTIONS), ("models", config_lib.MODELS),
+    options = BenchmarkOptions(**given)
+    for name, choices in (("sections", SECTIONS), ("models", models.MODELS),
                           ("precisions", _PRECISIONS)):
         values = getattr(options, name)
         bad = [v for v in values if v not in choices]

@@ -340,12 +340,8 @@ def workloads(fv: flags.FlagValues) -> List[Workload]:
 
 def main(argv=None) -> int:
     """Prints the projection the flags ask for; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    fv = _flag_values()
-    if cli.wants_help(argv):
-        return cli.show_help(__doc__, fv)
     # The plot is written last, whole: a stop before it leaves nothing.
-    return cli.guarded(lambda: _project(fv, argv), on_interrupt="nothing written")
+    return cli.run_main(__doc__, _flag_values(), _project, argv, on_interrupt="nothing written")
 
 
 def _project(fv: flags.FlagValues, argv: List[str]) -> int:

@@ -68,7 +68,7 @@ SECTIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class BenchmarkOptions:
     """What to measure; set from the flags by `cli.parse_options`."""
 
     output: Optional[str] = None
@@ -87,7 +87,7 @@ class Options:
 class Benchmark:
     """Runs sections for `options`, measuring each cell once."""
 
-    def __init__(self, options: Options):
+    def __init__(self, options: BenchmarkOptions):
         import tensorflow as tf
 
         from distributed_mpt.core import precision
@@ -210,22 +210,22 @@ def _compute_dtype(policy: str) -> str:
     return keras.DTypePolicy(policy).compute_dtype
 
 
-def pipeline_images_per_second(batch_size: int, options: Options) -> float:
+def pipeline_images_per_second(batch_size: int, options: BenchmarkOptions) -> float:
     """Images/s of the trainer's input pipeline (`pipeline.train_input_fn`, one
     host) with nothing consuming them: the best of `repeats` windows."""
     import tensorflow as tf
 
     from distributed_mpt.core import data, pipeline
 
-    split = data.load_dataset("synthetic", data.DataSource(synthetic_examples=options.examples),
-                              splits=("train",)).train
+    split = data.DataOptions("synthetic", synthetic_examples=options.examples).load(
+        seed=0, splits=("train",)).train
     batches = iter(pipeline.train_input_fn(split, batch_size, 0, 0, 10**9)(
         tf.distribute.InputContext()))
     next(batches)  # builds the pipeline
     return best_rate(lambda: next(batches), batch_size, options.repeats, options.seconds)
 
 
-def run_benchmark(options: Options) -> dict:
+def run_benchmark(options: BenchmarkOptions) -> dict:
     """Runs the chosen sections; a section that fails is recorded as
     {"failed": reason}, and the others still run."""
     import keras

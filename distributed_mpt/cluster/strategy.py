@@ -94,14 +94,20 @@ def _multi_worker(cluster: Cluster, communication: str):
             f"({cluster.own_address}): the port is taken on some address of this host "
             f"(see `ss -ltnp`)") from None
 
-    # The first collective completes only once every peer has joined.
+    barrier(strategy)()  # every peer has joined
+    return strategy
+
+
+def barrier(strategy: tf.distribute.Strategy):
+    """A function that returns once every worker of `strategy` has called
+    it: a collective completes only when every peer takes part."""
+
     # Not converted by AutoGraph: there is nothing to convert.
     @tf.function(autograph=False)
-    def join_all():
+    def all_here():
         return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
-    join_all()
-    return strategy
+    return all_here
 
 
 def describe_devices() -> str:

@@ -10,15 +10,8 @@ from distributed_mpt.options import Options, option, require
 
 # Padded-crop augmentation: pad 4 pixels on each side, crop back to 32x32.
 CROP_PADDING = 4
-# random: each image in each epoch with probability 1/2. alternating
-# (airbench94's): each image flipped at random once, then all of them
-# flipped on every odd epoch, so that every image is seen both ways in any
-# two epochs. none.
+# What each means: the help of --flip (below) and of --eval_tta (training/__init__.py).
 FLIPS = ("random", "alternating", "none")
-# none; flip: the image and its mirror image; flip_translate (airbench94's):
-# those two, weighted 1/2, and both again shifted one pixel up-left and
-# down-right, 1/8 each; flip_translate_mean (the 2025 record's): the same
-# six, 1/6 each.
 TTA_VIEWS = ("none", "flip", "flip_translate", "flip_translate_mean")
 
 

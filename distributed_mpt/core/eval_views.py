@@ -28,11 +28,8 @@ class EvalViews:
 def views_of(images: tf.Tensor, views: str) -> list:
     """The views of a batch of test `images` (uint8 [B, H, W, C]) that
     test-time augmentation averages, as (weight, images) pairs whose weights
-    sum to 1. `views` (one of augmentation.TTA_VIEWS): none, flip (the image
-    and its mirror image, 1/2 each), flip_translate (airbench94's six: those
-    two at 1/4 each, and both again shifted one pixel up-left and one pixel
-    down-right, reflect-padded, at 1/8 each), or flip_translate_mean (the
-    2025 record's: the same six, 1/6 each)."""
+    sum to 1; `views` is one of augmentation.TTA_VIEWS, as --eval_tta's
+    help says (the shifts reflect-padded)."""
     if views == "none":
         return [(1.0, images)]
     if views == "flip_translate_mean":

@@ -24,13 +24,8 @@ _BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def resolve_precision(requested: str) -> str:
-    """Turns `auto` into a concrete policy for the local devices.
-
-    GPUs of compute capability 7.0+: mixed_float16 (as the original notebook).
-    Older GPUs: float32. CPUs with bfloat16 instructions: mixed_bfloat16.
-    Other CPUs: float32, because there float16 and bfloat16 are emulated and
-    slower.
-    """
+    """Turns `auto` into a concrete policy for the local devices, as
+    --precision's help says (older GPUs: float32)."""
     return _choose_precision(requested)[0]
 
 

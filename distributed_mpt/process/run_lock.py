@@ -38,7 +38,7 @@ import stat
 import time
 
 from distributed_mpt import files
-from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError, UserError, quoted
+from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
 
 LOCK_NAME = ".lock"
 # A holder record is about 120 bytes; a longer file is not one.
@@ -48,7 +48,7 @@ _RECORD_BYTES = 4096
 class ModelDirBusyError(UserError):
     """Another run holds --model_dir (retryable: it may end)."""
 
-    exit_code = EXIT_MODEL_DIR_BUSY
+    exit_code = ExitCode.MODEL_DIR_BUSY
 
 
 class RunLock:

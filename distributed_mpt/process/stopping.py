@@ -47,7 +47,7 @@ import sys
 import threading
 from typing import Callable, List, Optional
 
-from distributed_mpt.errors import EXIT_ABORTED, EXIT_KILLED, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED
+from distributed_mpt.errors import ExitCode
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -55,8 +55,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, si
 # for its peers: signals it cannot block or swallow (SIGALRM is never
 # blocked here and TensorFlow leaves it alone), whose default action gives
 # the exit status that says why.
-WAITING_WORKER_STOP_SIGNAL = signal.Signals(EXIT_KILLED - 128)        # SIGKILL
-PEER_TIMEOUT_SIGNAL = signal.Signals(EXIT_PEER_TIMEOUT - 128)          # SIGALRM
+WAITING_WORKER_STOP_SIGNAL = signal.Signals(ExitCode.KILLED - 128)        # SIGKILL
+PEER_TIMEOUT_SIGNAL = signal.Signals(ExitCode.PEER_TIMEOUT - 128)          # SIGALRM
 
 
 class Phase(enum.Enum):
@@ -147,18 +147,18 @@ class _Owner:
             # At once, whatever the main thread is doing (TensorFlow may hold
             # it): everything written so far was written whole, the OS drops
             # the lock, and the next run removes what is left.
-            _say_now(f"{sig.name} before training started: exiting with {EXIT_PREEMPTED:d} "
+            _say_now(f"{sig.name} before training started: exiting with {ExitCode.PREEMPTED:d} "
                      f"(retryable); nothing was trained yet")
             if self.undo_start is not None:
                 try:
                     self.undo_start()
                 except Exception:  # noqa: BLE001 - what cannot be undone stays; the exit must not
                     pass
-            os._exit(EXIT_PREEMPTED)
+            os._exit(ExitCode.PREEMPTED)
         if self.requested:
             if sig == signal.SIGINT:
-                _say_now(f"second Ctrl-C: aborting without a checkpoint (exit {EXIT_ABORTED:d})")
-                os._exit(EXIT_ABORTED)
+                _say_now(f"second Ctrl-C: aborting without a checkpoint (exit {ExitCode.ABORTED:d})")
+                os._exit(ExitCode.ABORTED)
             return
         self.requested = True  # before anything that can fail
         if self._on_request is not None:
@@ -166,7 +166,7 @@ class _Owner:
         what = ("after the steps under way, with a checkpoint"
                 if self.phase == Phase.TRAINING else
                 "once the run is complete: evaluating and exporting first")
-        _say_now(f"{sig.name}: stopping {what}; Ctrl-C again to abort (exit {EXIT_ABORTED:d})")
+        _say_now(f"{sig.name}: stopping {what}; Ctrl-C again to abort (exit {ExitCode.ABORTED:d})")
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._previous_wakeup_fd)

@@ -11,7 +11,6 @@ from it (render.py), and a test keeps them equal.
                                                           time the tests into it
 """
 
-import sys
 from typing import Optional
 
 from absl import flags
@@ -65,11 +64,7 @@ def _flag_values() -> flags.FlagValues:
 def main(argv=None) -> int:
     """Lists the ledger, checks or writes what is rendered from it, or times
     the tests into it; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    fv = _flag_values()
-    if cli.wants_help(argv):
-        return cli.show_help(__doc__, fv)
-    return cli.guarded(lambda: _run(fv, argv))
+    return cli.run_main(__doc__, _flag_values(), _run, argv)
 
 
 def _run(fv, argv) -> int:

@@ -61,7 +61,6 @@ def seeds_of(text: str) -> List[int]:
     return list(range(numbers[0], numbers[1] + 1)) if "-" in text else numbers
 
 
-
 def table(recipe: str, summaries: List[dict]) -> str:
     """The results as Markdown: the statistics of the test accuracy (of the
     runs that were evaluated: not with --noevaluate), then one row per run."""

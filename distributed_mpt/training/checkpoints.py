@@ -132,17 +132,15 @@ class Checkpoints:
         Call before anything is written into the model directory.
         """
         path = os.path.join(self._shared_dir, "model.json")
-        stored = files.read_json(
-            path, {"model": str, "precision": str, "variable_shapes": list},
-            remedy="it says which model the checkpoints beside it hold: restore an intact copy, "
-                   "or start again in an empty --model_dir")
+        remedy = ("it says which model the checkpoints beside it hold: restore an intact copy, "
+                  "or start again in an empty --model_dir")
+        stored = files.read_json(path, {"model": str, "precision": str, "variable_shapes": list},
+                                 remedy=remedy)
         shapes = stored.get("variable_shapes", [])
         if not all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
                    for shape in shapes):
-            raise files.DamagedFileError(
-                f"{quoted(path)} is damaged (its variable_shapes are not lists of sizes); it "
-                f"says which model the checkpoints beside it hold: restore an intact copy, or "
-                f"start again in an empty --model_dir")
+            raise files.DamagedFileError(f"{quoted(path)} is damaged (its variable_shapes are not "
+                                         f"lists of sizes); {remedy}")
         if not stored:
             if checkpoints_on_disk(self._shared_dir):
                 raise CheckpointMismatchError(

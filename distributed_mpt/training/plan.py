@@ -24,8 +24,8 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import files
-from distributed_mpt.config import (DEFAULTS, PRECISIONS, TrainConfig, flat_record,
-                                    training_flags)
+from distributed_mpt.cluster.strategy import barrier
+from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record, training_flags
 from distributed_mpt.core import pipeline, precision
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
@@ -140,7 +140,7 @@ class Resumption:
     def agreement(self, plan: RunPlan) -> dict:
         """The numbers every worker of a job must agree on before training."""
         return {"start step": self.start_step, "finished": self.finished,
-                "precision": PRECISIONS.index(plan.policy),
+                "precision": precision.PRECISIONS.index(plan.policy),
                 "total steps": plan.total_steps, "steps per epoch": plan.steps_per_epoch}
 
 
@@ -325,7 +325,7 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
         mine = ", ".join(f"{name} {value:g}" for name, value in facts.items())
         raise ClusterError(
             f"the workers of this job see different runs ({', '.join(n for n in facts if n in differing)} "
-            f"differ; this worker: {mine}; precision is an index into {'/'.join(PRECISIONS)}): "
+            f"differ; this worker: {mine}; precision is an index into {'/'.join(precision.PRECISIONS)}): "
             f"give every worker the same --model_dir on one shared file system, the same data "
             f"and flags, and an explicit --precision")
 
@@ -336,9 +336,4 @@ def leave_together(strategy: tf.distribute.Strategy) -> None:
     coordination service still watched it, which logs it as crashed
     (`StartAbort UNAVAILABLE: ... The tasks have crashed`, as in
     tensorflow/tensorflow#58434) at the end of a run that succeeded."""
-
-    @tf.function(autograph=False)
-    def everyone_here():
-        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
-
-    everyone_here()
+    barrier(strategy)()

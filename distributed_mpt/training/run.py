@@ -31,8 +31,7 @@ from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import batch_norm, data, precision
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
-from distributed_mpt.errors import (EXIT_PEER_LOST, EXIT_USAGE, ExitCode, Preempted, UserError,
-                                    first_line)
+from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line
 from distributed_mpt.process import log_filter, memory, run_lock, stopping
 from distributed_mpt.process.startup_watchdog import StartupWatchdog
 from distributed_mpt.training import outputs
@@ -123,7 +122,7 @@ def _run(config: TrainConfig) -> int:
         print(f"error: no space left for {where}: free space in --model_dir={config.run.model_dir} "
               f"(docs/reliability.md, \"Disk space\") and run the same command again to resume",
               file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     finally:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
@@ -140,9 +139,9 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     if cluster is None:
         raise error
     print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
-          f"{first_line(error).rstrip(' :')}); exiting with {EXIT_PEER_LOST:d} so that "
+          f"{first_line(error).rstrip(' :')}); exiting with {ExitCode.PEER_LOST:d} so that "
           f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
-    return EXIT_PEER_LOST
+    return ExitCode.PEER_LOST
 
 
 def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import WatchedProcess, run_module
-from distributed_mpt import config
 from distributed_mpt.benchmark import cells, cli, roof, sections
 from distributed_mpt.benchmark.sections import SECTIONS
+from distributed_mpt.core import models
 from distributed_mpt.errors import ExitCode
 
 
@@ -176,7 +176,7 @@ def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, caps
     output = tmp_path / "bench.json"
     for flags, message in (
             (["--models=vgg", f"--output={output}"],
-             f"--models: vgg given; choose from {', '.join(config.MODELS)}"),
+             f"--models: vgg given; choose from {', '.join(models.MODELS)}"),
             (["--sections=", f"--output={output}"],
              f"--sections: nothing given; choose from {', '.join(SECTIONS)}"),
             (["--repeats=x", f"--output={output}"],

@@ -234,7 +234,7 @@ def test_once_the_whitening_bias_freezes_its_backward_pass_is_skipped_and_nothin
     # the bias freezes after 3 steps: 7 steps in calls of 2 and 5 (the second
     # call crosses the freeze and is split), then the same weights, and
     # optimizer slots, to float32 round-off.
-    dataset = data.load_dataset("synthetic", data.DataSource(synthetic_examples=256))
+    dataset = data.DataOptions("synthetic", synthetic_examples=256).load(seed=0)
     strategy = tf.distribute.get_strategy()
     results, trainers = {}, {}
     for pruned in (False, True):

@@ -10,8 +10,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, assert_one_error_line, subprocess_env
-from distributed_mpt.core import data
-from distributed_mpt.core.data import DataSource, cifar10, synthetic
+from distributed_mpt.core.data import DataOptions, cifar10, synthetic
 from distributed_mpt.errors import DataUnavailableError
 
 
@@ -66,7 +65,7 @@ def cifar10_copy(prepared_cifar10, tmp_path):
 
 
 def test_prepared_cifar10_loads_through_tensorflow_datasets(cifar10_copy):
-    loaded = data.load_dataset("cifar10", DataSource(str(cifar10_copy), download=False))
+    loaded = DataOptions("cifar10", str(cifar10_copy), download=False).load(seed=0)
     train, test = loaded.train, loaded.test
     assert loaded.info == cifar10.INFO
     assert train.images.shape == (5 * _RECORDS_PER_FILE, 32, 32, 3) and train.images.dtype == np.uint8
@@ -81,18 +80,15 @@ def test_only_the_splits_asked_for_are_read(cifar10_copy, tmp_path):
     from conftest import write_cifar10_binary
 
     _truncate(cifar10_copy / "cifar10" / "3.0.2" / _TRAIN_RECORDS, 0)
-    loaded = data.load_dataset("cifar10", DataSource(str(cifar10_copy), download=False),
-                               splits=("test",))
+    loaded = DataOptions("cifar10", str(cifar10_copy), download=False).load(0, ("test",))
     assert list(loaded.splits) == ["test"] and len(loaded.test) == _RECORDS_PER_FILE
     binary = write_cifar10_binary(tmp_path / "binary")
     for train_file in binary.glob("data_batch_*.bin"):
         train_file.unlink()
-    loaded = data.load_dataset("cifar10", DataSource(str(binary), download=False),
-                               splits=("test",))
+    loaded = DataOptions("cifar10", str(binary), download=False).load(0, ("test",))
     assert list(loaded.splits) == ["test"] and len(loaded.test) == 10_000
     train, _ = synthetic.make_synthetic(num_train=500, num_test=100, seed=3)
-    again = data.load_dataset("synthetic", DataSource(seed=3, synthetic_examples=500),
-                              splits=("train",))
+    again = DataOptions("synthetic", synthetic_examples=500).load(seed=3, splits=("train",))
     assert list(again.splits) == ["train"]
     np.testing.assert_array_equal(again.train.images, train.images)
 
@@ -140,7 +136,7 @@ def test_damaged_prepared_cifar10_is_one_error_naming_the_file(cifar10_copy, dam
     dataset_dir = cifar10_copy / "cifar10" / "3.0.2"
     damage(dataset_dir / damaged)
     with pytest.raises(DataUnavailableError) as error:
-        data.load_dataset("cifar10", DataSource(str(cifar10_copy), download=False))
+        DataOptions("cifar10", str(cifar10_copy), download=False).load(seed=0)
     message = str(error.value)
     assert "\n" not in message
     named = dataset_dir if damaged == "." else dataset_dir / damaged
@@ -237,7 +233,7 @@ def test_the_official_binary_release_is_read_directly(tmp_path):
     write_cifar10_binary(tmp_path)
     # No tensorflow-datasets preparation, no download: nothing is written.
     before = sorted(p for p in tmp_path.rglob("*"))
-    loaded = data.load_dataset("cifar10", DataSource(str(tmp_path), download=False))
+    loaded = DataOptions("cifar10", str(tmp_path), download=False).load(seed=0)
     train, test = loaded.train, loaded.test
     assert sorted(p for p in tmp_path.rglob("*")) == before
     assert train.images.shape == (50_000, 32, 32, 3) and len(test) == 10_000
@@ -246,8 +242,8 @@ def test_the_official_binary_release_is_read_directly(tmp_path):
     # Planes become channels: R and B are the label, G is 100, at every pixel.
     np.testing.assert_array_equal(train.images[7, 5, 9], [7, 100, 7])
     # The directory itself may be given, too.
-    again = data.load_dataset("cifar10", DataSource(str(tmp_path / cifar10.CIFAR10_BINARY_DIR),
-                                                    download=False)).train
+    again = DataOptions("cifar10", str(tmp_path / cifar10.CIFAR10_BINARY_DIR),
+                        download=False).load(seed=0).train
     np.testing.assert_array_equal(again.images[:100], train.images[:100])
 
 
@@ -263,7 +259,7 @@ def test_a_damaged_binary_release_is_one_clear_error(tmp_path, damage, message):
 
     damage(write_cifar10_binary(tmp_path))
     with pytest.raises(DataUnavailableError) as error:
-        data.load_dataset("cifar10", DataSource(str(tmp_path), download=False))
+        DataOptions("cifar10", str(tmp_path), download=False).load(seed=0)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert "extract the archive" in str(error.value)
 

@@ -30,7 +30,7 @@ def test_skipped_steps_leave_one_counter_for_the_schedule_and_the_lookahead():
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        dataset = data.load_dataset("synthetic", data.DataSource(synthetic_examples=512))
+        dataset = data.DataOptions("synthetic", synthetic_examples=512).load(seed=0)
         strategy = tf.distribute.get_strategy()
         model = _tiny_model(dataset.info)
         step = tf.Variable(0, dtype=tf.int64)

@@ -226,7 +226,7 @@ def test_a_launcher_with_no_console_at_all_trains_to_the_end(tmp_path):
 def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():
     # Both have exited by the launcher's next look, as when a fast step lets
     # worker 0 notice worker 1's loss within the poll interval.
-    survivor = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({int(errors.EXIT_PEER_LOST)})"])
+    survivor = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({int(errors.ExitCode.PEER_LOST)})"])
     lost = subprocess.Popen(["sleep", "60"])
     lost.send_signal(signal.SIGKILL)
     for process in (survivor, lost):

@@ -19,7 +19,7 @@ from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, deadline, m
                       read_summary, run_in_process, run_module, snapshot, subprocess_env, train)
 from distributed_mpt import predict as predict_module
 from distributed_mpt.core import models
-from distributed_mpt.core.data import cifar10
+from distributed_mpt.core.data import cifar10, images
 from distributed_mpt.training import outputs
 
 CLASS_NAMES = cifar10.INFO.class_names
@@ -296,7 +296,7 @@ def _cut_short(image, path):
 
 def _huge(path):
     with open(path, "wb") as f:
-        f.truncate(predict_module.MAX_IMAGE_BYTES + 1)  # sparse: no disk used
+        f.truncate(images.MAX_IMAGE_BYTES + 1)  # sparse: no disk used
     return path
 
 

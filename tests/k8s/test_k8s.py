@@ -212,10 +212,10 @@ def test_retryable_exit_codes_restart_the_group_and_permanent_ones_end_it(varian
     """Exit 2 (bad input, no data) and 3 (diverged) end the job, as a retry
     would fail alike; a stop, a lost peer, a late peer, a busy model_dir, a
     SIGKILL are retried (distributed_mpt/errors.py)."""
-    retryable = [errors.EXIT_PREEMPTED, errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT,
-                 errors.EXIT_MODEL_DIR_BUSY, 128 + 9]
+    retryable = [errors.ExitCode.PREEMPTED, errors.ExitCode.PEER_LOST, errors.ExitCode.PEER_TIMEOUT,
+                 errors.ExitCode.MODEL_DIR_BUSY, 128 + 9]
     for pod in training_pods(render(variant)):
-        assert [pod.retried(code) for code in (errors.EXIT_USAGE, errors.EXIT_DIVERGED)] == [False, False]
+        assert [pod.retried(code) for code in (errors.ExitCode.USAGE, errors.ExitCode.DIVERGED)] == [False, False]
         assert all(pod.retried(code) for code in retryable), pod.hostname
 
 

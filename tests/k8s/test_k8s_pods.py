@@ -136,7 +136,7 @@ def test_pods_train_survive_a_lost_worker_and_resume(tmp_path):
         group.processes[1].send_signal(signal.SIGKILL)
         codes = group.exit_codes(timeout=PEER_TIMEOUT_SECONDS + 60)
         assert codes[1] == 128 + signal.SIGKILL
-        assert codes[0] in (errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT), group.output()
+        assert codes[0] in (errors.ExitCode.PEER_LOST, errors.ExitCode.PEER_TIMEOUT), group.output()
         assert all(pod.retried(code) for pod, code in zip(pods, codes)), \
             f"exit codes {codes} are not retried by the {variant} failure policy"
         lost_at = checkpointed_step(model_dir)

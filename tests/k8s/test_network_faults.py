@@ -47,7 +47,7 @@ needs_tun = pytest.mark.skipif(netns.tun_unavailable() is not None, reason=str(n
 # docs/clusters.md promises an end within about 20 s of a cut (8 s measured
 # here); a loaded CI machine gets three times that.
 CUT_DEADLINE_SECONDS = 60
-RETRYABLE = (errors.EXIT_PEER_LOST, errors.EXIT_PEER_TIMEOUT)
+RETRYABLE = (errors.ExitCode.PEER_LOST, errors.ExitCode.PEER_TIMEOUT)
 # Over 200 ms each way every collective costs round trips of 400 ms, and a
 # step of airbench (batch norm synchronized: all-reduces in the forward and
 # backward passes) about a hundred of them: 41-43 s a step at loads of 8 to
@@ -113,7 +113,7 @@ def test_a_cut_link_ends_both_workers_retryably_and_the_group_resumes(job):
     assert all(pod.retried(code) for pod, code in zip(pods, codes))
     causes = re.findall(r"error: lost a peer of the multi-worker job \(\w+: (.*)\); exiting",
                         group.output())
-    assert len(causes) == codes.count(errors.EXIT_PEER_LOST), group.output()
+    assert len(causes) == codes.count(errors.ExitCode.PEER_LOST), group.output()
     for cause in causes:  # what TensorFlow says first is no cause
         assert not re.match(r"Graph execution error|\d+ root error", cause), cause
     lost_at = checkpointed_step(model_dir)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, SMOKE_FLAGS, assert_ok, subprocess_env, train
 from distributed_mpt.process import run_lock
-from distributed_mpt.errors import EXIT_MODEL_DIR_BUSY, ConfigError
+from distributed_mpt.errors import ConfigError, ExitCode
 from distributed_mpt.process.run_lock import ModelDirBusyError, RunLock
 from distributed_mpt.training import outputs
 
@@ -120,7 +120,7 @@ def test_a_second_training_run_on_a_locked_model_dir_is_refused_at_once(model_di
     try:
         started = time.monotonic()
         result = train([*E2E, "--train_steps=5", f"--model_dir={model_dir}"])
-        assert result.returncode == EXIT_MODEL_DIR_BUSY, result.stderr[-2000:]  # retryable
+        assert result.returncode == ExitCode.MODEL_DIR_BUSY, result.stderr[-2000:]  # retryable
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in result.stderr
         assert f"pid {holder.pid} on host" in errors[0] and time.monotonic() - started < 120
@@ -138,7 +138,7 @@ def test_two_runs_started_together_one_trains_one_is_refused(model_dir):
     runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=subprocess_env(), cwd=REPO) for _ in range(2)]
     results = sorted((run.wait(timeout=300), run.stderr.read()) for run in runs)
-    assert [code for code, _ in results] == [0, EXIT_MODEL_DIR_BUSY], results
+    assert [code for code, _ in results] == [0, ExitCode.MODEL_DIR_BUSY], results
     assert "in use by another run" in results[1][1]
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))

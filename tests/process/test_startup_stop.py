@@ -125,7 +125,7 @@ def test_sigterm_before_tensorflow_exits_preempted(tmp_path):
     seconds = _stop_and_time(process)
     print(f"ended {seconds:.2f} s after an early SIGTERM with {process.returncode}")
     # Killed by the default handler before ours is installed (-15), or ours: 143.
-    assert process.returncode in (-signal.SIGTERM, errors.EXIT_PREEMPTED)
+    assert process.returncode in (-signal.SIGTERM, errors.ExitCode.PREEMPTED)
     assert seconds < BOUND_SECONDS
     assert not (tmp_path / "run").exists()
 
@@ -140,5 +140,5 @@ def test_a_stop_just_after_the_lock_is_taken_leaves_no_new_model_dir(tmp_path):
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=120)
     output = process.stdout.read()
-    assert process.returncode in (errors.EXIT_PREEMPTED, -signal.SIGKILL), output
+    assert process.returncode in (errors.ExitCode.PREEMPTED, -signal.SIGKILL), output
     assert not model_dir.exists(), f"left {sorted(p.name for p in model_dir.iterdir())}"

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, SMOKE_FLAGS, WatchedProcess, read_terminal, subprocess_env
 from distributed_mpt.process import stopping
-from distributed_mpt.errors import EXIT_PREEMPTED, EXIT_USAGE
+from distributed_mpt.errors import ExitCode
 
 # Steps of about 2 seconds each on 2 CPU cores (the notebook's MLP at a
 # batch of 4096; 2.3 s on an AVX2-only EPYC, alone), which trace in seconds,
@@ -40,7 +40,7 @@ def test_a_stop_waits_for_the_step_under_way_only(tmp_path):
     time.sleep(step_seconds / 3)  # well inside step 5
     signalled = time.monotonic()
     run.process.send_signal(signal.SIGINT)
-    assert run.finish(timeout=step_seconds + 120) == EXIT_PREEMPTED, run.output()[-3000:]
+    assert run.finish(timeout=step_seconds + 120) == ExitCode.PREEMPTED, run.output()[-3000:]
     took = time.monotonic() - signalled
     print(f"steps of {step_seconds:.1f} s; exit {took:.1f} s after the signal")
     assert took < step_seconds + 10, f"stopped {took:.1f} s after the signal; a step takes " \
@@ -62,7 +62,7 @@ def test_a_closed_terminal_or_slurms_warning_signal_stops_like_sigterm(tmp_path,
                                                    f"--model_dir={model_dir}"])
     run.wait_for(r"^step +\d+/100000", timeout=300)
     run.process.send_signal(sig)
-    assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
+    assert run.finish(timeout=300) == ExitCode.PREEMPTED, run.output()[-3000:]
     assert f"{sig.name}: stopping after the steps under way, with a checkpoint" in run.output()
     stopped = re.search(r"stopped by a signal at step (\d+); checkpoint saved", run.output())
     assert stopped, run.output()[-3000:]
@@ -87,7 +87,7 @@ def test_the_acknowledgement_starts_a_line_of_its_own_on_a_terminal(tmp_path):
             signalled.append(True)
 
     shown = read_terminal(controller, interrupt_once_steps_show)
-    assert process.wait(timeout=120) == EXIT_PREEMPTED, shown[-2000:]
+    assert process.wait(timeout=120) == ExitCode.PREEMPTED, shown[-2000:]
     acknowledged = shown.index(b"SIGINT: stopping")
     assert shown[:acknowledged].endswith((b"\r\x1b[K", b"\n")), shown[acknowledged - 80:]
 
@@ -108,7 +108,7 @@ def test_a_stop_before_training_exits_at_once_having_trained_nothing(tmp_path):
         assert time.monotonic() < deadline and run.process.poll() is None, run.output()
         time.sleep(0.01)
     run.process.send_signal(signal.SIGTERM)
-    assert run.finish(timeout=300) == EXIT_PREEMPTED, run.output()[-3000:]
+    assert run.finish(timeout=300) == ExitCode.PREEMPTED, run.output()[-3000:]
     assert "SIGTERM before training started" in run.output(), run.output()[-3000:]
     assert "Traceback" not in run.output()
     assert not model_dir.exists(), "a stop before training leaves no new --model_dir"
@@ -159,7 +159,7 @@ def test_helper_processes_never_import_from_the_working_directory(planted, tmp_p
         [str(launcher), "--num_workers=1", "--max_restarts=0", "--", *SMOKE_FLAGS,
          "--model_dir=/proc/not-writable"],
         cwd=cwd, capture_output=True, text=True, timeout=120, env=subprocess_env())
-    assert result.returncode == EXIT_USAGE, result.stdout + result.stderr
+    assert result.returncode == ExitCode.USAGE, result.stdout + result.stderr
     assert "is not writable" in result.stderr
     # The start-up watchdog: its deadline ends the shell that started it.
     watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.startup_watchdog"))

@@ -1,15 +1,15 @@
 """The datasets the package trains on, declared once each in `DATASETS`.
 
-Adding one means a module with a `load(source, splits) -> Dataset` and a
-line below (docs/extending.md); --dataset, --help, the checks and predict
-take it from here. The loaders are imported only to load.
+Adding one means a module with a `load(options, seed, splits) -> Dataset`
+and a line below (docs/extending.md); --dataset, --help, the checks and
+predict take it from here. The loaders are imported only to load.
 """
 
 import dataclasses
 from typing import Optional, Sequence
 
-from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo,
-                                               DatasetSpec, ImageSplit)
+from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, DatasetSpec,
+                                               ImageSplit)
 from distributed_mpt.options import (MAX_EXAMPLES, Options, option, require, require_at_most,
                                      require_positive)
 
@@ -64,17 +64,10 @@ class DataOptions(Options):
 
     def load(self, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
         """The `splits` of this dataset, read as these options say (`seed`:
-        the run's, which synthetic data and a held-out test split are drawn with)."""
-        return load_dataset(self.dataset, DataSource(
-            self.data_dir, self.download, seed, self.synthetic_examples, self.image_size,
-            self.test_fraction), splits)
+        the run's, which synthetic data and a held-out test split are drawn
+        with); only those splits are read."""
+        return DATASETS[self.dataset].load(self, seed, splits)
 
 
-def load_dataset(name: str, source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
-    """The `splits` of dataset `name` (a DATASETS key; KeyError otherwise),
-    read as `source` says; only those splits are read."""
-    return DATASETS[name].load(source, splits)
-
-
-__all__ = ["DATASETS", "DataOptions", "SPLITS", "DataSource", "Dataset", "DatasetInfo", "DatasetSpec",
-           "ImageSplit", "load_dataset"]
+__all__ = ["DATASETS", "DataOptions", "SPLITS", "Dataset", "DatasetInfo", "DatasetSpec",
+           "ImageSplit"]

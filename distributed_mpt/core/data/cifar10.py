@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from distributed_mpt import files
-from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit,
+from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, ImageSplit,
                                                aligned_empty)
 from distributed_mpt.errors import DataUnavailableError, first_line
 
@@ -282,13 +282,14 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
     return bool(result and result[0])
 
 
-def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
-    """The `splits` of CIFAR-10: from the official binary release when
-    `source.data_dir` holds it (`<data_dir>/cifar-10-batches-bin/`), else
-    from tensorflow-datasets, downloaded if `source.download` allows."""
-    binary_dir = find_binary_release(source.data_dir)
+def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+    """The `splits` of CIFAR-10 (`options`: a DataOptions; the seed is not
+    used): from the official binary release when `options.data_dir` holds
+    it (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets,
+    downloaded if `options.download` allows."""
+    binary_dir = find_binary_release(options.data_dir)
     if binary_dir:
         arrays = load_cifar10_binary(binary_dir, splits)
     else:
-        arrays = load_cifar10(source.data_dir, source.download, splits)
+        arrays = load_cifar10(options.data_dir, options.download, splits)
     return Dataset(INFO, dict(zip(splits, arrays)))

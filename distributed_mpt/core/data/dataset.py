@@ -107,25 +107,12 @@ class Dataset:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataSource:
-    """Where a dataset is and how to read it (the flags of the same names,
-    core/data's DataOptions, and the run's seed); each loader uses what it needs."""
-
-    data_dir: Optional[str] = None
-    download: bool = True
-    seed: int = 0
-    synthetic_examples: int = 50_000
-    image_size: int = 32
-    test_fraction: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
 class DatasetSpec:
     """A dataset the package can train on: its name (the --dataset value),
     one line saying what it is, and its loader as "module:function" (imported
     only to load: flags are checked, and a stop obeyed, before NumPy or
-    TensorFlow start a thread), a `(DataSource, splits) -> Dataset` that
-    returns the `splits` asked for (reading only those) or raises
+    TensorFlow start a thread), a `(DataOptions, seed, splits) -> Dataset`
+    that returns the `splits` asked for (reading only those) or raises
     DataUnavailableError saying what is missing and how to get it. `flip`
     is its default of --flip: random where a mirror image is the same class
     (CIFAR-10's photos), none where it may not be (digits, text)."""
@@ -138,6 +125,6 @@ class DatasetSpec:
     needs_data_dir: str = ""
     flip: str = "random"
 
-    def load(self, source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
+    def load(self, options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
         module, _, function = self.loader.partition(":")
-        return getattr(importlib.import_module(module), function)(source, tuple(splits))
+        return getattr(importlib.import_module(module), function)(options, seed, tuple(splits))

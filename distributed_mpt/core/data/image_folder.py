@@ -31,7 +31,7 @@ import numpy as np
 from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
-from distributed_mpt.core.data.dataset import (SPLITS, DataSource, Dataset, DatasetInfo, ImageSplit,
+from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, ImageSplit,
                                                aligned_empty)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted
 
@@ -43,17 +43,18 @@ _BAD_IN_NAMES = ("Cc", "Cs", "Zl", "Zp")
 _SKIPPED_SHOWN = 5  # of the skipped entries, named in the warning
 
 
-def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
-    """The `splits` of the image folder `source.data_dir` (see the module's
-    docstring); raises DataUnavailableError naming what is missing."""
-    root = source.data_dir
+def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+    """The `splits` of the image folder `options.data_dir` (a DataOptions;
+    see the module's docstring), a held-out test split drawn with `seed`;
+    raises DataUnavailableError naming what is missing."""
+    root, fraction = options.data_dir, options.test_fraction
     train_dir, test_dir = os.path.join(root, "train"), os.path.join(root, "test")
     if not os.path.isdir(train_dir):
         raise DataUnavailableError(f"--data_dir={quoted(root)} has no train/ folder: an image "
                                    f"folder is laid out as {LAYOUT}")
     has_test = os.path.isdir(test_dir)
-    if has_test and source.test_fraction > 0:
-        raise ConfigError(f"--test_fraction={source.test_fraction:g} holds out training images "
+    if has_test and fraction > 0:
+        raise ConfigError(f"--test_fraction={fraction:g} holds out training images "
                           f"for testing, and {quoted(test_dir)} holds test images already: drop "
                           f"--test_fraction, or move test/ away")
     skipped: List[str] = []
@@ -64,8 +65,8 @@ def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
     if has_test:
         test_files = listed["test"] = _files_by_class(test_dir, class_names, skipped,
                                                       train_dir=train_dir)
-    elif source.test_fraction > 0:
-        train_files, test_files = _hold_out(train_files, source.test_fraction, source.seed)
+    elif fraction > 0:
+        train_files, test_files = _hold_out(train_files, fraction, seed)
     else:
         raise DataUnavailableError(f"--data_dir={quoted(root)} has no test/ folder: add one "
                                    f"({LAYOUT}), or pass --test_fraction to hold out a share of "
@@ -78,7 +79,7 @@ def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
                    f"a dot, a file beside the class folders): "
                    f"{', '.join(shown[:_SKIPPED_SHOWN])}{more}")
     fingerprint = _fingerprint(root, class_names, listed)
-    size = (source.image_size, source.image_size)
+    size = (options.image_size, options.image_size)
     # The statistics come from the training images, whichever splits are read.
     train = _decode(train_files, size)
     # In a fixed shuffled order, not by class: what is computed from the

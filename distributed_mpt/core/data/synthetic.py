@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from distributed_mpt.core.data import cifar10
-from distributed_mpt.core.data.dataset import SPLITS, DataSource, Dataset, ImageSplit
+from distributed_mpt.core.data.dataset import SPLITS, Dataset, ImageSplit
 
 NAME = "synthetic"
 # CIFAR-10's shape, classes and statistics: a model built for one is built
@@ -14,11 +14,11 @@ NAME = "synthetic"
 INFO = cifar10.INFO
 
 
-def load(source: DataSource, splits: Sequence[str] = SPLITS) -> Dataset:
-    """`source.synthetic_examples` training examples and a fifth as many test
-    examples, made from `source.seed` (see `make_synthetic`)."""
-    train, test = make_synthetic(source.synthetic_examples,
-                                 max(source.synthetic_examples // 5, 1), source.seed)
+def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+    """`options.synthetic_examples` (a DataOptions) training examples and a
+    fifth as many test examples, made from `seed` (see `make_synthetic`)."""
+    examples = options.synthetic_examples
+    train, test = make_synthetic(examples, max(examples // 5, 1), seed)
     made = {"train": train, "test": test}
     return Dataset(INFO, {split: made[split] for split in splits})
 

@@ -95,7 +95,6 @@ class MuonOptions(Options):
                 f"--muon_momentum={self.muon_momentum} must be in [0, 1)")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions(Options):
     """How the groups train: the filters' update rule, the rate, momentum and
@@ -244,15 +243,13 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     ]
     if bias is not None and bias.trainable:
         steps = round(options.whiten_bias_epochs * s.steps_per_epoch)
-        freeze = options.whiten_bias_freeze
-        if muon:  # its own rate, falling to 0 over its steps, whatever the schedule
-            own = learning_rate_schedule(shift_rate * s.peak_learning_rate, steps, 0, "linear")
-            group = ParameterGroup("whitening bias", (bias,), sgd, schedule=own,
-                                   weight_decay=decay / shift_rate, train_steps=steps, freeze=freeze)
-        else:
-            group = ParameterGroup("whitening bias", (bias,), sgd, weight_decay=decay,
-                                   train_steps=steps, freeze=freeze)
-        groups.insert(0, group)
+        # With muon, its own rate, falling to 0 over its steps, whatever the schedule.
+        own = (learning_rate_schedule(shift_rate * s.peak_learning_rate, steps, 0, "linear")
+               if muon else None)
+        groups.insert(0, ParameterGroup(
+            "whitening bias", (bias,), sgd, schedule=own,
+            weight_decay=decay / shift_rate if muon else decay, train_steps=steps,
+            freeze=options.whiten_bias_freeze))
     return [group for group in groups if group.variables]
 
 

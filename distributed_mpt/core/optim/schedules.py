@@ -107,16 +107,9 @@ def linear_rule_warning(global_batch_size: int, train_examples: int) -> str:
 def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int,
                            kind: str = "cosine"):
     """The learning rate of each step (a callable of the step, a tensor or
-    a number), of `kind` (one of SCHEDULES):
-
-    cosine: linear warmup from 0 to `peak` over `warmup_steps`, then cosine
-    decay to 0. linear: the same warmup, then linearly to 0.
-    piecewise_linear: from 0.2 x `peak` to `peak` over `warmup_steps`, then
-    linearly to 0.07 x `peak` at the last step.
-
+    a number), of `kind` (one of SCHEDULES, as --lr_schedule's help says).
     The warmup takes at most half of the run, so that a short run (a smoke
-    test, --train_steps) still decays instead of ending at its peak.
-    """
+    test, --train_steps) still decays instead of ending at its peak."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; choose from {SCHEDULES}")
     warmup_steps = min(warmup_steps, total_steps // 2)
@@ -155,8 +148,6 @@ class Cosine:
         self.peak, self.total_steps, self.warmup_steps = peak, total_steps, warmup_steps
 
     def __call__(self, step):
-        import math
-
         import tensorflow as tf
 
         step = tf.cast(step, tf.float32)
