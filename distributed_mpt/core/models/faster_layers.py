@@ -331,7 +331,9 @@ def _normalization_of(x):
             or not op.get_attr("is_training")):
         return None
     inputs, scale, offset = op.inputs[:3]
-    # The batch's mean and biased variance, as the kernel normalized with.
+    # The batch's mean and biased variance, as the kernel normalized with:
+    # its reserve spaces on a CPU, where alone activations are compiled
+    # (cuDNN's second one is an inverse).
     mean, variance = op.outputs[3:5]
     return lambda: tf.raw_ops.FusedBatchNormV3(
         x=inputs, scale=scale, offset=offset, mean=mean, variance=variance,
