@@ -23,7 +23,14 @@ elementwise ops: the convolutions stay oneDNN's), in float32 whatever the
 input's float dtype, it reads the map once forward and twice backward.
 After a fused batch norm its gradient normalizes the norm's input again
 rather than keep the map: 0.18 GB less at airbench's batch of 1536 in
-bfloat16 (`activate`).
+bfloat16 (`activate`). After the whitening convolution it whitens again.
+
+Maps computed again (`computation_of`): in float32 on CPUs, where memory is
+largest, the convolution after such an activation computes its input
+again for its weight gradient too, so that the backward pass keeps neither
+the whitened map nor any activation's output. With the pooling's gradient
+written once, a float32 `cpu_cnn94_muon` step held 1.07 GB at its peak
+instead of 1.74 (docs/performance.md, "Where a run's memory goes").
 
 LeanMaxPooling2D: Keras' max pooling keeps its whole input for the
 gradient; this one keeps one byte per output saying where the maximum was.
@@ -111,7 +118,8 @@ class SideBySideConv2D(keras.layers.Conv2D):
     with AMX), and computes their weight gradient by taps where that pays
     (bfloat16 on a CPU with AVX512_BF16 and no AMX). Only a stride-1,
     "same"-padded, channels-last convolution of an odd kernel; any other as
-    Keras computes it."""
+    Keras computes it. A float32 input that can be computed again
+    (`computation_of`) is not kept for the weight gradient, on CPUs."""
 
     def convolution_op(self, inputs, kernel):
         width = inputs.shape[2]
@@ -127,6 +135,14 @@ class SideBySideConv2D(keras.layers.Conv2D):
             # A tensor of the inputs' dtype, not the (autocast) variable: the
             # custom gradient is the kernel tensor's.
             return convolve_with_weight_gradient_by_taps(inputs, tf.cast(kernel, inputs.dtype))
+        plain = (self.data_format == "channels_last" and self.groups == 1
+                 and tuple(self.dilation_rate) == (1, 1) and len(inputs.shape) == 4)
+        # float32 maps only, as the lean pooling: where memory is largest.
+        again = (computation_of(inputs) if plain and inputs.dtype == tf.float32 and compiles_here()
+                 else None)
+        if again is not None:
+            return convolve_computing_input_again(
+                inputs, tf.cast(kernel, inputs.dtype), again, self.strides, self.padding.upper())
         return super().convolution_op(inputs, kernel)
 
 
@@ -175,6 +191,36 @@ def convolve_with_weight_gradient_by_taps(images, kernel):
     return convolve(images, kernel)
 
 
+def convolve_computing_input_again(images, kernel, images_again, strides, padding: str):
+    """tf.nn.conv2d(images, kernel, strides, padding) (NHWC) with the usual
+    gradients, except that the kernel's is computed from `images_again()`
+    (the same images, computed again from what the backward pass keeps
+    anyway: `computation_of`) rather than from `images` kept until then."""
+    strides = [1, *strides, 1]
+
+    @tf.custom_gradient
+    def convolve(images, kernel):
+        # Taken now: a shape read in the gradient would keep the images.
+        image_shape = tf.shape(images)
+
+        def gradients(output_gradient):
+            image_gradient = tf.raw_ops.Conv2DBackpropInput(
+                input_sizes=image_shape, filter=kernel, out_backprop=output_gradient,
+                strides=strides, padding=padding)
+            # Not before the gradient arrives: computed in the forward pass,
+            # the copy would be kept as long as the images were.
+            with tf.control_dependencies([output_gradient]):
+                again = images_again()
+            kernel_gradient = tf.raw_ops.Conv2DBackpropFilter(
+                input=again, filter_sizes=tf.shape(kernel), out_backprop=output_gradient,
+                strides=strides, padding=padding)
+            return image_gradient, kernel_gradient
+
+        return tf.nn.conv2d(images, kernel, strides, padding), gradients
+
+    return convolve(images, kernel)
+
+
 def weight_gradient_by_taps(images, output_gradient, kernel_shape):
     """The gradient of a stride-1 "same" convolution's kernel [height, width,
     in, out] (odd height and width) from its images [N, H, W, in] and the
@@ -212,27 +258,21 @@ class LeanMaxPooling2D(keras.layers.MaxPooling2D):
     def call(self, inputs):
         lean = (compiles_here() and inputs.dtype == tf.float32 and tuple(self.pool_size) == (2, 2)
                 and tuple(self.strides) == (2, 2) and self.padding == "valid"
-                and self.data_format == "channels_last" and len(inputs.shape) == 4)
+                and self.data_format == "channels_last" and len(inputs.shape) == 4
+                and None not in inputs.shape[1:3])
         return max_pool_2x2(inputs) if lean else super().call(inputs)
 
 
 def max_pool_2x2(images):
     """2x2 max pooling at stride 2 ("valid": an odd last row or column is
     dropped) whose gradient keeps only the uint8 position of each window's
-    maximum. images: [N, H, W, C]."""
+    maximum. images: [N, H, W, C] of static H and W."""
+    dropped = (images.shape[1] % 2, images.shape[2] % 2)
 
     @tf.custom_gradient
     def pool(images):
         pooled, position = _pool_forward(images)
-        # Taken now: a shape read in the gradient would keep the images.
-        dropped = tf.shape(images)[1:3] % 2
-
-        def gradient(output_gradient):
-            spread = _pool_backward(position, output_gradient)
-            # The row and column "valid" pooling dropped get no gradient.
-            return tf.pad(spread, [[0, 0], [0, dropped[0]], [0, dropped[1]], [0, 0]])
-
-        return pooled, gradient
+        return pooled, lambda output_gradient: _pool_backward(position, output_gradient, dropped)
 
     return pool(images)
 
@@ -257,7 +297,11 @@ def _pool_forward(images):
 
 
 @tf.function(jit_compile=True)
-def _pool_backward(position, output_gradient):
+def _pool_backward(position, output_gradient, dropped):
+    """The images' gradient; the row and column "valid" pooling `dropped`
+    (each 0 or 1) get none. Padded here, inside the compiled function, so that
+    the gradient is written once: padded after it, the map was there twice
+    (airbench's first pooling, float32, batch 1536: 354 + 378 MB at once)."""
     zero = tf.zeros_like(output_gradient)
     top, bottom = [[tf.where(position == 2 * i + j, output_gradient, zero) for j in (0, 1)]
                    for i in (0, 1)]
@@ -265,8 +309,8 @@ def _pool_backward(position, output_gradient):
     count, half_height, half_width, channels = (tf.shape(output_gradient)[k] for k in range(4))
     rows = [tf.reshape(tf.stack(pair, axis=3), [count, half_height, 2 * half_width, channels])
             for pair in (top, bottom)]
-    return tf.reshape(tf.stack(rows, axis=2),
-                      [count, 2 * half_height, 2 * half_width, channels])
+    spread = tf.reshape(tf.stack(rows, axis=2), [count, 2 * half_height, 2 * half_width, channels])
+    return tf.pad(spread, [[0, 0], [0, dropped[0]], [0, dropped[1]], [0, 0]])
 
 
 class CompiledActivation(keras.layers.Activation):
@@ -300,35 +344,56 @@ def activate(x, name: str):
     pass normalizes the batch norm's input again, which that norm's own
     gradient keeps anyway, instead of keeping x: one elementwise pass for a
     feature map's worth of memory (docs/performance.md, "Where a run's
-    memory goes")."""
-    normalize_again = _normalization_of(x)
+    memory goes"). So can the convolution after it (`SideBySideConv2D`),
+    from the same kept input."""
+    x_again = computation_of(x)
 
     @tf.custom_gradient
     def compiled(x):
-        if normalize_again is None:
+        if x_again is None:
             return _forward(x, name), lambda output_gradient: _backward(x, output_gradient, name)
 
         def gradient(output_gradient):
             # Not before the gradient arrives: computed in the forward pass,
             # the copy would be kept as long as x was.
             with tf.control_dependencies([output_gradient]):
-                return _backward(normalize_again(), output_gradient, name)
+                return _backward(x_again(), output_gradient, name)
 
         return _forward(x, name), gradient
 
-    return compiled(x)
+    activated = compiled(x)
+    if x_again is None:
+        return activated
+    return computable_again(activated, lambda: _forward(x_again(), name))
+
+
+def computable_again(x, compute):
+    """x, marked as computed again, bit for bit, by `compute()` from small
+    tensors or tensors the backward pass keeps anyway (`computation_of`
+    reads the mark). Returns x."""
+    if not tf.executing_eagerly():
+        x._computed_again = compute
+    return x
+
+
+def computation_of(x):
+    """A function that computes graph tensor x again, bit for bit, from
+    tensors that the backward pass keeps anyway, or None: for the output of
+    a training `FusedBatchNormV3` (from its input and the batch's
+    statistics), and for tensors marked by `computable_again` (the
+    whitening convolution's output, an activation of either)."""
+    if tf.executing_eagerly():
+        return None
+    while getattr(x, "_computed_again", None) is None and x.op.type == "Identity":
+        x = x.op.inputs[0]
+    return getattr(x, "_computed_again", None) or _normalization_of(x)
 
 
 def _normalization_of(x):
-    """A function that computes x again, bit for bit, if x is the output of
-    a training `FusedBatchNormV3` in a graph; None otherwise (eager tensors,
-    any other op)."""
-    op = getattr(x, "op", None) if not tf.executing_eagerly() else None
-    while op is not None and op.type == "Identity" and x is op.outputs[0]:
-        x = op.inputs[0]
-        op = x.op
-    if (op is None or op.type != "FusedBatchNormV3" or x is not op.outputs[0]
-            or not op.get_attr("is_training")):
+    """`computation_of` x, the output of a training `FusedBatchNormV3`;
+    None for any other tensor."""
+    op = x.op
+    if op.type != "FusedBatchNormV3" or x is not op.outputs[0] or not op.get_attr("is_training"):
         return None
     inputs, scale, offset = op.inputs[:3]
     # The batch's mean and biased variance, as the kernel normalized with:

@@ -6,8 +6,10 @@ this package's: faster_layers.py has the faster ones).
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from distributed_mpt.core.data import DatasetInfo
+from distributed_mpt.core.models.faster_layers import computable_again
 
 
 def normalized_input(info: DatasetInfo):
@@ -42,6 +44,22 @@ class WhiteningConv2D(keras.layers.Conv2D):
     def build(self, input_shape):
         super().build(input_shape)
         self.kernel.trainable = False  # the filters come from the data
+
+    def call(self, inputs):
+        """Keras' convolution and bias, marked as cheap to compute again from
+        `inputs` (2x2 filters, 3 channels in): the backward pass recomputes
+        the whitened map, the largest of airbench's after its first
+        convolution, rather than keep it (faster_layers.computation_of)."""
+        if not self.use_bias:
+            return super().call(inputs)
+        # Read here, in the compute dtype: Keras' variables autocast only
+        # inside this call, and the backward pass's computation is outside.
+        kernel, bias = (tf.cast(v, self.compute_dtype) for v in (self.kernel, self.bias))
+
+        def whiten():
+            return self.convolution_op(inputs, kernel) + bias
+
+        return computable_again(whiten(), whiten)
 
     def initialize_from_data(self, train_images: np.ndarray) -> None:
         """Sets the filters from the first `images` (IMAGES by default) of
