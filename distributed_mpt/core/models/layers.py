@@ -50,14 +50,18 @@ class WhiteningConv2D(keras.layers.Conv2D):
         `inputs` (2x2 filters, 3 channels in): the backward pass recomputes
         the whitened map, the largest of airbench's after its first
         convolution, rather than keep it (faster_layers.computation_of)."""
-        if not self.use_bias:
+        # float32 only, where memory is short: in bfloat16 the map computed
+        # again in the training step was not the same bits (TensorFlow may add
+        # the bias inside the convolution, rounding once, in one place only).
+        if not self.use_bias or self.compute_dtype != "float32":
             return super().call(inputs)
         # Read here, in the compute dtype: Keras' variables autocast only
         # inside this call, and the backward pass's computation is outside.
         kernel, bias = (tf.cast(v, self.compute_dtype) for v in (self.kernel, self.bias))
+        bias_shape = (1,) * (len(inputs.shape) - 1) + (self.filters,)
 
-        def whiten():
-            return self.convolution_op(inputs, kernel) + bias
+        def whiten():  # Keras' Conv2D.call, op for op: the same bits
+            return keras.ops.add(self.convolution_op(inputs, kernel), keras.ops.reshape(bias, bias_shape))
 
         return computable_again(whiten(), whiten)
 
