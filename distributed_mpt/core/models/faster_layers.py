@@ -23,7 +23,8 @@ elementwise ops: the convolutions stay oneDNN's), in float32 whatever the
 input's float dtype, it reads the map once forward and twice backward.
 After a fused batch norm its gradient normalizes the norm's input again
 rather than keep the map: 0.18 GB less at airbench's batch of 1536 in
-bfloat16 (`activate`). After the whitening convolution it whitens again.
+bfloat16 (`activate`). After the whitening convolution, in float32, it
+whitens again (layers.WhiteningConv2D).
 
 Maps computed again (`computation_of`): in float32 on CPUs, where memory is
 largest, the convolution after such an activation computes its input
