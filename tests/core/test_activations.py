@@ -112,7 +112,7 @@ def test_after_a_fused_batch_norm_the_gradient_normalizes_again_instead_of_keepi
 
     normalized_again = [np.asarray(g) for g in tf.function(gradients)(x)]
     assert readers_of_the_normalized_map() == ["forward"]
-    monkeypatch.setattr(faster_layers, "_normalization_of", lambda x: None)  # the map kept
+    monkeypatch.setattr(faster_layers, "computation_of", lambda x: None)  # the map kept
     kept = [np.asarray(g) for g in tf.function(gradients)(x)]
     assert readers_of_the_normalized_map() == ["backward", "forward"]
     for what, a, b in zip(("input", "shift"), normalized_again, kept):

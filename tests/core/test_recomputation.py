@@ -71,14 +71,15 @@ def _backward_readers_of_maps_computed_again(graph):
 
 def test_in_float32_the_backward_pass_keeps_no_map_it_can_compute_again(monkeypatch):
     again, graph = _traced_gradients("float32")
-    # The whitened map and 7 activations: the stem's, and 6 after batch
-    # norms. The last one's output the global pooling's gradient reads (a
-    # 3x3 map): the check sees readers.
-    assert _backward_readers_of_maps_computed_again(graph) == [0] * 7 + [1]
+    # The whitened map, the stem's activation, then 6 batch norms' outputs,
+    # each followed by its activation's. The last activation's output the
+    # global pooling's gradient reads (a 3x3 map): the check sees readers.
+    assert _backward_readers_of_maps_computed_again(graph) == [0] * 13 + [1]
     monkeypatch.setattr(faster_layers, "computation_of", lambda x: None)  # the maps kept
     kept, graph = _traced_gradients("float32")
-    # Only the whitened map is still marked; its activation's gradient reads it.
-    assert _backward_readers_of_maps_computed_again(graph) == [1]
+    # The activations' outputs are no longer marked; each activation's
+    # gradient reads its input, the whitened map or a batch norm's output.
+    assert _backward_readers_of_maps_computed_again(graph) == [1] * 7
     assert len(again) == len(kept) == len(tf.nest.flatten(again))
     for index, (a, k) in enumerate(zip(again, kept)):
         assert np.abs(k).max() > 0, index
@@ -92,9 +93,10 @@ def test_in_bfloat16_only_the_activations_after_batch_norms_compute_their_input_
     # normalize again. The same gradients to the bit as when kept.
     again, graph = _traced_gradients("mixed_bfloat16")
     readers = _backward_readers_of_maps_computed_again(graph)
-    # The 6 activations after batch norms; their outputs are read, by the
-    # convolutions and the pooling after them.
-    assert len(readers) == 6 and all(count > 0 for count in readers), readers
+    # 6 batch norms' outputs, not read, each followed by its activation's,
+    # read by the convolution (or the pooling) after it.
+    assert len(readers) == 12 and readers[0::2] == [0] * 6, readers
+    assert all(count > 0 for count in readers[1::2]), readers
     monkeypatch.setattr(faster_layers, "computation_of", lambda x: None)
     kept, _ = _traced_gradients("mixed_bfloat16")
     for index, (a, k) in enumerate(zip(again, kept)):

@@ -98,11 +98,12 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         channels = inputs.shape[-1]
         ones, zeros = tf.ones([channels], tf.float32), tf.zeros([channels], tf.float32)
+        scale = tf.cast(self.gamma, tf.float32) if self.scale else ones
+        offset = tf.cast(self.beta, tf.float32) if self.center else zeros
         empty = tf.constant([], tf.float32)
-        outputs, mean, variance, *_ = tf.raw_ops.FusedBatchNormV3(
-            x=inputs, scale=tf.cast(self.gamma, tf.float32) if self.scale else ones,
-            offset=tf.cast(self.beta, tf.float32) if self.center else zeros,
-            mean=empty, variance=empty, epsilon=self.epsilon, is_training=True)
+        outputs, mean, variance, batch_mean, batch_variance, _ = tf.raw_ops.FusedBatchNormV3(
+            x=inputs, scale=scale, offset=offset, mean=empty, variance=empty,
+            epsilon=self.epsilon, is_training=True)
         # The kernel returns the unbiased (n - 1) variance, for its own moving
         # average; Keras' moving variance, which inference uses, is biased.
         count = tf.cast(tf.size(inputs) // channels, tf.float32)
@@ -110,7 +111,17 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
         self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
         self.moving_variance.assign(
             self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
-        return tf.cast(outputs, self.compute_dtype)
+
+        def normalize_again():
+            # The same bits from the input, which the norm's gradient keeps
+            # anyway: the kernel in inference mode, with the batch's mean and
+            # biased variance, its reserve spaces on a CPU (where alone the
+            # maps are computed again; cuDNN's second one is an inverse).
+            return tf.raw_ops.FusedBatchNormV3(
+                x=inputs, scale=scale, offset=offset, mean=batch_mean, variance=batch_variance,
+                epsilon=self.epsilon, is_training=False)[0]
+
+        return computable_again(tf.cast(outputs, self.compute_dtype), normalize_again)
 
 
 class SideBySideConv2D(keras.layers.Conv2D):
@@ -340,13 +351,13 @@ def compiles_here() -> bool:
 def activate(x, name: str):
     """Activation `name` of x, compiled forward and backward (see above).
 
-    Where x is the output of a training batch norm in a graph (what
-    FusedBatchNormalization gives the activation after it), the backward
-    pass normalizes the batch norm's input again, which that norm's own
-    gradient keeps anyway, instead of keeping x: one elementwise pass for a
-    feature map's worth of memory (docs/performance.md, "Where a run's
-    memory goes"). So can the convolution after it (`SideBySideConv2D`),
-    from the same kept input."""
+    Where x can be computed again (`computation_of`: the output of a
+    training FusedBatchNormalization, whose input the norm's own gradient
+    keeps anyway), the backward pass computes it again instead of keeping
+    it: one elementwise pass for a feature map's worth of memory
+    (docs/performance.md, "Where a run's memory goes"). The output is then
+    marked as computable again too, for the convolution after it
+    (`SideBySideConv2D`)."""
     x_again = computation_of(x)
 
     @tf.custom_gradient
@@ -378,33 +389,16 @@ def computable_again(x, compute):
 
 
 def computation_of(x):
-    """A function that computes graph tensor x again, bit for bit, from
-    tensors that the backward pass keeps anyway, or None: for the output of
-    a training `FusedBatchNormV3` (from its input and the batch's
-    statistics), and for tensors marked by `computable_again` (the
-    whitening convolution's output, an activation of either)."""
+    """The function that computes graph tensor x again, bit for bit, from
+    tensors that the backward pass keeps anyway, if x (or what an identity
+    passes on as x) is marked by `computable_again`: the output of a
+    training `FusedBatchNormalization`, of the whitening convolution in
+    float32, and an activation of either. None otherwise (eager tensors)."""
     if tf.executing_eagerly():
         return None
     while getattr(x, "_computed_again", None) is None and x.op.type == "Identity":
         x = x.op.inputs[0]
-    return getattr(x, "_computed_again", None) or _normalization_of(x)
-
-
-def _normalization_of(x):
-    """`computation_of` x, the output of a training `FusedBatchNormV3`;
-    None for any other tensor."""
-    op = x.op
-    if op.type != "FusedBatchNormV3" or x is not op.outputs[0] or not op.get_attr("is_training"):
-        return None
-    inputs, scale, offset = op.inputs[:3]
-    # The batch's mean and biased variance, as the kernel normalized with:
-    # its reserve spaces on a CPU, where alone activations are compiled
-    # (cuDNN's second one is an inverse).
-    mean, variance = op.outputs[3:5]
-    return lambda: tf.raw_ops.FusedBatchNormV3(
-        x=inputs, scale=scale, offset=offset, mean=mean, variance=variance,
-        epsilon=op.get_attr("epsilon"), data_format=op.get_attr("data_format"),
-        is_training=False)[0]
+    return getattr(x, "_computed_again", None)
 
 
 def _value_and_slope(name: str, x):
