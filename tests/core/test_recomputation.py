@@ -69,14 +69,27 @@ def _backward_readers_of_maps_computed_again(graph):
     return counts
 
 
+def _input_gradients_after_kernel_gradients(graph):
+    """For each convolution's input gradient, whether it waits for a kernel
+    gradient."""
+    return [any(control.type == "Conv2DBackpropFilter" for control in op.control_inputs)
+            for op in graph.get_operations() if op.type == "Conv2DBackpropInput"]
+
+
 def test_in_float32_the_backward_pass_keeps_no_map_it_can_compute_again(monkeypatch):
     again, graph = _traced_gradients("float32")
     # The whitened map, the stem's activation, then 6 batch norms' outputs,
     # each followed by its activation's. The last activation's output the
     # global pooling's gradient reads (a 3x3 map): the check sees readers.
     assert _backward_readers_of_maps_computed_again(graph) == [0] * 13 + [1]
+    # Each input's gradient is made after its kernel's, once the copy the
+    # kernel's gradient computed again is let go (the stem's: 142 MB at
+    # batch 1536), where the convolution computes its input again.
+    # (The 7th is the whitening convolution's, which nothing reads.)
+    assert sorted(_input_gradients_after_kernel_gradients(graph)) == [False] + [True] * 6
     monkeypatch.setattr(faster_layers, "computation_of", lambda x: None)  # the maps kept
     kept, graph = _traced_gradients("float32")
+    assert not any(_input_gradients_after_kernel_gradients(graph))
     # The activations' outputs are no longer marked; each activation's
     # gradient reads its input, the whitened map or a batch norm's output.
     assert _backward_readers_of_maps_computed_again(graph) == [1] * 7

@@ -216,9 +216,6 @@ def convolve_computing_input_again(images, kernel, images_again, strides, paddin
         image_shape = tf.shape(images)
 
         def gradients(output_gradient):
-            image_gradient = tf.raw_ops.Conv2DBackpropInput(
-                input_sizes=image_shape, filter=kernel, out_backprop=output_gradient,
-                strides=strides, padding=padding)
             # Not before the gradient arrives: computed in the forward pass,
             # the copy would be kept as long as the images were.
             with tf.control_dependencies([output_gradient]):
@@ -226,6 +223,12 @@ def convolve_computing_input_again(images, kernel, images_again, strides, paddin
             kernel_gradient = tf.raw_ops.Conv2DBackpropFilter(
                 input=again, filter_sizes=tf.shape(kernel), out_backprop=output_gradient,
                 strides=strides, padding=padding)
+            # After the kernel's, so that the copy is let go before the
+            # images' gradient, as large, is made.
+            with tf.control_dependencies([kernel_gradient]):
+                image_gradient = tf.raw_ops.Conv2DBackpropInput(
+                    input_sizes=image_shape, filter=kernel, out_backprop=output_gradient,
+                    strides=strides, padding=padding)
             return image_gradient, kernel_gradient
 
         return tf.nn.conv2d(images, kernel, strides, padding), gradients
