@@ -11,7 +11,8 @@ Where the figures go:
   a recipe        the "# Measured" lines of its header
   docs/*.md       every <!-- ledger:KIND ARGS -->...<!-- /ledger --> span:
                   headline RECIPE, stats SETS, mean SETS, each SETS, plain
-                  SETS, minutes SETS, seconds SETS, ratio SET, session NAME (SETS: set names
+                  SETS, minutes SETS, seconds SETS, peak SETS (the largest peak
+                  resident memory), ratio SET, session NAME (SETS: set names
                   joined by "+", optionally " seeds=A-B")
 """
 
@@ -112,10 +113,11 @@ def _per_session(ledger: Ledger, runs: List[dict]) -> str:
 
 
 def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = False,
-            where: bool = False) -> str:
+            where: bool = False, brief: bool = False) -> str:
     """A set in a phrase: what it reached, in what time, and how fast
     against the recipe it alternated with; `long`: with the 95% interval
-    and the time of each session; `where`: on which CPU."""
+    and the time of each session; `where`: on which CPU; `brief`: without
+    the commit (a recipe header's other machines, which must fit 10 lines)."""
     first, stars = runs[0], "**" if bold else ""
     accuracy, walls, ratio = _accuracy(runs), _walls(runs), time_ratio(ledger, runs)
     if accuracy is None:
@@ -146,10 +148,10 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
     if where:
         text += f", on {ledger.machines[first['machine']]['cpu']} ({first['precision']})"
     commits = list(dict.fromkeys(r["commit"] for r in runs if r["commit"]))
-    if commits:
+    if commits and not brief:
         text += f", at {' and '.join(commits)}"
     if any(r.get("shared") for r in runs):
-        text += ", other work sharing the machine"
+        text += ", the machine shared" if brief else ", other work sharing the machine"
     return text
 
 
@@ -166,8 +168,8 @@ def recipe_block(ledger: Ledger, recipe: str) -> str:
     best = headline_set(ledger, recipe)
     text = headline(ledger, recipe) + "."
     others = [(column, headline_set(ledger, recipe, column)) for column in _columns(ledger)]
-    others = [f"on a {column.replace('`', '')}: {summary(ledger, runs)}" for column, runs
-              in others if runs and runs is not best]
+    others = [f"on a {column.replace('`', '')}: {summary(ledger, runs, brief=True)}"
+              for column, runs in others if runs and runs is not best]
     if others:
         text += " Also " + "; ".join(others) + "."
     lines += textwrap.wrap(text, 84, initial_indent="#   ", subsequent_indent="#   ")
@@ -269,6 +271,8 @@ def fragment(ledger: Ledger, kind: str, argument: str) -> str:
         return wall_time(statistics_of(_walls(runs))["mean"], "s")
     if kind == "plain":
         return f"{_mean(_accuracy(runs, 'eval_accuracy_without_tta')['mean'])}%"
+    if kind == "peak":
+        return f"{max(r['peak_memory_bytes'] for r in runs) / 1e9:.2f} GB"
     if kind == "minutes":
         walls = statistics_of(_walls(runs))
         return wall_time(walls["min"]) if walls["n"] == 1 else \

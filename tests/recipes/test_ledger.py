@@ -4,6 +4,7 @@ docs/recipes.md's tables of runs. The repository agrees with it, a figure
 typed by hand is caught, and a recipe holds its flags and a short header."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -82,6 +83,24 @@ def test_a_run_changed_in_the_ledger_changes_every_figure_drawn_from_it(tmp_path
     assert "94.20% mean of 6 runs" in header
     assert "peak resident memory 2.35 GB" in " ".join(header.replace("#   ", "").split())
     assert _check(copy, "--check", "--nocount_tests").returncode == 0
+
+
+def test_a_peak_the_readme_quotes_is_its_sets_largest(tmp_path):
+    copy = _copy_of_the_repository(tmp_path)
+    quoted = re.search(r"<!-- ledger:peak ([^>]*?) -->(.*?)<!-- /ledger -->",
+                       (copy / "README.md").read_text())
+    assert quoted and quoted.group(2).endswith(" GB"), "the README quotes no peak"
+    ledger = copy / "distributed_mpt" / "recipes" / "ledger.jsonl"
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    runs = [r for r in records if r.get("set") == quoted.group(1)]
+    assert runs
+    runs[0]["peak_memory_bytes"] = 3_456_789_012
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
+    caught = _check(copy, "--check", "--nocount_tests")
+    assert caught.returncode == 1 and "README.md disagrees with the ledger" in caught.stdout
+    assert_ok(_check(copy, "--write", "--nocount_tests"))
+    assert f"<!-- ledger:peak {quoted.group(1)} -->3.46 GB<!-- /ledger -->" in (
+        copy / "README.md").read_text()
 
 
 def test_a_damaged_ledger_is_one_error_line(tmp_path):
