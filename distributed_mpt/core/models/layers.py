@@ -51,8 +51,7 @@ class WhiteningConv2D(keras.layers.Conv2D):
         the whitened map, the largest of airbench's after its first
         convolution, rather than keep it (faster_layers.computation_of)."""
         # float32 only, where memory is short: in bfloat16 the map computed
-        # again in the training step was not the same bits (TensorFlow may add
-        # the bias inside the convolution, rounding once, in one place only).
+        # again in the training step was not the same bits (docs/performance.md).
         if not self.use_bias or self.compute_dtype != "float32":
             return super().call(inputs)
         # Read here, in the compute dtype: Keras' variables autocast only
