@@ -1,65 +1,36 @@
 """Keras' layers computed faster, or leaner: the same function and variables as Keras'
 own (an export gets Keras' layers in their place: layers.with_keras_layers),
-each computed another way where that was measured to pay (docs/performance.md):
-the batch norm wherever one replica sees the global batch, the activation and
-the convolution on CPUs, and the pooling of float32 maps on CPUs for less memory.
+each computed another way where that was measured to pay (docs/performance.md
+has the figures). A model saved with these layers in it (not an export) names
+each by its class name, which Keras looks up in its `custom_objects`: renaming
+a class would break such files, renaming this module does not
+(tests/core/test_faster_layers.py).
 
-A model saved with these layers in it (not an export) names each by its class
-name, which Keras looks up in the `custom_objects` it loads with; the module
-it also records is not read. Renaming a class would break such files, and
-renaming this module does not (tests/core/test_faster_layers.py loads one
-saved when it had another name).
+FusedBatchNormalization: TensorFlow's `FusedBatchNormV3`, one pass each way
+where Keras 3 makes several; it cannot all-reduce its statistics, so only
+where one replica sees the global batch.
 
-FusedBatchNormalization: Keras 3's `BatchNormalization` casts a bfloat16
-activation to float32 and normalizes it in several elementwise passes,
-forward and backward; TensorFlow's `FusedBatchNormV3` does it in one pass
-each way. It cannot all-reduce its statistics, so it is used only when the
-batch is the global one (one replica in sync); with more, Keras'
-synchronized path keeps N replicas training like one.
+CompiledActivation: the exact GELU (or SiLU), five TensorFlow ops each way,
+compiled by XLA into one pass forward and one backward, in float32.
 
-CompiledActivation: the exact GELU is five TensorFlow ops, each a pass over
-the feature map, and its gradient as many again; compiled by XLA (only these
-elementwise ops: the convolutions stay oneDNN's), in float32 whatever the
-input's float dtype, it reads the map once forward and twice backward.
-After a fused batch norm its gradient normalizes the norm's input again
-rather than keep the map: 0.18 GB less at airbench's batch of 1536 in
-bfloat16 (`activate`). After the whitening convolution, in float32, it
-whitens again (layers.WhiteningConv2D).
+Maps computed again (`computable_again`, `computation_of`): the backward pass
+computes a map again from what it keeps anyway, instead of keeping it: an
+activation's input after a fused batch norm, and in float32 on CPUs, where
+memory is largest, the whitened map and each convolution's input for its
+weight gradient. A float32 `cpu_cnn94_muon` step's peak: 0.89 GB, not 1.74.
 
-Maps computed again (`computation_of`): in float32 on CPUs, where memory is
-largest, the convolution after such an activation computes its input
-again for its weight gradient too, so that the backward pass keeps neither
-the whitened map nor any activation's output. With the pooling's gradient
-written once, and each input's gradient made after its kernel's, a float32
-`cpu_cnn94_muon` step held 0.89 GB at its peak instead of 1.74
-(docs/performance.md, "Where a run's memory goes").
-
-LeanMaxPooling2D: Keras' max pooling keeps its whole input for the
-gradient; this one keeps one byte per output saying where the maximum was.
-Compiled by XLA, it is slower than oneDNN's pooling: on 2 cores of a 2.6 GHz
-Xeon with AMX, airbench at batch 1536 (benchmark, alternating with the
-Keras pooling) trained at 385 examples/s instead of 394 in float32, with
-3.26 GiB instead of 3.51 at its peak; in bfloat16 at 1,012 instead of 1,173
-(2.39 GB instead of 2.59 for a 12-step `cpu_cnn94_muon` run). So only
-float32 maps are pooled this way, where the memory is largest and the time
+LeanMaxPooling2D: keeps one byte per output (where the maximum was) for the
+gradient, not Keras' whole input. XLA's pooling is slower than oneDNN's, so
+only float32 maps are pooled this way, where memory is largest and the time
 the smallest part of a step.
 
-SideBySideConv2D: oneDNN computes a convolution in blocks of output pixels
-along a row, which the narrow maps at the end of airbench (7 and 3 pixels
-wide) leave mostly empty. On a CPU with AMX, in bfloat16, images placed side
-by side in rows 64 pixels wide (a zero gap between neighbours: the same
-convolution) ran the 3-pixel weight gradient at 253 GFLOP/s instead of 41.
-On a CPU with AVX512_BF16 and no AMX, oneDNN has no brgemm kernel for the
-weight gradient; as 9 matrix products, one per tap of the kernel, it ran
-1.6x (7 pixels) and 2.7x (3 pixels) faster. Elsewhere (float32, wider maps)
-both were slower, and are not used.
-
-Measured on 2 cores of an AMD EPYC (Zen 5, AVX512_BF16): the compiled
-activation and the weight gradient by taps cut a bfloat16 step's CPU time
-from about 1.9 to 1.4-1.5 s; with the cores shared with another job of the
-same priority, airbench trained 1.31-1.44x faster; with the cores its own,
-no faster (TensorFlow's two inter-op threads already hid the elementwise
-passes beside the convolutions).
+SideBySideConv2D: oneDNN convolves in blocks of output pixels along a row,
+which airbench's 7- and 3-pixel maps leave mostly empty. With AMX, in
+bfloat16, images side by side in 64-pixel rows (a zero gap between them: the
+same convolution) ran the 3-pixel weight gradient at 253 GFLOP/s instead of
+41; with AVX512_BF16 and no AMX, the weight gradient as 9 matrix products,
+one per tap, ran 1.6x (7 pixels) and 2.7x (3 pixels) faster. Elsewhere both
+were slower, and are not used.
 """
 
 import functools
@@ -266,7 +237,7 @@ class LeanMaxPooling2D(keras.layers.MaxPooling2D):
     per output) instead of its whole input (four outputs' worth, in the
     compute dtype): airbench's pools read the largest maps of the network,
     whose copies, kept for the backward pass, were 0.67 of the 3.74 GB a
-    float32 `cpu_cnn94_muon` run held at its peak (module docstring).
+    float32 `cpu_cnn94_muon` run held at its peak (docs/performance.md).
     Compiled like the activations, on CPUs, for float32 maps; the
     gradient goes where Keras' goes, to the first largest pixel in row-major
     order. Any other pooling or dtype, and GPUs, as Keras computes it."""
