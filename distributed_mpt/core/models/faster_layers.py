@@ -17,7 +17,8 @@ Maps computed again (`computable_again`, `computation_of`): the backward pass
 computes a map again from what it keeps anyway, instead of keeping it: an
 activation's input after a fused batch norm, and in float32 on CPUs, where
 memory is largest, the whitened map and each convolution's input for its
-weight gradient. A float32 `cpu_cnn94_muon` step's peak: 0.89 GB, not 1.74.
+weight gradient. A float32 `cpu_cnn94_muon` step (batch 1536, the AMX Xeon of
+docs/performance.md) peaked at 0.89 GB of live tensors instead of 1.74.
 
 LeanMaxPooling2D: keeps one byte per output (where the maximum was) for the
 gradient, not Keras' whole input. XLA's pooling is slower than oneDNN's, so
@@ -28,9 +29,9 @@ SideBySideConv2D: oneDNN convolves in blocks of output pixels along a row,
 which airbench's 7- and 3-pixel maps leave mostly empty. With AMX, in
 bfloat16, images side by side in 64-pixel rows (a zero gap between them: the
 same convolution) ran the 3-pixel weight gradient at 253 GFLOP/s instead of
-41; with AVX512_BF16 and no AMX, the weight gradient as 9 matrix products,
-one per tap, ran 1.6x (7 pixels) and 2.7x (3 pixels) faster. Elsewhere both
-were slower, and are not used.
+41 (a Xeon); with AVX512_BF16 and no AMX (a Zen 5 EPYC), the weight gradient
+as 9 matrix products, one per tap, ran 1.6x (7 pixels) and 2.7x (3 pixels)
+faster. Elsewhere both were slower, and are not used.
 """
 
 import functools
