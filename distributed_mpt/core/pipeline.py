@@ -94,9 +94,18 @@ def _host_tensors(split: ImageSplit):
         return tensor(split.images), tensor(split.labels)
 
 
+# Batches a training pipeline assembles at once and keeps ready. tf.data's
+# autotuning is off, so these are fixed: its model thread is joined when an
+# iterator is deleted, and in TensorFlow 2.21 that join could wait out the
+# thread's sleep, ~30 s at the end of training in some runs
+# (docs/performance.md). One gather a batch needs little.
+_PARALLEL_BATCHES = 2
+
+
 def _options() -> tf.data.Options:
     options = tf.data.Options()
     options.deterministic = True
+    options.autotune.enabled = False
     # Sharding is done explicitly above; file-based auto-sharding would be
     # wrong (CIFAR-10 is a single file) and data-based would waste work.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -175,8 +184,8 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
                 lambda indices, offsets, flips, *jitter: (
                     *gather_and_augment(images, labels, indices, offsets, flips, padding),
                     *jitter)),
-                                  num_parallel_calls=tf.data.AUTOTUNE)
-        return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
+                                  num_parallel_calls=_PARALLEL_BATCHES)
+        return batches.prefetch(_PARALLEL_BATCHES).with_options(_options())
 
     return dataset_fn
 
@@ -207,7 +216,7 @@ def eval_input_fn(split: ImageSplit, global_batch_size: int, with_indices: bool 
                 .map(tf.autograph.experimental.do_not_convert(
                     lambda i, w: (tf.gather(images, i), tf.gather(labels, i), w,
                                   *([i] if with_indices else []))))
-                .prefetch(tf.data.AUTOTUNE)
+                .prefetch(_PARALLEL_BATCHES)
                 .with_options(_options()))
 
     return dataset_fn
