@@ -94,7 +94,7 @@ def _host_tensors(split: ImageSplit):
         return tensor(split.images), tensor(split.labels)
 
 
-# Batches a training pipeline assembles at once and keeps ready. tf.data's
+# Batches a pipeline assembles at once and keeps ready. tf.data's
 # autotuning is off, so these are fixed: its model thread is joined when an
 # iterator is deleted, and in TensorFlow 2.21 that join could wait out the
 # thread's sleep, ~30 s at the end of training in some runs
