@@ -112,6 +112,15 @@ def _per_session(ledger: Ledger, runs: List[dict]) -> str:
             f"sessions: the machine's speed varies by the day)")
 
 
+def _peaks(runs: List[dict]) -> List[int]:
+    """The peak resident memory of each run that recorded one."""
+    return [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:.2f} GB"
+
+
 def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = False,
             where: bool = False, brief: bool = False) -> str:
     """A set in a phrase: what it reached, in what time, and how fast
@@ -133,12 +142,12 @@ def summary(ledger: Ledger, runs: List[dict], bold: bool = False, long: bool = F
     if walls and accuracy is not None:
         text += f", {wall_time(statistics_of(walls)['mean'])}{' mean' if len(walls) > 1 else ''}"
         text += _per_session(ledger, runs) if long else ""
-    peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
+    peaks = _peaks(runs)
     if peaks and accuracy is not None:
         measured = (f" (the largest of {len(peaks)} runs)" if len(peaks) == len(runs) > 1 else
                     f" (measured in {len(peaks)} of its {len(runs)} runs)"
                     if len(peaks) < len(runs) else "")
-        text += f", peak resident memory {max(peaks) / 1e9:.2f} GB{measured}"
+        text += f", peak resident memory {_gigabytes(max(peaks))}{measured}"
     if ratio is not None:
         text += (f", {stars}{ratio:.2f}x{stars} the time of `{first['against']}`, run "
                  f"alternating with it")
@@ -272,7 +281,9 @@ def fragment(ledger: Ledger, kind: str, argument: str) -> str:
     if kind == "plain":
         return f"{_mean(_accuracy(runs, 'eval_accuracy_without_tta')['mean'])}%"
     if kind == "peak":
-        return f"{max(r['peak_memory_bytes'] for r in runs) / 1e9:.2f} GB"
+        if not _peaks(runs):
+            raise ConfigError(f"no run of {argument!r} in the ledger recorded its peak memory")
+        return _gigabytes(max(_peaks(runs)))
     if kind == "minutes":
         walls = statistics_of(_walls(runs))
         return wall_time(walls["min"]) if walls["n"] == 1 else \
