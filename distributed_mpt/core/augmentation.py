@@ -3,7 +3,7 @@ their names and meaning (the input pipeline, pipeline.py, computes them).
 TensorFlow-free, so that flags are checked without it."""
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from distributed_mpt.core import data
 from distributed_mpt.options import Options, option, require
@@ -40,6 +40,15 @@ class Augmentation(Options):
         "in any two epochs. none. Default: " + ", ".join(
             f"{spec.name} {spec.flip}" for spec in data.DATASETS.values()) + " (a mirrored "
         "digit or letter is another sign).", FLIPS)
+    early_crop_size: int = option(
+        0, "Train the first --early_crop_epochs on random square crops of this many pixels "
+        "a side, cut from the (translated, flipped) training images without scaling them: "
+        "each step then costs about (this/image side)**2 of a full one, and objects keep the "
+        "size they have in the test images. 0: none. Needs a model that takes smaller images "
+        "(airbench, resnet9; not the mlp).")
+    early_crop_epochs: float = option(
+        0.0, "How many epochs, from the first, train on --early_crop_size crops; the rest on "
+        "whole images.")
     brightness_jitter: float = option(
         0.0, "Color jitter of the 2025 record (hiverge/cifar10-speedrun: 0.1399): each training "
         "image in each epoch gets b ~ U(-this, this) added to its normalized pixels (in standard "
@@ -56,6 +65,20 @@ class Augmentation(Options):
                 f"in [0, 1) (a fraction of the contrast)")
         require(0 <= self.crop_padding <= _MAX_CROP_PADDING,
                 f"--crop_padding={self.crop_padding} must be in [0, {_MAX_CROP_PADDING}] (pixels)")
+        require(self.early_crop_size >= 0,
+                f"--early_crop_size={self.early_crop_size} must be >= 0 (pixels; 0: none)")
+        require(self.early_crop_epochs >= 0,
+                f"--early_crop_epochs={self.early_crop_epochs:g} must be >= 0")
+        require((self.early_crop_size > 0) == (self.early_crop_epochs > 0),
+                f"--early_crop_size={self.early_crop_size} and --early_crop_epochs="
+                f"{self.early_crop_epochs:g} go together: set both, or neither")
+
+    def early_crops(self, steps_per_epoch: int, total_steps: int) -> Tuple[int, int]:
+        """(the steps, from the first, that train on early crops: the
+        nearest whole step to --early_crop_epochs, at most all of them;
+        the crops' side)."""
+        return (min(total_steps, round(self.early_crop_epochs * steps_per_epoch)),
+                self.early_crop_size)
 
     @property
     def jitters_colors(self) -> bool:

@@ -11,7 +11,7 @@ train like one replica at batch N*b (to float32 round-off), and a resumed run co
 the very batches it would have seen.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -24,14 +24,16 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return num_examples // global_batch_size
 
 
-def gather_and_augment(images, labels, indices, offsets, flips, crop_padding=CROP_PADDING):
+def gather_and_augment(images, labels, indices, offsets, flips, crop_padding=CROP_PADDING,
+                       crop_size=None):
     """The augmented training batch at `indices` of `images` and `labels`:
     a padded random crop and a horizontal flip of each image.
 
     images: uint8 [N, H, W, C]; labels: int32 [N]; indices: int32 [B];
-    offsets: int32 [B, 2] in [0, 2*crop_padding], the crop's corner in the
-    reflect-padded image; flips: bool [B]. Returns uint8 [B, H, W, C] images
-    and their labels.
+    offsets: int32 [B, 2] in [0, 2*crop_padding + H - crop_size], the crop's
+    corner in the reflect-padded image; flips: bool [B]; crop_size: the
+    crop's side (None: H x W, the images' own size). Returns uint8
+    [B, crop_size or H, crop_size or W, C] images and their labels.
 
     Padding, cropping and flipping only decide which source pixel lands
     where, so the source pixel's index is computed and the whole batch is
@@ -39,8 +41,10 @@ def gather_and_augment(images, labels, indices, offsets, flips, crop_padding=CRO
     copy, no separate flip.
     """
     _, height, width, channels = images.shape
-    rows = _reflect(offsets[:, :1] - crop_padding + tf.range(height)[None, :], height)   # [B, H]
-    columns = tf.where(flips[:, None], tf.range(width - 1, -1, -1)[None, :], tf.range(width)[None, :])
+    out_height, out_width = (crop_size, crop_size) if crop_size else (height, width)
+    rows = _reflect(offsets[:, :1] - crop_padding + tf.range(out_height)[None, :], height)
+    columns = tf.where(flips[:, None], tf.range(out_width - 1, -1, -1)[None, :],
+                       tf.range(out_width)[None, :])
     columns = _reflect(offsets[:, 1:] - crop_padding + columns, width)                   # [B, W]
     pixel = (indices[:, None, None] * height + rows[:, :, None]) * width + columns[:, None, :]
     augmented = tf.gather(tf.reshape(images, [-1, channels]), pixel)                     # [B, H, W, C]
@@ -114,12 +118,14 @@ def _options() -> tf.data.Options:
 
 def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_step: int,
                    num_steps: int, images_on_device: bool = False,
-                   augmentation: Augmentation = Augmentation(flip="random")
+                   augmentation: Augmentation = Augmentation(flip="random"),
+                   crop_size: Optional[int] = None
                    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """A `dataset_fn` for `distribute_datasets_from_function` yielding
     `(uint8 images, int32 labels)` per-replica batches for steps
     `start_step .. start_step + num_steps - 1`, each epoch shuffled and
-    augmented by `seed`, as `augmentation` says.
+    augmented by `seed`, as `augmentation` says; with `crop_size`, the
+    images are random crops of that side, anywhere in the padded image.
 
     With `images_on_device`, it yields `(indices, offsets, flips)` instead:
     the caller keeps the split on the device and applies `gather_and_augment`
@@ -138,6 +144,10 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
     last_epoch = (start_step + num_steps + epoch_steps - 1) // epoch_steps
 
     padding = augmentation.crop_padding
+    # Where a crop's corner may be in the padded image (the same each way:
+    # every dataset's images are square): a whole image moves by up to
+    # `padding`, a smaller crop also within it.
+    corners = 2 * padding + 1 + (split.images.shape[1] - crop_size if crop_size else 0)
     # One coin per image for alternating flips, the same in every epoch.
     image_flips = tf.random.stateless_uniform([num_examples], seed=[seed + 3, 0]) < 0.5
 
@@ -153,7 +163,7 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
             # Augmentation is keyed by position in the epoch, like the order,
             # so it does not depend on how the batch is split.
             offsets = tf.random.stateless_uniform([used, 2], seed=tf.stack([seed + 1, e]),
-                                                  maxval=2 * padding + 1, dtype=tf.int32)
+                                                  maxval=corners, dtype=tf.int32)
             if augmentation.flip == "random":
                 flips = tf.random.stateless_uniform([used], seed=tf.stack([seed + 2, e])) < 0.5
             elif augmentation.flip == "alternating":
@@ -182,7 +192,8 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
             images, labels = _host_tensors(split)
             batches = batches.map(tf.autograph.experimental.do_not_convert(
                 lambda indices, offsets, flips, *jitter: (
-                    *gather_and_augment(images, labels, indices, offsets, flips, padding),
+                    *gather_and_augment(images, labels, indices, offsets, flips, padding,
+                                        crop_size),
                     *jitter)),
                                   num_parallel_calls=_PARALLEL_BATCHES)
         return batches.prefetch(_PARALLEL_BATCHES).with_options(_options())

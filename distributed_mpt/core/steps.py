@@ -150,16 +150,19 @@ class Trainer:
         """`split` scored as `eval_views.Evaluator.evaluate` says."""
         return self._evaluator.evaluate(split)
 
-    def train(self, iterator, num_steps: int, seconds_per_step: float = 0.0) -> LoopTotals:
+    def train(self, iterator, num_steps: int, seconds_per_step: float = 0.0,
+              crop_size: Optional[int] = None) -> LoopTotals:
         """Runs `num_steps` optimizer steps, fewer if a stop was requested
         (`stop_requests` > 0; `step` says where it stopped). This worker's
         `seconds_per_step` in the previous call travels with the metrics, so
         that every worker gets the same totals back. A call that crosses a
-        step where variables freeze is two loop calls, one on each side."""
+        step where variables freeze is two loop calls, one on each side.
+        `crop_size`: the side of the iterator's crops (None: whole images),
+        which a split on the device is cut to."""
         totals, step = NO_TOTALS, int(self.step.numpy())
         for steps, frozen in self._segments(step, step + num_steps):
             vector = self._train_loop(iterator, tf.constant(steps), tf.constant(seconds_per_step),
-                                      frozen=frozen)
+                                      frozen=frozen, crop_size=crop_size)
             totals += LoopTotals.all_reduced(vector.numpy(), self.strategy.num_replicas_in_sync)
             if totals.stop_requests:
                 break
@@ -174,7 +177,7 @@ class Trainer:
             frozen = tuple(sorted(i for s, indices in self._freezes if s <= first for i in indices))
             yield last - first, frozen
 
-    def _train_loop_fn(self, iterator, num_steps, seconds_per_step, frozen=()):
+    def _train_loop_fn(self, iterator, num_steps, seconds_per_step, frozen=(), crop_size=None):
         stop = tf.constant(False)
         for _ in tf.range(num_steps):
             # Looked at before every step, so that a stop waits for the step
@@ -182,7 +185,8 @@ class Trainer:
             stop = self._stop_agreed()
             if stop:
                 break
-            self.strategy.run(self._train_step, args=next(iterator), kwargs={"frozen": frozen})
+            self.strategy.run(self._train_step, args=next(iterator),
+                              kwargs={"frozen": frozen, "crop_size": crop_size})
             # Every step counts, applied or skipped: the one counter that the
             # schedule, the lookahead and the groups' training steps read.
             self.step.assign_add(1)
@@ -205,10 +209,11 @@ class Trainer:
         return self.strategy.reduce("SUM", requests, axis=None) > 0
 
     @tf.autograph.experimental.do_not_convert
-    def _train_step(self, *batch, frozen=()):
+    def _train_step(self, *batch, frozen=(), crop_size=None):
         if self._device_split is not None:  # batch: indices, crop offsets, flips[, jitter]
             images, labels = pipeline.gather_and_augment(*self._device_split, *batch[:3],
-                                                         self._on_device.augmentation.crop_padding)
+                                                         self._on_device.augmentation.crop_padding,
+                                                         crop_size)
             jitter = batch[3:]
         else:  # images, labels[, jitter]
             images, labels, *jitter = batch

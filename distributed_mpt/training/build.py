@@ -4,6 +4,7 @@ strategy's scope, and the input pipeline that feeds them."""
 
 import contextlib
 import dataclasses
+from typing import Optional
 
 import tensorflow as tf
 
@@ -70,6 +71,9 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
         models.initialize_from_data(model, dataset.train.images, spec.name)
         jitter_split = (models.split_at_normalization(model, spec.name)
                         if config.augmentation.jitters_colors else None)
+        if plan.early_crop_steps:
+            models.take_crops(model, plan.early_crop_size, dataset.info.image_shape, spec.name,
+                              parts=jitter_split[1:] if jitter_split else ())
         lookahead = config.optimizer.make_lookahead(model, plan.total_steps)
         # A user's model may name its variables' groups: its hook is code.
         with (users_code(spec.name, "failed to say which parameter group its variables "
@@ -121,13 +125,14 @@ def _check_memory(parameters, config: TrainConfig) -> None:
 
 
 def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,
-                start_step: int):
-    """The distributed training input from `start_step` to the last step:
-    images and labels, or with the split on the device, what to gather."""
+                start_step: int, end_step: int, crop_size: Optional[int]):
+    """The distributed training input of steps `start_step` .. `end_step` - 1
+    (one of `plan.input_phase`'s): images and labels, crops of `crop_size`
+    if not None, or with the split on the device, what to gather."""
     return trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
-        split, plan.global_batch_size, config.run.seed, start_step,
-        plan.total_steps - start_step, images_on_device=trainer.images_on_device,
-        augmentation=config.augmentation))
+        split, plan.global_batch_size, config.run.seed, start_step, end_step - start_step,
+        images_on_device=trainer.images_on_device, augmentation=config.augmentation,
+        crop_size=crop_size))
 
 
 def recalibration_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,

@@ -50,7 +50,8 @@ class TrainingLoop:
 
     def __init__(self, trainer: Trainer, config: TrainConfig, plan: RunPlan,
                  checkpoints: Checkpoints, reporter: "Reporter", train_input):
-        """train_input(split, start_step): the distributed input from a step."""
+        """train_input(split, start_step, end_step, crop_size): the
+        distributed input of one of the plan's input phases."""
         self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
         self._config, self._plan, self._train_input = config, plan, train_input
 
@@ -64,7 +65,7 @@ class TrainingLoop:
             # (SIGKILL during the export): the log has the training figures.
             last = self._reporter.last_logged("loss")
             return last, last.get("examples_per_second")
-        iterator = iter(self._train_input(train_split, start_step))
+        iterator, phase_end, crop_size = None, start_step, None
         self._nonfinite_run, self._last_saved = 0, start_step
         interval, interval_start = NO_TOTALS, time.perf_counter()
         timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
@@ -82,13 +83,17 @@ class TrainingLoop:
                       plan.steps_per_epoch)
         first_call = None
         while current < plan.total_steps:
-            num_steps = min(plan.total_steps, current + _steps_per_call(agreed_seconds_per_step,
-                                                                        run.steps_per_loop),
+            if current == phase_end:  # the first call, or the images change size (early crops)
+                iterator = None  # the last phase's pipeline stops before the next starts
+                phase_end, crop_size = plan.input_phase(current)
+                iterator = iter(self._train_input(train_split, current, phase_end, crop_size))
+            num_steps = min(phase_end, current + _steps_per_call(agreed_seconds_per_step,
+                                                                 run.steps_per_loop),
                             *(_next_multiple(current, b) for b in boundaries)) - current
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
                                                      agreed_seconds_per_step)):
-                totals = trainer.train(iterator, num_steps, seconds_per_step)
+                totals = trainer.train(iterator, num_steps, seconds_per_step, crop_size)
             if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
                 self._stop(totals, int(trainer.step.numpy()), current)
             call_seconds = time.perf_counter() - call_started

@@ -44,6 +44,16 @@ class RunPlan:
     total_steps: int
     learning_rate: float  # the peak, scaled to the global batch
     warmup_steps: int
+    early_crop_steps: int = 0  # the first steps train on crops of early_crop_size
+    early_crop_size: int = 0
+
+    def input_phase(self, step: int) -> Tuple[int, Optional[int]]:
+        """(the step where the training input that serves `step` ends, the
+        side of its crops, None for whole images): early crops until
+        early_crop_steps, then whole images to the end."""
+        if step < self.early_crop_steps:
+            return self.early_crop_steps, self.early_crop_size
+        return self.total_steps, None
 
     @property
     def loss_scaling(self) -> bool:
@@ -64,11 +74,13 @@ def plan_run(config: TrainConfig, num_replicas: int, num_workers: int,
             f"replicas) exceeds the {num_train_examples} training examples; "
             f"lower --per_replica_batch_size")
     total_steps = config.schedule.total_steps(epoch_steps)
+    early_crop_steps, early_crop_size = config.augmentation.early_crops(epoch_steps, total_steps)
     return RunPlan(
         policy=precision.resolve_precision(config.run.precision), num_workers=num_workers,
         num_replicas=num_replicas, global_batch_size=global_batch, steps_per_epoch=epoch_steps,
         total_steps=total_steps, learning_rate=config.optimizer.peak_learning_rate(global_batch),
-        warmup_steps=config.schedule.warmup_steps(epoch_steps, total_steps))
+        warmup_steps=config.schedule.warmup_steps(epoch_steps, total_steps),
+        early_crop_steps=early_crop_steps, early_crop_size=early_crop_size)
 
 
 # Below these a run's length comes out of --epochs too short to learn from

@@ -204,7 +204,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
 
             stopping.enter(stopping.Phase.TRAINING, on_request=trainer.request_stop)
             loop = TrainingLoop(trainer, config, plan, checkpoints, reporter,
-                                lambda split, step: train_input(trainer, config, plan, split, step))
+                                lambda *phase: train_input(trainer, config, plan, *phase))
             train_metrics, throughput = loop.run(dataset.train, dataset.test, resumed.start_step)
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.

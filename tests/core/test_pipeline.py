@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from distributed_mpt.core import pipeline
-from distributed_mpt.core.augmentation import CROP_PADDING
+from distributed_mpt.core.augmentation import CROP_PADDING, Augmentation
 from distributed_mpt.core.data import synthetic
 
 def _context(pipelines=1, pipeline_id=0, replicas=1):
@@ -149,3 +149,39 @@ def test_the_pipeline_reads_the_splits_own_buffer_not_a_copy():
     split = ImageSplit(read_only, np.arange(100, dtype=np.int32))
     assert split.images.flags.writeable and split.images.ctypes.data % ALIGNMENT == 0
 
+
+
+@pytest.mark.parametrize("padding, crop_size", [(4, 24), (2, 17), (0, 31)])
+def test_early_crops_are_crops_of_the_padded_image_and_their_mirror_images(padding, crop_size):
+    """--early_crop_size's crops against the plain definition: a square of
+    `crop_size` anywhere in the reflect-padded image, flipped or not."""
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    corners = 2 * padding + 32 - crop_size + 1
+    offsets = rng.integers(0, corners, (64, 2)).astype(np.int32)
+    offsets[:2] = [[0, 0], [corners - 1, corners - 1]]  # both extremes
+    flips = rng.random(64) < 0.5
+    padded = np.pad(images, [(0, 0), (padding, padding), (padding, padding), (0, 0)],
+                    mode="reflect")
+    expected = np.stack([padded[i, y:y + crop_size, x:x + crop_size][:, ::-1 if f else 1]
+                         for i, ((y, x), f) in enumerate(zip(offsets, flips))])
+    cropped, labels = pipeline.gather_and_augment(images, np.arange(64), tf.range(64), offsets,
+                                                  flips, padding, crop_size)
+    np.testing.assert_array_equal(cropped, expected)
+    np.testing.assert_array_equal(labels, np.arange(64))
+
+
+def test_the_pipelines_crops_reach_every_corner_and_whole_images_follow(split):
+    # With the split on the device the batches carry the corners themselves.
+    def offsets(crop_size, start, steps):
+        batches = _collect(pipeline.train_input_fn(
+            split, 50, seed=4, start_step=start, num_steps=steps, images_on_device=True,
+            augmentation=Augmentation(crop_padding=2, flip="random"), crop_size=crop_size)(_context()))
+        return np.concatenate([b[1] for b in batches])
+
+    early = offsets(24, 0, 8)
+    assert early.min() == 0 and early.max() == 2 * 2 + 32 - 24, "every corner, and no farther"
+    assert offsets(None, 8, 4).max() == 2 * 2, "whole images move by the padding only"
+    batch = next(iter(pipeline.train_input_fn(split, 50, seed=4, start_step=0, num_steps=1,
+                                              crop_size=24)(_context())))
+    assert batch[0].shape == (50, 24, 24, 3) and batch[0].dtype == tf.uint8

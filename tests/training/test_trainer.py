@@ -75,7 +75,7 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
                          log_every_steps=1000, checkpoint_every_steps=1000)
     sizes, logged, paces = [], [], iter(pace_of_all_workers)
 
-    def train(iterator, num_steps, seconds_per_step):
+    def train(iterator, num_steps, seconds_per_step, crop_size):
         sizes.append(num_steps)
         return LoopTotals(1.0, 1.0, 1.0, 0.0, 0.0, next(paces))
 
@@ -87,7 +87,7 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
                             say=print, doing=lambda activity: contextlib.nullcontext())
     loop = TrainingLoop(fake, config, plan_run(config, 1, 1, 50_000),
                         SimpleNamespace(save=lambda step: None), quiet,
-                        train_input=lambda split, start_step: [])
+                        train_input=lambda split, start_step, end_step, crop_size: [])
     loop.run(None, None, start_step=0)
     return sizes, logged
 

@@ -289,6 +289,44 @@ def split_at_normalization(model, name: str):
             f"({type(e).__name__}: {quoted(first_line(e))}); drop the jitter flags") from None
 
 
+def take_crops(model, crop_size: int, image_shape, name: str, parts=()) -> None:
+    """Lets `model`, and the `parts` cut from it (split_at_normalization's),
+    train on square crops of `crop_size` pixels (--early_crop_size) as well
+    as on the `image_shape` it was built for.
+    Keras checks a functional model's input against the shape of its
+    `keras.Input`; convolutions and global pooling take any size, but a
+    model whose layers need the built size (the mlp's Flatten before a
+    Dense) raises ModelError naming --model=`name`; a crop no smaller
+    than the images, ConfigError."""
+    import keras
+    import numpy as np
+
+    height, width, channels = image_shape
+    if not 0 < crop_size < min(height, width):
+        raise ConfigError(f"--early_crop_size={crop_size} must be smaller than the "
+                          f"{height}x{width} images")
+    for functional in (model, *parts):
+        if getattr(functional, "inputs", None):  # relax its check to any height and width
+            functional.input_spec = [keras.InputSpec(shape=(None, None, None, channels),
+                                                     allow_last_axis_squeeze=True)]
+    def output_shape(height, width):
+        # Called, not traced symbolically: Keras checks each layer's input
+        # only in a call (a Dense fed 1,728 values for 3,072 passes a trace).
+        images = np.zeros((1, height, width, channels), np.uint8)
+        return list(keras.ops.shape(model(images, training=False)))
+
+    try:
+        whole, cropped = output_shape(height, width), output_shape(crop_size, crop_size)
+        if cropped != whole:
+            raise ValueError(f"its output is {cropped}, not {whole} as for whole images")
+    except Exception as e:  # noqa: BLE001 - a user's model may fail in any way
+        raise ModelError(
+            f"--model={quoted(name)} cannot train on crops of {crop_size}x{crop_size} pixels "
+            f"({type(e).__name__}: {quoted(first_line(e), 200)}): its layers need the "
+            f"{height}x{width} images; drop --early_crop_size, or end the model's convolutions "
+            f"with a global pooling") from None
+
+
 def has_batch_norm(model) -> bool:
     """Whether `model` all-reduces inside its forward pass when replicas
     train together (synchronized batch norm), which XLA-compiling a
