@@ -98,7 +98,8 @@ def measure(cell: Cell) -> dict:
                     len(dataset.train))
     precision.set_precision(plan.policy)
     loop = build(train_config, plan, strategy, dataset).trainer
-    iterator = iter(train_input(loop, train_config, plan, dataset.train, 0))
+    iterator = iter(train_input(loop, train_config, plan, dataset.train, 0,
+                                *plan.input_phase(0)))
 
     def seconds_of(steps: int) -> float:
         started = time.perf_counter()
