@@ -293,6 +293,7 @@ def take_crops(model, crop_size: int, image_shape, name: str, parts=()) -> None:
     """Lets `model`, and the `parts` cut from it (split_at_normalization's),
     train on square crops of `crop_size` pixels (--early_crop_size) as well
     as on the `image_shape` it was built for.
+
     Keras checks a functional model's input against the shape of its
     `keras.Input`; convolutions and global pooling take any size, but a
     model whose layers need the built size (the mlp's Flatten before a
@@ -309,6 +310,7 @@ def take_crops(model, crop_size: int, image_shape, name: str, parts=()) -> None:
         if getattr(functional, "inputs", None):  # relax its check to any height and width
             functional.input_spec = [keras.InputSpec(shape=(None, None, None, channels),
                                                      allow_last_axis_squeeze=True)]
+
     def output_shape(height, width):
         # Called, not traced symbolically: Keras checks each layer's input
         # only in a call (a Dense fed 1,728 values for 3,072 passes a trace).
