@@ -41,6 +41,9 @@ from distributed_mpt import files
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
 
 LOCK_NAME = ".lock"
+# Listings of a directory to remove before it is left as it is (see
+# RunLock._remove_model_dir).
+_REMOVAL_ROUNDS = 5
 # A holder record is about 120 bytes; a longer file is not one.
 _RECORD_BYTES = 4096
 
@@ -116,28 +119,46 @@ class RunLock:
         can have taken it."""
         if self._fd is None:
             return
-        model_dir = os.path.dirname(self.path)
-        left = set(os.listdir(model_dir))
-        ours = tuple(prefix + files.owner_tag() + "-" for prefix in (files.TEMPORARY_PREFIX,
-                                                                      files.WRITE_TEST_PREFIX))
-        writing = {name for name in left if name.startswith(ours)}
-        if remove_model_dir_if_unused and left - writing <= {LOCK_NAME, *own_files}:
-            try:
-                for name in sorted(left - {LOCK_NAME}) + [LOCK_NAME]:  # the lock file last
-                    path = os.path.join(model_dir, name)
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path)
-                    else:
-                        os.remove(path)
-                os.rmdir(model_dir)
-            except OSError:
-                pass  # something appeared meanwhile: leave the directory
-        else:
+        if not (remove_model_dir_if_unused and self._remove_model_dir(own_files)):
             # Emptied while still held: the file names a holder only while
             # there is one, and a finished run run again leaves it as it was.
             os.ftruncate(self._fd, 0)
         os.close(self._fd)
         self._fd = None
+
+    def _remove_model_dir(self, own_files) -> bool:
+        """Removes the directory if it holds nothing but the lock file,
+        `own_files` and this process's temporary files; returns whether it
+        is gone. A stop's undo runs beside the main thread, which may still
+        be writing one of them (a temporary file renamed to the marker
+        between the listing and its removal): what vanished or appeared
+        meanwhile is looked at again, a few times."""
+        model_dir = os.path.dirname(self.path)
+        ours = tuple(prefix + files.owner_tag() + "-" for prefix in (files.TEMPORARY_PREFIX,
+                                                                      files.WRITE_TEST_PREFIX))
+        for round_ in range(_REMOVAL_ROUNDS):
+            try:
+                left = set(os.listdir(model_dir))
+            except FileNotFoundError:
+                return True
+            writing = {name for name in left if name.startswith(ours)}
+            if not left - writing <= {LOCK_NAME, *own_files} or (round_ and LOCK_NAME in left):
+                return False  # something else is there (another run's lock): leave the directory
+            try:
+                for name in sorted(left - {LOCK_NAME}) + [LOCK_NAME]:  # the lock file last
+                    path = os.path.join(model_dir, name)
+                    try:
+                        if os.path.isdir(path) and not os.path.islink(path):
+                            shutil.rmtree(path)
+                        else:
+                            os.remove(path)
+                    except FileNotFoundError:
+                        pass  # renamed or removed meanwhile: the next listing shows where
+                os.rmdir(model_dir)
+                return True
+            except OSError:
+                continue  # a file appeared meanwhile: list again
+        return False
 
     def __enter__(self):
         return self

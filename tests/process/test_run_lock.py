@@ -160,3 +160,45 @@ def test_a_stop_mid_write_removes_the_new_directory_with_its_own_temporary_file(
         (directory / name).write_text("half")
         lock.release(remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING)
         assert directory.exists() is not removed, name
+
+
+def test_a_file_renamed_while_a_stop_removes_the_new_directory_is_removed_too(tmp_path,
+                                                                             monkeypatch):
+    # A stop's undo runs beside the main thread, which may rename its
+    # temporary file to the marker between the undo's listing and its
+    # removal: the directory used to stay, holding the lock file and the
+    # marker (a CI run, 2026-12-05).
+    from distributed_mpt import files
+
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    lock = RunLock(str(model_dir))
+    temporary = model_dir / f"{files.TEMPORARY_PREFIX}{files.owner_tag()}-marker"
+    temporary.write_text("{}\n")
+    remove = os.remove
+
+    def renamed_first(path):
+        if os.path.basename(path) == temporary.name:
+            os.rename(temporary, model_dir / outputs.MARKER)  # the main thread's rename
+            raise FileNotFoundError(path)
+        remove(path)
+
+    monkeypatch.setattr(os, "remove", renamed_first)
+    lock.release(remove_model_dir_if_unused=True, own_files=(outputs.MARKER,))
+    assert not model_dir.exists()
+
+
+def test_a_directory_that_gains_a_file_of_the_users_meanwhile_is_left(tmp_path, monkeypatch):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    lock = RunLock(str(model_dir))
+    (model_dir / outputs.MARKER).write_text("{}\n")
+    remove = os.remove
+
+    def users_file_appears(path):
+        remove(path)
+        (model_dir / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(os, "remove", users_file_appears)
+    lock.release(remove_model_dir_if_unused=True, own_files=(outputs.MARKER,))
+    assert (model_dir / "notes.txt").read_text() == "mine"
