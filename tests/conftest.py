@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # Imported before any test imports TensorFlow: the package picks
@@ -39,6 +40,16 @@ SMOKE_FLAGS = [
 # width 4 has 9,184 weights, and at this rate reached 0.72 on the synthetic
 # test split in 20 steps of batch 32 there.
 SMALL_MODEL = ["--model=airbench", "--model_width=4", "--learning_rate=3"]
+
+# A tiny cpu_cnn94_muon with every option of the 2025 record on, on synthetic
+# data (32x32): 8 steps an epoch at its global batch of 32.
+RECORD = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
+          "--model_width=8", "--per_replica_batch_size=32", "--lr_schedule=linear",
+          "--warmup_epochs=0", "--shift_lr_multiplier=64", "--whiten_bias_epochs=1",
+          "--crop_padding=2", "--flip=alternating", "--precision=float32", "--noexport",
+          "--optimizer=muon", "--muon_renormalize=periodic", "--muon_weight_decay=0.05",
+          "--muon_newton_schulz=speedrun2025", "--brightness_jitter=0.14",
+          "--contrast_jitter=0.13"]
 
 
 def group_settings(peak_learning_rate: float, steps_per_epoch: int = 1, total_steps: int = 0,
@@ -222,6 +233,14 @@ def weights_of_whole_and_resumed(common, tmp_path, steps: int):
     expected, resumed = checkpoint_weights(whole), checkpoint_weights(stopped)
     assert expected.keys() == resumed.keys()
     return expected, resumed
+
+
+def assert_same_weights(got: dict, want: dict, rtol: float, atol: float) -> None:
+    """Every value of two `checkpoint_weights` equal within the bounds, each
+    failure named by its checkpoint key."""
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
 
 
 def assert_one_error_line(result, fragment, exit_code=2):

@@ -11,12 +11,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
-                      read_summary, run_module, subprocess_env, train)
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok,
+                      assert_same_weights, checkpoint_weights, read_summary, run_module,
+                      subprocess_env, train)
 from distributed_mpt.cluster.environment import resolve_cluster
 from distributed_mpt.cluster.strategy import resolve_strategy_name
 from distributed_mpt.errors import ConfigError
@@ -85,9 +85,7 @@ def test_two_workers_train_like_one_worker_with_twice_the_batch(tmp_path):
                      "--per_replica_batch_size=32", f"--model_dir={one}"]))
     assert read_summary(one)["eval_accuracy"] == pytest.approx(summary["eval_accuracy"], abs=0.01)
     a, b = checkpoint_weights(two), checkpoint_weights(one)
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=2e-6, err_msg=name)
+    assert_same_weights(a, b, rtol=1e-4, atol=2e-6)
 
     # The same checkpoint resumed by one worker: a new global batch, and it says so.
     resumed = train([*MW_FLAGS, "--train_steps=12", "--precision=float32", "--strategy=default",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_ok, checkpoint_weights, group_settings, train,
+from conftest import (assert_ok, assert_same_weights, checkpoint_weights, group_settings, train,
                       weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
 from distributed_mpt.core import data, eval_views, models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
@@ -370,8 +370,7 @@ def test_two_replicas_match_one_with_every_part_of_the_recipe(tmp_path, optimize
     single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
     if optimizer == "sgd":
         assert any(name.startswith("lookahead/") for name in single), "the averages are saved"
-    for name in single:
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=atol, err_msg=name)
+    assert_same_weights(mirrored, single, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.slow
@@ -379,6 +378,4 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
     # Lookahead's averages and the alternating flips live across the stop.
     common = [*AIRBENCH94, "--train_steps=120", "--noevaluate", "--steps_per_loop=5"]
     expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=120)
-    for name in expected:
-        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+    assert_same_weights(resumed, expected, rtol=1e-5, atol=1e-6)

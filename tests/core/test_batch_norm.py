@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_ok, checkpoint_weights, read_summary, subprocess_env, train,
-                      weights_of_one_and_two_replicas)
+from conftest import (assert_ok, assert_same_weights, checkpoint_weights, read_summary,
+                      subprocess_env, train, weights_of_one_and_two_replicas)
 from distributed_mpt.core import batch_norm, models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.models.faster_layers import FusedBatchNormalization
@@ -204,6 +204,4 @@ def test_two_replicas_train_a_network_of_six_batch_norms_like_one(tmp_path):
               "--steps_per_loop=4", "--noevaluate", "--noexport"]
     single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
     assert sum("moving_variance" in name for name in single) == 6
-    for name in single:
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+    assert_same_weights(mirrored, single, rtol=1e-4, atol=1e-5)

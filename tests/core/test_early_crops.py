@@ -9,20 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from conftest import (assert_ok, assert_one_error_line, read_summary, train,
-                      weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
+from conftest import (RECORD, assert_ok, assert_one_error_line, assert_same_weights,
+                      read_summary, train, weights_of_one_and_two_replicas,
+                      weights_of_whole_and_resumed)
 
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.training.plan import plan_run
-
-# A tiny airbench with the record's options, on synthetic data (32x32): 8
-# steps an epoch at a global batch of 32.
-AIRBENCH = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
-            "--model_width=8", "--per_replica_batch_size=32", "--lr_schedule=linear",
-            "--warmup_epochs=0", "--crop_padding=2", "--flip=alternating",
-            "--precision=float32", "--noexport", "--optimizer=muon",
-            "--brightness_jitter=0.14", "--contrast_jitter=0.13"]
 
 
 @pytest.mark.parametrize("epochs, total, expected", [
@@ -56,7 +49,7 @@ def test_an_early_crop_half_given_is_refused(flags, fragment):
 
 def test_the_run_trains_on_crops_then_on_whole_images(tmp_path):
     # 2 epochs of 24-pixel crops, then whole images: the same model takes both.
-    result = train([*AIRBENCH, "--train_steps=24", "--early_crop_size=24",
+    result = train([*RECORD, "--train_steps=24", "--early_crop_size=24",
                     "--early_crop_epochs=2", "--steps_per_loop=5", "--log_every_steps=4",
                     f"--model_dir={tmp_path}"])
     assert_ok(result)
@@ -72,26 +65,22 @@ def test_the_run_trains_on_crops_then_on_whole_images(tmp_path):
 def test_two_replicas_match_one_across_the_change_of_size(tmp_path):
     # Steps 1-2 on crops, 3-4 on whole images; the second run keeps the
     # split on its devices, where the crops are cut in the step.
-    common = [*AIRBENCH, "--train_steps=4", "--early_crop_size=20", "--early_crop_epochs=0.25",
+    common = [*RECORD, "--train_steps=4", "--early_crop_size=20", "--early_crop_epochs=0.25",
               "--noevaluate"]
     single, mirrored = weights_of_one_and_two_replicas(common, tmp_path,
                                                       two_only=["--data_on_device"])
-    for name in single:
-        # Muon lifts float32 round-off (test_airbench94.py's bound).
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-4,
-                                   err_msg=name)
+    # Muon lifts float32 round-off (test_airbench94.py's bound).
+    assert_same_weights(mirrored, single, rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.slow
 def test_a_run_resumed_on_crops_ends_as_an_uninterrupted_one(tmp_path):
     # Stopped early in the 36 steps of crops, resumed on them, then whole images.
-    common = [*AIRBENCH, "--train_steps=40", "--early_crop_size=24", "--early_crop_epochs=4.5",
+    common = [*RECORD, "--train_steps=40", "--early_crop_size=24", "--early_crop_epochs=4.5",
               "--noevaluate", "--steps_per_loop=4"]
     expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=40)
     assert read_summary(tmp_path / "stopped")["resumed_from_step"] < 36, "resumed before the change"
-    for name in expected:
-        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-5,
-                                   err_msg=name)
+    assert_same_weights(resumed, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -106,3 +95,4 @@ def test_crops_a_model_cannot_take_are_one_error_line(tmp_path, flags, fragment)
                     f"--model_dir={tmp_path / 'run'}"])
     assert_one_error_line(result, fragment)
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
+

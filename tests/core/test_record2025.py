@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_one_error_line, group_settings, read_summary, train,
-                      weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
+from conftest import (RECORD, assert_one_error_line, assert_same_weights, group_settings,
+                      read_summary, train, weights_of_one_and_two_replicas,
+                      weights_of_whole_and_resumed)
 
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer
@@ -314,16 +315,6 @@ def test_selective_tta_of_every_image_is_full_tta_and_of_none_the_plain_view():
         full["eval_loss"] != pytest.approx(plain["eval_loss"], rel=1e-3), "TTA does something"
 
 
-# A tiny airbench94_muon with every option of the record on, on synthetic data.
-RECORD = ["--dataset=synthetic", "--synthetic_examples=256", "--model=airbench",
-          "--model_width=8", "--per_replica_batch_size=32", "--lr_schedule=linear",
-          "--warmup_epochs=0", "--shift_lr_multiplier=64", "--whiten_bias_epochs=1",
-          "--crop_padding=2", "--flip=alternating", "--precision=float32", "--noexport",
-          "--optimizer=muon", "--muon_renormalize=periodic", "--muon_weight_decay=0.05",
-          "--muon_newton_schulz=speedrun2025", "--brightness_jitter=0.14",
-          "--contrast_jitter=0.13"]
-
-
 @pytest.mark.slow
 def test_two_replicas_match_one_with_every_option_of_the_record(tmp_path):
     # The second run keeps the split on its devices: the jitter travels
@@ -332,10 +323,8 @@ def test_two_replicas_match_one_with_every_option_of_the_record(tmp_path):
               "--eval_tta_fraction=0.25"]
     single, mirrored = weights_of_one_and_two_replicas(common, tmp_path,
                                                       two_only=["--data_on_device"])
-    for name in single:
-        # Muon lifts float32 round-off (see test_airbench94.py's bound).
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=2e-4,
-                                   err_msg=name)
+    # Muon lifts float32 round-off (see test_airbench94.py's bound).
+    assert_same_weights(mirrored, single, rtol=1e-4, atol=2e-4)
     a, b = read_summary(tmp_path / "one"), read_summary(tmp_path / "two")
     assert a["eval_examples"] == b["eval_examples"]
     for key in ("eval_accuracy", "eval_accuracy_without_tta"):
@@ -348,9 +337,7 @@ def test_a_resumed_run_with_every_option_of_the_record_ends_as_an_uninterrupted_
     # the step, which the checkpoint holds.
     common = [*RECORD, "--train_steps=40", "--noevaluate", "--steps_per_loop=4"]
     expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=40)
-    for name in expected:
-        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-5,
-                                   err_msg=name)
+    assert_same_weights(resumed, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_jitter_with_a_users_model_without_normalize_is_one_error_line(tmp_path):

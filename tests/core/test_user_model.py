@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import (assert_ok, assert_one_error_line, run_in_process, subprocess_env, train,
-                      weights_of_one_and_two_replicas, weights_of_whole_and_resumed)
+from conftest import (assert_ok, assert_one_error_line, assert_same_weights, run_in_process,
+                      subprocess_env, train, weights_of_one_and_two_replicas,
+                      weights_of_whole_and_resumed)
 
 # A plain Keras network as a user writes one: its own normalization, Keras'
 # BatchNormalization (unsynchronized, as Keras makes it) and a softmax at
@@ -99,20 +100,16 @@ def test_it_trains_on_two_replicas_as_on_one(model_file, tmp_path):
     single, mirrored = weights_of_one_and_two_replicas(common, tmp_path)
     # Batch norm's moving statistics among them: synchronized across replicas.
     assert any("moving_variance" in name for name in single)
-    for name in single:
-        # float32 round-off: the convolution's bias, which batch norm
-        # cancels, has no true gradient and moves by round-off alone (1e-6).
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+    # float32 round-off: the convolution's bias, which batch norm
+    # cancels, has no true gradient and moves by round-off alone (1e-6).
+    assert_same_weights(mirrored, single, rtol=1e-4, atol=1e-5)
 
 
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(model_file, tmp_path):
     common = [*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=80", "--steps_per_loop=2",
               "--log_every_steps=2"]
     expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=80)
-    for name in expected:
-        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+    assert_same_weights(resumed, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_path):

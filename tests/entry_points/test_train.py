@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok,
-                      assert_one_error_line, checkpoint_weights, read_summary, subprocess_env,
-                      train)
+                      assert_one_error_line, assert_same_weights, checkpoint_weights, read_summary,
+                      subprocess_env, train)
 import distributed_mpt
 
 SUMMARY_KEYS = {"strategy", "num_workers", "num_replicas", "per_replica_batch_size",
@@ -134,10 +134,7 @@ def test_interrupted_run_resumes_at_the_step_it_stopped(tmp_path, sig, uninterru
         "every interval, and a line after each of the first two calls of each run"
     # Exactly the run that was never interrupted: no step lost or done twice.
     weights = checkpoint_weights(interrupted)
-    assert weights.keys() == uninterrupted.keys()
-    for name in weights:
-        np.testing.assert_allclose(weights[name], uninterrupted[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+    assert_same_weights(weights, uninterrupted, rtol=1e-5, atol=1e-6)
 
 
 def test_refuses_a_checkpoint_of_another_model_and_leaves_it_untouched(model_dir):

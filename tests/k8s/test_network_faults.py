@@ -34,7 +34,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import checkpoint_weights, subprocess_env
+from conftest import assert_same_weights, checkpoint_weights, subprocess_env
 from distributed_mpt import errors
 from support import netns
 from support.k8s_pods import render, training_pods
@@ -354,8 +354,7 @@ def test_a_job_over_200_ms_and_5_percent_loss_trains_the_weights_of_a_clean_link
     assert lossy_weights.keys() == clean_weights.keys()
     largest = max(float(np.max(np.abs(lossy_weights[k] - clean_weights[k]), initial=0)) for k in clean_weights)
     print(f"largest difference of {len(clean_weights)} checkpointed values from the clean run's: {largest:g}")
-    for name in clean_weights:
-        np.testing.assert_allclose(lossy_weights[name], clean_weights[name], rtol=1e-4, atol=2e-6, err_msg=name)
+    assert_same_weights(lossy_weights, clean_weights, rtol=1e-4, atol=2e-6)
 
 
 @needs_tun

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, checkpoint_weights,
-                      read_summary, read_terminal, subprocess_env, train,
+from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_same_weights,
+                      checkpoint_weights, read_summary, read_terminal, subprocess_env, train,
                       weights_of_one_and_two_replicas)
 from distributed_mpt.training.loop import _steps_per_call
 
@@ -195,8 +195,7 @@ def test_two_mirrored_replicas_match_one_replica_at_the_same_global_batch(
     if precision == "mixed_float16":
         scale = "optimizer/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE"
         assert single[scale] == mirrored[scale]
-    for name in single:
-        np.testing.assert_allclose(mirrored[name], single[name], rtol=rtol, atol=atol, err_msg=name)
+    assert_same_weights(mirrored, single, rtol=rtol, atol=atol)
 
 
 def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
