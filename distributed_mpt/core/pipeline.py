@@ -144,9 +144,9 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
     last_epoch = (start_step + num_steps + epoch_steps - 1) // epoch_steps
 
     padding = augmentation.crop_padding
-    # Where a crop's corner may be in the padded image (the same each way:
-    # every dataset's images are square): a whole image moves by up to
-    # `padding`, a smaller crop also within it.
+    # Where a crop's corner may be in the padded image, the same each way
+    # (models.take_crops refuses crops of images that are not square): a
+    # whole image moves by up to `padding`, a smaller crop also within it.
     corners = 2 * padding + 1 + (split.images.shape[1] - crop_size if crop_size else 0)
     # One coin per image for alternating flips, the same in every epoch.
     image_flips = tf.random.stateless_uniform([num_examples], seed=[seed + 3, 0]) < 0.5

@@ -96,3 +96,17 @@ def test_crops_a_model_cannot_take_are_one_error_line(tmp_path, flags, fragment)
     assert_one_error_line(result, fragment)
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
 
+
+def test_crops_of_images_that_are_not_square_are_refused():
+    # A dataset a user adds may have them; the crops' corners are drawn for
+    # square images (train_input_fn).
+    import keras
+
+    from distributed_mpt.core import models
+
+    images = keras.Input((32, 48, 3), dtype="uint8")
+    pooled = keras.layers.GlobalAveragePooling2D()(keras.layers.Rescaling(1 / 255)(images))
+    model = keras.Model(images, keras.layers.Dense(10)(pooled))
+    with pytest.raises(ConfigError, match="needs square images, and these are 32x48"):
+        models.take_crops(model, 24, (32, 48, 3), "mine")
+    models.take_crops(model, 24, (32, 32, 3), "mine")  # the same model on square images

@@ -298,12 +298,16 @@ def take_crops(model, crop_size: int, image_shape, name: str, parts=()) -> None:
     `keras.Input`; convolutions and global pooling take any size, but a
     model whose layers need the built size (the mlp's Flatten before a
     Dense) raises ModelError naming --model=`name`; a crop no smaller
-    than the images, ConfigError."""
+    than the images, or images that are not square, ConfigError."""
     import keras
     import numpy as np
 
     height, width, channels = image_shape
-    if not 0 < crop_size < min(height, width):
+    if height != width:
+        # The pipeline draws a crop's corner from one range for both axes.
+        raise ConfigError(f"--early_crop_size needs square images, and these are "
+                          f"{height}x{width}")
+    if not 0 < crop_size < height:
         raise ConfigError(f"--early_crop_size={crop_size} must be smaller than the "
                           f"{height}x{width} images")
     for functional in (model, *parts):
