@@ -128,8 +128,28 @@ def _one_class(root):
     return "holds one class folder (cars): a classifier needs two classes or more"
 
 
+def _a_link_to_nothing(root):
+    (root / "train" / "dogs" / "lost.png").symlink_to(root / "nowhere.png")
+    return "lost.png (No such file or directory)"
+
+
+def _a_link_that_loops(root):
+    link = root / "train" / "dogs" / "loop.png"
+    link.symlink_to(link)
+    return "loop.png (Too many levels of symbolic links)"
+
+
+def _an_empty_test_folder(root):
+    # Its class folders are there, and may each be empty; all of them may
+    # not: the run trained to the end and failed to evaluate 0 images.
+    for image in (root / "test").glob("*/*"):
+        image.unlink()
+    return "test holds no images: put some of each class there"
+
+
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
-                                   _class_with_a_newline, _one_class])
+                                   _class_with_a_newline, _one_class, _a_link_to_nothing,
+                                   _a_link_that_loops, _an_empty_test_folder])
 def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoil):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     fragment = spoil(folder)
@@ -255,3 +275,16 @@ def test_a_copy_of_the_images_elsewhere_and_a_run_without_a_fingerprint_resume(t
                      f"--model_dir={resumed}"]))
     assert read_summary(resumed)["resumed_from_step"] == 4
 
+
+
+def test_a_class_entry_that_links_to_nothing_or_loops_is_skipped_as_no_class_folder(tmp_path,
+                                                                                    capsys):
+    from distributed_mpt.core.data import DataOptions
+    from distributed_mpt.core.data.image_folder import load
+
+    folder = write_folder(tmp_path / "photos", train_per_class=2, test_per_class=1)
+    (folder / "train" / "loop").symlink_to("loop")
+    (folder / "train" / "gone").symlink_to(tmp_path / "nowhere")
+    dataset = load(DataOptions(dataset="image_folder", data_dir=str(folder), image_size=8), seed=0)
+    assert dataset.info.class_names == CLASSES
+    assert "skipped 2 entries" in capsys.readouterr().err

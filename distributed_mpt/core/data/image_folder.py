@@ -65,6 +65,10 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     if has_test:
         test_files = listed["test"] = _files_by_class(test_dir, class_names, skipped,
                                                       train_dir=train_dir)
+        if not any(test_files.values()):
+            raise DataUnavailableError(f"{quoted(test_dir)} holds no images: put some of each "
+                                       f"class there ({LAYOUT}), or move it away and pass "
+                                       f"--test_fraction to hold out a share of train/")
     elif fraction > 0:
         train_files, test_files = _hold_out(train_files, fraction, seed)
     else:
@@ -107,7 +111,7 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
     `skipped`, by its path."""
     names = []
     for entry in os.scandir(directory):
-        if entry.is_dir() and not entry.name.startswith("."):
+        if _is_folder(entry) and not entry.name.startswith("."):
             names.append(entry.name)
         else:
             skipped.append(entry.path)
@@ -115,6 +119,15 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
         raise DataUnavailableError(f"{quoted(directory)} holds no class folders: an image folder "
                                    f"is laid out as {LAYOUT}")
     return sorted(names)
+
+
+def _is_folder(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a folder, or a link to one; a link that loops
+    (ELOOP) is not, as a link to nothing is not."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _check_class_names(directory: str, names: List[str]) -> None:
@@ -181,13 +194,20 @@ def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, 
     lines = []
     for by_class in listed.values():
         for paths in by_class.values():
-            lines += [os.fsencode(os.path.relpath(path, root)) + b"\t%d" % os.stat(path).st_size
+            lines += [os.fsencode(os.path.relpath(path, root)) + b"\t%d" % _size(path)
                       for path in paths]
     digest = hashlib.sha256(b"\n".join(sorted(lines))).hexdigest()
     return {"classes": list(class_names),
             "files": {split: sum(map(len, by_class.values()))
                       for split, by_class in listed.items()},
             "sha256": digest}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as e:  # a link to nothing, or one that loops
+        raise images.ImageError(f"cannot read {quoted(_shown(path))} ({e.strerror})") from None
 
 
 def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int
