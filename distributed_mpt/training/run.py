@@ -12,7 +12,7 @@ Writes checkpoints, logs, metrics, `summary.json` and the export into
 The directory is checked and locked before TensorFlow starts: a refusal
 costs nothing, and MultiWorkerMirroredStrategy must be created before any
 other TensorFlow op. So this module imports TensorFlow, and the modules of
-the package that import it, only inside its functions (tests/test_layout.py
+the package that import it, only inside its functions (tests/product/test_layout.py
 checks that importing it imports neither TensorFlow nor Keras).
 """
 
