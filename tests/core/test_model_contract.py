@@ -1,8 +1,9 @@
 """The contract a user's model is held to (core/models/contract.py), through
 the real training entry point with tiny model files: a final softmax in any
 of its forms dropped with one note, floats fed 0-255 only to a model that
-rescales them, and model code that ends the program, interrupts it or has
-nothing to train refused with one `error:` line, exit 2 and nothing left."""
+rescales them, and model code that ends the program, interrupts it, has
+nothing to train or does not compile into a training step refused with one
+`error:` line, exit 2 and nothing left."""
 
 import pytest
 
@@ -12,6 +13,7 @@ MODELS = '''
 import sys
 
 import keras
+import numpy as np
 
 
 def _flat(info, dtype="uint8"):
@@ -106,6 +108,45 @@ def frozen(info):
     return keras.Model(images, dense(x))
 
 
+class NumpyInCall(keras.Model):
+    """Runs when called eagerly, as the probe call is; not in a graph."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.dense = keras.layers.Dense(classes)
+
+    def call(self, images):
+        x = keras.ops.mean(keras.ops.cast(images, "float32") / 255, axis=(1, 2))
+        return self.dense(x * float(np.asarray(keras.ops.max(x))))
+
+
+def numpy_in_call(info):
+    return NumpyInCall(info.num_classes)
+
+
+class BatchOfTwo(NumpyInCall):
+    """Takes the probe call's batch of 2 images, and no other."""
+
+    def call(self, images):
+        x = keras.ops.mean(keras.ops.cast(images, "float32") / 255, axis=(1, 2))
+        return self.dense(keras.ops.reshape(x, (2, -1)))
+
+
+def batch_of_two(info):
+    return BatchOfTwo(info.num_classes)
+
+
+def integer_logits(info):
+    images, x = _flat(info)
+    logits = keras.layers.Dense(info.num_classes)(x)
+    return keras.Model(images, keras.ops.cast(100 * logits, "int32"))
+
+
+def stopped_gradient(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.ops.stop_gradient(keras.layers.Dense(info.num_classes)(x)))
+
+
 def exits(info):
     sys.exit(0)
 
@@ -150,6 +191,14 @@ UNSCALED = "unscaled: this package gives every model pixels 0-255, not 0-1. Resc
     ("float_unscaled", "takes its images as float32 and gives them to Dense 'dense"),
     ("mobilenet_without_preprocessing", "takes its images as float32 and gives them to Conv2D"),
     ("frozen", "has no trainable weights (2 frozen): there is nothing to train"),
+    # What works in the eager probe call of 2 images, but not in the step,
+    # which is a graph at the training batch: refused before it is compiled.
+    ("numpy_in_call", "failed when compiled into a training step on 3 uint8 images [32, 32, 3], "
+                      "as a graph (a tf.function) (NotImplementedError in NumpyInCall.call(): "
+                      "Cannot convert a symbolic tf.Tensor"),
+    ("batch_of_two", "failed when compiled into a training step on 3 uint8 images"),
+    ("integer_logits", "returns int32, not floating-point logits"),
+    ("stopped_gradient", "no gradient reaches its weights from its logits"),
 ])
 def test_a_model_that_breaks_the_contract_says_why_and_leaves_nothing(model_file, tmp_path,
                                                                      function, fragment):
@@ -193,4 +242,14 @@ def test_a_model_function_that_ends_the_program_is_one_error_line(model_file, tm
     result = train([*FLAGS, f"--model={model_file}:{function}", f"--model_dir={run}"],
                    timeout=300)
     assert_one_error_line(result, fragment)
+    assert not run.exists()
+
+
+def test_a_model_file_whose_module_getattr_raises_is_one_error_line(tmp_path):
+    # A module's __getattr__ answers for a name it does not define: code too.
+    source = tmp_path / "lazy.py"
+    source.write_text("def __getattr__(name):\n    raise RuntimeError(f'no {name} yet')\n")
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"])
+    assert_one_error_line(result, "does not import (RuntimeError: no net yet)")
     assert not run.exists()

@@ -220,7 +220,7 @@ def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str
         raise ModelError(f"--model={quoted(spec.name)} returned {type(model).__name__}, not a "
                          f"keras.Model")
     model, note = contract.drop_final_softmax(model, spec.name)
-    contract.check_contract(spec.name, model, info)
+    contract.check_contract(spec.name, model, info, traced=spec.is_users)
     if note and notes is not None:
         notes.append(note)
     for layer in model._flatten_layers(include_self=False):
@@ -383,7 +383,7 @@ def _import_builder(builder: str):
         else:
             _find_module(where, builder)
             module = importlib.import_module(where)
-    found = getattr(module, function, None)
+        found = getattr(module, function, None)  # a module's __getattr__ is code too
     if not callable(found):
         raise ModelError(f"--model={quoted(builder)}: {quoted(where)} has no function "
                          f"{quoted(function)}")

@@ -9,7 +9,8 @@ model (`build_model` in __init__.py; docs/extending.md, "Your own model"):
   arithmetic on the input, as keras.applications' models with their
   preprocessing do), or it is refused. A network made for 0-1 input would
   otherwise train on values 255 times too large, without a word.
-- It returns logits [batch, info.num_classes] in any dtype. A final
+- It returns logits [batch, info.num_classes] in any floating-point dtype,
+  computed from its weights so that a gradient reaches them. A final
   softmax (a Softmax layer, an Activation("softmax"), a last layer's
   softmax activation, keras.ops.softmax on the output) is dropped, with a
   note: the loss and test-time augmentation take logits, and the export
@@ -144,11 +145,12 @@ def _dropped(name: str, what: str) -> str:
             f"whose loss and test-time augmentation take logits; the export adds it back")
 
 
-def check_contract(name: str, model, info) -> None:
+def check_contract(name: str, model, info, traced: bool = True) -> None:
     """Raises ModelError unless `model` (its final softmax dropped) maps
-    uint8 images of `info`'s shape to logits of `info`'s classes (a probe
-    call of two images), takes 0-255 as it means to, and has weights to
-    train."""
+    uint8 images of `info`'s shape to float logits of `info`'s classes (a
+    probe call of two images), takes 0-255 as it means to, has weights to
+    train and, if `traced`, compiles into a training step whose gradient
+    reaches them (the package's own models: their tests compile them)."""
     import numpy as np
 
     probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
@@ -171,11 +173,7 @@ def check_contract(name: str, model, info) -> None:
                 f"info.image_shape, dtype=\"uint8\"), or a subclassed model's call()) and rescale "
                 f"or cast them before the first layer that computes with them "
                 f"(keras.layers.Rescaling(1 / 255) does both)") from None
-    returned = tuple(getattr(outputs, "shape", ()))
-    if returned != (2, info.num_classes):
-        raise ModelError(f"--model={quoted(name)} returns shape {list(returned)} for 2 images; the "
-                         f"dataset has {info.num_classes} classes: it must return "
-                         f"[batch, {info.num_classes}] logits")
+    _check_logits(name, outputs, 2, info.num_classes)
     values = np.asarray(outputs, np.float32)
     if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
         where = ("from its call(): a subclassed model's softmax is code, which cannot be dropped "
@@ -197,6 +195,58 @@ def check_contract(name: str, model, info) -> None:
         raise ModelError(f"--model={quoted(name)} has no trainable weights ({len(model.weights)} "
                          f"frozen): there is nothing to train; leave some layers trainable "
                          f"(layer.trainable = False freezes one)")
+    if traced:
+        _check_training_step(name, model, info)
+
+
+def _check_logits(name: str, logits, batch: int, num_classes: int) -> None:
+    """Raises ModelError unless `logits` are floats of shape [batch,
+    num_classes] (a traced shape's unknown sizes pass)."""
+    returned = tuple(getattr(logits, "shape", ()))
+    if len(returned) != 2 or any(got not in (None, want)
+                                 for got, want in zip(returned, (batch, num_classes))):
+        raise ModelError(f"--model={quoted(name)} returns shape {list(returned)} for {batch} "
+                         f"images; the dataset has {num_classes} classes: it must return "
+                         f"[batch, {num_classes}] logits")
+    dtype = getattr(logits.dtype, "name", str(logits.dtype))
+    if "float" not in dtype:
+        raise ModelError(f"--model={quoted(name)} returns {dtype}, not floating-point logits: "
+                         f"the loss needs a gradient through them to train the weights")
+
+
+def _check_training_step(name: str, model, info) -> None:
+    """Raises ModelError unless `model` compiles into a training step: the
+    forward pass in training mode and the gradient of its logits, traced as
+    a graph (nothing runs) at a batch of 3. The probe call runs eagerly on
+    2 images, where code that needs a tensor's values (NumPy on it) or a
+    batch size of its own still works; the run's step is a graph at the
+    training batch, and would fail only after the run's files are made."""
+    import tensorflow as tf
+
+    batch, reached = 3, []
+
+    def step(images):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            _check_logits(name, logits, batch, info.num_classes)
+            total = tf.reduce_sum(tf.cast(logits, tf.float32))
+        gradients = tape.gradient(total, model.trainable_variables)
+        reached.extend(g is not None for g in gradients)
+        return logits
+
+    def replicas_step(images):
+        # As the step runs: in each replica (the variables of a strategy's
+        # scope are read there, not in the scope's cross-replica context).
+        return tf.distribute.get_strategy().run(step, args=(images,))
+
+    spec = tf.TensorSpec((batch, *info.image_shape), tf.uint8)
+    with users_code(name, f"failed when compiled into a training step on {batch} uint8 images "
+                          f"{list(info.image_shape)}, as a graph (a tf.function)"):
+        tf.function(replicas_step, autograph=False).get_concrete_function(spec)
+    if not any(reached):
+        raise ModelError(f"--model={quoted(name)}: no gradient reaches its weights from its "
+                         f"logits (computed through a cast to integers, an argmax or a "
+                         f"stop_gradient?): nothing would train")
 
 
 # What the user rescales pixels with: these layers, and arithmetic on the
