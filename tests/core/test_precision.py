@@ -1,5 +1,6 @@
 """`auto` precision follows the devices: GPUs by compute capability, CPUs by
-their bfloat16 instructions; and a run can say which decided it."""
+their bfloat16 instructions; a run can say which decided it; and what a
+float16 run sets for its process does not outlast it."""
 
 import subprocess
 import sys
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, subprocess_env
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_same_weights, checkpoint_weights,
+                      run_module, subprocess_env, train)
 from distributed_mpt.core import precision
 
 
@@ -91,3 +93,16 @@ def test_float16_on_a_cpu_never_runs_onednn_reference_kernels():
     cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if "avx512_fp16" in cpu_flags:  # where oneDNN computes in float16: the check can fail
         assert "inner_product,ref:any" in _onednn_kernels("keras_only")
+
+
+def test_a_float16_run_leaves_the_next_run_in_its_process_the_kernels_of_a_fresh_one(tmp_path):
+    """A notebook that trains in float16 and then in another precision (the
+    tests' in-process runs do the same): the second run computes as a run in
+    a process of its own does. The remapper that float16 turns off for the
+    process was left off, and the second run's weights were another run's."""
+    flags = [*SMOKE_FLAGS, "--train_steps=8", "--steps_per_loop=4", "--noevaluate"]
+    assert_ok(train([*flags, "--precision=mixed_float16", f"--model_dir={tmp_path / 'f16'}"]))
+    assert_ok(train([*flags, f"--model_dir={tmp_path / 'after'}"]))  # in this process
+    assert_ok(run_module("distributed_mpt.train", [*flags, f"--model_dir={tmp_path / 'fresh'}"]))
+    assert_same_weights(checkpoint_weights(tmp_path / "after"),
+                        checkpoint_weights(tmp_path / "fresh"), rtol=1e-5, atol=1e-6)
