@@ -58,7 +58,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
     with strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         notes = []
-        model = config.model.build(dataset.info, config.airbench, notes)
+        model = config.model.build(dataset.info, config.airbench, notes,
+                                   plan.global_batch_size // plan.num_replicas)
         if run.xla and plan.num_replicas > 1 and models.has_batch_norm(model):
             raise ConfigError(
                 f"--xla compiles each replica's forward and backward pass, which cannot hold "

@@ -136,6 +136,21 @@ def batch_of_two(info):
     return BatchOfTwo(info.num_classes)
 
 
+class GhostBatches(NumpyInCall):
+    """Centres each virtual batch of 2 images (as ghost batch norm takes its
+    statistics): any even batch, the probe's and the run's of 32."""
+
+    def call(self, images):
+        x = keras.ops.mean(keras.ops.cast(images, "float32") / 255, axis=(1, 2))
+        ghosts = keras.ops.reshape(x, (-1, 2, 3))
+        return self.dense(keras.ops.reshape(ghosts - keras.ops.mean(ghosts, 1, keepdims=True),
+                                            (-1, 3)))
+
+
+def ghost_batches(info):
+    return GhostBatches(info.num_classes)
+
+
 def integer_logits(info):
     images, x = _flat(info)
     logits = keras.layers.Dense(info.num_classes)(x)
@@ -193,10 +208,10 @@ UNSCALED = "unscaled: this package gives every model pixels 0-255, not 0-1. Resc
     ("frozen", "has no trainable weights (2 frozen): there is nothing to train"),
     # What works in the eager probe call of 2 images, but not in the step,
     # which is a graph at the training batch: refused before it is compiled.
-    ("numpy_in_call", "failed when compiled into a training step on 3 uint8 images [32, 32, 3], "
+    ("numpy_in_call", "failed when compiled into a training step on 32 uint8 images [32, 32, 3], "
                       "as a graph (a tf.function) (NotImplementedError in NumpyInCall.call(): "
                       "Cannot convert a symbolic tf.Tensor"),
-    ("batch_of_two", "failed when compiled into a training step on 3 uint8 images"),
+    ("batch_of_two", "failed when compiled into a training step on 32 uint8 images"),
     ("integer_logits", "returns int32, not floating-point logits"),
     ("stopped_gradient", "no gradient reaches its weights from its logits"),
 ])
@@ -216,6 +231,13 @@ def test_float_input_that_the_model_rescales_itself_trains(model_file, tmp_path,
     """0-255 as floats is what these expect: a Rescaling layer, arithmetic
     on the input after a padding, and keras.applications' own preprocessing."""
     assert_ok(train([*FLAGS, f"--model={model_file}:{function}",
+                     f"--model_dir={tmp_path / 'run'}"]))
+
+
+def test_a_model_that_needs_its_batch_in_pairs_is_traced_at_the_runs_batch_and_trains(
+        model_file, tmp_path):
+    # Traced at 3 images, it was refused; the run's batch is what runs.
+    assert_ok(train([*FLAGS, f"--model={model_file}:ghost_batches",
                      f"--model_dir={tmp_path / 'run'}"]))
 
 

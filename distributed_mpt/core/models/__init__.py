@@ -142,10 +142,13 @@ class ModelOptions(Options):
     def spec(self) -> ModelSpec:
         return model_spec(self.model)
 
-    def build(self, info, own: "AirbenchOptions", notes: Optional[List[str]] = None):
+    def build(self, info, own: "AirbenchOptions", notes: Optional[List[str]] = None,
+              batch_size: int = 2):
         """This network for dataset `info` (build_model), with the options of
-        its own that `own` holds (spec.options names them)."""
-        return build_model(self.spec, info, self.model_width, notes, **self._own(own))
+        its own that `own` holds (spec.options names them), checked at a
+        replica's training batch of `batch_size`."""
+        return build_model(self.spec, info, self.model_width, notes, batch_size,
+                           **self._own(own))
 
     def parameter_count(self, info, own: "AirbenchOptions"):
         """How many weights this network has for `info` (parameter_count)."""
@@ -205,11 +208,12 @@ def model_spec(model: str) -> ModelSpec:
 
 
 def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str]] = None,
-                **options):
+                batch_size: int = 2, **options):
     """Builds `spec`'s network for dataset `info` under the current dtype
     policy (`options`: the flags `spec.options` names), checks it against
-    the contract (contract.py) and returns it, computing logits; what a
-    user must be told of it (a final softmax dropped) is appended to
+    the contract (contract.py; a user's model traced into a training step
+    at a replica's batch of `batch_size`) and returns it, computing logits;
+    what a user must be told of it (a final softmax dropped) is appended to
     `notes`. A model that breaks the contract raises ModelError, naming it."""
     import keras
 
@@ -220,7 +224,7 @@ def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str
         raise ModelError(f"--model={quoted(spec.name)} returned {type(model).__name__}, not a "
                          f"keras.Model")
     model, note = contract.drop_final_softmax(model, spec.name)
-    contract.check_contract(spec.name, model, info, traced=spec.is_users)
+    contract.check_contract(spec.name, model, info, batch_size if spec.is_users else None)
     if note and notes is not None:
         notes.append(note)
     for layer in model._flatten_layers(include_self=False):

@@ -145,12 +145,13 @@ def _dropped(name: str, what: str) -> str:
             f"whose loss and test-time augmentation take logits; the export adds it back")
 
 
-def check_contract(name: str, model, info, traced: bool = True) -> None:
+def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -> None:
     """Raises ModelError unless `model` (its final softmax dropped) maps
     uint8 images of `info`'s shape to float logits of `info`'s classes (a
     probe call of two images), takes 0-255 as it means to, has weights to
-    train and, if `traced`, compiles into a training step whose gradient
-    reaches them (the package's own models: their tests compile them)."""
+    train and, given `traced_batch` (a replica's training batch), compiles
+    into a training step at that batch whose gradient reaches them (not
+    asked of the package's own models: their tests compile them)."""
     import numpy as np
 
     probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
@@ -195,14 +196,15 @@ def check_contract(name: str, model, info, traced: bool = True) -> None:
         raise ModelError(f"--model={quoted(name)} has no trainable weights ({len(model.weights)} "
                          f"frozen): there is nothing to train; leave some layers trainable "
                          f"(layer.trainable = False freezes one)")
-    if traced:
-        _check_training_step(name, model, info)
+    if traced_batch:
+        _check_training_step(name, model, info, traced_batch)
 
 
 def _check_logits(name: str, logits, batch: int, num_classes: int) -> None:
     """Raises ModelError unless `logits` are floats of shape [batch,
-    num_classes] (a traced shape's unknown sizes pass)."""
-    returned = tuple(getattr(logits, "shape", ()))
+    num_classes] (a traced shape's unknown sizes pass, not an unknown rank)."""
+    shape = getattr(logits, "shape", ())
+    returned = tuple(shape) if getattr(shape, "rank", 0) is not None else ("unknown rank",)
     if len(returned) != 2 or any(got not in (None, want)
                                  for got, want in zip(returned, (batch, num_classes))):
         raise ModelError(f"--model={quoted(name)} returns shape {list(returned)} for {batch} "
@@ -214,16 +216,18 @@ def _check_logits(name: str, logits, batch: int, num_classes: int) -> None:
                          f"the loss needs a gradient through them to train the weights")
 
 
-def _check_training_step(name: str, model, info) -> None:
+def _check_training_step(name: str, model, info, batch: int) -> None:
     """Raises ModelError unless `model` compiles into a training step: the
     forward pass in training mode and the gradient of its logits, traced as
-    a graph (nothing runs) at a batch of 3. The probe call runs eagerly on
-    2 images, where code that needs a tensor's values (NumPy on it) or a
-    batch size of its own still works; the run's step is a graph at the
-    training batch, and would fail only after the run's files are made."""
+    a graph (nothing runs) at a replica's training `batch`. The probe call
+    runs eagerly on 2 images, where code that needs a tensor's values
+    (NumPy on it) or a batch size of its own still works; the run's step is
+    a graph at the training batch, and would fail only after the run's
+    files are made. What only running finds (a kernel missing for a
+    dtype) still fails in the first step."""
     import tensorflow as tf
 
-    batch, reached = 3, []
+    reached = []
 
     def step(images):
         with tf.GradientTape() as tape:
@@ -245,8 +249,8 @@ def _check_training_step(name: str, model, info) -> None:
         tf.function(replicas_step, autograph=False).get_concrete_function(spec)
     if not any(reached):
         raise ModelError(f"--model={quoted(name)}: no gradient reaches its weights from its "
-                         f"logits (computed through a cast to integers, an argmax or a "
-                         f"stop_gradient?): nothing would train")
+                         f"logits (computed through a stop_gradient, or a round trip "
+                         f"through integers?): nothing would train")
 
 
 # What the user rescales pixels with: these layers, and arithmetic on the
