@@ -77,10 +77,15 @@ def set_precision(policy_name: str) -> None:
     avoid_float16_reference_kernels(policy_name)
 
 
+# Whether avoid_float16_reference_kernels turned the process's remapper off.
+_remapper_turned_off = False
+
+
 def avoid_float16_reference_kernels(policy_name: Optional[str]) -> None:
     """Where a model computing in `policy_name` runs on a CPU in float16,
     turns off Grappler's remapper for every graph run after (training and
-    predicting alike); for any other policy, turns it on again.
+    predicting alike); for any other policy, turns it on again if this
+    function turned it off (a remapper the user turned off stays off).
 
     The remapper fuses a float16 MatMul with its BiasAdd into oneDNN's inner
     product, which on a CPU with AVX512_FP16 has only its reference kernel
@@ -98,9 +103,14 @@ def avoid_float16_reference_kernels(policy_name: Optional[str]) -> None:
     """
     import tensorflow as tf
 
-    fuse = policy_name != "mixed_float16" or bool(tf.config.list_physical_devices("GPU"))
-    if tf.config.optimizer.get_experimental_options().get("remapping", True) != fuse:
-        tf.config.optimizer.set_experimental_options({"remapping": fuse})
+    global _remapper_turned_off
+    if policy_name == "mixed_float16" and not tf.config.list_physical_devices("GPU"):
+        if tf.config.optimizer.get_experimental_options().get("remapping", True):
+            tf.config.optimizer.set_experimental_options({"remapping": False})
+            _remapper_turned_off = True
+    elif _remapper_turned_off:
+        tf.config.optimizer.set_experimental_options({"remapping": True})
+        _remapper_turned_off = False
 
 
 def loss_scale(optimizer) -> float:
