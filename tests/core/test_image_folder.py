@@ -276,7 +276,6 @@ def test_a_copy_of_the_images_elsewhere_and_a_run_without_a_fingerprint_resume(t
     assert read_summary(resumed)["resumed_from_step"] == 4
 
 
-
 def test_a_class_entry_that_links_to_nothing_or_loops_is_skipped_as_no_class_folder(tmp_path,
                                                                                     capsys):
     from distributed_mpt.core.data import DataOptions

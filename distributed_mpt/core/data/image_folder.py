@@ -65,7 +65,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     if has_test:
         test_files = listed["test"] = _files_by_class(test_dir, class_names, skipped,
                                                       train_dir=train_dir)
-        if not any(test_files.values()):
+        if "test" in splits and not any(test_files.values()):
             raise DataUnavailableError(f"{quoted(test_dir)} holds no images: put some of each "
                                        f"class there ({LAYOUT}), or move it away and pass "
                                        f"--test_fraction to hold out a share of train/")
