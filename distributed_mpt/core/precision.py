@@ -99,7 +99,8 @@ def avoid_float16_reference_kernels(policy_name: Optional[str]) -> None:
     same process (a notebook's second run, the tests' in-process runs)
     compute unfused, slower and with other round-off. The MLP's weights
     after 60 bfloat16 steps differed by up to 0.067 from a run in a fresh
-    process, which is how a resumed run's comparison caught it.
+    process (2 cores of an Intel Xeon with AMX), which is how a resumed
+    run's comparison caught it.
     """
     import tensorflow as tf
 
