@@ -51,15 +51,16 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
     model that synchronizes replicas inside its forward pass."""
     run, spec = config.run, config.model.spec
     # Before any weight exists: a model too large is one line, not the OOM
-    # killer mid-build. A user's network is counted once built, before the
-    # optimizer's copies and the data's.
+    # killer mid-build. A user's network is counted as it is built, and
+    # once built, before the optimizer's copies and the data's.
     _check_memory(config.model.parameter_count(dataset.info, config.airbench), config)
     schedule = config.schedule.schedule(plan.learning_rate, plan.total_steps, plan.warmup_steps)
     with strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         notes = []
-        model = config.model.build(dataset.info, config.airbench, notes,
-                                   plan.global_batch_size // plan.num_replicas)
+        with _counted_as_built(config) if spec.is_users else contextlib.nullcontext():
+            model = config.model.build(dataset.info, config.airbench, notes,
+                                       plan.global_batch_size // plan.num_replicas)
         if run.xla and plan.num_replicas > 1 and models.has_batch_norm(model):
             raise ConfigError(
                 f"--xla compiles each replica's forward and backward pass, which cannot hold "
@@ -108,21 +109,59 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
 _COPIES_PER_WEIGHT = 5
 
 
-def _check_memory(parameters, config: TrainConfig) -> None:
+def _check_memory(parameters, config: TrainConfig, headroom: Optional[memory.Headroom] = None,
+                  so_far: bool = False) -> None:
     """Raises ConfigError if training a model of `parameters` weights (None:
-    not known yet) cannot fit in what this process may still take: the
-    host's available memory or, in a container, a pod or a SLURM job, its
-    cgroup's limit (process/memory.py). A width of 1,024 is one line at the
-    start, not the OOM killer's exit 137 (which restart policies retry)
-    without a word."""
-    headroom = memory.headroom()
+    not known yet; `so_far`: at least that many) cannot fit in what this
+    process may still take, `headroom` or else as read now: the host's
+    available memory or, in a container, a pod or a SLURM job, its cgroup's
+    limit (process/memory.py). A width of 1,024 is one line at the start,
+    not the OOM killer's exit 137 (which restart policies retry) without a
+    word."""
+    headroom = headroom or memory.headroom()
     needed = _COPIES_PER_WEIGHT * 4 * (parameters or 0)  # float32 variables, in any policy
     if headroom and needed > headroom.bytes:
         what, smaller = config.model.too_large()
+        at_least, counted, about = ("at least ", " (counted as it was built)", "at least") \
+            if so_far else ("", "", "about")
         raise ConfigError(
-            f"{what} has {parameters:,} parameters: training it needs about "
-            f"{needed / 1e9:.1f} GB, more than the {headroom.describe()}; use {smaller}, or "
-            f"give the run more memory")
+            f"{what} has {at_least}{parameters:,} parameters{counted}: training it needs "
+            f"{about} {needed / 1e9:.1f} GB, more than the {headroom.describe()}; use "
+            f"{smaller}, or give the run more memory")
+
+
+@contextlib.contextmanager
+def _counted_as_built(config: TrainConfig):
+    """Counts a user's network as its variables are made, and stops its
+    build at the one that takes it past what the memory holds
+    (_check_memory): its size is not known before, and one far too large
+    met the OOM killer halfway through its weights. Memory is read once,
+    before the first weight. A single variable larger than the memory is
+    still made first (its initializer runs inside TensorFlow)."""
+    headroom = memory.headroom()
+    made = 0
+    refusal = None
+
+    def count(next_creator, **kwargs):
+        nonlocal made, refusal
+        variable = next_creator(**kwargs)
+        made += variable.shape.num_elements() or 0
+        try:
+            _check_memory(made, config, headroom, so_far=True)
+        except ConfigError as e:
+            refusal = e
+            raise
+        return variable
+
+    try:
+        with tf.variable_creator_scope(count):
+            yield
+    except BaseException:
+        if refusal is None:
+            raise
+        # As raised: Keras may have rewrapped it in a layer's call, and the
+        # user's code caught it or not.
+        raise refusal from None
 
 
 def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,

@@ -138,16 +138,15 @@ def _memory_cgroup():
     pytest.skip("no cgroup with a memory controller can be made here")
 
 
-def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
-    """The run in a cgroup limited to 1.5 GB: TensorFlow and the data fit, a
-    model of 34 GB does not. It was killed building its weights (exit 137,
-    no word), as a pod or a SLURM job is at its limit."""
+def _train_in_cgroup(tmp_path, limit: int, flags):
+    """distributed-mpt-train with `flags` in a new cgroup limited to `limit`
+    bytes, as a pod or a SLURM job runs at its limit; its result."""
     cgroup, limit_file = _memory_cgroup()
     try:
-        (cgroup / limit_file).write_text(str(1_500_000_000))
+        (cgroup / limit_file).write_text(str(limit))
         procs = cgroup / "cgroup.procs"
         result = subprocess.run(
-            [sys.executable, "-m", "distributed_mpt.train", *TOO_LARGE,
+            [sys.executable, "-m", "distributed_mpt.train", *flags,
              f"--model_dir={tmp_path / 'run'}"],
             preexec_fn=lambda: procs.write_text(str(os.getpid())), capture_output=True,
             text=True, timeout=600, env=subprocess_env(), cwd=REPO)
@@ -160,10 +159,44 @@ def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
                 import time
                 time.sleep(0.1)
     print(result.stderr[-500:])
+    assert "left under the memory limit of cgroup /" in result.stderr, result.stderr[-2000:]
+    assert f"(1.5 GB, {limit_file})" in result.stderr
+    assert not (tmp_path / "run").exists(), "a new --model_dir refused leaves nothing"
+    return result
+
+
+def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
+    """The run in a cgroup limited to 1.5 GB: TensorFlow and the data fit, a
+    model of 34 GB does not. It was killed building its weights (exit 137,
+    no word), as a pod or a SLURM job is at its limit."""
+    result = _train_in_cgroup(tmp_path, 1_500_000_000, TOO_LARGE)
     assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
                                   "parameters: training it needs about 33.6 GB, more than the ")
-    assert "left under the memory limit of cgroup /" in result.stderr
-    assert "(1.5 GB, " + limit_file + ")" in result.stderr
+
+
+# A user's network of 3.3 GB of weights (825 million), 66 GB to train: its
+# size is known only as its variables are made.
+_WIDE = """
+import keras
+
+def wide(info):
+    x = inputs = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))
+    for _ in range(12):
+        x = keras.layers.Dense(8192)(x)
+    return keras.Model(inputs, keras.layers.Dense(info.num_classes)(x))
+"""
+
+
+def test_a_users_network_too_large_is_refused_as_it_is_built(tmp_path):
+    """A user's network is counted as its variables are made, and refused at
+    the first that takes it past the limit: before, the OOM killer ended the
+    run halfway through building its weights (exit 137, no word)."""
+    (tmp_path / "wide.py").write_text(_WIDE)
+    result = _train_in_cgroup(tmp_path, 1_500_000_000, [
+        *SMOKE_FLAGS, f"--model={tmp_path / 'wide.py'}:wide", "--train_steps=2"])
+    assert_one_error_line(result, "wide.py:wide has at least ")
+    assert "parameters (counted as it was built): training it needs at least " in result.stderr
 
 
 @pytest.mark.parametrize("name", ["resnet9", "airbench"])
