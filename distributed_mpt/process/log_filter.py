@@ -36,7 +36,9 @@ _TENSORFLOW_LINE = re.compile(
     rb"|To enable the following instructions: .* rebuild TensorFlow"
     rb"|This TensorFlow binary is optimized to use available CPU instructions"
     # The continuation of the coordination service's "Example stragglers:".
-    rb"|/job:\w+/replica:\d+/task:\d+$)")
+    rb"|/job:\w+/replica:\d+/task:\d+$"
+    # The continuation of an op's failure (a warning line), naming its node.
+    rb"|\t \[\[\{\{(?:function_)?node )")
 
 _filter_process = None
 _original_stderr = None

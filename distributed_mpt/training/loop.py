@@ -28,7 +28,9 @@ from distributed_mpt.training import PROGRESS_SECONDS
 from distributed_mpt.core import precision
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
-from distributed_mpt.errors import DivergedError, Preempted
+from distributed_mpt.cluster.strategy import PEER_ERRORS
+from distributed_mpt.core.models.contract import FirstStepError, cause
+from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -92,7 +94,8 @@ class TrainingLoop:
                             *(_next_multiple(current, b) for b in boundaries)) - current
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
-                                                     agreed_seconds_per_step)):
+                                                     agreed_seconds_per_step)), \
+                    self._users_model_named(first=first_call is None):
                 totals = trainer.train(iterator, num_steps, seconds_per_step, crop_size)
             if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
                 self._stop(totals, int(trainer.step.numpy()), current)
@@ -152,6 +155,24 @@ class TrainingLoop:
         self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
                            f"run the same command again to resume")
         raise Preempted(f"stopped at step {reached} after a checkpoint")
+
+    @contextlib.contextmanager
+    def _users_model_named(self, first: bool):
+        """A user's model that fails in the run's first call of the step is
+        one line naming it (FirstStepError), not a traceback: what the
+        contract's trace cannot find (an assertion or a kernel that only
+        running meets, a float16 variable under mixed_float16). A peer's
+        failure stays a peer's."""
+        spec = self._config.model.spec
+        try:
+            yield
+        except (UserError, *PEER_ERRORS):
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code, in the first step only
+            if not (first and spec.is_users):
+                raise
+            raise FirstStepError(f"--model={quoted(spec.name)} failed in the run's first "
+                                 f"training step ({cause(e)})") from None
 
     def _check_finite(self, totals: LoopTotals, num_steps: int, current: int) -> None:
         """Raises DivergedError on a non-finite loss (without loss scaling) or

@@ -29,6 +29,7 @@ from distributed_mpt import files
 from distributed_mpt.cluster.environment import Cluster, resolve_cluster
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import batch_norm, data, precision
+from distributed_mpt.core.models.contract import FirstStepError
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line
@@ -61,6 +62,7 @@ def run(config: TrainConfig) -> int:
 
 def _run(config: TrainConfig) -> int:
     lock, new_model_dir = None, None
+    undone = (outputs.MARKER,)  # what of a new --model_dir a refusal removes
     try:
         # The cheap checks first, without TensorFlow.
         cluster = resolve_cluster(os.environ)
@@ -106,6 +108,8 @@ def _run(config: TrainConfig) -> int:
             return _lost_a_peer(e, cluster)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, FirstStepError):  # nothing trained: a new --model_dir goes
+            undone = outputs.BEFORE_TRAINING
         return e.exit_code
     except Preempted as e:
         print(f"{e}; exiting with {e.exit_code:d} so that a restart resumes", file=sys.stderr)
@@ -126,8 +130,7 @@ def _run(config: TrainConfig) -> int:
     finally:
         if lock is not None:
             # A run refused before it wrote anything leaves no trace.
-            lock.release(remove_model_dir_if_unused=bool(new_model_dir),
-                         own_files=(outputs.MARKER,))
+            lock.release(remove_model_dir_if_unused=bool(new_model_dir), own_files=undone)
     return ExitCode.OK
 
 

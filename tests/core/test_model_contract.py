@@ -2,8 +2,8 @@
 the real training entry point with tiny model files: a final softmax in any
 of its forms dropped with one note, floats fed 0-255 only to a model that
 rescales them, and model code that ends the program, interrupts it, has
-nothing to train or does not compile into a training step refused with one
-`error:` line, exit 2 and nothing left."""
+nothing to train, does not compile into a training step or fails in the
+first step refused with one `error:` line, exit 2 and nothing left."""
 
 import pytest
 
@@ -151,6 +151,22 @@ def ghost_batches(info):
     return GhostBatches(info.num_classes)
 
 
+class AssertsInTraining(NumpyInCall):
+    """Checks its batch only as it trains, and only when the step runs: an
+    assertion, as a kernel missing for a dtype, that no trace can find."""
+
+    def call(self, images, training=False):
+        x = keras.ops.mean(keras.ops.cast(images, "float32") / 255, axis=(1, 2))
+        if training:
+            import tensorflow as tf
+            tf.debugging.assert_equal(tf.shape(x)[0] % 3, 0, message="a batch of 3s, please")
+        return self.dense(x)
+
+
+def asserts_in_training(info):
+    return AssertsInTraining(info.num_classes)
+
+
 def integer_logits(info):
     images, x = _flat(info)
     logits = keras.layers.Dense(info.num_classes)(x)
@@ -213,6 +229,9 @@ UNSCALED = "unscaled: this package gives every model pixels 0-255, not 0-1. Resc
                       "Cannot convert a symbolic tf.Tensor"),
     ("batch_of_two", "failed when compiled into a training step on 32 uint8 images"),
     ("integer_logits", "returns int32, not floating-point logits"),
+    # What only running finds: its files are made, and removed with it.
+    ("asserts_in_training", "failed in the run's first training step (InvalidArgumentError: "
+                            "assertion failed: [a batch of 3s, please]"),
     ("stopped_gradient", "no gradient reaches its weights from its logits"),
 ])
 def test_a_model_that_breaks_the_contract_says_why_and_leaves_nothing(model_file, tmp_path,
@@ -222,7 +241,7 @@ def test_a_model_that_breaks_the_contract_says_why_and_leaves_nothing(model_file
     assert_one_error_line(result, fragment)
     if "gives them to" in fragment:  # the layer's name is numbered per process: dense_2
         assert UNSCALED in result.stderr
-    assert not run.exists(), "refused before any file was written"
+    assert not run.exists(), "refused before any file was written, or they went with it"
 
 
 @pytest.mark.parametrize("function", ["float_rescaled", "float_divided", pytest.param(

@@ -13,6 +13,9 @@ TENSORFLOW_LINES = [
     b"To enable the following instructions: AVX512F FMA, in other operations, rebuild "
     b"TensorFlow with the appropriate compiler flags.\n",
     b"/job:worker/replica:0/task:1\n",
+    b"W0000 00:00:1796061720.1   27490 op_kernel.cc:1857] OP_REQUIRES failed at "
+    b"assert_op.cc:39 : INVALID_ARGUMENT: assertion failed: [the batch must be even]\n",
+    b"\t [[{{function_node while_cond_1_true_412}}{{node while/cond_1/m_1/Assert}}]]\n",
 ]
 OURS = [
     b"error: --model_dir=/x is not writable (Permission denied)\n",

@@ -38,6 +38,10 @@ class ModelError(UserError):
     """A user's model that cannot be loaded, built, or breaks the contract."""
 
 
+class FirstStepError(ModelError):
+    """A user's model failed in a run's first training step: nothing trained."""
+
+
 @contextlib.contextmanager
 def users_code(name: str, failure: str):
     """Runs model code of --model=`name`: anything it raises becomes one
@@ -72,6 +76,9 @@ _SCRATCH_TENSOR = "is out of scope and cannot be used here"
 # layer, and the error's own message in bold (keras/src/utils/traceback_utils.py).
 _KERAS_CALL = re.compile(r"Exception encountered when calling (\S+?)\.?$")
 _TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
+# An error in a compiled step: TensorFlow's header, the Python lines that
+# made the failing op (indented), then what the op said.
+_GRAPH_ERROR = re.compile(r"Graph execution error:|Detected at node ")
 
 
 def cause(error: BaseException) -> str:
@@ -79,6 +86,9 @@ def cause(error: BaseException) -> str:
     the error inside Keras' "Exception encountered when calling" wrapper,
     with the layer), "..." where it is cut."""
     lines = [line for line in _TERMINAL_CODES.sub("", str(error)).splitlines() if line.strip()]
+    if _GRAPH_ERROR.match(lines[0]):  # its own words last, after where it was made
+        said = [line for line in lines[1:] if not line[0].isspace()]
+        return quoted(f"{type(error).__name__}: {said[-1] if said else lines[-1].strip()}")
     where = _KERAS_CALL.match(lines[0].strip()) if len(lines) > 1 else None
     text = (f"in {where.group(1)}: {lines[1].strip()}" if where
             else first_line(error, limit=10_000))
@@ -224,7 +234,7 @@ def _check_training_step(name: str, model, info, batch: int) -> None:
     (NumPy on it) or a batch size of its own still works; the run's step is
     a graph at the training batch, and would fail only after the run's
     files are made. What only running finds (a kernel missing for a
-    dtype) still fails in the first step."""
+    dtype) fails in the first step (training/loop.py names it)."""
     import tensorflow as tf
 
     reached = []
