@@ -58,7 +58,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
     with strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         notes = []
-        with _counted_as_built(config) if spec.is_users else contextlib.nullcontext():
+        with _counted_as_built(config) if spec.is_users else contextlib.nullcontext() as headroom:
             model = config.model.build(dataset.info, config.airbench, notes,
                                        plan.global_batch_size // plan.num_replicas)
         if run.xla and plan.num_replicas > 1 and models.has_batch_norm(model):
@@ -68,8 +68,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"drop --xla, or use it with one replica")
         if run.export:
             outputs.check_exportable(model, spec.name)
-        if spec.is_users:
-            _check_memory(sum(int(tf.size(v)) for v in model.weights), config)
+        if spec.is_users:  # all of them now, against the memory there was before
+            _check_memory(sum(int(tf.size(v)) for v in model.weights), config, headroom)
         models.initialize_from_data(model, dataset.train.images, spec.name)
         jitter_split = (models.split_at_normalization(model, spec.name)
                         if config.augmentation.jitters_colors else None)
@@ -136,8 +136,9 @@ def _counted_as_built(config: TrainConfig):
     build at the one that takes it past what the memory holds
     (_check_memory): its size is not known before, and one far too large
     met the OOM killer halfway through its weights. Memory is read once,
-    before the first weight. A single variable larger than the memory is
-    still made first (its initializer runs inside TensorFlow)."""
+    before the first weight, and yielded for the count of the whole. A
+    single variable larger than the memory is still made first (its
+    initializer runs inside TensorFlow)."""
     headroom = memory.headroom()
     made = 0
     refusal = None
@@ -155,13 +156,14 @@ def _counted_as_built(config: TrainConfig):
 
     try:
         with tf.variable_creator_scope(count):
-            yield
+            yield headroom
     except BaseException:
         if refusal is None:
             raise
-        # As raised: Keras may have rewrapped it in a layer's call, and the
-        # user's code caught it or not.
+        # As raised: Keras may have rewrapped it in a layer's call.
         raise refusal from None
+    if refusal is not None:  # the user's code caught it, and built on
+        raise refusal
 
 
 def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,

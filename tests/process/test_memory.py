@@ -160,7 +160,7 @@ def _train_in_cgroup(tmp_path, limit: int, flags):
                 time.sleep(0.1)
     print(result.stderr[-500:])
     assert "left under the memory limit of cgroup /" in result.stderr, result.stderr[-2000:]
-    assert f"(1.5 GB, {limit_file})" in result.stderr
+    assert f"({limit / 1e9:.1f} GB, {limit_file})" in result.stderr
     assert not (tmp_path / "run").exists(), "a new --model_dir refused leaves nothing"
     return result
 
@@ -174,7 +174,7 @@ def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
                                   "parameters: training it needs about 33.6 GB, more than the ")
 
 
-# A user's network of 3.3 GB of weights (825 million), 66 GB to train: its
+# A user's network of 3.1 GB of weights (764 million), 61 GB to train: its
 # size is known only as its variables are made.
 _WIDE = """
 import keras
@@ -186,6 +186,31 @@ def wide(info):
         x = keras.layers.Dense(8192)(x)
     return keras.Model(inputs, keras.layers.Dense(info.num_classes)(x))
 """
+
+
+_SWALLOWS = """
+import keras
+
+def swallows(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    small = keras.Model(images, keras.layers.Dense(info.num_classes)(
+        keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))))
+    try:  # an optional part, dropped on any error: the refusal too
+        keras.layers.Dense(4096).build((None, 3072))
+    except Exception:
+        pass
+    return small
+"""
+
+
+def test_a_refusal_that_the_users_code_swallows_still_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "headroom", lambda: memory.Headroom(
+        100_000_000, "available on this host (MemAvailable)"))
+    (tmp_path / "swallows.py").write_text(_SWALLOWS)
+    result = train([*SMOKE_FLAGS, f"--model={tmp_path / 'swallows.py'}:swallows",
+                    "--train_steps=2", f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "swallows.py:swallows has at least 12,")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_users_network_too_large_is_refused_as_it_is_built(tmp_path):
