@@ -36,9 +36,10 @@ _TENSORFLOW_LINE = re.compile(
     rb"|To enable the following instructions: .* rebuild TensorFlow"
     rb"|This TensorFlow binary is optimized to use available CPU instructions"
     # The continuation of the coordination service's "Example stragglers:".
-    rb"|/job:\w+/replica:\d+/task:\d+$"
-    # The continuation of an op's failure (a warning line), naming its node.
-    rb"|\t \[\[\{\{(?:function_)?node )")
+    rb"|/job:\w+/replica:\d+/task:\d+$)")
+# The line after an op's failure (a warning line) that names its node: gone
+# with the line it continues; in a traceback's message it stays.
+_NODE_LINE = re.compile(rb"\t \[\[")
 
 _filter_process = None
 _original_stderr = None
@@ -104,7 +105,7 @@ def _filter(source, sink) -> None:
     TensorFlow's lines, until `source` ends. If `sink` goes away (nobody
     reads stderr any more), the rest is read and dropped, so that writers
     never block or fail."""
-    pending, sink_open = b"", True
+    pending, sink_open, dropped = b"", True, False
     while True:
         chunk = source.read1(1 << 16)
         if not chunk:
@@ -113,7 +114,8 @@ def _filter(source, sink) -> None:
         end = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         complete, pending = pending[:end], pending[end:]
         for piece in _PIECE.findall(complete):
-            sink_open = sink_open and _write(sink, piece)
+            dropped = bool(_TENSORFLOW_LINE.match(piece) or dropped and _NODE_LINE.match(piece))
+            sink_open = sink_open and (dropped or _write(sink, piece))
     if pending and sink_open:
         _write(sink, pending)
 

@@ -39,6 +39,10 @@ from distributed_mpt.training.plan import RunPlan
 # halves; this many in a row means the loss itself is not finite.
 _NONFINITE_STEPS_WITH_LOSS_SCALING = 100
 
+# TensorFlow's errors that say nothing of the model: a device's or the
+# runtime's (a restart may go on where they struck).
+_TRANSIENT_ERRORS = (tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError)
+
 # A loop call's target length: a progress line waits for the call under way
 # (a stop request only for the step under way), so calls are kept this short
 # (up to --steps_per_loop steps each), whatever the model or device.
@@ -95,7 +99,7 @@ class TrainingLoop:
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
                                                      agreed_seconds_per_step)), \
-                    self._users_model_named(first=first_call is None):
+                    self._users_model_named(first=first_call is None and start_step == 0):
                 totals = trainer.train(iterator, num_steps, seconds_per_step, crop_size)
             if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
                 self._stop(totals, int(trainer.step.numpy()), current)
@@ -158,15 +162,16 @@ class TrainingLoop:
 
     @contextlib.contextmanager
     def _users_model_named(self, first: bool):
-        """A user's model that fails in the run's first call of the step is
-        one line naming it (FirstStepError), not a traceback: what the
-        contract's trace cannot find (an assertion or a kernel that only
-        running meets, a float16 variable under mixed_float16). A peer's
-        failure stays a peer's."""
+        """A user's model that fails in the first call of the step of a run
+        from step 0 is one line naming it (FirstStepError), not a traceback:
+        what the contract's trace cannot find (an assertion or a kernel that
+        only running meets, a float16 variable under mixed_float16). What a
+        restart may cure (a peer's failure, TensorFlow's internal errors)
+        stays as it is; so does a failure after a resume (something trained)."""
         spec = self._config.model.spec
         try:
             yield
-        except (UserError, *PEER_ERRORS):
+        except (UserError, *PEER_ERRORS, *_TRANSIENT_ERRORS):
             raise
         except Exception as e:  # noqa: BLE001 - the user's code, in the first step only
             if not (first and spec.is_users):

@@ -129,7 +129,8 @@ def _run(config: TrainConfig) -> int:
         return ExitCode.USAGE
     finally:
         if lock is not None:
-            # A run refused before it wrote anything leaves no trace.
+            # A run refused before it wrote anything leaves no trace; nor
+            # does a user's model that failed in a new run's first step.
             lock.release(remove_model_dir_if_unused=bool(new_model_dir), own_files=undone)
     return ExitCode.OK
 
@@ -194,6 +195,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                             started, evaluates_at_end=config.evaluation.evaluate)
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
+                # (in a new --model_dir, a user's model refused in the first step takes it along)
                 files.write_json(f"{config.run.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset, resumed, signature))
             reporter.say(_start_line(config, plan, strategy_name))

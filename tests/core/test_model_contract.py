@@ -244,6 +244,19 @@ def test_a_model_that_breaks_the_contract_says_why_and_leaves_nothing(model_file
     assert not run.exists(), "refused before any file was written, or they went with it"
 
 
+def test_a_model_failing_in_the_first_step_on_two_replicas_is_named_in_one_line(model_file,
+                                                                                tmp_path):
+    """Two replicas' errors come as a count of root errors; TensorFlow's
+    node lines after its warnings stay off the console."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:asserts_in_training", f"--model_dir={run}",
+                    "--strategy=mirrored", "--cpu_replicas=2"])
+    assert_one_error_line(result, "failed in the run's first training step (InvalidArgumentError: "
+                                  "assertion failed: [a batch of 3s, please]")
+    assert "\t [[" not in result.stderr
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("function", ["float_rescaled", "float_divided", pytest.param(
     "mobilenet_preprocessing", marks=pytest.mark.slow)])  # 1.5 min under load
 def test_float_input_that_the_model_rescales_itself_trains(model_file, tmp_path, function):

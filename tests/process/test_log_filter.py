@@ -13,9 +13,6 @@ TENSORFLOW_LINES = [
     b"To enable the following instructions: AVX512F FMA, in other operations, rebuild "
     b"TensorFlow with the appropriate compiler flags.\n",
     b"/job:worker/replica:0/task:1\n",
-    b"W0000 00:00:1796061720.1   27490 op_kernel.cc:1857] OP_REQUIRES failed at "
-    b"assert_op.cc:39 : INVALID_ARGUMENT: assertion failed: [the batch must be even]\n",
-    b"\t [[{{function_node while_cond_1_true_412}}{{node while/cond_1/m_1/Assert}}]]\n",
 ]
 OURS = [
     b"error: --model_dir=/x is not writable (Permission denied)\n",
@@ -58,3 +55,15 @@ def test_progress_bars_pass_as_they_come_and_a_closed_sink_is_drained():
     source = Source([b"a\n", b"b\n", b"c\n"])
     _filter(source, GoneSink())  # returns, having read everything
     assert source.chunks == []
+
+
+def test_an_ops_node_line_goes_with_its_warning_and_stays_in_a_traceback():
+    node = b"\t [[{{function_node while_cond_1_true_412}}{{node while/cond_1/m_1/Assert}}]]\n"
+    warning = (b"W0000 00:00:1796061720.1   27490 op_kernel.cc:1857] OP_REQUIRES failed at "
+               b"assert_op.cc:39 : INVALID_ARGUMENT: assertion failed: [the batch must be even]\n")
+    traceback = [b"tensorflow.python.framework.errors_impl.InvalidArgumentError: "
+                 b"assertion failed: [the batch must be even]\n", node]
+    sink = io.BytesIO()
+    of_a_replica = b"\t [[Func/while/body/_1/while/cond_1/then/_175/input/_232/_40]]\n"
+    _filter(io.BytesIO(b"".join([warning, node, of_a_replica, *traceback])), sink)
+    assert sink.getvalue() == b"".join(traceback)

@@ -39,7 +39,8 @@ class ModelError(UserError):
 
 
 class FirstStepError(ModelError):
-    """A user's model failed in a run's first training step: nothing trained."""
+    """A user's model failed in the first training step of a new run:
+    nothing trained."""
 
 
 @contextlib.contextmanager
@@ -76,9 +77,6 @@ _SCRATCH_TENSOR = "is out of scope and cannot be used here"
 # layer, and the error's own message in bold (keras/src/utils/traceback_utils.py).
 _KERAS_CALL = re.compile(r"Exception encountered when calling (\S+?)\.?$")
 _TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
-# An error in a compiled step: TensorFlow's header, the Python lines that
-# made the failing op (indented), then what the op said.
-_GRAPH_ERROR = re.compile(r"Graph execution error:|Detected at node ")
 
 
 def cause(error: BaseException) -> str:
@@ -86,9 +84,6 @@ def cause(error: BaseException) -> str:
     the error inside Keras' "Exception encountered when calling" wrapper,
     with the layer), "..." where it is cut."""
     lines = [line for line in _TERMINAL_CODES.sub("", str(error)).splitlines() if line.strip()]
-    if _GRAPH_ERROR.match(lines[0]):  # its own words last, after where it was made
-        said = [line for line in lines[1:] if not line[0].isspace()]
-        return quoted(f"{type(error).__name__}: {said[-1] if said else lines[-1].strip()}")
     where = _KERAS_CALL.match(lines[0].strip()) if len(lines) > 1 else None
     text = (f"in {where.group(1)}: {lines[1].strip()}" if where
             else first_line(error, limit=10_000))
