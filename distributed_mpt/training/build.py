@@ -122,12 +122,12 @@ def _check_memory(parameters, config: TrainConfig, headroom: Optional[memory.Hea
     needed = _COPIES_PER_WEIGHT * 4 * (parameters or 0)  # float32 variables, in any policy
     if headroom and needed > headroom.bytes:
         what, smaller = config.model.too_large()
-        at_least, counted, about = ("at least ", " (counted as it was built)", "at least") \
-            if so_far else ("", "", "about")
+        count = f"at least {parameters:,} parameters (counted as it was built)" if so_far \
+            else f"{parameters:,} parameters"
         raise ConfigError(
-            f"{what} has {at_least}{parameters:,} parameters{counted}: training it needs "
-            f"{about} {needed / 1e9:.1f} GB, more than the {headroom.describe()}; use "
-            f"{smaller}, or give the run more memory")
+            f"{what} has {count}: training it needs {'at least' if so_far else 'about'} "
+            f"{needed / 1e9:.1f} GB, more than the {headroom.describe()}; use {smaller}, or "
+            f"give the run more memory")
 
 
 @contextlib.contextmanager

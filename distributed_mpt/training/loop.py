@@ -88,6 +88,8 @@ class TrainingLoop:
         boundaries = (run.log_every_steps, run.checkpoint_every_steps, eval_every_steps,
                       plan.steps_per_epoch)
         first_call = None
+        # A user's model failing in a new run's first call is named (below).
+        names_failure = start_step == 0 and self._config.model.spec.is_users
         while current < plan.total_steps:
             if current == phase_end:  # the first call, or the images change size (early crops)
                 iterator = None  # the last phase's pipeline stops before the next starts
@@ -99,7 +101,8 @@ class TrainingLoop:
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
                                                      agreed_seconds_per_step)), \
-                    self._users_model_named(first=first_call is None and start_step == 0):
+                    (_users_model_named(self._config.model.spec.name)
+                     if names_failure and first_call is None else contextlib.nullcontext()):
                 totals = trainer.train(iterator, num_steps, seconds_per_step, crop_size)
             if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
                 self._stop(totals, int(trainer.step.numpy()), current)
@@ -159,25 +162,6 @@ class TrainingLoop:
         self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
                            f"run the same command again to resume")
         raise Preempted(f"stopped at step {reached} after a checkpoint")
-
-    @contextlib.contextmanager
-    def _users_model_named(self, first: bool):
-        """A user's model that fails in the first call of the step of a run
-        from step 0 is one line naming it (FirstStepError), not a traceback:
-        what the contract's trace cannot find (an assertion or a kernel that
-        only running meets, a float16 variable under mixed_float16). What a
-        restart may cure (a peer's failure, TensorFlow's internal errors)
-        stays as it is; so does a failure after a resume (something trained)."""
-        spec = self._config.model.spec
-        try:
-            yield
-        except (UserError, *PEER_ERRORS, *_TRANSIENT_ERRORS):
-            raise
-        except Exception as e:  # noqa: BLE001 - the user's code, in the first step only
-            if not (first and spec.is_users):
-                raise
-            raise FirstStepError(f"--model={quoted(spec.name)} failed in the run's first "
-                                 f"training step ({cause(e)})") from None
 
     def _check_finite(self, totals: LoopTotals, num_steps: int, current: int) -> None:
         """Raises DivergedError on a non-finite loss (without loss scaling) or
@@ -381,3 +365,21 @@ def format_seconds(seconds: float) -> str:
     """H:MM:SS."""
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+
+
+@contextlib.contextmanager
+def _users_model_named(name: str):
+    """A user's model (--model=`name`) that fails in the first call of the
+    step of a run from step 0 is one line naming it (FirstStepError), not a
+    traceback: what the contract's trace cannot find (an assertion or a
+    kernel that only running meets, a float16 variable under
+    mixed_float16). What a restart may cure (a peer's failure, TensorFlow's
+    internal errors) stays as it is; so does a failure after a resume
+    (something trained)."""
+    try:
+        yield
+    except (UserError, *PEER_ERRORS, *_TRANSIENT_ERRORS):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code, in the first step only
+        raise FirstStepError(f"--model={quoted(name)} failed in the run's first training step "
+                             f"({cause(e)})") from None
