@@ -5,6 +5,7 @@ read from trees made here; a real cgroup is used where the test may make
 one (root, a writable memory controller), and an injected limit everywhere."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,21 @@ def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
     assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
                                   "parameters: training it needs about 33.6 GB, more than the ")
 
+
+
+def test_each_replica_on_the_cpu_is_counted(tmp_path):
+    """--cpu_replicas keeps a copy of the model per replica in host memory
+    (resnet9 at width 128 peaked at 3.7 GB on 4 replicas, 1.3 GB on 1): a
+    model that fits once but not four times is refused, where it was
+    counted once and met the OOM killer."""
+    result = _train_in_cgroup(tmp_path, 2_000_000_000, [
+        *SMOKE_FLAGS, "--model=resnet9", "--model_width=128", "--train_steps=2",
+        "--strategy=mirrored", "--cpu_replicas=4"])
+    assert_one_error_line(result, "--model=resnet9 at --model_width=128 has 26,")
+    needed, headroom = re.search(r"on 4 replicas in this host's memory needs about ([\d.]+) GB, "
+                                 r"more than the ([\d.]+) GB left", result.stderr).groups()
+    assert float(needed) / 4 < float(headroom) < float(needed), "one copy would have fitted"
+    assert "fewer --cpu_replicas" in result.stderr
 
 # A user's network of 3.1 GB of weights (764 million), 61 GB to train: its
 # size is known only as its variables are made.
