@@ -66,7 +66,12 @@ def kind_of(path: str) -> str:
     except OSError:
         return "missing"
     if stat.S_ISLNK(mode):
-        return "a symbolic link" if os.path.exists(path) else "a symbolic link to nothing"
+        try:
+            os.stat(path)
+        except OSError as e:  # a loop is no missing target: the fix differs
+            return "a symbolic link in a loop" if e.errno == errno.ELOOP \
+                else "a symbolic link to nothing"
+        return "a symbolic link"
     return _kind_of_mode(mode)
 
 

@@ -136,7 +136,7 @@ def _a_link_to_nothing(root):
 def _a_link_that_loops(root):
     link = root / "train" / "dogs" / "loop.png"
     link.symlink_to(link)
-    return "loop.png is a symbolic link to nothing, not a regular file"
+    return "loop.png is a symbolic link in a loop, not a regular file"
 
 
 def _an_empty_test_folder(root):

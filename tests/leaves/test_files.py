@@ -56,14 +56,15 @@ def test_kinds_of_paths_are_named(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "link").symlink_to(tmp_path / "file")
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     kinds = {name: files.kind_of(str(tmp_path / name))
-             for name in ("file", "dir", "fifo", "link", "dangling", "missing")}
+             for name in ("file", "dir", "fifo", "link", "dangling", "loop", "missing")}
     assert kinds == {"file": "a file", "dir": "a directory", "fifo": "a FIFO",
                      "link": "a symbolic link", "dangling": "a symbolic link to nothing",
-                     "missing": "missing"}
+                     "loop": "a symbolic link in a loop", "missing": "missing"}
     assert files.kind_of("/dev/null") == "a device node"
     assert [files.is_regular_file(str(tmp_path / name)) for name in kinds] == \
-        [True, False, False, True, False, False], "a symlink to a file is a file"
+        [True, False, False, True, False, False, False], "a symlink to a file is a file"
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device node", "directory", "symlink"])
