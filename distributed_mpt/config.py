@@ -67,8 +67,8 @@ class TrainConfig:
                 for name, section in sorted(SECTIONS.items(), key=lambda item: item[0] != "run")}
         config = cls(**made)
         require(config.optimizer.optimizer == "sgd" or config.model.model != "mlp",
-                "--optimizer=muon trains convolution filters, and the mlp has none: use "
-                "--optimizer=sgd")
+                f"--optimizer={config.optimizer.optimizer} trains convolution filters, and the "
+                f"mlp has none: use --optimizer=sgd")
         return config
 
     def flags(self) -> dict:

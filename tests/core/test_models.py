@@ -26,7 +26,7 @@ def build_model(name, width=64, **options):
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("name", ["mlp", "resnet9", "airbench"])
+@pytest.mark.parametrize("name", list(models.MODELS))  # a new model is tested too
 def test_model_outputs_logits_and_its_export_float32_probabilities(name, policy):
     keras.mixed_precision.set_global_policy(policy)
     model = build_model(name, width=8)
@@ -45,7 +45,7 @@ def test_model_outputs_logits_and_its_export_float32_probabilities(name, policy)
         assert hidden.compute_dtype != "float32" and hidden.kernel.dtype == "float32"
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet9", "airbench"])
+@pytest.mark.parametrize("name", list(models.MODELS))
 def test_weight_decay_is_a_parameter_group_of_every_kernel(name):
     """What the models' L2 regularizers did, by groups: kernels decay by c,
     batch-norm shifts by c / the shift multiplier, biases and scales not."""
@@ -86,12 +86,14 @@ def test_identity_tells_models_and_precisions_apart():
 
 
 def test_each_model_is_declared_once_with_its_defaults():
-    assert list(models.MODELS) == ["mlp", "resnet9", "airbench"]
+    assert {"mlp", "resnet9", "airbench"} <= set(models.MODELS), "a new one adds to them"
     assert models.MODELS["airbench"].defaults.values() == dict(
         learning_rate=0.1875, max_learning_rate=0.0, warmup_epochs=1.5, momentum=0.85,
         weight_decay=6.65e-4, label_smoothing=0.2)
-    assert [models.has_batch_norm(build_model(name, width=4)) for name in models.MODELS] == \
-        [False, True, True], "whether replicas synchronize inside the forward pass"
+    assert {name: models.has_batch_norm(build_model(name, width=4))
+            for name in ("mlp", "resnet9", "airbench")} == \
+        {"mlp": False, "resnet9": True, "airbench": True}, \
+        "whether replicas synchronize inside the forward pass"
     with pytest.raises(models.ModelError, match="not one of mlp, resnet9, airbench"):
         models.model_spec("vgg16")
 

@@ -131,7 +131,7 @@ def test_model_dir_required():
 def test_each_model_gets_its_own_defaults_unless_a_flag_is_given(tmp_path):
     from distributed_mpt.core.models import MODELS
 
-    assert list(MODELS) == ["mlp", "resnet9", "airbench"]
+    assert {"mlp", "resnet9", "airbench"} <= set(MODELS)
     for model, spec in MODELS.items():
         defaults = spec.defaults.values()
         assert set(defaults) == {"learning_rate", "max_learning_rate", "warmup_epochs",

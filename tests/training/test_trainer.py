@@ -20,6 +20,7 @@ import pytest
 from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_same_weights,
                       checkpoint_weights, read_summary, read_terminal, subprocess_env, train,
                       weights_of_one_and_two_replicas)
+from distributed_mpt.core.models import MODELS
 from distributed_mpt.training.loop import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
@@ -258,7 +259,7 @@ def test_evaluation_and_progress_every_epoch_are_logged(model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "resnet9", "airbench"])
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("batch, steps", [(16, 10), (1024, 10), (256, 60)])
 def test_default_hyperparameters_train_every_model_without_diverging(tmp_path, model, batch, steps):
     """No tuning flags: each model's own defaults must hold at any batch and
