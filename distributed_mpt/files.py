@@ -122,14 +122,24 @@ def read_bounded(path: str, limit: int) -> bytes:
         # All it holds, and a byte more to see that it ends there; the rest
         # if it holds more than its size says: it grew, or lives in /proc
         # (whose sizes say 0).
-        chunks = [f.read(opened.st_size + 1)]
+        chunks = [_read_now(f, opened.st_size + 1)]
         size = len(chunks[0])
         while opened.st_size < size <= limit and chunks[-1]:
-            chunks.append(f.read(min(1 << 16, limit + 1 - size)))
+            chunks.append(_read_now(f, min(1 << 16, limit + 1 - size)))
             size += len(chunks[-1])
     if size > limit:
         raise FileTooLargeError(limit)
     return b"".join(chunks)
+
+
+def _read_now(f, size: int) -> bytes:
+    """f.read(size), which returns None where a file opened without blocking
+    has nothing yet (a kernel file such as /proc/kmsg): an OSError here."""
+    data = f.read(size)
+    if data is None:
+        raise BlockingIOError(errno.EAGAIN, "it has nothing to read until something is "
+                                            "written to it")
+    return data
 
 
 def is_regular_file(path: str) -> bool:

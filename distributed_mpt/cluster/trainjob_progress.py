@@ -20,9 +20,11 @@ run's memory, and never more than CLOSE_SECONDS of its end. The token goes
 only over verified HTTPS to the URL's host: `https` alone, with the injected
 CA alone, and no redirect followed (urllib carries the Authorization header
 across them, to any host and scheme). No message holds the token or a part
-of it: a warning says what went wrong in this module's words, the C
-library's or OpenSSL's, never in the server's (its status line, headers and
-body may echo the header back) nor in http.client's, which quote them.
+of it, nor the URL's user name, password, query or fragment: a warning says
+what went wrong in this module's words, the C library's or OpenSSL's, never
+in the server's (its status line, headers and body may echo the header back)
+nor in http.client's, which quote them. Whatever fails in setting it up is
+a warning too: reporting never stops a run.
 """
 
 import datetime
@@ -101,8 +103,8 @@ class TrainJobStatus:
             return None
         try:
             return cls(*values)
-        except _Refused as e:
-            _warn(f"TrainJob progress is not reported: {e}")
+        except Exception as e:  # noqa: BLE001 - reporting must never stop a run
+            _warn(f"TrainJob progress is not reported: {_why(e, 0.0)}")
             return None
 
     def update(self, progress_percent: float, eta_seconds: Optional[float],
@@ -184,7 +186,7 @@ class TrainJobStatus:
         stays down."""
         if not self._warned:
             self._warned = True
-            _warn(f"TrainJob progress not reported to {quoted(self._url)} "
+            _warn(f"TrainJob progress not reported to {_shown(self._url)} "
                   f"({quoted(why, 400)}); training goes on")
 
 
@@ -237,9 +239,10 @@ def _seconds_left(deadline: float) -> float:
 
 def _https_endpoint(url: str) -> Tuple[str, int, str]:
     """The host, port and path of `url`, which must be https://host[:port]/path."""
-    where = f"{URL_ENV}={quoted(url)}"
+    where = f"{URL_ENV}={_shown(url)}"
     if not (url.isascii() and url.isprintable()) or " " in url:
-        raise _Refused(f"{where} holds spaces or control characters")
+        raise _Refused(f"{where} holds a space, a control character or one that is not ASCII "
+                       f"(an international host name goes in its xn-- form)")
     try:
         parts = urllib.parse.urlsplit(url)
         port = 443 if parts.port is None else parts.port
@@ -251,6 +254,13 @@ def _https_endpoint(url: str) -> Tuple[str, int, str]:
         raise _Refused(f"{where} holds a user name: the token is the only credential sent")
     return parts.hostname, port, urllib.parse.urlunsplit(("", "", parts.path or "/",
                                                            parts.query, ""))
+
+
+def _shown(url: str) -> str:
+    """`url` for a message, without its user name and password or its query
+    and fragment: each may hold a credential (https://user:pw@..., ?token=...)."""
+    return quoted(re.sub(r"[?#].*", "?...", re.sub(r"//[^/?#]*@", "//...@", url, count=1),
+                         flags=re.DOTALL))
 
 
 def _tls_trusting(ca_cert: str) -> ssl.SSLContext:

@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 
 from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
+from distributed_mpt import files
 from distributed_mpt.cluster.trainjob_progress import (
     CLOSE_SECONDS, MAX_ANSWER_BYTES, REQUEST_SECONDS, TrainJobStatus)
 from support.netns import checkpointed_step
@@ -149,9 +150,12 @@ def token_in_the_status_line(handler, number):
 ], ids=["endless body", "endless headers", "401 quoting the token", "token in status line"])
 def test_a_hostile_answer_costs_one_warning(serve, capfd, answer, fragment):
     server = serve(answer)
-    warnings, output = report(server.env, capfd)
+    # A query may hold a credential too: the warning names the URL without it.
+    warnings, output = report({**server.env, "KUBEFLOW_TRAINER_SERVER_URL":
+                               server.env["KUBEFLOW_TRAINER_SERVER_URL"] + "?key=S3CRET"}, capfd)
     assert_one_warning(warnings, fragment)
     assert_no_part_of_the_token(output)
+    assert "S3CRET" not in output and "?..." in warnings[0]
     assert len(server.requests) == 1
     if isinstance(answer, EndlessBody):
         assert_hung_up_early(answer)
@@ -269,8 +273,10 @@ def test_garbage_for_a_handshake_or_another_ca_certificate(serve, capfd):
     ("http://127.0.0.1:{port}/status", "is not an https:// URL"),
     ("HTTP://127.0.0.1:{port}/status", "is not an https:// URL"),
     ("file:///dev/zero", "is not an https:// URL"),
-    ("https://someone:{port}@127.0.0.1:{port}/", "holds a user name"),
-    ("https://127.0.0.1:{port}/status\n", "holds spaces or control characters"),
+    ("https://someone:S3CRET@127.0.0.1:{port}/", "=https://...@127.0.0.1"),
+    ("https://127.0.0.1:{port}/status\n", "holds a space, a control character"),
+    ("https://ex\u00e4mple.com/", "its xn-- form"),
+    ("http://127.0.0.1:{port}/status?access_token=S3CRET", "/status?... is not an https"),
 ])
 def test_only_an_https_url_is_used(serve, capfd, url, fragment):
     listener = Listener()
@@ -283,6 +289,19 @@ def test_only_an_https_url_is_used(serve, capfd, url, fragment):
         listener.close()
     warnings = [line for line in capfd.readouterr().err.splitlines() if "TrainJob" in line]
     assert_one_warning(warnings, fragment)
+    assert "S3CRET" not in warnings[0], "a password or a query in the URL is not echoed"
+
+
+def test_a_failure_no_one_foresaw_is_a_warning_not_a_failed_run(serve, capfd, monkeypatch):
+    """Reading the CA once failed with a TypeError (a kernel file that had
+    nothing to read): the run ended in a traceback."""
+    def unforeseen(path, limit):
+        raise TypeError("object of type 'NoneType' has no len()")
+
+    monkeypatch.setattr(files, "read_bounded", unforeseen)
+    assert TrainJobStatus.from_environment(serve().env) is None
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, "TrainJob progress is not reported: TypeError")
 
 
 def _file_of_kind(path, kind: str, contents: dict):

@@ -1,6 +1,8 @@
 """Files written whole or not at all, with the umask, and only over a
 regular file; files read without trusting them."""
 
+import errno
+import io
 import json
 import os
 import stat
@@ -176,6 +178,23 @@ def test_a_file_whose_size_says_0_is_read_whole_within_the_bound():
     assert status.startswith(b"Name:") and status.endswith(b"\n")
     with pytest.raises(files.FileTooLargeError):
         files.read_bounded("/proc/self/status", 100)
+
+
+def test_a_file_with_nothing_to_read_yet_is_an_oserror(tmp_path, monkeypatch):
+    """A regular file opened without blocking may have nothing to read yet
+    (/proc/kmsg): read() then returns None, which was a TypeError, and a
+    traceback where every caller expects an OSError."""
+    class NothingYet(io.FileIO):
+        def readinto(self, buffer):
+            return None  # what a non-blocking read that would block returns
+
+    path = tmp_path / "kmsg"
+    path.write_text("")
+    monkeypatch.setattr(files, "open", lambda descriptor, mode: io.BufferedReader(
+        NothingYet(descriptor, "rb")), raising=False)
+    with pytest.raises(OSError) as raised:
+        files.read_bounded(str(path), 1 << 20)
+    assert raised.value.errno == errno.EAGAIN
 
 
 def test_written_files_follow_the_umask(tmp_path):
