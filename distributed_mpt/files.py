@@ -34,6 +34,10 @@ WRITE_TEST_PREFIX = ".write-test-"  # check_writable
 MAX_READ_BYTES = 1 << 28
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# A write that fails the same way until the file system changes: no space or
+# quota, a read-only mount, no permission (a directory of another user), a
+# busy file (one mounted on itself), a file too large for it.
+_CANNOT_WRITE = (*_DISK_FULL, errno.EROFS, errno.EACCES, errno.EPERM, errno.EBUSY, errno.EFBIG)
 
 
 _owner_tag = (0, "")
@@ -188,6 +192,16 @@ def is_disk_full(error: Exception) -> bool:
     return any(os.strerror(code) in str(error) for code in _DISK_FULL)
 
 
+def why_unwritable(error: Exception) -> Optional[str]:
+    """The C library's reason if `error` is a write that fails the same way
+    until the file system changes (_CANNOT_WRITE), else None; TensorFlow's
+    errors carry it in their message."""
+    if isinstance(error, OSError):
+        return os.strerror(error.errno) if error.errno in _CANNOT_WRITE else None
+    return next((os.strerror(code) for code in _CANNOT_WRITE if os.strerror(code) in str(error)),
+                None)
+
+
 def write_text(path: str, text: str) -> None:
     """Writes `text` to `path` atomically (temporary file, fsync, rename);
     a failed write leaves no temporary file behind. Refuses (ConfigError) to
@@ -207,8 +221,13 @@ def write_text(path: str, text: str) -> None:
     # umask allows, like any file the user writes.
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(f.name, 0o666 & ~umask)
-    os.replace(f.name, path)
+    try:
+        os.chmod(f.name, 0o666 & ~umask)
+        os.replace(f.name, path)
+    except BaseException:  # a file mounted on itself (EBUSY), say: no temporary file left
+        with contextlib.suppress(OSError):
+            os.remove(f.name)
+        raise
 
 
 def write_json(path: str, data) -> None:

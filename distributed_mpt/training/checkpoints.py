@@ -17,6 +17,7 @@ another model refuses the directory instead of failing deep in TensorFlow
 or, worse, overwriting it.
 """
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -251,10 +252,17 @@ class Checkpoints:
                 self._manager = tf.train.CheckpointManager(self._checkpoint, self._own_dir,
                                                            max_to_keep=MAX_TO_KEEP)
             self._manager.save(checkpoint_number=step)
-        except (tf.errors.ResourceExhaustedError, OSError) as e:
-            if not files.is_disk_full(e):
+        except (tf.errors.OpError, OSError) as e:
+            why = files.why_unwritable(e)
+            if why is None:
                 raise
-            self._remove_partial(step)
+            with contextlib.suppress(OSError):  # on a read-only mount, nothing was written
+                self._remove_partial(step)
+            if not files.is_disk_full(e):
+                raise UserError(f"cannot write the checkpoint of step {step} in {self._own_dir} "
+                                f"({why}): make it writable for this user (a directory another "
+                                f"user made, a read-only mount) and run the same command again "
+                                f"to resume") from None
             raise DiskFullError(
                 f"no space left in {self._own_dir} for the checkpoint of step {step}: a run "
                 f"needs {_megabytes(self.bytes_needed)} there ({MAX_TO_KEEP + 1} checkpoints of "

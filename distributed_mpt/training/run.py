@@ -117,14 +117,20 @@ def _run(config: TrainConfig) -> int:
         # is the teardown that stopping.exit_now skips.
         stopping.keep_until_exit(e)
         return e.exit_code
-    except Exception as e:  # noqa: BLE001 - only a full disk is handled; the rest re-raised
-        if not files.is_disk_full(e):
+    except Exception as e:  # noqa: BLE001 - only a write that cannot succeed; the rest re-raised
+        why = files.why_unwritable(e)
+        if why is None:
             raise
         # Checkpoints say this themselves; this is for the other files
         # (metrics, summary, export), each written whole or not at all.
-        where = getattr(e, "filename", None) or config.run.model_dir
-        print(f"error: no space left for {where}: free space in --model_dir={config.run.model_dir} "
-              f"(docs/reliability.md, \"Disk space\") and run the same command again to resume",
+        # A rename names the file it was to replace second.
+        where = (getattr(e, "filename2", None) or getattr(e, "filename", None)
+                 or config.run.model_dir)
+        problem, fix = ((f"no space left for {where}", f"free space in --model_dir="
+                         f"{config.run.model_dir} (docs/reliability.md, \"Disk space\")")
+                        if files.is_disk_full(e) else
+                        (f"cannot write {where} ({why})", "make it writable for this user"))
+        print(f"error: {problem}: {fix} and run the same command again to resume",
               file=sys.stderr, flush=True)
         return ExitCode.USAGE
     finally:

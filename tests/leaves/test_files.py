@@ -23,6 +23,18 @@ def test_write_json_is_atomic_and_leaves_no_temporary_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+def test_a_rename_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """As a metrics.jsonl bind-mounted onto itself does (EBUSY)."""
+    def busy(source, target):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), source, None, target)
+
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(OSError) as raised:
+        files.write_text(str(tmp_path / "metrics.jsonl"), "{}\n")
+    assert files.why_unwritable(raised.value) == os.strerror(errno.EBUSY)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_write_json_refuses_what_is_not_json_and_writes_nothing(tmp_path, value):
     path = tmp_path / "summary.json"

@@ -5,6 +5,7 @@ directories. A full disk is a real tmpfs where the test may mount one."""
 import json
 import os
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -288,6 +289,30 @@ def test_a_full_disk_is_one_error_that_leaves_no_partial_checkpoint(tmpfs):
     step.assign(2)
     rerun.save(2)
     assert _checkpoints(mount_point, build_model("resnet9", width=16))[0].restore_latest().step == 2
+
+
+def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(tmp_path):
+    """checkpoints/ on a read-only mount (as a directory of another user,
+    EACCES): a TensorFlow traceback and exit 1, before."""
+    model_dir = tmp_path / "run"
+    flags = [*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--noevaluate",
+             f"--model_dir={model_dir}"]
+    assert_ok(train([*flags, "--train_steps=2"]))
+    saved = model_dir / "checkpoints"
+    if subprocess.run(["mount", "--bind", str(saved), str(saved)]).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(saved)], check=True)
+        result = train([*flags, "--train_steps=4"])
+    finally:
+        subprocess.run(["umount", str(saved)], check=True)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors == [f"error: cannot write the checkpoint of step 4 in {saved} (Read-only file "
+                      f"system): make it writable for this user (a directory another user made, "
+                      f"a read-only mount) and run the same command again to resume"]
+    assert_ok(train([*flags, "--train_steps=4"]))
+    assert read_summary(model_dir)["resumed_from_step"] == 2
 
 
 def test_checkpoint_bytes_match_the_files_written(tmp_path):
