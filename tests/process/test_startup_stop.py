@@ -142,3 +142,48 @@ def test_a_stop_just_after_the_lock_is_taken_leaves_no_new_model_dir(tmp_path):
     output = process.stdout.read()
     assert process.returncode in (errors.ExitCode.PREEMPTED, -signal.SIGKILL), output
     assert not model_dir.exists(), f"left {sorted(p.name for p in model_dir.iterdir())}"
+
+
+def _silent_peers(count: int):
+    """`count` listening sockets whose accept queues are full, so that a
+    connection's SYN is dropped, as a lost node's or a firewall's; and the
+    sockets to close."""
+    held = []
+    for _ in range(count):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        held.append(listener)
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+            held.append(filler)
+    time.sleep(0.5)
+    return [f"127.0.0.1:{s.getsockname()[1]}" for s in held[::4]], held
+
+
+def test_the_peers_not_up_at_the_deadline_are_named_at_once():
+    """They were probed one after the other, 2 s each: 40 peers that drop
+    connections held a 10-second deadline for 91 s, stop signals unheeded."""
+    from distributed_mpt.process import startup_watchdog
+
+    silent, held = _silent_peers(40)
+    up = [socket.create_server(("127.0.0.1", 0))]
+    if socket.has_ipv6:
+        try:
+            up.append(socket.create_server(("::1", 0), family=socket.AF_INET6))
+        except OSError:
+            pass
+    answering = [f"127.0.0.1:{up[0].getsockname()[1]}"] + \
+        [f"[::1]:{s.getsockname()[1]}" for s in up[1:]]
+    try:
+        began = time.monotonic()
+        missing = startup_watchdog._not_up([*answering, *silent])
+        seconds = time.monotonic() - began
+    finally:
+        for s in held + up:
+            s.close()
+    print(f"41+ peers probed in {seconds:.2f} s")
+    assert missing == silent, "the peers that answer, over IPv6 too, are not named"
+    assert seconds < startup_watchdog.PROBE_SECONDS + BOUND_SECONDS
