@@ -27,6 +27,7 @@ the others still run, and the exit status is 1.
 # This module: the command line: flags into `BenchmarkOptions`, the run, the report,
 # the JSON file and the exit status (0; 1 if a section failed; 2 for bad flags).
 
+import contextlib
 import os
 import sys
 import textwrap
@@ -85,14 +86,28 @@ def output_kind(path: str) -> Optional[str]:
     """What `path` is, in words, when it is there and neither a regular file
     nor a link to one: the JSON is renamed over the file, which would put a
     regular file in place of a device node (as root, --output=/dev/null would
-    replace the system's), a FIFO or a socket."""
-    if not os.path.lexists(path) or files.is_regular_file(path):
+    replace the system's), a FIFO or a socket; or this program's standard
+    output or error, even where that is a regular file."""
+    if not os.path.lexists(path):
+        return None
+    if files.is_regular_file(path):
+        # --output=/dev/stdout with `>> run.log`: renamed over the log, it
+        # would take the log's earlier lines, and the report after it.
+        target = os.stat(path)
+        for name, stream in (("standard output", sys.stdout), ("standard error", sys.stderr)):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                opened = os.fstat(stream.fileno())
+                if (opened.st_dev, opened.st_ino) == (target.st_dev, target.st_ino):
+                    return f"this program's {name}"
         return None
     return files.kind_of(os.path.realpath(path) if os.path.exists(path) else path)
 
 
 def _regular_file_or_absent(path: Optional[str]) -> bool:
     kind = path and output_kind(config_lib.user_path(path))
+    if kind and kind.startswith("this program's"):
+        raise flags.ValidationError(f"is {kind}, which the report goes to: name a file of its "
+                                    f"own for the JSON")
     if kind:
         raise flags.ValidationError(f"is {kind}, not a regular file: name a file to write")
     return True

@@ -9,13 +9,14 @@ import math
 import os
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import WatchedProcess, run_module
+from conftest import REPO, WatchedProcess, run_module, subprocess_env
 from distributed_mpt.benchmark import cells, cli, roof, sections
 from distributed_mpt.benchmark.sections import SECTIONS
 from distributed_mpt.core import models
@@ -346,3 +347,20 @@ def test_the_best_rate_times_every_window_with_one_call_at_least():
     calls = []
     rate = roof.best_rate(lambda: calls.append(1), 10, repeats=3, seconds=0)
     assert len(calls) == 3 and rate > 0 and math.isfinite(rate)
+
+
+def test_an_output_that_is_the_programs_own_log_is_refused(tmp_path):
+    """`--output=/dev/stdout >> run.log`: the JSON was renamed over run.log,
+    its earlier lines gone, and the report printed after it lost with the
+    old file."""
+    log = tmp_path / "run.log"
+    log.write_text("yesterday's results\n")
+    with open(log, "a") as appended:
+        result = subprocess.run([sys.executable, "-m", "distributed_mpt.benchmark", "--tiny",
+                                 "--output=/dev/stdout"], stdout=appended, stderr=subprocess.PIPE,
+                                text=True, env=subprocess_env(), cwd=REPO, timeout=300)
+    assert result.returncode == ExitCode.USAGE
+    assert result.stderr.splitlines()[-1] == (
+        "error: flag --output=/dev/stdout: is this program's standard output, which the report "
+        "goes to: name a file of its own for the JSON")
+    assert log.read_text() == "yesterday's results\n"
