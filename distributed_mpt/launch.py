@@ -328,6 +328,10 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
                 _say(f"[launch] exit code {code} is permanent (bad input or divergence): "
                      f"not restarting")
                 return code
+            if code == ExitCode.MODEL_DIR_BUSY:  # retryable with a backoff, which this has not
+                _say(f"[launch] another run holds --model_dir (exit code {code}): not "
+                     f"restarting, as fresh ports cannot free it")
+                return code
             if restarts >= max_restarts or forwarded:
                 _say(f"[launch] giving up after {restarts} restart(s)")
                 return code

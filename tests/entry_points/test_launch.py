@@ -194,6 +194,20 @@ def test_permanent_exit_code_is_not_retried(tmp_path):
     assert re.search(r"^\[worker [01]\] error: .*learning_rate", result.stderr, re.M)
 
 
+def test_a_model_dir_another_run_holds_is_not_retried(tmp_path):
+    """The launcher restarted the group at once, three times, each saying
+    "resuming from the latest checkpoint": fresh ports cannot free it."""
+    from distributed_mpt.process.run_lock import RunLock
+
+    (tmp_path / "run").mkdir()
+    with RunLock(str(tmp_path / "run")):
+        result = _launcher(["--num_workers=1", "--max_restarts=3", "--", *WORKER_FLAGS,
+                            f"--model_dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    assert result.returncode == errors.ExitCode.MODEL_DIR_BUSY, result.stdout + result.stderr
+    assert len(_worker_pids(result.stdout)) == 1, "one group, never restarted"
+    assert "another run holds --model_dir" in result.stdout and "restart 1/" not in result.stdout
+
+
 def test_a_launcher_whose_output_cannot_be_written_supervises_its_workers(tmp_path):
     # Its first line used to end it with an error, worker 0 started and left
     # on its own; now it warns once and supervises its workers to their end.
