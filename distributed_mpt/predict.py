@@ -79,6 +79,11 @@ def _flag_values() -> flags.FlagValues:
     cli.define_integer(fv, "top_k", 1, "Classes to print per image, most probable first.",
                        lower=1, upper=10)
     flags.DEFINE_bool("json", False, "Print one JSON object instead of lines.", flag_values=fv)
+    flags.DEFINE_string("model", None, "Your own model (path/to/file.py:function), as trained, "
+                        "to predict from a checkpoint of a run that trained it (an export "
+                        "needs none): the code config.json names is never imported, as "
+                        "every file in --model_dir is untrusted. Its network must be the "
+                        "run's.", flag_values=fv)
     return fv
 
 
@@ -93,17 +98,18 @@ class Classifier:
     info: dict   # what it is and was trained on (outputs.model_info); {} if unknown
 
 
-def load_classifier(model_dir: str) -> Classifier:
+def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classifier:
     """The model of a run directory or export directory `model_dir`: its
-    export if it has one, else its newest readable checkpoint. Raises
-    UserError if neither holds the model whole."""
+    export if it has one, else its newest readable checkpoint, a user's
+    network built from `users_model` (predict's --model). Raises UserError
+    if neither holds the model whole."""
     if not os.path.isdir(model_dir):
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
         if os.path.isdir(os.path.join(export_dir, SAVED_MODEL_DIR)):
             return _load_export(export_dir)
-    return _load_checkpoint(model_dir)
+    return _load_checkpoint(model_dir, users_model)
 
 
 # What mends a damaged export (a finished run exports again from its checkpoint).
@@ -150,7 +156,7 @@ def _load_export(export_dir: str) -> Classifier:
                       names, tuple(signature.shape[1:]), saved_model, info)
 
 
-def _load_checkpoint(model_dir: str) -> Classifier:
+def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import models
@@ -171,6 +177,19 @@ def _load_checkpoint(model_dir: str) -> Classifier:
     resolved = recorded.get("resolved") if isinstance(recorded.get("resolved"), dict) else {}
     info = _dataset_info(config, resolved, config_path)
     network = config.model
+    if models.model_spec(network.model).is_users:
+        # config.json is untrusted: its run's code is the one the user names.
+        if users_model is None:
+            raise ConfigError(
+                f"--model_dir={quoted(model_dir)} holds no export, and its checkpoint is of your "
+                f"own model ({quoted(network.model)} in its config.json): give --model=FILE.py:"
+                f"FUNCTION, the one it trained, as predict imports no code that a file in "
+                f"--model_dir names")
+        network = dataclasses.replace(network, model=users_model)
+    elif users_model is not None:
+        raise ConfigError(f"--model={quoted(users_model)}: the run in --model_dir="
+                          f"{quoted(model_dir)} trained the package's {quoted(network.model)}, "
+                          f"which needs no --model")
     spec = models.model_spec(network.model)
     try:
         model = network.build(info, config.airbench)
@@ -310,7 +329,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         _checked_config({"synthetic_examples": fv.synthetic_examples})
     for path in paths:  # bad files fail before the model loads (and are read again after)
         images.read_image(path)
-    classifier = load_classifier(fv.model_dir)
+    classifier = load_classifier(fv.model_dir, fv.model)
     print(describe(classifier), file=sys.stderr)
     if paths and classifier.info.get("dataset") == "synthetic":
         print(SYNTHETIC_WARNING, file=sys.stderr)

@@ -125,11 +125,33 @@ def test_predict_from_a_checkpoint_refuses_a_changed_model_file(tmp_path):
     assert_ok(_train(model, run, 2))
     photo = tmp_path / "photo.png"
     Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
-    assert_ok(_predict(f"--model_dir={run}", photo))
+    assert_ok(_predict(f"--model_dir={run}", f"--model={model}:net", photo))
     model.write_text(MODEL.replace('"relu"', '"sigmoid"'))
-    result = _predict(f"--model_dir={run}", photo)
+    result = _predict(f"--model_dir={run}", f"--model={model}:net", photo)
     assert_one_error_line(result, "the source of net (and of what it uses of its file) differs")
     assert "predict from the run's export" in result.stderr
+
+
+def test_predict_imports_no_code_that_config_json_names(tmp_path):
+    """Every file in --model_dir is untrusted: a config.json naming a file
+    of its own (or any installed function, code:interact reading Python
+    from stdin) was imported and called by predict from a checkpoint."""
+    model, run = tmp_path / "mine.py", tmp_path / "run"
+    model.write_text(MODEL)
+    assert_ok(_train(model, run, 2))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    (run / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n"
+                                 f"def net(info):\n    raise ValueError\n")
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["model"] = f"{run / 'evil.py'}:net"
+    (run / "config.json").write_text(json.dumps(config))
+    assert_one_error_line(_predict(f"--model_dir={run}", photo),
+                          "its checkpoint is of your own model")
+    assert not (tmp_path / "ran").exists(), "nothing that config.json names was run"
+    # The user's own file, named by the user, is the network the run recorded.
+    assert_ok(_predict(f"--model_dir={run}", f"--model={model}:net", photo))
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.fixture(scope="module")
