@@ -41,9 +41,12 @@ from distributed_mpt.errors import ConsoleError, ExitCode, UserError, first_line
 from distributed_mpt.process import console
 from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
 
-# Exit codes that say a restart cannot help (see errors.py): bad input,
-# divergence. Any other failure, a crash included, restarts the group.
-_PERMANENT = (ExitCode.USAGE, ExitCode.DIVERGED)
+# Exit codes after which restarting cannot help (see errors.py): bad input,
+# divergence; or not at once, as this launcher would: a busy --model_dir.
+# Any other failure, a crash included, restarts the group.
+_NOT_RESTARTED = {ExitCode.USAGE: "is permanent (bad input or divergence)",
+                  ExitCode.DIVERGED: "is permanent (bad input or divergence)",
+                  ExitCode.MODEL_DIR_BUSY: "says another run holds --model_dir"}
 # Exit codes of a worker that stopped because another one was lost.
 _PEER_LOSS = (ExitCode.PEER_LOST, ExitCode.PEER_TIMEOUT)
 # What TensorFlow prints when a worker cannot listen on its TF_CONFIG port.
@@ -324,13 +327,8 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
                 _say(busy_port_error, sys.stderr)
             # The launcher chose that port and fresh ones cure it, whatever
             # code the worker turned the failure into.
-            if code in _PERMANENT and not busy_port_error:
-                _say(f"[launch] exit code {code} is permanent (bad input or divergence): "
-                     f"not restarting")
-                return code
-            if code == ExitCode.MODEL_DIR_BUSY:  # retryable with a backoff, which this has not
-                _say(f"[launch] another run holds --model_dir (exit code {code}): not "
-                     f"restarting, as fresh ports cannot free it")
+            if code in _NOT_RESTARTED and not busy_port_error:
+                _say(f"[launch] exit code {code} {_NOT_RESTARTED[code]}: not restarting")
                 return code
             if restarts >= max_restarts or forwarded:
                 _say(f"[launch] giving up after {restarts} restart(s)")

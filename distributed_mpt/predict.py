@@ -79,11 +79,9 @@ def _flag_values() -> flags.FlagValues:
     cli.define_integer(fv, "top_k", 1, "Classes to print per image, most probable first.",
                        lower=1, upper=10)
     flags.DEFINE_bool("json", False, "Print one JSON object instead of lines.", flag_values=fv)
-    flags.DEFINE_string("model", None, "Your own model (path/to/file.py:function), as trained, "
-                        "to predict from a checkpoint of a run that trained it (an export "
-                        "needs none): the code config.json names is never imported, as "
-                        "every file in --model_dir is untrusted. Its network must be the "
-                        "run's.", flag_values=fv)
+    flags.DEFINE_string("model", None, "Your own model (file.py:function), for a checkpoint of "
+                        "a run that trained it: predict imports no code that config.json "
+                        "names.", flag_values=fv)
     return fv
 
 
@@ -100,9 +98,8 @@ class Classifier:
 
 def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classifier:
     """The model of a run directory or export directory `model_dir`: its
-    export if it has one, else its newest readable checkpoint, a user's
-    network built from `users_model` (predict's --model). Raises UserError
-    if neither holds the model whole."""
+    export if it has one, else its newest readable checkpoint (a user's
+    network built from `users_model`, --model). UserError if neither holds it."""
     if not os.path.isdir(model_dir):
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")
@@ -177,19 +174,15 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     resolved = recorded.get("resolved") if isinstance(recorded.get("resolved"), dict) else {}
     info = _dataset_info(config, resolved, config_path)
     network = config.model
-    if models.model_spec(network.model).is_users:
-        # config.json is untrusted: its run's code is the one the user names.
-        if users_model is None:
-            raise ConfigError(
-                f"--model_dir={quoted(model_dir)} holds no export, and its checkpoint is of your "
-                f"own model ({quoted(network.model)} in its config.json): give --model=FILE.py:"
-                f"FUNCTION, the one it trained, as predict imports no code that a file in "
-                f"--model_dir names")
-        network = dataclasses.replace(network, model=users_model)
-    elif users_model is not None:
-        raise ConfigError(f"--model={quoted(users_model)}: the run in --model_dir="
-                          f"{quoted(model_dir)} trained the package's {quoted(network.model)}, "
-                          f"which needs no --model")
+    users = models.model_spec(network.model).is_users
+    if users != (users_model is not None):  # config.json is untrusted: the user names the code
+        raise ConfigError(
+            f"--model_dir={quoted(model_dir)} holds no export, and its checkpoint is of your own "
+            f"model ({quoted(network.model)} in its config.json): give --model=FILE.py:FUNCTION, "
+            f"the one it trained, as predict imports no code that a file in --model_dir names"
+            if users else f"--model={quoted(users_model)} is for a run of your own model, and "
+            f"--model_dir={quoted(model_dir)} trained the package's {quoted(network.model)}")
+    network = dataclasses.replace(network, model=users_model) if users else network
     spec = models.model_spec(network.model)
     try:
         model = network.build(info, config.airbench)
@@ -208,9 +201,8 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     # The test results are this checkpoint's only if the run ended with it.
     summary = files.read_json(os.path.join(model_dir, "summary.json"))
     results = summary if summary.get("steps") == step else {}
-    trained = model_info(config.flags(),
-                         {**results, "steps": step,
-                          "precision": resolved.get("precision") or config.run.precision})
+    trained = model_info(config.flags(), {**results, "steps": step, "precision":
+                                          resolved.get("precision") or config.run.precision})
 
     def probabilities(x):
         return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
@@ -233,8 +225,7 @@ def _dataset_info(config: TrainConfig, resolved: dict, config_path: str) -> Data
 
 
 def _restore_weights(model, prefix: str) -> Optional[str]:
-    """Restores every weight of `model` from the checkpoint at `prefix`;
-    returns why it cannot, or None."""
+    """Restores every weight of `model` from `prefix`; why it cannot, or None."""
     import tensorflow as tf
 
     try:
@@ -380,10 +371,8 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     loaded = chosen_data.load(split.run.seed, splits=("test",))
     dataset = chosen_data.dataset
     _refuse_other_classes(classifier, dataset, loaded.info)  # else its accuracy means nothing
-    test = loaded.test
-    return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
-            **evaluate(classifier.probabilities, test.images, test.labels, fv.tta,
-                       fv.tta_fraction)}
+    return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction, **evaluate(
+        classifier.probabilities, loaded.test.images, loaded.test.labels, fv.tta, fv.tta_fraction)}
 
 
 def _refuse_other_classes(classifier: Classifier, dataset: str, split: DatasetInfo) -> None:
