@@ -146,6 +146,18 @@ def _read_now(f, size: int) -> bytes:
     return data
 
 
+def refuse_special_files(directory: str, remedy: str) -> None:
+    """Raises ConfigError (ending in `remedy`) if anything below
+    `directory` is neither a regular file nor a folder: a FIFO, a device, a
+    socket, a link to nothing or to a folder (not looked into)."""
+    for root, folders, names in os.walk(directory):
+        for name in names + [f for f in folders if os.path.islink(os.path.join(root, f))]:
+            path = os.path.join(root, name)
+            if not is_regular_file(path):
+                raise ConfigError(f"{quoted(path)} is {kind_of(path)}, not a regular file or "
+                                  f"folder: {remedy}")
+
+
 def is_regular_file(path: str) -> bool:
     """True if `path` is a regular file, or a symbolic link to one."""
     try:

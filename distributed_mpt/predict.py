@@ -119,6 +119,7 @@ def _load_export(export_dir: str) -> Classifier:
     from distributed_mpt.core import precision
 
     saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
+    files.refuse_special_files(saved_model, _REEXPORT)  # TensorFlow would wait on a FIFO for ever
     try:
         loaded = tf.saved_model.load(saved_model)
         serve = loaded.signatures["serving_default"]

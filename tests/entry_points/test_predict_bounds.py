@@ -2,6 +2,8 @@
 trained: bounded before decoding, and said before any answer."""
 
 import io
+import os
+import shutil
 import subprocess
 import sys
 
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, assert_ok, assert_one_error_line, run_in_process, subprocess_env
+from conftest import (REPO, assert_ok, assert_one_error_line, deadline, run_in_process,
+                      subprocess_env)
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.training import outputs
@@ -84,3 +87,18 @@ def test_a_newline_in_a_file_name_cannot_forge_an_answer_line(untrained, tmp_pat
     result = predict(f"--model_dir={untrained}", path)
     assert_ok(result)
     assert len(result.stdout.splitlines()) == 1 and "\\n" in result.stdout
+
+
+@pytest.mark.parametrize("part", ["saved_model.pb", "variables/variables.data-00000-of-00001"])
+def test_an_export_holding_a_fifo_is_refused_not_waited_on(untrained, tmp_path, part):
+    """TensorFlow's loader opened it and waited for ever."""
+    export = tmp_path / "export"
+    shutil.copytree(untrained / "export", export)
+    fifo = export / "saved_model" / part
+    fifo.unlink()
+    os.mkfifo(fifo)
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    with deadline(60):
+        result = predict(f"--model_dir={export}", photo)
+    assert_one_error_line(result, f"{fifo} is a FIFO, not a regular file or folder")
