@@ -52,6 +52,18 @@ def _png(width: int, height: int, depth: int, colour: int, rows: bytes) -> bytes
             + chunk(b"IEND", b""))
 
 
+def test_an_image_too_long_to_resize_is_refused_by_name(tmp_path):
+    """25 million pixels in one row, within the bounds: TensorFlow's
+    antialiased resize raised InternalError ("Span is too large"), a
+    traceback in training and in predict."""
+    path = tmp_path / "row.png"
+    path.write_bytes(_png(25_000_000, 1, 8, 0, b"\0" + b"\x80" * 25_000_000))
+    with pytest.raises(images.ImageError) as raised:
+        images.read_image(str(path), (32, 32))
+    assert str(raised.value) == (f"{path} is 25,000,000 x 1 pixels, an aspect ratio too extreme "
+                                 f"for the resize to 32 x 32: crop it nearer to a square")
+
+
 # --- depth: scaled as the file means it, or refused by name ------------------
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])

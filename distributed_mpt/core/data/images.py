@@ -74,6 +74,9 @@ def read_image(path: str, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
         return resize(pixels, size) if size else pixels
     except MemoryError:  # the resize is the larger peak (see MAX_IMAGE_PIXELS)
         raise _out_of_memory(path) from None
+    except ValueError as e:
+        raise ImageError(f"{quoted(path)} is {pixels.shape[1]:,} x {pixels.shape[0]:,} pixels, "
+                         f"{e} to {size[1]} x {size[0]}: crop it nearer to a square") from None
 
 
 def _out_of_memory(path: str) -> "ImageError":
@@ -85,12 +88,16 @@ def _out_of_memory(path: str) -> "ImageError":
 def resize(pixels: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
     """uint8 [H, W, 3] `pixels` as uint8 of `size` (height, width): unchanged
     if already that size, else resized with antialiasing, which averages all
-    the pixels that shrink into one instead of sampling a few of them."""
+    the pixels that shrink into one instead of sampling a few of them.
+    ValueError if TensorFlow cannot (an extreme aspect ratio)."""
     if pixels.shape[:2] == tuple(size):
         return pixels
     import tensorflow as tf
 
-    small = tf.image.resize(pixels, size, antialias=True)
+    try:
+        small = tf.image.resize(pixels, size, antialias=True)
+    except tf.errors.OpError:  # "Span is too large": 100 million pixels in a row, say
+        raise ValueError("an aspect ratio too extreme for the resize") from None
     return tf.cast(tf.clip_by_value(tf.round(small), 0, 255), tf.uint8).numpy()
 
 
