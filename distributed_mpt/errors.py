@@ -86,11 +86,20 @@ _ROOT_ERRORS = re.compile(r"\d+ root error\(s\) found\.")
 _ROOT_ERROR = re.compile(r"\s+\(\d+\) (?:[A-Z_]+:\s*)?(.*)")
 
 
+def text_of(value) -> str:
+    """str(value), or what it is where str() fails: a user's model may raise
+    an error whose __str__ raises, or returns no string."""
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - whatever its own code raises
+        return f"{type(value).__name__} (whose message cannot be shown)"
+
+
 def first_line(error, limit: int = 200) -> str:
     """The first line of an error or message that says what went wrong, at
     most `limit` characters: what fits into one `error:` line (TensorFlow's
     messages run to pages, and open with where the failing op was defined)."""
-    every_line = [line for line in str(error).splitlines() if line.strip()]
+    every_line = [line for line in text_of(error).splitlines() if line.strip()]
     lines = every_line
     if lines and lines[0] == _GRAPH_ERROR:
         lines = [line for line in lines[1:] if not _WHERE_DEFINED.match(line)] or lines
@@ -111,7 +120,7 @@ def quoted(value, limit: int = QUOTE_LIMIT) -> str:
     cannot forge a line of output nor an escape sequence drive the
     terminal, and at most `limit` characters (`--flagfile=/proc/self/environ`
     must not print the environment). Plain short text stays as it is."""
-    text = str(value)
+    text = text_of(value)
     if _UNPRINTABLE.search(text):
         text = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -184,6 +184,15 @@ def exits(info):
 
 def interrupts(info):
     raise KeyboardInterrupt
+
+
+class Unsayable(Exception):
+    def __str__(self):
+        raise RuntimeError("its own __str__ fails")
+
+
+def unsayable(info):
+    raise Unsayable
 '''
 FLAGS = ["--dataset=synthetic", "--synthetic_examples=256", "--per_replica_batch_size=32",
          "--precision=float32", "--warmup_epochs=0", "--noevaluate", "--noexport",
@@ -288,6 +297,9 @@ def test_a_model_that_cannot_take_uint8_says_why_in_one_whole_line(model_file, t
     ("exits", "failed to build its model (it called sys.exit(0), which would end the run as if "
               "it had finished"),
     ("interrupts", "failed to build its model (KeyboardInterrupt, raised by the model's own code"),
+    # Its message's own code failed: a traceback, before.
+    ("unsayable", "failed to build its model (Unsayable: Unsayable (whose message cannot be "
+                  "shown))"),
 ])
 def test_a_model_function_that_ends_the_program_is_one_error_line(model_file, tmp_path, function,
                                                                  fragment):

@@ -28,7 +28,11 @@ def test_codes_follow_kubeflows_exit_code_restart_policy():
 
 
 def test_the_launcher_gives_up_only_on_codes_a_restart_cannot_fix():
-    assert all(not ExitCode(code).retryable for code in launch._PERMANENT)
+    # And on a busy --model_dir: retryable with a backoff, which the
+    # launcher's restart at once has not.
+    assert {code for code in launch._NOT_RESTARTED if ExitCode(code).retryable} == \
+        {ExitCode.MODEL_DIR_BUSY}
+    assert {ExitCode.USAGE, ExitCode.DIVERGED} <= set(launch._NOT_RESTARTED)
 
 
 def test_a_process_ended_by_the_startup_watchdog_reports_the_named_code():

@@ -31,7 +31,7 @@ import re
 import signal
 from typing import Optional, Tuple
 
-from distributed_mpt.errors import UserError, first_line, quoted
+from distributed_mpt.errors import UserError, first_line, quoted, text_of
 
 
 class ModelError(UserError):
@@ -83,7 +83,8 @@ def cause(error: BaseException) -> str:
     """What `error` says, for an error line: its type and first line (of
     the error inside Keras' "Exception encountered when calling" wrapper,
     with the layer), "..." where it is cut."""
-    lines = [line for line in _TERMINAL_CODES.sub("", str(error)).splitlines() if line.strip()]
+    lines = [line for line in _TERMINAL_CODES.sub("", text_of(error)).splitlines()
+             if line.strip()]
     where = _KERAS_CALL.match(lines[0].strip()) if len(lines) > 1 else None
     text = (f"in {where.group(1)}: {lines[1].strip()}" if where
             else first_line(error, limit=10_000))
