@@ -188,3 +188,12 @@ def test_evaluate_refuses_a_split_of_other_classes(three_classes, tmp_path, data
     result = _predict(f"--model_dir={three_classes}", "--evaluate", f"--dataset={dataset}",
                       f"--data_dir={folder}")
     assert_one_error_line(result, fragment)
+
+
+def test_a_model_file_nesting_deeper_than_the_signature_walks_is_one_error_line(tmp_path):
+    """Python compiles an expression of 1,500 terms that its own recursion
+    limit cannot walk: a RecursionError traceback, before."""
+    model, run = tmp_path / "deep.py", tmp_path / "run"
+    model.write_text(MODEL + "\nSCALE = " + "+".join(["1"] * 1500) + "\n")
+    assert_one_error_line(_train(model, run, 2), "its source nests too deep to record")
+    assert not run.exists()

@@ -48,7 +48,12 @@ def model_signature(spec: ModelSpec, model) -> dict:
         path, function = _locate(spec.builder)
         module = sys.modules.get(spec.builder.rpartition(":")[0])  # package.module:function
         package = module.__spec__.parent if module and module.__spec__ else None
-        signature["source"] = _source_digests(spec.name, path, function, package)
+        try:
+            signature["source"] = _source_digests(spec.name, path, function, package)
+        except RecursionError:  # Python compiles deeper trees than its own recursion walks
+            raise ModelError(f"--model={quoted(spec.name)}: its source nests too deep to record "
+                             f"what the network is made of (generated code: an expression of "
+                             f"thousands of terms?); write it as a loop or a list") from None
     # Keras numbers the layers it names per process (dense, dense_1, ...):
     # the same network built after another must get the same names.
     names = [f"{re.sub(r'_[0-9]+(?=/|$)', '', v.path)} {list(v.shape)} {v.dtype}"
