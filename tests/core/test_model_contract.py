@@ -319,3 +319,29 @@ def test_a_model_file_whose_module_getattr_raises_is_one_error_line(tmp_path):
     result = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"])
     assert_one_error_line(result, "does not import (RuntimeError: no net yet)")
     assert not run.exists()
+
+
+def test_what_a_model_changes_of_the_process_is_set_back(tmp_path, capfd):
+    """A model function that ignored SIGTERM and Ctrl-C (as some libraries
+    do) left a run that only SIGKILL stopped, without a checkpoint; one that
+    changed the working directory broke a relative --model_dir."""
+    import os
+    import signal
+
+    from distributed_mpt.core.models.contract import users_code
+
+    cwd, handlers = os.getcwd(), [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    try:
+        with users_code("m.py:net", "failed to build its model"):
+            os.chdir(tmp_path)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert os.getcwd() == cwd
+        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers
+    finally:
+        os.chdir(cwd)
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    assert capfd.readouterr().err == (
+        "warning: --model=m.py:net changed the working directory and the handlers of stop "
+        "signals, which the run relies on: set back\n")

@@ -27,10 +27,13 @@ SystemExit and a KeyboardInterrupt included, is one ModelError naming it
 """
 
 import contextlib
+import os
 import re
 import signal
+import threading
 from typing import Optional, Tuple
 
+from distributed_mpt import files
 from distributed_mpt.errors import UserError, first_line, quoted, text_of
 
 
@@ -48,7 +51,11 @@ def users_code(name: str, failure: str):
     """Runs model code of --model=`name`: anything it raises becomes one
     ModelError, "--model=NAME <failure> (<what it raised>)", except a
     KeyboardInterrupt that Ctrl-C may have raised (predict's, where SIGINT
-    has Python's default handler; a training run owns its stop signals)."""
+    has Python's default handler; a training run owns its stop signals).
+    What it changes of the process that the run relies on, the working
+    directory (relative paths) and the stop signals' handlers (a library
+    that ignores SIGTERM), is set back, with a warning."""
+    kept = _process_state()
     try:
         yield
     except UserError:
@@ -65,6 +72,41 @@ def users_code(name: str, failure: str):
                          f"what is wrong instead)") from None
     except BaseException as e:  # noqa: BLE001 - whatever the user's code raises is one line
         raise ModelError(f"--model={quoted(name)} {failure} ({cause(e)})") from None
+    finally:
+        changed = [what for what, value in _process_state().items() if value != kept[what]]
+        if changed:
+            _set_back(kept)
+            files.warn(f"--model={quoted(name)} changed {' and '.join(changed)}, which the "
+                       f"run relies on: set back")
+
+
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
+
+def _process_state() -> dict:
+    """The working directory and the stop signals' handlers (where this is
+    the main thread, which alone may set them)."""
+    state = {"the working directory": _cwd()}
+    if threading.current_thread() is threading.main_thread():
+        state["the handlers of stop signals"] = {
+            name: signal.getsignal(getattr(signal, name)) for name in _STOP_SIGNALS}
+    return state
+
+
+def _cwd() -> Optional[str]:
+    try:
+        return os.getcwd()
+    except OSError:  # removed under the process
+        return None
+
+
+def _set_back(kept: dict) -> None:
+    with contextlib.suppress(OSError, TypeError):
+        os.chdir(kept["the working directory"])
+    for name, handler in kept.get("the handlers of stop signals", {}).items():
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            if handler is not None:
+                signal.signal(getattr(signal, name), handler)
 
 
 # What TensorFlow says of a tensor used outside the graph it was made in:
