@@ -179,6 +179,8 @@ def test_the_rule_at_scale_on_cifar10():
     assert [scaling.batch_rule(b) for b in (1024, 5000, 5001, 50_000, 50_001)] == [
         "ok", "ok", "warns", "warns", "refused"]
     assert schedules.linear_rule_limit(1_281_167) == schedules.LINEAR_RULE_LIMIT  # ImageNet
+    # A folder of 9 images: a batch of 1 was "above 0", advice none could follow.
+    assert schedules.linear_rule_limit(9) == 1 and not schedules.linear_rule_warning(1, 9)
 
 
 # ------------------------------------------ the link-limited regime (netns)

@@ -87,8 +87,9 @@ def scaled_learning_rate(base_learning_rate: float, global_batch_size: int,
 
 def linear_rule_limit(train_examples: int) -> int:
     """The largest global batch at which the linear rule is known to hold
-    for a training split of `train_examples`."""
-    return min(LINEAR_RULE_LIMIT, int(LARGE_BATCH_FRACTION * train_examples))
+    for a training split of `train_examples` (one image, at the least: a
+    folder of 9 warned that a batch of 1 was above 0)."""
+    return min(LINEAR_RULE_LIMIT, max(1, int(LARGE_BATCH_FRACTION * train_examples)))
 
 
 def linear_rule_warning(global_batch_size: int, train_examples: int) -> str:
