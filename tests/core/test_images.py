@@ -64,6 +64,17 @@ def test_an_image_too_long_to_resize_is_refused_by_name(tmp_path):
                                  f"for the resize to 32 x 32: crop it nearer to a square")
 
 
+def test_a_row_too_long_for_pillow_is_named_as_such_not_as_memory(tmp_path):
+    """100 million pixels in one row, within the bounds: "did not fit in
+    the memory left ... free memory", with 21 GB free."""
+    path = tmp_path / "row.png"
+    path.write_bytes(_png(100_000_000, 1, 8, 0, b"\0" + b"\x80" * 100_000_000))
+    with pytest.raises(images.ImageError) as raised:
+        images.read_image(str(path))
+    assert str(raised.value) == (f"{path} is 100,000,000 pixels wide, a row longer than Pillow "
+                                 f"converts at once: crop it nearer to a square")
+
+
 # --- depth: scaled as the file means it, or refused by name ------------------
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])

@@ -123,6 +123,11 @@ def _bounded_pillow():
         Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = saved
 
 
+# A 100,000,000 x 1 PNG raised MemoryError in Pillow's conversion with 21 GB
+# free, 60,000,000 x 1 did not (Pillow 13.0, 2 cores of an AMD EPYC).
+_LONGEST_ROW_BYTES = 1 << 28
+
+
 def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
     """The first frame of the image file `encoded` in RGB, every frame
     decoded and the file checked to its end (`noted`: Pillow's warnings, as
@@ -135,6 +140,7 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
             f"{quoted(path)} is an image in the {kind} format, which this program does not "
             f"read: convert it to PNG ({FORMAT_NAMES} are read)" if kind else
             f"{quoted(path)} is not an image file ({FORMAT_NAMES} are read)")
+    width = 0
     try:
         with Image.open(io.BytesIO(encoded), formats=FORMATS) as image:  # the header only
             first, pixels_in_all = None, 0
@@ -159,7 +165,10 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
                          f"decodes ({MAX_IMAGE_PIXELS:,})") from None
     except ImageError:
         raise
-    except MemoryError:  # not damage: the same file decodes where there is memory
+    except MemoryError:  # not damage: the same file decodes where there is memory...
+        if width * 4 > _LONGEST_ROW_BYTES:  # ...or not: Pillow's own limit on a row
+            raise ImageError(f"{quoted(path)} is {width:,} pixels wide, a row longer than "
+                             f"Pillow converts at once: crop it nearer to a square") from None
         raise _out_of_memory(path) from None
     except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, ...
         damage = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
