@@ -345,3 +345,20 @@ def test_what_a_model_changes_of_the_process_is_set_back(tmp_path, capfd):
     assert capfd.readouterr().err == (
         "warning: --model=m.py:net changed the working directory and the handlers of stop "
         "signals, which the run relies on: set back\n")
+
+
+def test_a_model_that_sets_the_precision_policy_itself_is_refused(tmp_path):
+    """It trained in float16 without loss scaling, while config.json and
+    the export said float32."""
+    source = tmp_path / "policy.py"
+    source.write_text("import keras\n\ndef net(info):\n"
+                      "    keras.mixed_precision.set_global_policy('mixed_float16')\n"
+                      "    images = keras.Input(info.image_shape, dtype='uint8')\n"
+                      "    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))\n"
+                      "    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))\n")
+    run = tmp_path / "run"
+    assert_one_error_line(train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"]),
+                          "sets the mixed-precision policy itself (mixed_float16)")
+    assert not run.exists()
+    import keras
+    assert keras.mixed_precision.global_policy().name == "float32", "set back"

@@ -30,6 +30,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 import threading
 from typing import Optional, Tuple
 
@@ -73,9 +74,16 @@ def users_code(name: str, failure: str):
     except BaseException as e:  # noqa: BLE001 - whatever the user's code raises is one line
         raise ModelError(f"--model={quoted(name)} {failure} ({cause(e)})") from None
     finally:
-        changed = [what for what, value in _process_state().items() if value != kept[what]]
+        now = _process_state()
+        changed = [what for what, value in now.items() if value != kept[what]]
         if changed:
             _set_back(kept)
+            if _POLICY in changed and sys.exc_info()[0] is None:  # its layers have it now
+                raise ModelError(
+                    f"--model={quoted(name)} sets the mixed-precision policy itself "
+                    f"({now[_POLICY]}), which the run sets from --precision, with loss scaling "
+                    f"where float16 needs it: remove that line, and pass "
+                    f"--precision={now[_POLICY]}")
             files.warn(f"--model={quoted(name)} changed {' and '.join(changed)}, which the "
                        f"run relies on: set back")
 
@@ -83,10 +91,17 @@ def users_code(name: str, failure: str):
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 
+_POLICY = "the mixed-precision policy"
+
+
 def _process_state() -> dict:
-    """The working directory and the stop signals' handlers (where this is
-    the main thread, which alone may set them)."""
-    state = {"the working directory": _cwd()}
+    """The working directory, Keras' mixed-precision policy and the stop
+    signals' handlers (where this is the main thread, which alone may set
+    them)."""
+    import keras
+
+    state = {"the working directory": _cwd(),
+             _POLICY: keras.mixed_precision.global_policy().name}
     if threading.current_thread() is threading.main_thread():
         state["the handlers of stop signals"] = {
             name: signal.getsignal(getattr(signal, name)) for name in _STOP_SIGNALS}
@@ -101,6 +116,9 @@ def _cwd() -> Optional[str]:
 
 
 def _set_back(kept: dict) -> None:
+    import keras
+
+    keras.mixed_precision.set_global_policy(kept[_POLICY])
     with contextlib.suppress(OSError, TypeError):
         os.chdir(kept["the working directory"])
     for name, handler in kept.get("the handlers of stop signals", {}).items():
