@@ -109,6 +109,8 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
     return _load_checkpoint(model_dir, users_model)
 
 
+# The largest image side an export may take: 20,000 took 15 GB for one image.
+MAX_INPUT_SIDE = 4096
 # What mends a damaged export (a finished run exports again from its checkpoint).
 _REEXPORT = "remove it and run the run's training command again, which exports it anew"
 
@@ -130,17 +132,19 @@ def _load_export(export_dir: str) -> Classifier:
                           f"{_REEXPORT}") from None
     _, inputs = serve.structured_input_signature
     signature, outputs = inputs.get("images"), serve.structured_outputs
+    answer = outputs.get("probabilities") if isinstance(outputs, dict) else None
     if not (signature is not None and signature.dtype == tf.uint8 and signature.shape.rank == 4
             and None not in signature.shape[1:] and signature.shape[-1] == 3
-            and "probabilities" in outputs):
+            and max(signature.shape[1:3]) <= MAX_INPUT_SIDE and answer is not None
+            and answer.dtype.is_floating and answer.shape.rank == 2):
         raise ConfigError(f"{quoted(saved_model)} is not an export of this program: its serving "
-                          f"signature does not map uint8 `images` [N, height, width, 3] to "
-                          f"`probabilities`")
+                          f"signature does not map uint8 `images` [N, height, width, 3] (at most "
+                          f"{MAX_INPUT_SIDE} a side) to float `probabilities` [N, classes]")
     # A graph that computes answers without trained weights would serve them
     # as confidently as a trained one.
     if not getattr(loaded, "trainable_variables", None):
         raise ConfigError(f"{quoted(saved_model)} holds no trained variables: {_REEXPORT}")
-    classes = outputs["probabilities"].shape[-1]
+    classes = answer.shape[-1]
     if len(names) != classes:
         raise ConfigError(f"{quoted(saved_model)} names {len(names)} classes but predicts "
                           f"{classes}: {_REEXPORT}")
@@ -150,8 +154,14 @@ def _load_export(export_dir: str) -> Classifier:
         _checked_config({k: info[k] for k in MODEL_INFO_CONFIG_KEYS if k in info}, info_path)
         # Before the model's first call, when its graph is optimized.
         precision.avoid_float16_reference_kernels(info.get("precision"))
-    return Classifier(lambda x: serve(images=tf.constant(x))["probabilities"].numpy(),
-                      names, tuple(signature.shape[1:]), saved_model, info)
+    def probabilities(x):
+        try:
+            return serve(images=tf.constant(x))["probabilities"].numpy()
+        except tf.errors.OpError as e:  # an assertion of its own, say
+            raise ConfigError(f"{quoted(saved_model)} failed to run ({quoted(first_line(e))}): "
+                              f"{_REEXPORT}") from None
+
+    return Classifier(probabilities, names, tuple(signature.shape[1:]), saved_model, info)
 
 
 def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
@@ -239,9 +249,8 @@ def _restore_weights(model, prefix: str) -> Optional[str]:
 
 
 def _checked_config(values: dict, source: str = "") -> TrainConfig:
-    """`values` (TrainConfig's fields, any subset) checked as training checks
-    its flags, with the same bounds; ConfigError naming the file `source` (if
-    they come from one) if they fail."""
+    """`values` (TrainConfig's fields, any subset) checked as training checks its flags,
+    with the same bounds; ConfigError naming the file `source` (if any) if they fail."""
     try:
         if source and not values:
             raise ConfigError("no settings in it")
@@ -270,9 +279,8 @@ def describe(classifier: Classifier) -> str:
 
 @contextlib.contextmanager
 def _quiet_tensorflow():
-    """Keeps TensorFlow's Python warnings off the console: a checkpoint
-    that does not fit gives a page of them, some only when the objects of
-    the failed restore are collected. The error line says what is wrong."""
+    """Keeps TensorFlow's Python warnings off the console: a checkpoint that does not fit
+    gives a page of them, some as the failed restore is collected. An error line says why."""
     logger = logging.getLogger("tensorflow")  # tf.get_logger(), without importing TensorFlow
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -281,18 +289,6 @@ def _quiet_tensorflow():
     finally:
         gc.collect()  # what a failed restore left, collected while quiet
         logger.setLevel(level)
-
-
-def evaluate(probabilities, test_images: np.ndarray, labels: np.ndarray, views: str = "none",
-             fraction: float = 1.0) -> dict:
-    """Mean cross-entropy and accuracy of `probabilities` over all
-    `test_images`, with test-time `views` as `class_probabilities`."""
-    from distributed_mpt.core.eval_views import class_probabilities
-
-    p = class_probabilities(probabilities, test_images, views, fraction)
-    loss = -float(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-7)).sum())  # Keras' clip
-    correct = int((p.argmax(axis=1) == labels).sum())
-    return {"loss": loss / len(labels), "accuracy": correct / len(labels), "examples": len(labels)}
 
 
 def main(argv=None) -> int:
@@ -309,6 +305,8 @@ def main(argv=None) -> int:
 
 def _predict(fv: flags.FlagValues, argv) -> int:
     paths = cli.parse("distributed-mpt-predict", fv, argv, positionals=True)
+    if getattr(sys.stdout, "closed_at_start", False):  # >&-: exit 0, the answers nowhere
+        raise ConfigError("standard output is closed: give the answers somewhere to go")
     for name in ("model_dir", "data_dir"):
         fv[name].value = user_path(fv[name].value)
     if not fv.model_dir:
@@ -359,8 +357,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
 
 
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:
-    """The flags' test split (by default the one the model was trained on:
-    for synthetic data, the split of its own seed and size), evaluated."""
+    """The flags' test split (by default the model's: for synthetic data, its seed's), evaluated."""
     trained = {k: v for k, v in classifier.info.items()
                if k in ("dataset", "seed", "synthetic_examples", "image_size", "test_fraction")}
     chosen = {k: v for k, v in (("dataset", fv.dataset),
@@ -372,8 +369,11 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     loaded = chosen_data.load(split.run.seed, splits=("test",))
     dataset = chosen_data.dataset
     _refuse_other_classes(classifier, dataset, loaded.info)  # else its accuracy means nothing
-    return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction, **evaluate(
-        classifier.probabilities, loaded.test.images, loaded.test.labels, fv.tta, fv.tta_fraction)}
+    from distributed_mpt.core.eval_views import evaluate_probabilities
+
+    return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
+            **evaluate_probabilities(classifier.probabilities, loaded.test.images,
+                                     loaded.test.labels, fv.tta, fv.tta_fraction)}
 
 
 def _refuse_other_classes(classifier: Classifier, dataset: str, split: DatasetInfo) -> None:

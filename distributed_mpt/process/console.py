@@ -34,6 +34,8 @@ class _DroppedWhenUnread:
     """A text stream whose writes succeed after its reader has gone, and
     that raises ConsoleError once when it cannot be written."""
 
+    closed_at_start = False  # the process began with it closed (`>&-`): /dev/null now
+
     def __init__(self, stream, name: str):
         self._stream = stream
         self._name = name
@@ -108,9 +110,11 @@ def _survive_lost_readers() -> None:
     Else code that asks it (isatty) crashes, and the next file opened gets
     the descriptor, into which TensorFlow's C++ lines (descriptor 2) go."""
     for fd, name, said_as in ((1, "stdout", "standard output"), (2, "stderr", "standard error")):
+        closed = getattr(sys, name) is None
         stream = getattr(sys, name) or open(_occupy(fd), "w", closefd=False)
         if not isinstance(stream, _DroppedWhenUnread):
             stream = _DroppedWhenUnread(stream, said_as)
+            stream.closed_at_start = closed
         setattr(sys, name, stream)
 
 

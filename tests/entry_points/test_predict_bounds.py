@@ -102,3 +102,58 @@ def test_an_export_holding_a_fifo_is_refused_not_waited_on(untrained, tmp_path, 
     with deadline(60):
         result = predict(f"--model_dir={export}", photo)
     assert_one_error_line(result, f"{fifo} is a FIFO, not a regular file or folder")
+
+
+def _hand_made_export(directory, kind: str, side: int = 32):
+    """An export that passes for this program's but for `kind`."""
+    import tensorflow as tf
+    from tensorflow.python.trackable.autotrackable import AutoTrackable
+
+    class Export(AutoTrackable):
+        def __init__(self):
+            self.w = tf.Variable(tf.ones([10]))
+            self.trainable_variables = [self.w]
+            self.class_names = [tf.Variable([f"c{i}" for i in range(10)], trainable=False)]
+
+        @tf.function(input_signature=[tf.TensorSpec([None, side, side, 3], tf.uint8,
+                                                    name="images")])
+        def serve(self, images):
+            x = tf.reduce_mean(tf.cast(images, tf.float32), axis=[1, 2, 3])[:, None] * self.w
+            if kind == "raises":
+                tf.debugging.assert_less(tf.reduce_max(x), -1.0, message="boom at run time")
+            p = tf.nn.softmax(x)
+            return {"probabilities": {"strings": tf.strings.as_string(p),
+                                      "rank 3": p[:, None, :]}.get(kind, p)}
+
+    export = Export()
+    tf.saved_model.save(export, str(directory / "saved_model"),
+                        signatures={"serving_default": export.serve})
+    return directory
+
+
+@pytest.mark.parametrize("kind, side, fragment", [
+    ("strings", 32, "to float `probabilities` [N, classes]"),
+    ("rank 3", 32, "to float `probabilities` [N, classes]"),
+    ("huge", 20_000, "(at most 4096 a side)"),
+    ("raises", 32, "failed to run (assertion failed: [boom at run time]"),
+])
+def test_an_export_that_answers_no_probabilities_is_one_error_line(tmp_path, kind, side, fragment):
+    """Each passed the load's checks and ended in a traceback; the one that
+    takes 20,000 x 20,000 images took 15 GB to classify one."""
+    export = _hand_made_export(tmp_path / "export", kind, side)
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    assert_one_error_line(predict(f"--model_dir={export}", photo), fragment)
+
+
+def test_predict_with_its_output_closed_is_refused(untrained, tmp_path):
+    """`predict ... >&-` exited 0 with its answers written nowhere."""
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    result = subprocess.run(["bash", "-c", '"$@" >&-', "predict", sys.executable, "-m",
+                             "distributed_mpt.predict", f"--model_dir={untrained}", str(photo)],
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1] == (
+        "error: standard output is closed: give the answers somewhere to go")
