@@ -17,7 +17,7 @@ from distributed_mpt.core import models
 from distributed_mpt.process import memory
 
 GB = 10**9
-# 1.7 billion weights: 6.7 GB of float32 weights alone, 34 GB to train.
+# 1.7 billion weights: 6.7 GB of float32 weights alone, 47 GB to train and export.
 TOO_LARGE = [*SMOKE_FLAGS, "--model=resnet9", "--model_width=1024", "--train_steps=2"]
 
 
@@ -106,7 +106,7 @@ def test_an_injected_limit_refuses_the_model_before_it_is_built(tmp_path, monkey
     monkeypatch.setattr(models, "build_model", never)
     result = train([*TOO_LARGE, f"--model_dir={tmp_path / 'run'}"])
     assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
-                                  "parameters: training it needs about 33.6 GB, more than the "
+                                  "parameters: training it needs about 47.0 GB, more than the "
                                   "2.0 GB left under the memory limit of cgroup /pod")
     assert not (tmp_path / "run").exists(), "a new --model_dir refused leaves nothing"
 
@@ -168,11 +168,11 @@ def _train_in_cgroup(tmp_path, limit: int, flags):
 
 def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
     """The run in a cgroup limited to 1.5 GB: TensorFlow and the data fit, a
-    model of 34 GB does not. It was killed building its weights (exit 137,
+    model of 47 GB does not. It was killed building its weights (exit 137,
     no word), as a pod or a SLURM job is at its limit."""
     result = _train_in_cgroup(tmp_path, 1_500_000_000, TOO_LARGE)
     assert_one_error_line(result, "--model=resnet9 at --model_width=1024 has 1,680,071,680 "
-                                  "parameters: training it needs about 33.6 GB, more than the ")
+                                  "parameters: training it needs about 47.0 GB, more than the ")
 
 
 
@@ -190,7 +190,7 @@ def test_each_replica_on_the_cpu_is_counted(tmp_path):
     assert float(needed) / 4 < float(headroom) < float(needed), "one copy would have fitted"
     assert "fewer --cpu_replicas" in result.stderr
 
-# A user's network of 3.1 GB of weights (764 million), 61 GB to train: its
+# A user's network of 3.1 GB of weights (764 million), 86 GB to train and export: its
 # size is known only as its variables are made.
 _WIDE = """
 import keras
