@@ -135,7 +135,14 @@ def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
     for address in addresses:
         _check_address(address)
     # Counted in one pass: a quadratic check of 10,000 addresses takes minutes.
-    duplicates = sorted(a for a, n in collections.Counter(addresses).items() if n > 1)
+    # As the resolver reads them: host names in any case, ports with leading
+    # zeros (localhost:2222 and LOCALHOST:02222 are one task's).
+    spelled = collections.defaultdict(list)
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        spelled[(host.lower().rstrip("."), int(port))].append(address)
+    duplicates = sorted(" and ".join(sorted(set(same))) if len(set(same)) > 1 else same[0]
+                        for same in spelled.values() if len(same) > 1)
     if duplicates:
         raise ClusterError(f"cluster lists {', '.join(duplicates[:3])} more than once; "
                            "every task needs its own host:port")

@@ -146,6 +146,10 @@ MALFORMED = [
     (tf_config({"cluster": {"worker": ["a:1"], "ps": ["p:1"]}, "task": {"type": "worker", "index": 0}}), "ps"),
     (tf_config({"cluster": {"master": ["m:1"]}, "task": {"type": "master", "index": 0}}), "master"),
     (tf_config({"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker", "index": 0}}), "more than once"),
+    # One task, spelled two ways: worker 0 waited for itself until the deadline.
+    (tf_config({"cluster": {"worker": ["localhost:2222", "LOCALHOST:02222"]},
+                "task": {"type": "worker", "index": 0}}),
+     "cluster lists LOCALHOST:02222 and localhost:2222 more than once"),
     (tf_config({"cluster": {"worker": ["a"]}, "task": {"type": "worker", "index": 0}}), "host:port"),
     (tf_config({"cluster": {"chief": ["a:1", "b:1"]}, "task": {"type": "chief", "index": 0}}), "at most one"),
     (tf_config({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": True}}),
