@@ -21,7 +21,7 @@ import sys
 import tempfile
 from typing import List, Optional, Tuple
 
-from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
+from distributed_mpt.errors import ConfigError, UserError, first_line, quoted, text_of
 
 # Prefixes of the temporary names this module writes under, each followed
 # by owner_tag(): what a killed run can leave behind (training/outputs.py
@@ -201,7 +201,7 @@ def is_disk_full(error: Exception) -> bool:
         return error.errno in _DISK_FULL
     # TensorFlow reports a failed write as ResourceExhaustedError with the
     # C library's message; out-of-memory is ResourceExhaustedError too.
-    return any(os.strerror(code) in str(error) for code in _DISK_FULL)
+    return any(os.strerror(code) in text_of(error) for code in _DISK_FULL)
 
 
 def why_unwritable(error: Exception) -> Optional[str]:
@@ -210,8 +210,8 @@ def why_unwritable(error: Exception) -> Optional[str]:
     errors carry it in their message."""
     if isinstance(error, OSError):
         return os.strerror(error.errno) if error.errno in _CANNOT_WRITE else None
-    return next((os.strerror(code) for code in _CANNOT_WRITE if os.strerror(code) in str(error)),
-                None)
+    return next((os.strerror(code) for code in _CANNOT_WRITE
+                 if os.strerror(code) in text_of(error)), None)
 
 
 def write_text(path: str, text: str) -> None:

@@ -44,8 +44,8 @@ from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
 # Exit codes after which restarting cannot help (see errors.py): bad input,
 # divergence; or not at once, as this launcher would: a busy --model_dir.
 # Any other failure, a crash included, restarts the group.
-_NOT_RESTARTED = {ExitCode.USAGE: "is permanent (bad input or divergence)",
-                  ExitCode.DIVERGED: "is permanent (bad input or divergence)",
+_PERMANENT = "is permanent (bad input or divergence)"
+_NOT_RESTARTED = {ExitCode.USAGE: _PERMANENT, ExitCode.DIVERGED: _PERMANENT,
                   ExitCode.MODEL_DIR_BUSY: "says another run holds --model_dir"}
 # Exit codes of a worker that stopped because another one was lost.
 _PEER_LOSS = (ExitCode.PEER_LOST, ExitCode.PEER_TIMEOUT)

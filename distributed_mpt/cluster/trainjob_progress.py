@@ -259,8 +259,13 @@ def _https_endpoint(url: str) -> Tuple[str, int, str]:
 def _shown(url: str) -> str:
     """`url` for a message, without its user name and password or its query
     and fragment: each may hold a credential (https://user:pw@..., ?token=...)."""
-    return quoted(re.sub(r"[?#].*", "?...", re.sub(r"//[^/?#]*@", "//...@", url, count=1),
-                         flags=re.DOTALL))
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        scheme, rest = "", url
+    if "@" in rest:  # up to the last: a password may hold / ? # unencoded
+        rest = "...@" + rest.rpartition("@")[2]
+    address, query = re.match(r"([^?#]*)(.*)", rest, re.DOTALL).groups()
+    return quoted(f"{scheme}{separator}{address}{'?...' if query else ''}")
 
 
 def _tls_trusting(ca_cert: str) -> ssl.SSLContext:

@@ -75,10 +75,15 @@ def _not_up(peers: Sequence[str]) -> List[str]:
     up = set()
     probes = [threading.Thread(target=lambda p=p: _is_up(p) and up.add(p), daemon=True)
               for p in peers[:MAX_PROBED]]
+    started = []
     for probe in probes:
-        probe.start()
+        try:
+            probe.start()
+        except RuntimeError:  # no thread left (a pids limit): the rest count as not up
+            break
+        started.append(probe)
     ends = time.monotonic() + PROBE_SECONDS + 0.5
-    for probe in probes:
+    for probe in started:
         probe.join(max(0.0, ends - time.monotonic()))
     return [p for p in peers[:MAX_PROBED] if p not in up]
 

@@ -50,7 +50,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
     user's model that breaks the contract, ConfigError for --xla with a
     model that synchronizes replicas inside its forward pass."""
     run, spec = config.run, config.model.spec
-    replicas = _replicas_in_host_memory(plan)
+    replicas = _replicas_in_host_memory(strategy)
     # Before any weight exists: a model too large is one line, not the OOM
     # killer mid-build. A user's network is counted as it is built, and
     # once built, before the optimizer's copies and the data's.
@@ -114,23 +114,25 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
 _COPIES_PER_WEIGHT = 7
 
 
-def _replicas_in_host_memory(plan: RunPlan) -> int:
-    """How many copies of the model this process keeps in host memory: one
-    per local replica where they are CPUs (--cpu_replicas: resnet9 at
-    --model_width=128 peaked at 3.7 GB on 4, 1.3 GB on 1), else one (GPUs
-    keep theirs, and a checkpoint passes through the host)."""
-    if tf.config.list_logical_devices("GPU"):
+def _replicas_in_host_memory(strategy: tf.distribute.Strategy) -> int:
+    """This process's replicas on CPUs, each with its copy of the model in
+    host memory (--cpu_replicas), at least one."""
+    try:
+        devices = strategy.extended.worker_devices
+    except RuntimeError:  # TensorFlow's default strategy: one device, says none
         return 1
-    return plan.num_replicas // plan.num_workers
+    return max(1, sum(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices))
 
 
 def _check_memory(parameters, config: TrainConfig, replicas: int,
                   headroom: Optional[memory.Headroom] = None, so_far: bool = False) -> None:
     """Raises ConfigError if training a model of `parameters` weights (None:
     not known yet; `so_far`: at least that many), held `replicas` times in
-    host memory, cannot fit in what this process may still take, `headroom`
-    or else as read now: the host's available memory or, in a container, a
-    pod or a SLURM job, its cgroup's limit (process/memory.py). A width of
+    host memory (once per logical CPU device of --cpu_replicas: resnet9 at
+    --model_width=128 peaked at 3.7 GB on 4, 1.3 GB on 1; a GPU holds its
+    own), cannot fit in what this process may still take, `headroom` or
+    else as read now: the host's available memory or, in a container, a pod
+    or a SLURM job, its cgroup's limit (process/memory.py). A width of
     1,024 is one line at the start, not the OOM killer's exit 137 (which
     restart policies retry) without a word."""
     headroom = headroom or memory.headroom()

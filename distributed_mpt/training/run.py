@@ -19,6 +19,7 @@ checks that importing it imports neither TensorFlow nor Keras).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import sys
 import time
@@ -118,18 +119,21 @@ def _run(config: TrainConfig) -> int:
         stopping.keep_until_exit(e)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - only a write that cannot succeed; the rest re-raised
-        why = files.why_unwritable(e)
-        if why is None:
-            raise
         # Checkpoints say this themselves; this is for the other files
-        # (metrics, summary, export), each written whole or not at all.
-        # A rename names the file it was to replace second.
-        where = (getattr(e, "filename2", None) or getattr(e, "filename", None)
-                 or config.run.model_dir)
+        # (metrics, summary, export), each written whole or not at all. A
+        # rename names the file it was to replace second.
+        where = getattr(e, "filename2", None) or getattr(e, "filename", None)
+        ours = isinstance(e, OSError) and where and os.path.realpath(str(where)).startswith(
+            os.path.join(os.path.realpath(config.run.model_dir), ""))
+        why = files.why_unwritable(e)
+        if why is None or not (files.is_disk_full(e) or ours):
+            raise
+        where = where or config.run.model_dir
         problem, fix = ((f"no space left for {where}", f"free space in --model_dir="
                          f"{config.run.model_dir} (docs/reliability.md, \"Disk space\")")
                         if files.is_disk_full(e) else
-                        (f"cannot write {where} ({why})", "make it writable for this user"))
+                        (f"cannot write {where} ({why})", "free it of what holds it (a mount)"
+                         if e.errno == errno.EBUSY else "make it writable for this user"))
         print(f"error: {problem}: {fix} and run the same command again to resume",
               file=sys.stderr, flush=True)
         return ExitCode.USAGE

@@ -292,6 +292,16 @@ def test_only_an_https_url_is_used(serve, capfd, url, fragment):
     assert "S3CRET" not in warnings[0], "a password or a query in the URL is not echoed"
 
 
+@pytest.mark.parametrize("url", [
+    "https://user:S3CRET@host/status", "https://user:p/S3CRET@host/", "https://user:p?S3CRET@host/",
+    "https:user:S3CRET@host/", "user:S3CRET@host/x", "https://host/status?token=S3CRET",
+    "https://host/status#S3CRET"])
+def test_a_url_is_named_without_what_may_be_a_credential(url):
+    from distributed_mpt.cluster.trainjob_progress import _shown
+
+    assert "S3CRET" not in _shown(url)
+
+
 def test_a_failure_no_one_foresaw_is_a_warning_not_a_failed_run(serve, capfd, monkeypatch):
     """Reading the CA once failed with a TypeError (a kernel file that had
     nothing to read): the run ended in a traceback."""

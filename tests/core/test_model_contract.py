@@ -342,9 +342,10 @@ def test_what_a_model_changes_of_the_process_is_set_back(tmp_path, capfd):
         os.chdir(cwd)
         signal.signal(signal.SIGTERM, handlers[0])
         signal.signal(signal.SIGINT, handlers[1])
-    assert capfd.readouterr().err == (
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "--model=" in line]
+    assert warnings == [
         "warning: --model=m.py:net changed the working directory and the handlers of stop "
-        "signals, which the run relies on: set back\n")
+        "signals, which the run relies on: set back"]
 
 
 def test_a_model_that_sets_the_precision_policy_itself_is_refused(tmp_path):
@@ -360,5 +361,14 @@ def test_a_model_that_sets_the_precision_policy_itself_is_refused(tmp_path):
     assert_one_error_line(train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"]),
                           "sets the mixed-precision policy itself (mixed_float16)")
     assert not run.exists()
+
+
+def test_the_policy_a_model_sets_is_set_back_and_refused():
     import keras
+
+    from distributed_mpt.core.models.contract import ModelError, users_code
+
+    with pytest.raises(ModelError, match=r"\(float64\).*pass --precision \(auto, "):
+        with users_code("m.py:net", "failed to build its model"):
+            keras.mixed_precision.set_global_policy("float64")
     assert keras.mixed_precision.global_policy().name == "float32", "set back"

@@ -175,7 +175,6 @@ def test_a_real_cgroup_limit_refuses_the_model_before_the_oom_killer(tmp_path):
                                   "parameters: training it needs about 47.0 GB, more than the ")
 
 
-
 def test_each_replica_on_the_cpu_is_counted(tmp_path):
     """--cpu_replicas keeps a copy of the model per replica in host memory
     (resnet9 at width 128 peaked at 3.7 GB on 4 replicas, 1.3 GB on 1): a

@@ -315,6 +315,27 @@ def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(t
     assert read_summary(model_dir)["resumed_from_step"] == 2
 
 
+def test_a_file_of_the_run_that_cannot_be_replaced_is_one_line(tmp_path):
+    """metrics.jsonl mounted onto itself (EBUSY as it is renamed over): an
+    OSError traceback, and its temporary file left in --model_dir."""
+    model_dir = tmp_path / "run"
+    flags = [*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--noevaluate",
+             f"--model_dir={model_dir}"]
+    assert_ok(train([*flags, "--train_steps=2"]))
+    metrics = model_dir / "metrics.jsonl"
+    if subprocess.run(["mount", "--bind", str(metrics), str(metrics)]).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        result = train([*flags, "--train_steps=4"])
+    finally:
+        subprocess.run(["umount", str(metrics)], check=True)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors == [f"error: cannot write {metrics} (Device or resource busy): free it of what "
+                      f"holds it (a mount) and run the same command again to resume"]
+    assert not [p.name for p in model_dir.iterdir() if p.name.startswith(".tmp")]
+
+
 def test_checkpoint_bytes_match_the_files_written(tmp_path):
     model = build_model("resnet9", width=8)
     step = tf.Variable(0, dtype=tf.int64)

@@ -96,8 +96,10 @@ def resize(pixels: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
 
     try:
         small = tf.image.resize(pixels, size, antialias=True)
-    except tf.errors.OpError:  # "Span is too large": 100 million pixels in a row, say
+    except tf.errors.InternalError:  # "Span is too large": 25 million pixels in a row, say
         raise ValueError("an aspect ratio too extreme for the resize") from None
+    except tf.errors.ResourceExhaustedError:
+        raise MemoryError from None
     return tf.cast(tf.clip_by_value(tf.round(small), 0, 255), tf.uint8).numpy()
 
 

@@ -30,11 +30,11 @@ import contextlib
 import os
 import re
 import signal
-import sys
 import threading
 from typing import Optional, Tuple
 
 from distributed_mpt import files
+from distributed_mpt.core import precision
 from distributed_mpt.errors import UserError, first_line, quoted, text_of
 
 
@@ -56,9 +56,10 @@ def users_code(name: str, failure: str):
     What it changes of the process that the run relies on, the working
     directory (relative paths) and the stop signals' handlers (a library
     that ignores SIGTERM), is set back, with a warning."""
-    kept = _process_state()
+    kept, raised = _process_state(), True
     try:
         yield
+        raised = False
     except UserError:
         raise
     except KeyboardInterrupt:
@@ -78,12 +79,13 @@ def users_code(name: str, failure: str):
         changed = [what for what, value in now.items() if value != kept[what]]
         if changed:
             _set_back(kept)
-            if _POLICY in changed and sys.exc_info()[0] is None:  # its layers have it now
+            if _POLICY in changed and not raised:  # its layers have it now
+                flag = (f"--precision={now[_POLICY]}" if now[_POLICY] in precision.PRECISIONS
+                        else f"--precision ({', '.join(precision.PRECISIONS)})")
                 raise ModelError(
                     f"--model={quoted(name)} sets the mixed-precision policy itself "
                     f"({now[_POLICY]}), which the run sets from --precision, with loss scaling "
-                    f"where float16 needs it: remove that line, and pass "
-                    f"--precision={now[_POLICY]}")
+                    f"where float16 needs it: remove that line, and pass {flag}")
             files.warn(f"--model={quoted(name)} changed {' and '.join(changed)}, which the "
                        f"run relies on: set back")
 
