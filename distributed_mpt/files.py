@@ -12,6 +12,7 @@ hang or a traceback.
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -287,6 +288,9 @@ def read_json(path: str, fields: Optional[dict] = None,
     return data
 
 
+_DAMAGE_SAID = 3  # damaged lines of a JSON-lines file named one by one
+
+
 def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], List[str]]:
     """The intact records of a JSON-lines file, and what is wrong with each
     damaged line (a line cut short by a killed writer included): a damaged
@@ -297,20 +301,26 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
     raw = _read_ours(path, "move it away, or choose another --model_dir")
     if raw is None:
         return [], []
-    lines = raw.split(b"\n")  # bytes: an undecodable line costs that line only
-    records, problems = [], []
-    torn = lines.pop()  # after the last newline: b"" unless cut short
-    for number, line in enumerate(lines, 1):
+    records, problems, damaged = [], [], 0
+    # Line by line, each as bytes (an undecodable line costs that line
+    # only), and only the first damage said: 33 MB of damaged lines, split
+    # at once and each said, took 2.3 GB and 94 s.
+    for number, line in enumerate(io.BytesIO(raw), 1):
+        if not line.endswith(b"\n"):
+            problems.append("its last line was cut short")
+            break
         try:
-            record, problem = parse_record(line.decode("utf-8"), fields or {})
+            record, problem = parse_record(line[:-1].decode("utf-8"), fields or {})
         except UnicodeDecodeError:
             problem = "not UTF-8 text"
-        if problem:
-            problems.append(f"line {number} is damaged ({problem})")
-        else:
+        if not problem:
             records.append(record)
-    if torn:
-        problems.append("its last line was cut short")
+            continue
+        damaged += 1
+        if damaged <= _DAMAGE_SAID:
+            problems.append(f"line {number} is damaged ({problem})")
+    if damaged > _DAMAGE_SAID:
+        problems.append(f"{damaged - _DAMAGE_SAID:,} more damaged lines")
     return records, problems
 
 
