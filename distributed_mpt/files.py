@@ -72,11 +72,13 @@ def kind_of(path: str) -> str:
         return "missing"
     if stat.S_ISLNK(mode):
         try:
-            os.stat(path)
+            target = os.stat(path).st_mode
         except OSError as e:  # a loop is no missing target: the fix differs
             return "a symbolic link in a loop" if e.errno == errno.ELOOP \
                 else "a symbolic link to nothing"
-        return "a symbolic link"
+        # What it leads to, where that is what is wrong (a FIFO, a folder).
+        return ("a symbolic link" if stat.S_ISREG(target)
+                else f"a symbolic link to {_kind_of_mode(target)}")
     return _kind_of_mode(mode)
 
 
@@ -304,7 +306,8 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
     records, problems, damaged = [], [], 0
     # Line by line, each as bytes (an undecodable line costs that line
     # only), and only the first damage said: 33 MB of damaged lines, split
-    # at once and each said, took 2.3 GB and 94 s.
+    # at once and each said, took 2.3 GB and 94 s (2 cores of an AVX2
+    # EPYC).
     for number, line in enumerate(io.BytesIO(raw), 1):
         if not line.endswith(b"\n"):
             problems.append("its last line was cut short")

@@ -110,7 +110,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
 # Copies of every weight a run holds at its peak, the export: the weights,
 # the gradient, the momentum, the lookahead's average, and the export's. A
 # user's network of 922 million weights, let through at 5, peaked at 22.5 GB
-# as it exported (6.1 copies) and met the OOM killer on 24 GB.
+# as it exported (6.1 copies) and met the OOM killer (2 cores of an AVX2-only
+# AMD EPYC, Zen 3, 24 GB).
 _COPIES_PER_WEIGHT = 7
 
 
@@ -129,8 +130,8 @@ def _check_memory(parameters, config: TrainConfig, replicas: int,
     """Raises ConfigError if training a model of `parameters` weights (None:
     not known yet; `so_far`: at least that many), held `replicas` times in
     host memory (once per logical CPU device of --cpu_replicas: resnet9 at
-    --model_width=128 peaked at 3.7 GB on 4, 1.3 GB on 1; a GPU holds its
-    own), cannot fit in what this process may still take, `headroom` or
+    --model_width=128 peaked at 3.7 GB on 4, 1.3 GB on 1, on that EPYC; a
+    GPU holds its own), cannot fit in what this process may still take, `headroom` or
     else as read now: the host's available memory or, in a container, a pod
     or a SLURM job, its cgroup's limit (process/memory.py). A width of
     1,024 is one line at the start, not the OOM killer's exit 137 (which

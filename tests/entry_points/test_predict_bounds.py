@@ -104,6 +104,20 @@ def test_an_export_holding_a_fifo_is_refused_not_waited_on(untrained, tmp_path, 
     assert_one_error_line(result, f"{fifo} is a FIFO, not a regular file or folder")
 
 
+def test_an_export_holding_a_link_to_a_fifo_names_what_it_leads_to(untrained, tmp_path):
+    export = tmp_path / "export"
+    shutil.copytree(untrained / "export", export)
+    os.mkfifo(tmp_path / "fifo")
+    link = export / "saved_model" / "saved_model.pb"
+    link.unlink()
+    link.symlink_to(tmp_path / "fifo")
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    with deadline(60):
+        result = predict(f"--model_dir={export}", photo)
+    assert_one_error_line(result, f"{link} is a symbolic link to a FIFO, not a regular file")
+
+
 def _hand_made_export(directory, kind: str, side: int = 32):
     """An export that passes for this program's but for `kind`."""
     import tensorflow as tf

@@ -291,22 +291,33 @@ def test_a_full_disk_is_one_error_that_leaves_no_partial_checkpoint(tmpfs):
     assert _checkpoints(mount_point, build_model("resnet9", width=16))[0].restore_latest().step == 2
 
 
-def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(tmp_path):
-    """checkpoints/ on a read-only mount (as a directory of another user,
-    EACCES): a TensorFlow traceback and exit 1, before."""
+def _resumed_with_a_path_mounted_over(tmp_path, name: str, read_only: bool):
+    """A 2-step run, resumed to 4 steps with `name` of its --model_dir
+    bind-mounted onto itself (read-only if asked); the run's directory, its
+    flags, the resumed run's result and its error lines."""
     model_dir = tmp_path / "run"
     flags = [*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--noevaluate",
              f"--model_dir={model_dir}"]
     assert_ok(train([*flags, "--train_steps=2"]))
-    saved = model_dir / "checkpoints"
-    if subprocess.run(["mount", "--bind", str(saved), str(saved)]).returncode != 0:
+    path = model_dir / name
+    if subprocess.run(["mount", "--bind", str(path), str(path)]).returncode != 0:
         pytest.skip("cannot bind-mount here")
     try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(saved)], check=True)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
         result = train([*flags, "--train_steps=4"])
     finally:
-        subprocess.run(["umount", str(saved)], check=True)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        subprocess.run(["umount", str(path)], check=True)
+    return model_dir, flags, result, [
+        line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(tmp_path):
+    """checkpoints/ on a read-only mount (as a directory of another user,
+    EACCES): a TensorFlow traceback and exit 1, before."""
+    model_dir, flags, result, errors = _resumed_with_a_path_mounted_over(
+        tmp_path, "checkpoints", read_only=True)
+    saved = model_dir / "checkpoints"
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert errors == [f"error: cannot write the checkpoint of step 4 in {saved} (Read-only file "
                       f"system): make it writable for this user (a directory another user made, "
@@ -318,18 +329,9 @@ def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(t
 def test_a_file_of_the_run_that_cannot_be_replaced_is_one_line(tmp_path):
     """metrics.jsonl mounted onto itself (EBUSY as it is renamed over): an
     OSError traceback, and its temporary file left in --model_dir."""
-    model_dir = tmp_path / "run"
-    flags = [*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--noevaluate",
-             f"--model_dir={model_dir}"]
-    assert_ok(train([*flags, "--train_steps=2"]))
+    model_dir, _, result, errors = _resumed_with_a_path_mounted_over(
+        tmp_path, "metrics.jsonl", read_only=False)
     metrics = model_dir / "metrics.jsonl"
-    if subprocess.run(["mount", "--bind", str(metrics), str(metrics)]).returncode != 0:
-        pytest.skip("cannot bind-mount here")
-    try:
-        result = train([*flags, "--train_steps=4"])
-    finally:
-        subprocess.run(["umount", str(metrics)], check=True)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert errors == [f"error: cannot write {metrics} (Device or resource busy): free it of what "
                       f"holds it (a mount) and run the same command again to resume"]
