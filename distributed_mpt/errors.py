@@ -14,6 +14,12 @@ import re
 import signal
 
 
+# The signals that stop a run at a step boundary, with a checkpoint (PREEMPTED
+# below): process/stopping.py handles them, and a user's model may not take
+# them over (core/models/contract.py).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def status_of_signal(signum: int) -> int:
     """The exit status a shell and Kubernetes report for a process that
     signal `signum` ended."""

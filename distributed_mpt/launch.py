@@ -37,9 +37,10 @@ from typing import Collection, List, Optional, Tuple
 from absl import flags
 
 from distributed_mpt import cli
-from distributed_mpt.errors import ConsoleError, ExitCode, UserError, first_line, status_of_signal
+from distributed_mpt.errors import (STOP_SIGNALS, ConsoleError, ExitCode, UserError, first_line,
+                                    status_of_signal)
 from distributed_mpt.process import console
-from distributed_mpt.process.stopping import STOP_SIGNALS, helper_command
+from distributed_mpt.process.stopping import helper_command
 
 # Exit codes after which restarting cannot help (see errors.py): bad input,
 # divergence; or not at once, as this launcher would: a busy --model_dir.

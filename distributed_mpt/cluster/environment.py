@@ -141,8 +141,8 @@ def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
     for address in addresses:
         host, _, port = address.rpartition(":")
         spelled[(host.lower().rstrip("."), int(port))].append(address)
-    duplicates = sorted(" and ".join(sorted(set(same))) if len(set(same)) > 1 else same[0]
-                        for same in spelled.values() if len(same) > 1)
+    duplicates = sorted(" and ".join(sorted(set(same))) for same in spelled.values()
+                        if len(same) > 1)
     if duplicates:
         raise ClusterError(f"cluster lists {', '.join(duplicates[:3])} more than once; "
                            "every task needs its own host:port")

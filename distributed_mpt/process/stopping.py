@@ -47,9 +47,8 @@ import sys
 import threading
 from typing import Callable, List, Optional
 
-from distributed_mpt.errors import ExitCode
+from distributed_mpt.errors import STOP_SIGNALS, ExitCode
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 # How the start-up watchdog ends a worker that TensorFlow holds while it starts
 # for its peers: signals it cannot block or swallow (SIGALRM is never

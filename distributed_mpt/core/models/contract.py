@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.core import precision
-from distributed_mpt.errors import UserError, first_line, quoted, text_of
+from distributed_mpt.errors import STOP_SIGNALS, UserError, first_line, quoted, text_of
 
 
 class ModelError(UserError):
@@ -90,9 +90,6 @@ def users_code(name: str, failure: str):
                        f"run relies on: set back")
 
 
-_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
-
-
 _POLICY = "the mixed-precision policy"
 
 
@@ -106,7 +103,7 @@ def _process_state() -> dict:
              _POLICY: keras.mixed_precision.global_policy().name}
     if threading.current_thread() is threading.main_thread():
         state["the handlers of stop signals"] = {
-            name: signal.getsignal(getattr(signal, name)) for name in _STOP_SIGNALS}
+            sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     return state
 
 
@@ -123,10 +120,10 @@ def _set_back(kept: dict) -> None:
     keras.mixed_precision.set_global_policy(kept[_POLICY])
     with contextlib.suppress(OSError, TypeError):
         os.chdir(kept["the working directory"])
-    for name, handler in kept.get("the handlers of stop signals", {}).items():
+    for sig, handler in kept.get("the handlers of stop signals", {}).items():
         with contextlib.suppress(OSError, TypeError, ValueError):
             if handler is not None:
-                signal.signal(getattr(signal, name), handler)
+                signal.signal(sig, handler)
 
 
 # What TensorFlow says of a tensor used outside the graph it was made in:
