@@ -10,8 +10,11 @@ same thing.
 """
 
 import enum
+import os
 import re
 import signal
+import sysconfig
+from typing import Optional, Tuple
 
 
 # The signals that stop a run at a step boundary, with a checkpoint (PREEMPTED
@@ -114,6 +117,38 @@ def first_line(error, limit: int = 200) -> str:
     if not lines:
         lines = [type(error).__name__ if isinstance(error, BaseException) else ""]
     return lines[0][:limit]
+
+
+# Autograph (a tf.function's, as a training step is) replaces the message of
+# what the code it converts raises: "in user code:", the frames (each a
+# "File" line and its code), then the original "Type: message", indented.
+# TensorFlow 2.21's autograph/pyct/error_utils.py writes it.
+_AUTOGRAPH = "in user code:"
+_AUTOGRAPH_FRAME = re.compile(r'    File "(.+)", line (\d+), in ')
+
+
+def inside_autograph(error) -> Optional[Tuple[str, str, Optional[str]]]:
+    """(type name, message, "file:line" of the innermost frame in neither an
+    installed library nor this package) of what autograph's message wraps
+    in `error`; None if it wraps nothing."""
+    lines = text_of(error).splitlines()
+    if not lines or lines[0] != _AUTOGRAPH:
+        return None
+    at, frames = 1, []
+    while at < len(lines) and (not lines[at].strip() or _AUTOGRAPH_FRAME.match(lines[at])):
+        frame = _AUTOGRAPH_FRAME.match(lines[at])
+        if frame:
+            frames.append(frame.groups())
+        at += 2 if frame else 1  # a frame's code line follows it
+    name, _, message = "\n".join(line[4:] for line in lines[at:]).partition(": ")
+    if not message or not name.isidentifier():
+        return None
+    libraries = [os.path.join(directory, "") for directory in (
+        *(sysconfig.get_path(kind) for kind in ("stdlib", "platstdlib", "purelib", "platlib")),
+        os.path.dirname(os.path.abspath(__file__)))]
+    users = [f"{quoted(path)}:{line}" for path, line in frames
+             if os.path.isabs(path) and not path.startswith(tuple(libraries))]
+    return name, message, users[-1] if users else None
 
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")

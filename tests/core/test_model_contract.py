@@ -167,6 +167,21 @@ def asserts_in_training(info):
     return AssertsInTraining(info.num_classes)
 
 
+class FailsInTheStep(NumpyInCall):
+    """Trains once, in the contract's trace; its second training call, the
+    run's step, which autograph converts, raises."""
+
+    def call(self, images, training=False):
+        self.trained = getattr(self, "trained", 0) + training
+        if self.trained > 1:
+            raise TypeError("trains only once")
+        return self.dense(keras.ops.mean(keras.ops.cast(images, "float32"), axis=(1, 2)))
+
+
+def fails_in_the_step(info):
+    return FailsInTheStep(info.num_classes)
+
+
 def integer_logits(info):
     images, x = _flat(info)
     logits = keras.layers.Dense(info.num_classes)(x)
@@ -263,6 +278,18 @@ def test_a_model_failing_in_the_first_step_on_two_replicas_is_named_in_one_line(
     assert_one_error_line(result, "failed in the run's first training step (InvalidArgumentError: "
                                   "assertion failed: [a batch of 3s, please]")
     assert "\t [[" not in result.stderr
+    assert not run.exists()
+
+
+def test_a_python_error_in_the_first_step_is_named_with_its_line(model_file, tmp_path):
+    """Autograph, which converts the step, had put "in user code:" first:
+    all the line said was "(TypeError: in user code:)"."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:fails_in_the_step", f"--model_dir={run}"])
+    line = 1 + MODELS.splitlines().index('            raise TypeError("trains only once")')
+    assert_one_error_line(result, "failed in the run's first training step (TypeError in "
+                                  "FailsInTheStep.call(): trains only once, at "
+                                  f"{model_file}:{line})")
     assert not run.exists()
 
 

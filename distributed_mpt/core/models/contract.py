@@ -35,7 +35,8 @@ from typing import Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.core import precision
-from distributed_mpt.errors import STOP_SIGNALS, UserError, first_line, quoted, text_of
+from distributed_mpt.errors import (STOP_SIGNALS, UserError, first_line, inside_autograph, quoted,
+                                    text_of)
 
 
 class ModelError(UserError):
@@ -141,15 +142,17 @@ _TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
 def cause(error: BaseException) -> str:
     """What `error` says, for an error line: its type and first line (of
     the error inside Keras' "Exception encountered when calling" wrapper,
-    with the layer), "..." where it is cut."""
-    lines = [line for line in _TERMINAL_CODES.sub("", text_of(error)).splitlines()
+    with the layer; of the one inside autograph's "in user code:", with
+    the user's file and line), "..." where it is cut."""
+    name, message, line = inside_autograph(error) or (type(error).__name__, error, None)
+    lines = [line for line in _TERMINAL_CODES.sub("", text_of(message)).splitlines()
              if line.strip()]
     where = _KERAS_CALL.match(lines[0].strip()) if len(lines) > 1 else None
     text = (f"in {where.group(1)}: {lines[1].strip()}" if where
-            else first_line(error, limit=10_000))
+            else first_line(message, limit=10_000))
     # A variable's repr puts its values on the lines after "numpy=".
-    text = re.sub(r",? numpy=$", ">", text)
-    return quoted(f"{type(error).__name__} {text}" if where else f"{type(error).__name__}: {text}")
+    text = re.sub(r",? numpy=$", ">", text) + (f", at {line}" if line else "")
+    return quoted(f"{name} {text}" if where else f"{name}: {text}")
 
 
 def drop_final_softmax(model, name: str) -> Tuple[object, Optional[str]]:
