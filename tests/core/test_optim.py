@@ -10,7 +10,7 @@ from distributed_mpt.config import TrainConfig
 from distributed_mpt.core.optim import schedules
 from distributed_mpt.core.optim.groups import ParameterGroup
 from distributed_mpt.core.optim.optimizer import GroupedOptimizer, make_optimizer
-from distributed_mpt.core.optim.rules import NesterovSGD
+from distributed_mpt.core.optim.rules import Muon, NesterovSGD
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.training.plan import plan_run
 
@@ -72,6 +72,20 @@ def test_the_rate_follows_the_runs_step_counter_not_the_optimizers():
     optimizer.apply_gradients([(tf.ones([2, 2]) * optimizer.dynamic_scale, kernel)])
     np.testing.assert_allclose(kernel.numpy(), np.full((2, 2), 1 - 0.5), rtol=1e-6,
                                err_msg="the rate of step 5")
+
+
+@pytest.mark.parametrize("gradient", [0.0, 1.0])
+def test_muon_steps_a_zero_filter_to_finite_weights(gradient):
+    """A filter that starts at zero has no norm to be scaled back to: every
+    weight became NaN (0 x inf), and the run said to lower the rate."""
+    filters = keras.Variable(np.zeros((3, 3, 2, 4)), dtype="float32")
+    step = tf.Variable(0, dtype=tf.int64)
+    optimizer = GroupedOptimizer([ParameterGroup("filters", (filters,), Muon(0.6), rate=0.2)],
+                                 lambda s: 0.1, step)
+    optimizer.apply_gradients([(tf.fill(filters.shape, gradient), filters)])
+    weights = filters.numpy()
+    assert np.all(np.isfinite(weights))
+    assert np.any(weights != 0) == bool(gradient), "a step only where there is a gradient"
 
 
 def test_a_variable_in_no_group_is_refused():

@@ -72,6 +72,15 @@ def muon_everywhere(info):
     return model
 
 
+def zero_filters(info):
+    """Its convolution starts at zero, as some initialisations have it."""
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Rescaling(1 / 255)(images)
+    x = keras.layers.Conv2D(8, 3, padding="same", kernel_initializer="zeros")(x)
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.BatchNormalization()(x))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def no_such_group(info):
     model = small_cnn(info)
     model.parameter_group = lambda variable: "muon"
@@ -168,6 +177,15 @@ def test_the_model_says_which_variables_train_by_the_optimizers_rule(model_file,
     assert_ok(chosen)
     assert "parameter groups: filters: Muon, 2 variable(s), 296 weights" in chosen.stdout
     assert "kernels:" not in chosen.stdout
+
+
+def test_filters_that_start_at_zero_train_with_muon(model_file, tmp_path):
+    """Muon scaled them back to their norm, 0: the loss was NaN at step 2,
+    and the run said to lower a learning rate that had nothing to do with it."""
+    result = train([*FLAGS, f"--model={model_file}:zero_filters", "--optimizer=muon",
+                    "--train_steps=4", f"--model_dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    assert "filters: Muon, 1 variable(s), 216 weights" in result.stdout
 
 
 def test_a_model_the_export_cannot_save_is_one_error_line_before_training(model_file, tmp_path):

@@ -101,6 +101,10 @@ class Muon(UpdateRule):
                                         coefficients=self.coefficients), variable.shape)
         weights = tf.convert_to_tensor(variable)
         scale = channels ** 0.5 / tf.norm(weights)
+        # A zero filter (kernel_initializer="zeros") has no direction to scale
+        # back: 0 x inf made every weight NaN. It keeps its norm until a step
+        # moves it; the orthogonalized step of a zero gradient is zero.
+        scale = tf.where(tf.math.is_finite(scale), scale, tf.ones_like(scale))
         if self.renormalize_steps is not None:
             table = tf.constant(self.renormalize_steps, tf.bool)
             last = tf.constant(len(self.renormalize_steps) - 1, optimizer.step.dtype)
