@@ -10,6 +10,7 @@ float() would take `0x10`, `1_000`, `١٢` (Arabic-Indic digits), `nan` and
 import math
 import re
 import sys
+import warnings
 from typing import Callable, List, Optional
 
 from absl import flags
@@ -105,6 +106,7 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     line on stderr and that error's exit code. With `on_interrupt` (what a
     stop leaves behind, e.g. "nothing written"), Ctrl-C or a stop signal
     raised as one ends it as `interrupted` says."""
+    _libraries_warnings_stay_warnings()
     try:
         return main()
     except UserError as e:
@@ -114,6 +116,21 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
         if on_interrupt is None:
             raise
         return interrupted(e, on_interrupt)
+
+
+# The libraries' own warnings, which neither the user nor the package can fix:
+# Keras 3.15 writes a .keras file (and reads a variable) through
+# np.array(tensor), of which NumPy 2 warns (see tests/pytest.ini).
+_LIBRARIES = r"(keras|tensorflow|tf_keras|numpy|absl|google|h5py|ml_dtypes|optree|PIL)(\.|$)"
+
+
+def _libraries_warnings_stay_warnings() -> None:
+    """Where PYTHONWARNINGS=error (or -W error, or a filter of its own) makes
+    warnings exceptions, those that the libraries' code raises are shown
+    instead: they failed a run after its training, at the export, with a
+    traceback. A run's own code, and a user's model, still fail on theirs."""
+    if any(action == "error" for action, *_ in warnings.filters):
+        warnings.filterwarnings("default", module=_LIBRARIES)
 
 
 def interrupted(stop: KeyboardInterrupt, left: str) -> int:

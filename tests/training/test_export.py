@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary, train
+from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
+                      subprocess_env, train)
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.errors import ConfigError
@@ -125,3 +126,16 @@ def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
     assert_ok(train([*flags, "--export"]))
     assert (model_dir / "export" / "model.keras").exists()
     assert read_summary(model_dir)["train_loss"] is not None, "the training figures, from the log"
+
+
+def test_a_run_under_pythonwarnings_error_exports_with_the_libraries_warnings_shown(tmp_path):
+    """Keras' own np.array(tensor), of which NumPy 2 warns, was a traceback
+    after the training (its batch-norm recalibration, then its export)."""
+    model_dir = tmp_path / "run"
+    result = train([*SMOKE_FLAGS, "--noevaluate", "--model=resnet9", "--model_width=4",
+                    "--train_steps=2", "--steps_per_loop=2", "--export",
+                    f"--model_dir={model_dir}"], env=subprocess_env(PYTHONWARNINGS="error"))
+    assert_ok(result)
+    assert "Traceback" not in result.stderr
+    assert (model_dir / "export" / "model.keras").exists()
+    assert list((model_dir / "checkpoints").glob("ckpt-2.index"))
