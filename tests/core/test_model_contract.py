@@ -201,6 +201,32 @@ def interrupts(info):
     raise KeyboardInterrupt
 
 
+def disables_eager(info):
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    return _flat_model(info)
+
+
+def clears_session(info):
+    keras.backend.clear_session()
+    return _flat_model(info)
+
+
+def closes_stdout(info):
+    sys.stdout.close()
+    return _flat_model(info)
+
+
+def closes_stderr(info):
+    sys.stderr.close()
+    return _flat_model(info)
+
+
+def _flat_model(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 class Unsayable(Exception):
     def __str__(self):
         raise RuntimeError("its own __str__ fails")
@@ -333,6 +359,31 @@ def test_a_model_function_that_ends_the_program_is_one_error_line(model_file, tm
     run = tmp_path / "run"
     # A process of its own: its exit status is what a launcher acts on.
     result = train([*FLAGS, f"--model={model_file}:{function}", f"--model_dir={run}"],
+                   timeout=300)
+    assert_one_error_line(result, fragment)
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("function, fragment, flags", [
+    # Each was a traceback, exit 1: the probe call on a symbolic tensor;
+    # "IndexError: pop from empty list" as the strategy's scope ended; the
+    # next progress line; "lost sys.stderr", with the run's files left.
+    ("disables_eager", "turned off eager execution (tf.compat.v1.disable_eager_execution() or "
+                       "disable_v2_behavior()), which TensorFlow cannot turn on again", []),
+    ("clears_session", "reset TensorFlow's default graph (keras.backend.clear_session() or "
+                       "tf.compat.v1.reset_default_graph() does), which ended the scope of the "
+                       "run's MirroredStrategy: the variables made after it would not be "
+                       "mirrored across its 2 replicas", ["--strategy=mirrored", "--cpu_replicas=2"]),
+    ("closes_stdout", "closed sys.stdout, to which the run writes its progress lines: remove "
+                      "that call (contextlib.redirect_stdout", []),
+    ("closes_stderr", "closed sys.stderr, to which the run writes its warnings and errors", []),
+])
+def test_a_model_that_breaks_what_cannot_be_set_back_is_one_error_line(model_file, tmp_path,
+                                                                      function, fragment, flags):
+    run = tmp_path / "run"
+    # A process of its own: what the model breaks is the process's, and the
+    # console's streams are the console script's.
+    result = train([*FLAGS, *flags, f"--model={model_file}:{function}", f"--model_dir={run}"],
                    timeout=300)
     assert_one_error_line(result, fragment)
     assert not run.exists()

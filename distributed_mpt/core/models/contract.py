@@ -35,6 +35,7 @@ from typing import Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.core import precision
+from distributed_mpt.core.models import unrecoverable
 from distributed_mpt.errors import (STOP_SIGNALS, UserError, first_line, inside_autograph, quoted,
                                     text_of)
 
@@ -59,7 +60,8 @@ def users_code(name: str, failure: str):
     that ignores SIGTERM), is set back, with a warning."""
     kept, raised = _process_state(), True
     try:
-        yield
+        with _left_usable(name):
+            yield
         raised = False
     except UserError:
         raise
@@ -92,6 +94,19 @@ def users_code(name: str, failure: str):
 
 
 _POLICY = "the mixed-precision policy"
+
+
+@contextlib.contextmanager
+def _left_usable(name: str):
+    """Refuses what the code did that cannot be set back (unrecoverable.py),
+    before what can be is set back."""
+    before = unrecoverable.snapshot()
+    try:
+        yield
+    finally:
+        broken = unrecoverable.broken_since(before)
+        if broken:
+            raise ModelError(f"--model={quoted(name)} {broken}") from None
 
 
 def _process_state() -> dict:
