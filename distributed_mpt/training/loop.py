@@ -378,7 +378,13 @@ def _users_model_named(name: str):
     (something trained)."""
     try:
         yield
-    except (UserError, *PEER_ERRORS, *_TRANSIENT_ERRORS):
+    except PEER_ERRORS as e:
+        # A peer whose own first step failed (the model's code, on its own
+        # shard of the data) is lost to this worker without its cause.
+        e.add_note(f"in the run's first training step, where a peer's --model={quoted(name)} "
+                   f"may have failed (its own log would say so)")
+        raise
+    except (UserError, *_TRANSIENT_ERRORS):
         raise
     except Exception as e:  # noqa: BLE001 - the user's code, in the first step only
         raise FirstStepError(f"--model={quoted(name)} failed in the run's first training step "

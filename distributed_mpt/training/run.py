@@ -152,8 +152,9 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     is not about peers: it is raised again."""
     if cluster is None:
         raise error
+    where = "".join(f" {note}" for note in getattr(error, "__notes__", ()))
     print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
-          f"{first_line(error).rstrip(' :')}); exiting with {ExitCode.PEER_LOST:d} so that "
+          f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
           f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
     return ExitCode.PEER_LOST
 

@@ -238,3 +238,45 @@ def test_workers_whose_model_files_differ_refuse_together(tmp_path):
         errors = [line for line in output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "model file (and the modules it imports) differ" in errors[0], output[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
+
+
+@pytest.mark.slow
+def test_a_peer_of_a_worker_whose_first_step_failed_names_the_step(tmp_path):
+    """Worker 0's model fails in the first step on its own (an assertion on
+    its shard); worker 1 only sees worker 0 go, and said nothing of where."""
+    import subprocess
+    import sys
+
+    from conftest import SMOKE_FLAGS
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    source = tmp_path / "worker_zero_fails.py"
+    source.write_text(
+        "import json, os\nimport keras\nimport tensorflow as tf\n\n"
+        "TASK = json.loads(os.environ['TF_CONFIG'])['task']['index']\n\n\n"
+        "class Net(keras.Model):\n"
+        "    def __init__(self, classes):\n"
+        "        super().__init__()\n"
+        "        self.dense = keras.layers.Dense(classes)\n\n"
+        "    def call(self, images, training=False):\n"
+        "        x = keras.ops.mean(keras.ops.cast(images, 'float32') / 255, axis=(1, 2))\n"
+        "        if training:  # what only running finds, on one worker\n"
+        "            task = tf.py_function(lambda: TASK, [], tf.int32)\n"
+        "            tf.debugging.assert_equal(task, 1, message='not on worker 0')\n"
+        "        return self.dense(x)\n\n\n"
+        "def net(info):\n    return Net(info.num_classes)\n")
+    flags = [*SMOKE_FLAGS, "--communication=ring", "--per_replica_batch_size=16",
+             "--peer_timeout_seconds=60", "--train_steps=4", "--precision=float32",
+             f"--model={source}:net", f"--model_dir={tmp_path / 'run'}"]
+    workers = [subprocess.Popen([sys.executable, "-m", "distributed_mpt.train", *flags],
+                                env=subprocess_env(TF_CONFIG=tf_config), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+               for tf_config in worker_tf_configs(free_ports(2))]
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    errors = [[line for line in output.splitlines() if line.startswith("error:")]
+              for output in outputs]
+    assert workers[0].returncode == 2 and "failed in the run's first training step" in errors[0][0]
+    assert workers[1].returncode == 141, outputs[1][-3000:]
+    assert len(errors[1]) == 1 and "lost a peer" in errors[1][0], outputs[1][-3000:]
+    assert (f"in the run's first training step, where a peer's --model={source}:net may have "
+            f"failed (its own log would say so)") in errors[1][0]
