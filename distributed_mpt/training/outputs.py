@@ -50,7 +50,7 @@ _TEMPFILE = r"[a-z0-9_]{8}"
 # checkpoints/: its names, which cannot carry a tag.
 CHECKPOINT_DEBRIS = (re.compile(r"ckpt-\d+_temp.*"),        # SaveV2 writes shards here, then merges
                      re.compile(r"ckpt-\d+\..*\.tempstate\d+"),  # a file not yet renamed
-                     re.compile(r"checkpoint\.tmp[0-9a-f]+"))   # the index, not yet renamed
+                     re.compile(r"checkpoint\.tmp[0-9a-f]{32}"))  # the index: uuid4().hex
 
 
 def debris(tags) -> dict:
@@ -78,6 +78,13 @@ def check_layout(model_dir: str, export: bool = True) -> None:
         check_export_destination(model_dir)
     for name in DIRECTORIES:
         path = os.path.join(model_dir, name)
+        if os.path.islink(path):
+            # A run removes what its killed runs left in its folders, by the
+            # names TensorFlow gives them: where a link leads, those names
+            # may be another's files (a user's `checkpoint.tmp42` was).
+            raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, and a run writes and "
+                              f"removes files in its {name} folder: make it a directory of its "
+                              f"own, or point --model_dir itself at the other file system")
         if os.path.lexists(path) and not os.path.isdir(path):
             raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, not a directory, but a "
                               f"run keeps its {name} there: move it away, or choose another "

@@ -67,6 +67,25 @@ def test_a_run_refuses_a_directory_of_the_users_files_and_adopts_it_when_told(mo
     assert_ok(train([*E2E, "--train_steps=4", f"--model_dir={model_dir}"]))
 
 
+@pytest.mark.parametrize("folder", ["checkpoints", "tensorboard"])
+def test_a_run_refuses_a_folder_of_its_own_that_links_elsewhere(tmp_path, model_dir, folder):
+    """A run writes into its folders and clears TensorFlow's leftovers from
+    them by name: through a link, a user's `checkpoint.tmp42` where it led
+    was deleted. Refused before anything is written, where it leads untouched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "checkpoint.tmp42").write_text("mine\n")
+    (elsewhere / ("checkpoint.tmp" + "0f1e" * 8)).write_text("mine, shaped like TensorFlow's\n")
+    model_dir.mkdir()
+    outputs.mark(str(model_dir))
+    (model_dir / folder).symlink_to(elsewhere)
+    before = snapshot(model_dir, elsewhere)
+    refused = train([*E2E, "--train_steps=2", f"--model_dir={model_dir}"], timeout=300)
+    assert_one_error_line(refused, f"{model_dir / folder} is a symbolic link to a directory, "
+                                   f"and a run writes and removes files in its {folder} folder")
+    assert snapshot(model_dir, elsewhere) == before, "nothing written, nothing removed"
+
+
 TAG = "4242-9f3ab2c1"  # a killed run's owner tag, as its lock file records it
 
 
@@ -76,7 +95,7 @@ def test_remove_debris_takes_only_what_carries_a_killed_runs_tag(tmp_path):
               f".export-{TAG}-1a2b3c4d/saved_model/x", f".export-{TAG}-1a2b3c4d-old/y",
               f"checkpoints/.tmp-{TAG}-q1w2e3r4",
               "checkpoints/ckpt-4_temp/part-00000-of-00001.index",
-              "checkpoints/ckpt-4.index.tempstate123", "checkpoints/checkpoint.tmp0f1e"]
+              "checkpoints/ckpt-4.index.tempstate123", "checkpoints/checkpoint.tmp" + "0f1e" * 8]
     kept = ["checkpoints/ckpt-3.index", "checkpoints/ckpt-3.data-00000-of-00001",
             "checkpoints/checkpoint", "checkpoints/model.json", "metrics.jsonl", "notes.tmp",
             "export/saved_model/saved_model.pb", "my.tmp-file", "tensorboard/events.out.tfevents.1",
@@ -86,7 +105,9 @@ def test_remove_debris_takes_only_what_carries_a_killed_runs_tag(tmp_path):
             ".tmp-abc123_z", ".write-test-x1y2z3w4", ".export-1a2b3c4d/x", ".write-test-notes",
             # Another run's tag, or one made to look like it.
             ".tmp-4242-9f3ab2c2-abc123_z", f".export-{TAG}-1a2b3c4d-new/x",
-            f"checkpoints/.tmp-1-{TAG[5:]}-q1w2e3r4"]
+            f"checkpoints/.tmp-1-{TAG[5:]}-q1w2e3r4",
+            # Not TensorFlow's name for an index being written (a uuid4's 32 hex digits).
+            "checkpoints/checkpoint.tmp42", "checkpoints/checkpoint.tmp" + "0f1e" * 7]
     for name in debris + kept:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
@@ -137,7 +158,7 @@ def test_a_run_after_a_killed_run_removes_its_debris_and_only_that(model_dir):
     (model_dir / run_lock.LOCK_NAME).write_text(json.dumps(
         {"host": "h", "pid": 4242, "since": "2026-01-01T00:00:00+0000", "tag": TAG}) + "\n")
     for name in (f".tmp-{TAG}-x1y2z3w4", f".export-{TAG}-12345678/saved_model",
-                 "checkpoints/ckpt-9_temp/part", "checkpoints/checkpoint.tmpabc"):
+                 "checkpoints/ckpt-9_temp/part", "checkpoints/checkpoint.tmp" + "abc0" * 8):
         (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (model_dir / name).write_text("x")
     # The user's, in the shapes the package's names had before they carried a tag.
