@@ -12,7 +12,6 @@ hang or a traceback.
 
 import contextlib
 import errno
-import io
 import json
 import math
 import os
@@ -20,7 +19,7 @@ import secrets
 import stat
 import sys
 import tempfile
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted, text_of
 
@@ -30,8 +29,9 @@ from distributed_mpt.errors import ConfigError, UserError, first_line, quoted, t
 TEMPORARY_PREFIX = ".tmp-"          # write_text, before its rename
 WRITE_TEST_PREFIX = ".write-test-"  # check_writable
 
-# Far above any file a run writes (metrics.jsonl grows by ~200 bytes a
-# line): a bigger one is not ours, and is refused before it is read.
+# Far above any file this program reads whole (a JSON-lines file, which
+# grows as long as a run logs, is read a line at a time: json_lines.py): a
+# bigger one is not ours, and is refused before it is read.
 MAX_READ_BYTES = 1 << 28
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -104,13 +104,37 @@ class FileTooLargeError(Exception):
 def read_bounded(path: str, limit: int) -> bytes:
     """The bytes of the regular file at `path` (a symbolic link to one
     included), at most `limit` of them. Raises NotRegularFileError for
-    anything else, FileTooLargeError for a larger file, OSError if it cannot
-    be read.
+    anything else (open_regular), FileTooLargeError for a larger file,
+    OSError if it cannot be read.
+
+    What is read is what the file holds: read(limit) would allocate `limit`
+    bytes at once (256 MB for a config.json of 1 kB)."""
+    with open_regular(path) as f:
+        expected = os.fstat(f.fileno()).st_size
+        if expected > limit:
+            raise FileTooLargeError(limit)
+        # All it holds, and a byte more to see that it ends there; the rest
+        # if it holds more than its size says: it grew, or lives in /proc
+        # (whose sizes say 0).
+        chunks = [_read_now(f, expected + 1)]
+        size = len(chunks[0])
+        while expected < size <= limit and chunks[-1]:
+            chunks.append(_read_now(f, min(1 << 16, limit + 1 - size)))
+            size += len(chunks[-1])
+    if size > limit:
+        raise FileTooLargeError(limit)
+    return b"".join(chunks)
+
+
+@contextlib.contextmanager
+def open_regular(path: str):
+    """The regular file at `path` (a symbolic link to one included), open for
+    reading bytes. Raises NotRegularFileError for anything else, OSError if
+    it cannot be opened.
 
     A FIFO would block the open, a device node never end: neither is opened,
     and what was opened (without blocking) is checked again, in case the
-    path changed in between. What is read is what the file holds: read(limit)
-    would allocate `limit` bytes at once (256 MB for a config.json of 1 kB)."""
+    path changed in between."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
@@ -121,22 +145,10 @@ def read_bounded(path: str, limit: int) -> bytes:
         raise NotRegularFileError(_kind_of_mode(mode))
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     with open(descriptor, "rb") as f:
-        opened = os.fstat(descriptor)
-        if not stat.S_ISREG(opened.st_mode):
-            raise NotRegularFileError(_kind_of_mode(opened.st_mode))
-        if opened.st_size > limit:
-            raise FileTooLargeError(limit)
-        # All it holds, and a byte more to see that it ends there; the rest
-        # if it holds more than its size says: it grew, or lives in /proc
-        # (whose sizes say 0).
-        chunks = [_read_now(f, opened.st_size + 1)]
-        size = len(chunks[0])
-        while opened.st_size < size <= limit and chunks[-1]:
-            chunks.append(_read_now(f, min(1 << 16, limit + 1 - size)))
-            size += len(chunks[-1])
-    if size > limit:
-        raise FileTooLargeError(limit)
-    return b"".join(chunks)
+        opened = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(opened):
+            raise NotRegularFileError(_kind_of_mode(opened))
+        yield f
 
 
 def _read_now(f, size: int) -> bytes:
@@ -218,15 +230,23 @@ def why_unwritable(error: Exception) -> Optional[str]:
 
 
 def write_text(path: str, text: str) -> None:
-    """Writes `text` to `path` atomically (temporary file, fsync, rename);
-    a failed write leaves no temporary file behind. Refuses (ConfigError) to
+    """Writes `text` to `path` atomically (see `replacing`)."""
+    with replacing(path) as f:
+        f.write(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def replacing(path: str):
+    """A file to write `path`'s new bytes into, which replaces `path`
+    atomically (temporary file, fsync, rename) when the block ends without
+    an exception; else no temporary file is left. Refuses (ConfigError) to
     replace anything but a regular file."""
     check_replaceable(path)
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=f"{TEMPORARY_PREFIX}{owner_tag()}-",
-                                     delete=False) as f:
+    with tempfile.NamedTemporaryFile("wb", dir=directory, delete=False,
+                                     prefix=f"{TEMPORARY_PREFIX}{owner_tag()}-") as f:
         try:
-            f.write(text)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         except BaseException:
@@ -290,56 +310,28 @@ def read_json(path: str, fields: Optional[dict] = None,
     return data
 
 
-_DAMAGE_SAID = 3  # damaged lines of a JSON-lines file named one by one
-
-
-def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], List[str]]:
-    """The intact records of a JSON-lines file, and what is wrong with each
-    damaged line (a line cut short by a killed writer included): a damaged
-    line costs that line only. No file: no records.
-
-    `fields` as for read_json. Raises DamagedFileError only if `path` is
-    not a regular file or is too big to be ours."""
-    raw = _read_ours(path, "move it away, or choose another --model_dir")
-    if raw is None:
-        return [], []
-    records, problems, damaged = [], [], 0
-    # Line by line, each as bytes (an undecodable line costs that line
-    # only), and only the first damage said: 33 MB of damaged lines, split
-    # at once and each said, took 2.3 GB and 94 s (2 cores of an AVX2
-    # EPYC).
-    for number, line in enumerate(io.BytesIO(raw), 1):
-        if not line.endswith(b"\n"):
-            problems.append("its last line was cut short")
-            break
-        try:
-            record, problem = parse_record(line[:-1].decode("utf-8"), fields or {})
-        except UnicodeDecodeError:
-            problem = "not UTF-8 text"
-        if not problem:
-            records.append(record)
-            continue
-        damaged += 1
-        if damaged <= _DAMAGE_SAID:
-            problems.append(f"line {number} is damaged ({problem})")
-    if damaged > _DAMAGE_SAID:
-        problems.append(f"{damaged - _DAMAGE_SAID:,} more damaged lines")
-    return records, problems
-
-
 def _read_ours(path: str, remedy: str) -> Optional[bytes]:
     """The bytes of a file this program writes at `path`, None if there is
-    nothing there; DamagedFileError, naming it and `remedy`, if it is not a
-    regular file, cannot be read or is larger than any it writes."""
+    nothing there; DamagedFileError if it is not a regular file, cannot be
+    read or is larger than any it writes (see reading_ours)."""
     if not os.path.lexists(path):
         return None
-    try:
+    with reading_ours(path, remedy):
         return read_bounded(path, MAX_READ_BYTES)
+
+
+@contextlib.contextmanager
+def reading_ours(path: str, remedy: str):
+    """Where a file this program writes at `path` is read: a refusal of
+    open_regular or read_bounded, or an OSError, raised in the block becomes
+    DamagedFileError, naming the file, what is wrong and `remedy`."""
+    try:
+        yield
     except NotRegularFileError as e:
         raise DamagedFileError(f"{quoted(path)} is {e.kind}, not a regular file; {remedy}") from None
-    except FileTooLargeError:
+    except FileTooLargeError as e:
         raise DamagedFileError(f"{quoted(path)} is larger than any file this program writes "
-                               f"({MAX_READ_BYTES:,} bytes); {remedy}") from None
+                               f"({e.args[0]:,} bytes); {remedy}") from None
     except OSError as e:
         raise DamagedFileError(f"cannot read {quoted(path)} ({e.strerror}); {remedy}") from None
 

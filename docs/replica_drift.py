@@ -95,9 +95,9 @@ def _fail(message, code=2):
 def _losses(model_dir):
     """Each logged step's training loss (the package's reader: a damaged
     line is left out, not fatal)."""
-    from distributed_mpt import files
+    from distributed_mpt.json_lines import read_jsonl
 
-    records = files.read_jsonl(os.path.join(model_dir, "metrics.jsonl"))[0]
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))[0]
     return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
 
 

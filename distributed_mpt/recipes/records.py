@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.errors import ConfigError
+from distributed_mpt.json_lines import read_jsonl
 
 PATH = str(resources.files(__package__) / "ledger.jsonl")
 # The source checkout the package is in, when it is one: its README.md and
@@ -190,7 +191,7 @@ class Ledger:
 def load(path: str = PATH) -> Ledger:
     """The ledger in `path`. DamagedFileError if a line is damaged: the ledger is
     the repository's, written by hand and by measure.py, never cut short."""
-    records, problems = files.read_jsonl(path, {"kind": str})
+    records, problems = read_jsonl(path, {"kind": str})
     if problems:
         raise files.DamagedFileError(f"{path}: {'; '.join(problems)}")
     if not records and not os.path.exists(path):
@@ -205,7 +206,7 @@ def append(path: str, records: List[dict]) -> None:
     if text and not text.endswith("\n"):
         raise files.DamagedFileError(f"{path}: its last line was cut short; mend it "
                                      f"before appending")
-    Ledger(files.read_jsonl(path, {"kind": str})[0] + records, path)  # the result is consistent
+    Ledger(read_jsonl(path, {"kind": str})[0] + records, path)  # the result is consistent
     files.write_text(path, text + "".join(json.dumps(r, sort_keys=False) + "\n"
                                           for r in records))
 
@@ -235,7 +236,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     records added."""
     import datetime
     from distributed_mpt import recipes
-    existing = files.read_jsonl(path, {"kind": str})[0]
+    existing = read_jsonl(path, {"kind": str})[0]
     commit = code_commit()
     given = []
     for arg in train_flags:  # `--name value`, as absl takes it too, becomes `--name=value`

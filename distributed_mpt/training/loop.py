@@ -32,6 +32,8 @@ from distributed_mpt.cluster.strategy import PEER_ERRORS
 from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
+from distributed_mpt.json_lines import JsonLines
+from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
 
@@ -222,8 +224,6 @@ def _next_multiple(value: int, multiple: int) -> int:
     return (value // multiple + 1) * multiple
 
 
-# What every record of metrics.jsonl holds; a line without them is damaged.
-_RECORD_FIELDS = {"step": int, "elapsed_seconds": (int, float)}
 # What the TrainJob's status shows of a record, as the console does.
 _STATUS_METRICS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "learning_rate")
 
@@ -254,21 +254,13 @@ class Reporter:
         if not enabled:
             self._writer = tf.summary.create_noop_writer()
             return
-        records, damage = files.read_jsonl(self._metrics_path, _RECORD_FIELDS)
-        if damage:  # a damaged line costs that line only
-            files.warn(f"{self._metrics_path}: {'; '.join(damage[:3])}; rewritten without "
-                       f"{'it' if len(damage) == 1 else 'them'} ({len(records)} records kept)")
-        # The time of the earlier runs counts, all of it: also that of the
-        # records dropped below, which was spent, if on steps now redone.
-        self._earlier_seconds = max((r["elapsed_seconds"] for r in records), default=0.0)
         # Records past the resumed step describe steps that will be redone,
         # and so does the final evaluation of a run resumed at its last step
         # (stopped while it exported), if it evaluates: keep the log
         # consistent with the checkpoint, one record per step and kind.
-        kept = [r for r in records if r["step"] <= resumed_from_step and not (
-            evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)]
-        files.write_text(self._metrics_path,
-                         "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+        self._earlier_seconds = outputs.keep_metrics(self._metrics_path, lambda r: (
+            r["step"] <= resumed_from_step and not (
+                evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)))
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
         self._status = TrainJobStatus.from_environment()
         self._closed = threading.Event()
@@ -277,8 +269,10 @@ class Reporter:
     def last_logged(self, key: str) -> dict:
         """The newest record of metrics.jsonl that has a number at `key`; {}
         if none (a record edited to hold anything else is passed over)."""
-        records = files.read_jsonl(self._metrics_path)[0] if self._enabled else []
-        return next((r for r in reversed(records) if isinstance(r.get(key), (int, float))), {})
+        last = {}
+        for record, _ in JsonLines(self._metrics_path) if self._enabled else ():
+            last = record if isinstance(record.get(key), (int, float)) else last
+        return last
 
     def say(self, message: str) -> None:
         """Prints a line on the chief."""

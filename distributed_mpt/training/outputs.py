@@ -28,6 +28,7 @@ from typing import List, Sequence
 from distributed_mpt import files
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.errors import ConfigError, quoted
+from distributed_mpt.json_lines import JsonLines
 from distributed_mpt.process.run_lock import LOCK_NAME
 
 MARKER = ".distributed_mpt"
@@ -135,6 +136,36 @@ def mark(model_dir: str) -> None:
     path = os.path.join(model_dir, MARKER)
     if not files.is_regular_file(path):
         files.write_text(path, json.dumps({"written_by": "distributed_mpt"}) + "\n")
+
+
+# What every record of metrics.jsonl holds; a line without them is damaged.
+METRICS_FIELDS = {"step": int, "elapsed_seconds": (int, float)}
+
+
+def keep_metrics(path: str, kept) -> float:
+    """Keeps the records of a run's metrics.jsonl at `path` for which
+    `kept(record)` holds, and no damaged line (said in a warning); returns
+    the seconds of the earlier runs it records. A line at a time, however
+    long the log (one with 1.3 M records of --log_every_steps=1 was too large
+    to be read whole, and the run could not resume); rewritten only if a
+    line goes, and made if missing."""
+    log = JsonLines(path, METRICS_FIELDS)
+    # The time of the earlier runs counts, all of it: also that of the
+    # records dropped, which was spent, if on steps now redone.
+    # A new run's log is made before its first step.
+    seconds, records, rewrite = 0.0, 0, not os.path.lexists(path)
+    for record, _ in log:
+        seconds, records = max(seconds, record["elapsed_seconds"]), records + 1
+        rewrite = rewrite or not kept(record)
+    if log.problems:  # a damaged line costs that line only
+        files.warn(f"{path}: {'; '.join(log.problems)}; rewritten without "
+                   f"{'it' if len(log.problems) == 1 else 'them'} ({records} records kept)")
+    if log.problems or rewrite:
+        with files.replacing(path) as rewritten:
+            for record, line in log:
+                if kept(record):
+                    rewritten.write(line)
+    return seconds
 
 
 def remove_debris(model_dir: str, tags=()) -> List[str]:

@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 
 from conftest import deadline, made_a_fifo_when_checked
-from distributed_mpt import files
+from distributed_mpt import files, json_lines
 from distributed_mpt.errors import ConfigError
 
 
@@ -108,51 +108,6 @@ def test_write_text_replaces_only_a_regular_file(tmp_path, kind):
         assert (tmp_path / "elsewhere").read_text() == "keep"
 
 
-@pytest.mark.parametrize("tail, damage, after", [
-    (b'{"ste', "its last line was cut short", []),
-    (b'\xff\xfe\n{"step": 4}\n', "line 3 is damaged (not UTF-8 text)", [{"step": 4}]),
-    (b"[3]\n", "line 3 is damaged (a JSON list, not an object)", []),
-    (b'{"step": "3"}\n', "line 3 is damaged ('step' is a str)", []),
-    (b'{"loss": 1}\n', "line 3 is damaged (no 'step')", []),
-    (b"\n", "line 3 is damaged (not JSON", []),
-    (b'{"step": NaN}\n', "line 3 is damaged (not JSON: NaN is not a JSON value", []),
-])
-def test_a_damaged_metrics_line_is_named(tmp_path, tail, damage, after):
-    path = tmp_path / "metrics.jsonl"
-    path.write_bytes(b'{"step": 1}\n{"step": 2}\n' + tail)
-    records, problems = files.read_jsonl(str(path), {"step": int})
-    assert records == [{"step": 1}, {"step": 2}, *after]
-    assert len(problems) == 1 and problems[0].startswith(damage), problems
-
-
-def test_a_damaged_metrics_line_costs_that_line_only(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_bytes(b'{"step": 1}\n{"ste\n{"step": 3}\n\xff\xfe\n{"step": 5}\n{"step": 6')
-    records, problems = files.read_jsonl(str(path), {"step": int})
-    assert records == [{"step": 1}, {"step": 3}, {"step": 5}], "the records after it are kept"
-    assert [p.split(" (")[0] for p in problems] == [
-        "line 2 is damaged", "line 4 is damaged", "its last line was cut short"]
-    assert files.read_jsonl(str(tmp_path / "missing.jsonl")) == ([], [])
-
-
-def test_many_damaged_lines_are_counted_not_each_said(tmp_path):
-    """Each damaged line was kept as a sentence: 33 MB of them took 2.3 GB
-    and 94 s to resume; three are said, and how many more."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_bytes(b"{}\n" * 100_000 + b'{"step": 1}\n')
-    tracemalloc.start()
-    try:
-        records, problems = files.read_jsonl(str(path), {"step": int})
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    print(f"100,000 damaged lines read with at most {peak:,} bytes allocated")
-    assert records == [{"step": 1}]
-    assert problems == [f"line {n} is damaged (no 'step')" for n in (1, 2, 3)] + [
-        "99,997 more damaged lines"]
-    assert peak < 20 * path.stat().st_size, "not a sentence, nor an object, per line"
-
-
 @pytest.mark.parametrize("content, problem", [
     (b"\xff{}", "not UTF-8 text at byte 0"),
     (b"", "not JSON"),
@@ -176,10 +131,11 @@ def test_json_that_is_not_there_is_empty_and_a_fifo_is_refused_unread(tmp_path):
     with pytest.raises(files.DamagedFileError, match="is a FIFO, not a regular file"):
         files.read_json(str(tmp_path / "fifo"))  # would block forever if opened
     with pytest.raises(files.DamagedFileError, match="is a FIFO, not a regular file"):
-        files.read_jsonl(str(tmp_path / "fifo"))
+        json_lines.read_jsonl(str(tmp_path / "fifo"))
 
 
-@pytest.mark.parametrize("read", [files.read_json, files.read_jsonl], ids=["json", "jsonl"])
+@pytest.mark.parametrize("read", [files.read_json, json_lines.read_jsonl],
+                         ids=["json", "jsonl"])
 def test_a_file_made_a_fifo_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch, read):
     path = tmp_path / "summary.json"
     path.write_text("{}\n")

@@ -15,7 +15,8 @@ import distributed_mpt
 
 PACKAGE = Path(distributed_mpt.__file__).parent
 # What each layer may import of the package, besides itself.
-LEAVES = {"distributed_mpt.errors", "distributed_mpt.files", "distributed_mpt.options"}
+LEAVES = {"distributed_mpt.errors", "distributed_mpt.files", "distributed_mpt.json_lines",
+          "distributed_mpt.options"}
 ALLOWED = {
     "distributed_mpt.core": LEAVES,
     "distributed_mpt.process": LEAVES,

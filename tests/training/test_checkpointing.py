@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from conftest import (SMOKE_FLAGS, assert_ok, group_settings, make_path, read_summary, snapshot,
                       train)
+from distributed_mpt import files
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.core.optim import groups, optimizer as optimizer_lib
@@ -238,6 +239,30 @@ def test_training_resumes_from_the_newest_intact_checkpoint(model_dir):
     assert steps == [1, 2, 10, 11, 12, 20], "metrics cut back to the step actually restored"
 
 
+def test_a_log_longer_than_any_file_read_whole_resumes(model_dir, monkeypatch):
+    """metrics.jsonl grows by a line per logged step: past 1.3 M of them
+    (--log_every_steps=1) it was larger than any file the package reads whole
+    (files.MAX_READ_BYTES, 256 MB), and the run could not resume (exit 2).
+    Here, in this process, that bound is lowered rather than the log grown."""
+    flags = [*E2E, "--log_every_steps=1", f"--model_dir={model_dir}"]
+    assert_ok(train([*flags, "--train_steps=30"]))
+    metrics = model_dir / "metrics.jsonl"
+    logged = metrics.read_bytes()
+    # What a run killed after step 31 leaves: a step trained again, a line cut short.
+    with open(metrics, "ab") as f:
+        f.write(b'{"step": 31, "elapsed_seconds": 100000}\n{"step": 32, "elap')
+    # Too small for the log, not for the files a run reads whole (config.json...).
+    monkeypatch.setattr(files, "MAX_READ_BYTES", len(logged) - 1)
+    assert max(p.stat().st_size for p in model_dir.rglob("*.json")) < len(logged) - 1
+    result = train([*flags, "--train_steps=35"])
+    assert_ok(result)
+    assert "metrics.jsonl: its last line was cut short; rewritten without it" in result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 36))
+    assert metrics.read_bytes().startswith(logged), "the records of steps 1-30 kept as they were"
+    assert records[30]["elapsed_seconds"] > 100000, "the killed run's time counted, all of it"
+
+
 def test_training_over_a_fifo_at_a_checkpoint_file_is_one_error_line(model_dir):
     assert_ok(train([*E2E, "--train_steps=10", f"--model_dir={model_dir}"]))
     data = _data(model_dir, 10)
@@ -327,13 +352,13 @@ def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(t
 
 
 def test_a_file_of_the_run_that_cannot_be_replaced_is_one_line(tmp_path):
-    """metrics.jsonl mounted onto itself (EBUSY as it is renamed over): an
+    """summary.json mounted onto itself (EBUSY as it is renamed over): an
     OSError traceback, and its temporary file left in --model_dir."""
     model_dir, _, result, errors = _resumed_with_a_path_mounted_over(
-        tmp_path, "metrics.jsonl", read_only=False)
-    metrics = model_dir / "metrics.jsonl"
+        tmp_path, "summary.json", read_only=False)
+    summary = model_dir / "summary.json"
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert errors == [f"error: cannot write {metrics} (Device or resource busy): free it of what "
+    assert errors == [f"error: cannot write {summary} (Device or resource busy): free it of what "
                       f"holds it (a mount) and run the same command again to resume"]
     assert not [p.name for p in model_dir.iterdir() if p.name.startswith(".tmp")]
 
