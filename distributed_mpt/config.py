@@ -7,6 +7,7 @@ below takes its section or plain arguments and never reads flags.
 """
 
 import dataclasses
+import json
 import math
 import os
 from typing import Optional
@@ -18,6 +19,7 @@ from distributed_mpt.core.data import DataOptions
 from distributed_mpt.core.models import AirbenchOptions, ModelOptions
 from distributed_mpt.core.optim.groups import MuonOptions, OptimizerOptions
 from distributed_mpt.core.optim.schedules import ScheduleOptions
+from distributed_mpt.errors import quoted
 from distributed_mpt.options import require
 from distributed_mpt.training import EvaluationOptions, RunOptions
 
@@ -97,6 +99,21 @@ def flat_record(record: dict) -> dict:
                 if name in SECTIONS and isinstance(value, dict)}
     return {**{k: v for section in sections.values() for k, v in section.items()},
             **{k: v for k, v in record.items() if k not in sections}}
+
+
+def section_problem(record: dict) -> Optional[str]:
+    """What is wrong with the sections of `record`, a config.json read back,
+    or None. A file written in sections holds each as an object of flags; a
+    flat one of before holds none, and its `model` and `optimizer` are the
+    flags of those names. A section of another kind would be read as a flag
+    (`Pass --model=['resnet9']`, said a resume), or lose the flags it held."""
+    in_sections = any(isinstance(record.get(name), dict) for name in SECTIONS)
+    for name, value in record.items():
+        if name in SECTIONS and not isinstance(value, dict) and (
+                in_sections or name not in DEFAULTS):
+            return (f"its {name!r} section is {quoted(json.dumps(value), 60)}, where this "
+                    f"program writes an object of flags")
+    return None
 
 
 def user_path(path: Optional[str]) -> Optional[str]:

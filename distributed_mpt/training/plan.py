@@ -25,7 +25,8 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.cluster.strategy import barrier
-from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record, training_flags
+from distributed_mpt.config import (DEFAULTS, TrainConfig, flat_record, section_problem,
+                                    training_flags)
 from distributed_mpt.core import pipeline, precision
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
@@ -181,8 +182,8 @@ def _previous_config(model_dir: str) -> dict:
     remedy = ("it records the flags of the run that wrote the checkpoints: restore an intact "
               "copy, or remove it to resume without comparing them")
     previous_config = files.read_json(config_path, remedy=remedy)
-    problem = files.missing_fields(flat_record(previous_config),
-                                   {"dataset": str, "seed": int, "resolved": dict})
+    problem = section_problem(previous_config) or files.missing_fields(
+        flat_record(previous_config), {"dataset": str, "seed": int, "resolved": dict})
     if problem:
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ({problem}); {remedy}")
     earlier = previous_config.get("earlier", [])  # absent in runs from before it was kept

@@ -57,6 +57,19 @@ CASES = {
     "config.json: flat, another seed": (
         _edit("config.json", lambda r: json.dumps({**json.loads(_flat(r)), "seed": 3})), 8,
         "changes --seed=3 to 0"),
+    # A section of another kind was read as a flag: "Pass --model=['resnet9']".
+    "config.json: a section a list": (_edit("config.json", _with(model=["resnet9"])), 8,
+                                      "config.json is damaged (its 'model' section is "
+                                      "[\"resnet9\"], where this program writes an object of "
+                                      "flags); it records the flags"),
+    "config.json: a section a string": (_edit("config.json", _with(run="x")), 8,
+                                        "damaged (its 'run' section is \"x\", where"),
+    "config.json: a section a number": (_edit("config.json", _with(data=3)), 8,
+                                        "damaged (its 'data' section is 3, where"),
+    "config.json: a section null": (_edit("config.json", _with(optimizer=None)), 8,
+                                    "damaged (its 'optimizer' section is null, where"),
+    "config.json: a list": (_edit("config.json", lambda r: json.dumps([r])), 8,
+                            "config.json is damaged (a JSON list, not an object)"),
     "config.json: earlier not a list": (_edit("config.json", _with(earlier="junk")), 8,
                                         "config.json is damaged ('earlier' is not a list"),
     "config.json: earlier of numbers": (_edit("config.json", _with(earlier=[1, 2])), 8,
