@@ -1,7 +1,13 @@
 """Mixed-precision CIFAR-10 training on one GPU, all GPUs of a node, or many nodes."""
 
-import os
-import platform
+# First, as every command imports this first: a Ctrl-C or SIGTERM while a
+# command imports and starts ends it with one line, not a traceback.
+from distributed_mpt.process import start_guard as _start_guard  # noqa: I001
+
+_start_guard.guard_the_start()
+
+import os  # noqa: E402
+import platform  # noqa: E402
 
 __version__ = "0.1.0"
 

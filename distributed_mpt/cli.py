@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 from absl import flags
 
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, first_line, quoted
+from distributed_mpt.process import stopping
 
 HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "-helpfull")
 
@@ -107,6 +108,8 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     stop leaves behind, e.g. "nothing written"), Ctrl-C or a stop signal
     raised as one ends it as `interrupted` says."""
     _libraries_warnings_stay_warnings()
+    if on_interrupt is not None:  # a stop now raises KeyboardInterrupt, caught below
+        stopping.end_start_guard()
     try:
         return main()
     except UserError as e:
@@ -138,17 +141,15 @@ def interrupted(stop: KeyboardInterrupt, left: str) -> int:
     saying so and what it left: ABORTED for Ctrl-C, PREEMPTED for SIGTERM
     and the other stop signals (stopping.stops_interrupting raises them as
     Terminated)."""
-    from distributed_mpt.process.stopping import Terminated
-
     print(f"interrupted: {left}", file=sys.stderr, flush=True)
-    return ExitCode.PREEMPTED if isinstance(stop, Terminated) else ExitCode.ABORTED
+    return ExitCode.PREEMPTED if isinstance(stop, stopping.Terminated) else ExitCode.ABORTED
 
 
 def console_script(main: Callable[[], int], exit_at_once: bool = True) -> None:
     """Runs an entry point's `main()` as a console script: with a console
     that may go away, and (`exit_at_once`) without TensorFlow's teardown
     once every output is written (stopping.exit_now)."""
-    from distributed_mpt.process import console, stopping
+    from distributed_mpt.process import console
 
     code = console.run_with_console(main)
     if exit_at_once:

@@ -4,19 +4,17 @@ group when one dies.
     distributed-mpt-launch --num_workers=2 --max_restarts=3 -- \\
         --dataset=synthetic --model=mlp --train_steps=200 --model_dir=runs/mw
 
-Each worker is `python -P -m distributed_mpt.train <train flags>` with its own
-TF_CONFIG on 127.0.0.1 and a port free on every address of this host; its
-output is prefixed with `[worker i]`. Ctrl-C, SIGTERM and the other stop
-signals (SIGHUP, SIGUSR1, SIGUSR2: process/stopping.py) are forwarded to
-every worker (which save a checkpoint and stop). MultiWorkerMirroredStrategy
-cannot go on without a peer, so when a worker dies the others are stopped and
-the whole group is started again on fresh ports, up to --max_restarts times;
-training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3
-(diverged) are not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's)
-status; with 2 and one `error:` line when this host cannot hold that many
-workers (`max_workers`) or has no free port or process left. Whatever ends
-the launcher, its workers end with it: it stops them, or, killed itself, the
-kernel does (`_DIE_WITH_LAUNCHER`).
+Each worker is `python -P -m distributed_mpt.train <train flags>` with its own TF_CONFIG on
+127.0.0.1 and a port free on every address of this host; its output is prefixed with
+`[worker i]`. Ctrl-C, SIGTERM and the other stop signals (SIGHUP, SIGUSR1, SIGUSR2) are
+passed on to every worker (which save a checkpoint and stop) as stopping.passed_on says.
+MultiWorkerMirroredStrategy cannot go on without a peer, so when a worker dies the others
+are stopped and the whole group is started again on fresh ports, up to --max_restarts times;
+training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3 (diverged) are
+not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's) status; with
+2 and one `error:` line when this host cannot hold that many workers (`max_workers`) or has
+no free port or process left. Whatever ends the launcher, its workers end with it: it stops
+them, or, killed itself, the kernel does (`_DIE_WITH_LAUNCHER`).
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
@@ -40,7 +38,8 @@ from distributed_mpt import cli
 from distributed_mpt.errors import (STOP_SIGNALS, ConsoleError, ExitCode, UserError, first_line,
                                     status_of_signal)
 from distributed_mpt.process import console
-from distributed_mpt.process.stopping import helper_command
+from distributed_mpt.process.start_guard import end_start_guard
+from distributed_mpt.process.stopping import helper_command, passed_on
 
 # Exit codes after which restarting cannot help (see errors.py): bad input,
 # divergence; or not at once, as this launcher would: a busy --model_dir.
@@ -301,8 +300,9 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
     def forward(signum, frame):
         forwarded.append(signum)
         if groups:
-            groups[-1].signal(signum)
+            groups[-1].signal(passed_on(forwarded))
 
+    end_start_guard()
     previous_handlers = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         used_ports = set()
@@ -314,7 +314,7 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             groups.append(group)
             group.start(train_flags)
             if forwarded:  # a signal came while the group was starting
-                group.signal(forwarded[-1])
+                group.signal(passed_on(forwarded))
             while not group.done() and group.first_failure() is None:
                 time.sleep(0.2)
             failed = group.first_failure()

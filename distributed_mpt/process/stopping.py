@@ -34,9 +34,11 @@ signal number to a wakeup pipe at once, though, and a thread reading it
 acts within milliseconds, whatever the main thread is doing.
 
 The helper processes a run starts (the log filter, the start-up watchdog)
-ignore the stop signals (`ignore_stop_signals`): a Ctrl-C reaches the whole process
+ignore the stop signals (start_guard.py): a Ctrl-C reaches the whole process
 group, and they must outlive the process they serve. They are started with
-`helper_command`, which never imports from the working directory.
+`helper_command`, which never imports from the working directory. And
+before a process of the package is ready to handle a stop as above,
+start_guard.py answers it.
 """
 
 import contextlib
@@ -48,6 +50,7 @@ import threading
 from typing import Callable, List, Optional
 
 from distributed_mpt.errors import STOP_SIGNALS, ExitCode
+from distributed_mpt.process.start_guard import end_start_guard, stopped_before
 
 
 # How the start-up watchdog ends a worker that TensorFlow holds while it starts
@@ -79,11 +82,13 @@ def helper_command(module: str, *args: str) -> List[str]:
     return [sys.executable, isolation, "-m", module, *args]
 
 
-def ignore_stop_signals() -> None:
-    """For a helper process: a stop meant for the process group leaves it
-    running, so that it can still serve the process that is stopping."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def passed_on(received: List[int]) -> int:
+    """The signal with which a process passes the stop signals it `received`
+    (newest last) on to its children: the first as SIGTERM, which stops a
+    child at any moment, even before its Python starts (where Ctrl-C kills
+    it, with 130, or prints a traceback); a later one as it came, so that a
+    second Ctrl-C aborts."""
+    return signal.SIGTERM if len(received) == 1 else received[-1]
 
 
 def pending_stop_signal(pid: int) -> Optional[signal.Signals]:
@@ -111,6 +116,7 @@ class _Owner:
         self.undo_start: Optional[Callable[[], None]] = None  # see `on_stop_before_training`
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
+        end_start_guard()
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         # Python's C-level handler writes the signal to the pipe; the
         # Python-level one (run later, in the main thread) has nothing to do.
@@ -146,8 +152,8 @@ class _Owner:
             # At once, whatever the main thread is doing (TensorFlow may hold
             # it): everything written so far was written whole, the OS drops
             # the lock, and the next run removes what is left.
-            _say_now(f"{sig.name} before training started: exiting with {ExitCode.PREEMPTED:d} "
-                     f"(retryable); nothing was trained yet")
+            _say_now(stopped_before(sig, "before training started", ExitCode.PREEMPTED,
+                                     "trained"))
             if self.undo_start is not None:
                 try:
                     self.undo_start()
@@ -228,6 +234,7 @@ def stops_interrupting():
     `finally`s on the way out run and end its child processes (by default
     SIGTERM ends the process at once, and a child measuring a cell ran on for
     up to 15 minutes)."""
+    end_start_guard()
     others = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT]
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in others}
     try:

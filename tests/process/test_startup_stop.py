@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from conftest import REPO, SMOKE_FLAGS, subprocess_env
 from distributed_mpt import errors
@@ -187,3 +188,69 @@ def test_the_peers_not_up_at_the_deadline_are_named_at_once():
     print(f"41+ peers probed in {seconds:.2f} s")
     assert missing == silent, "the peers that answer, over IPv6 too, are not named"
     assert seconds < startup_watchdog.PROBE_SECONDS + BOUND_SECONDS
+
+
+
+# Every command, run as a user runs it, with what it would do for seconds if
+# no stop came.
+_COMMANDS = ["train", "launch", "benchmark", "predict", "prepare_data", "distributed-mpt-train"]
+
+
+def _command(name: str, tmp: Path) -> list:
+    model_dir = f"--model_dir={tmp / 'run'}"
+    train = [*SMOKE_FLAGS, "--train_steps=10", model_dir]
+    if name.startswith("distributed-mpt-"):  # the console script
+        return [str(Path(sys.executable).with_name(name)), *train]
+    args = {"train": train, "launch": ["--num_workers=1", "--", *train],
+            "benchmark": ["--tiny", f"--output={tmp / 'bench.json'}"],
+            "predict": ["--evaluate", "--dataset=synthetic", model_dir],
+            "prepare_data": [f"--data_dir={tmp / 'data'}"]}[name]
+    return [sys.executable, "-m", f"distributed_mpt.{name}", *args]
+
+
+def _importing(pid: int) -> bool:
+    """Whether process `pid` has loaded an extension module. The interpreter
+    loads none as it starts (site, runpy, a console script's first lines):
+    the process is importing the command's modules, past the package's
+    __init__, whose first lines guard the start (stopping.guard_the_start)."""
+    try:
+        return ".cpython-" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # it ended
+        return True
+
+
+@pytest.mark.parametrize("sig, when", [(signal.SIGINT, "importing"),
+                                       (signal.SIGTERM, "importing"),
+                                       (signal.SIGTERM, "at once")])
+@pytest.mark.parametrize("name", _COMMANDS)
+def test_a_stop_while_a_command_starts_is_one_line_and_its_stop_code(name, sig, when, tmp_path):
+    """Ctrl-C while a command imported its modules printed a KeyboardInterrupt
+    traceback (exit 1 or 130), and SIGTERM ended it without a word. Now each
+    exits as a stop before its start says: 143; 130 for a Ctrl-C to one that
+    Ctrl-C aborts (cli.interrupted): all but training and its launcher."""
+    command = _command(name, tmp_path)
+    if not Path(command[0]).exists():
+        pytest.skip(f"{command[0]} is not installed")
+    process = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # Right after Popen the signal comes while the interpreter starts,
+        # where SIGTERM's default ends it as it should (143 to a shell) and
+        # Ctrl-C is Python's still; polled, it comes while the modules load.
+        deadline = time.monotonic() + 120
+        while when == "importing" and not _importing(process.pid):
+            assert time.monotonic() < deadline, "no extension module loaded within 120 s"
+            time.sleep(0.001)
+        process.send_signal(sig)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    status = 128 - process.returncode if process.returncode < 0 else process.returncode
+    trains = "train" in name or name == "launch"
+    expected = {errors.ExitCode.ABORTED if sig == signal.SIGINT and not trains
+                else errors.ExitCode.PREEMPTED}
+    if trains:  # on a loaded machine the signal may come as late as TensorFlow's import
+        expected.add(errors.ExitCode.KILLED)
+    assert status in expected and "Traceback" not in out + err, out + err
+    assert len(err.splitlines()) <= 1, err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,104 @@
+"""A stop signal while a command of the package starts: one line, the exit
+code of a stop, and no traceback.
+
+Every command imports the package's __init__ first, which runs
+`guard_the_start` before anything else. Until the command handles a stop
+itself (process/stopping.py's owner in training, KeyboardInterrupt where
+`cli.guarded` catches it, the launcher's forwarding, the benchmark's
+`stops_interrupting`), a stop signal ends it at once: it is importing its
+modules and parsing its flags, and has written nothing yet. Python's own
+handling would raise KeyboardInterrupt in the middle of an import (a
+traceback, exit 1 or 130), and end it on SIGTERM without a word. A helper
+process (the log filter, the start-up watchdog) ignores the stop signals
+from that moment on.
+
+Only the interpreter's own start is out of the package's reach, the first
+10 to 30 ms: a Ctrl-C there is Python's (a KeyboardInterrupt in its `site`
+module, or the signal's death). This module imports nothing that loads an
+extension module, so that the guard is in place before the first one loads
+(tests/process/test_startup_stop.py waits for that).
+"""
+
+import os
+import signal
+import sys
+
+from distributed_mpt.errors import STOP_SIGNALS, ExitCode
+
+# The commands of the package, by the module that runs each (`python -m
+# distributed_mpt.NAME`, or its console script distributed-mpt-NAME, with
+# "-" for "_": setup.py), and the exit code of a Ctrl-C that stops one while
+# it starts, or None for a helper, which ignores the stop signals. Ctrl-C is
+# a stop like the others for training and for the launcher (whose workers
+# train); it aborts the others, as `cli.interrupted` says.
+_CTRL_C_WHILE_STARTING = {
+    "train": ExitCode.PREEMPTED, "launch": ExitCode.PREEMPTED,
+    "benchmark": ExitCode.ABORTED, "benchmark.scaling": ExitCode.ABORTED,
+    "predict": ExitCode.ABORTED, "prepare_data": ExitCode.ABORTED,
+    "process.log_filter": None, "process.startup_watchdog": None,
+}
+_COMMAND_PREFIXES = ("distributed-mpt-", "distributed_mpt.")
+
+_ctrl_c_while_starting: int | None = None  # the guarded command's
+
+
+def stopped_before(sig: signal.Signals, when: str, code: int, done: str) -> str:
+    """The line that says a stop came `when` nothing was `done` yet."""
+    return f"{sig.name} {when}: exiting with {code:d} (retryable); nothing was {done} yet"
+
+
+def command_of(argv: list[str], orig_argv: list[str]) -> str | None:
+    """The command a process runs, from its console script's name or the
+    module that `python -m` is locating (sys.argv[0] is "-m" meanwhile, and
+    sys.orig_argv names it): "train" for distributed-mpt-train and for
+    distributed_mpt.train. None for anything else: a library user, a test."""
+    script = os.path.basename(argv[0]) if argv else ""
+    if script == "-m" and "-m" in orig_argv[:-1]:
+        script = orig_argv[orig_argv.index("-m") + 1]
+    prefix = next((p for p in _COMMAND_PREFIXES if script.startswith(p)), None)
+    return script[len(prefix):].replace("-", "_") if prefix else None
+
+
+def guard_the_start() -> None:
+    """In a process that runs a command of the package (see above), makes
+    each stop signal end it at once, with one line and the exit code of a
+    stop while it starts, until `end_start_guard`; a helper ignores them."""
+    global _ctrl_c_while_starting
+    command = command_of(sys.argv, getattr(sys, "orig_argv", []))
+    if command not in _CTRL_C_WHILE_STARTING:
+        return
+    _ctrl_c_while_starting = _CTRL_C_WHILE_STARTING[command]
+    if _ctrl_c_while_starting is None:
+        ignore_stop_signals()
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop_while_starting)
+
+
+def _stop_while_starting(signum, frame) -> None:
+    sig = signal.Signals(signum)
+    code = _ctrl_c_while_starting if sig == signal.SIGINT else ExitCode.PREEMPTED
+    try:  # one write: the main thread, interrupted, may be inside a print
+        os.write(2, (stopped_before(sig, "while starting", code, "done") + "\n").encode())
+    except OSError:
+        pass  # nobody reads it: the exit code says it
+    os._exit(code)
+
+
+def end_start_guard() -> None:
+    """Hands the stop signals that `guard_the_start` holds back to Python,
+    for a command that handles a stop from now on: Ctrl-C as
+    KeyboardInterrupt, or with handlers of its own, put in place after this,
+    which put Python's back when they are done (not the guard's: the start
+    is over)."""
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is _stop_while_starting:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+
+
+def ignore_stop_signals() -> None:
+    """For a helper process: a stop meant for the process group leaves it
+    running, so that it can still serve the process that is stopping."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
