@@ -5,11 +5,18 @@ rescales them, and model code that ends the program, interrupts it, has
 nothing to train, does not compile into a training step or fails in the
 first step refused with one `error:` line, exit 2 and nothing left."""
 
+import os
+import re
+import signal
+
 import pytest
 
-from conftest import assert_ok, assert_one_error_line, train
+from conftest import SMOKE_FLAGS, WatchedProcess, assert_ok, assert_one_error_line, train
+from distributed_mpt.errors import ExitCode
 
 MODELS = '''
+import os
+import signal
 import sys
 
 import keras
@@ -19,6 +26,23 @@ import numpy as np
 def _flat(info, dtype="uint8"):
     images = keras.Input(info.image_shape, dtype=dtype)
     return images, keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+
+
+def removes_the_working_directory(info):  # as a library's scratch directory, made and removed
+    here = os.getcwd()
+    os.chdir(os.path.dirname(here))
+    os.rmdir(here)
+    return _flat_model(info)
+
+
+def closes_its_event_loop(info):  # asyncio's, which stops waking a descriptor when it closes
+    signal.set_wakeup_fd(-1)
+    return _flat_model(info)
+
+
+def _flat_model(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
 def softmax_layer(info):
@@ -424,6 +448,59 @@ def test_what_a_model_changes_of_the_process_is_set_back(tmp_path, capfd):
     assert warnings == [
         "warning: --model=m.py:net changed the working directory and the handlers of stop "
         "signals, which the run relies on: set back"]
+
+
+def test_a_working_directory_that_cannot_be_set_back_is_refused(model_file, tmp_path,
+                                                                 monkeypatch):
+    """The model removed the directory the run was started from: it was
+    'set back', said the warning, and the run went on elsewhere, where a
+    relative --model_dir would have led."""
+    started_in = tmp_path / "scratch"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:removes_the_working_directory",
+                    f"--model_dir={run}"])
+    assert_one_error_line(result, f"changed the working directory, which the run relies on, "
+                                  f"and it cannot be set back ({started_in}: No such file or "
+                                  f"directory): relative paths would lead elsewhere")
+    assert "set back" not in result.stderr.replace("cannot be set back", "")
+    assert not run.exists()
+
+
+def test_a_models_wakeup_descriptor_is_set_back_and_a_stop_still_stops_the_run(model_file,
+                                                                                tmp_path):
+    """A model function that stopped the signals waking the run's stop
+    handling (as asyncio's loop does when it closes) left a run that
+    SIGTERM and Ctrl-C could not stop: only SIGKILL, without a checkpoint."""
+    run = WatchedProcess("distributed_mpt.train", [
+        *SMOKE_FLAGS, f"--model={model_file}:closes_its_event_loop", "--train_steps=100000",
+        f"--model_dir={tmp_path / 'run'}"])
+    run.wait_for(r"^step +\d+/100000", timeout=300)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == ExitCode.PREEMPTED, run.output()[-3000:]
+    assert "changed the descriptor that signals wake (signal.set_wakeup_fd), which the run " \
+           "relies on: set back" in run.output()
+    assert re.search(r"stopped by a signal at step \d+; checkpoint saved", run.output())
+
+
+def test_a_wakeup_descriptor_that_cannot_be_set_back_is_refused():
+    from distributed_mpt.core.models.contract import ModelError, users_code
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write)
+    try:
+        with pytest.raises(ModelError, match=r"changed the descriptor that signals wake "
+                                             r"\(signal.set_wakeup_fd\), which the run relies on, "
+                                             r"and it cannot be set back \(.*\): a stop signal "
+                                             r"would not stop it with a checkpoint"):
+            with users_code("m.py:net", "failed to build its model"):
+                signal.set_wakeup_fd(-1)
+                os.close(write)  # the run's own, closed by the model
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
 
 
 def test_a_model_that_sets_the_precision_policy_itself_is_refused(tmp_path):

@@ -27,17 +27,15 @@ SystemExit and a KeyboardInterrupt included, is one ModelError naming it
 """
 
 import contextlib
-import os
 import re
 import signal
-import threading
 from typing import Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.core import precision
-from distributed_mpt.core.models import unrecoverable
-from distributed_mpt.errors import (STOP_SIGNALS, UserError, first_line, inside_autograph, quoted,
-                                    text_of)
+from distributed_mpt.core.models import process_state, unrecoverable
+from distributed_mpt.core.models.process_state import POLICY as _POLICY
+from distributed_mpt.errors import UserError, first_line, inside_autograph, quoted, text_of
 
 
 class ModelError(UserError):
@@ -56,9 +54,11 @@ def users_code(name: str, failure: str):
     KeyboardInterrupt that Ctrl-C may have raised (predict's, where SIGINT
     has Python's default handler; a training run owns its stop signals).
     What it changes of the process that the run relies on, the working
-    directory (relative paths) and the stop signals' handlers (a library
-    that ignores SIGTERM), is set back, with a warning."""
-    kept, raised = _process_state(), True
+    directory (relative paths), the stop signals' handlers (a library that
+    ignores SIGTERM) and the descriptor signals wake (an event loop's:
+    process/stopping.py hears of a stop through it), is set back, with a
+    warning; what cannot be is a ModelError, as the run would go on without it."""
+    kept, raised = process_state.read(), True
     try:
         with _left_usable(name):
             yield
@@ -78,10 +78,10 @@ def users_code(name: str, failure: str):
     except BaseException as e:  # noqa: BLE001 - whatever the user's code raises is one line
         raise ModelError(f"--model={quoted(name)} {failure} ({cause(e)})") from None
     finally:
-        now = _process_state()
+        now = process_state.read()
         changed = [what for what, value in now.items() if value != kept[what]]
         if changed:
-            _set_back(kept)
+            failed = process_state.set_back(kept, changed)
             if _POLICY in changed and not raised:  # its layers have it now
                 flag = (f"--precision={now[_POLICY]}" if now[_POLICY] in precision.PRECISIONS
                         else f"--precision ({', '.join(precision.PRECISIONS)})")
@@ -89,11 +89,18 @@ def users_code(name: str, failure: str):
                     f"--model={quoted(name)} sets the mixed-precision policy itself "
                     f"({now[_POLICY]}), which the run sets from --precision, with loss scaling "
                     f"where float16 needs it: remove that line, and pass {flag}")
-            files.warn(f"--model={quoted(name)} changed {' and '.join(changed)}, which the "
-                       f"run relies on: set back")
-
-
-_POLICY = "the mixed-precision policy"
+            if failed:
+                line = (f"--model={quoted(name)} changed {' and '.join(failed)}, which the run "
+                        f"relies on, and it cannot be set back ({'; '.join(failed.values())})")
+                if not raised:
+                    without = dict.fromkeys(process_state.WITHOUT[what] for what in failed)
+                    raise ModelError(f"{line}: {', and '.join(without)}; the model's code must "
+                                     f"put back what it changes")
+                files.warn(f"{line}; the run ends with the model's error")
+            restored = [what for what in changed if what not in failed]
+            if restored:
+                files.warn(f"--model={quoted(name)} changed {' and '.join(restored)}, which the "
+                           f"run relies on: set back")
 
 
 @contextlib.contextmanager
@@ -107,39 +114,6 @@ def _left_usable(name: str):
         broken = unrecoverable.broken_since(before)
         if broken:
             raise ModelError(f"--model={quoted(name)} {broken}") from None
-
-
-def _process_state() -> dict:
-    """The working directory, Keras' mixed-precision policy and the stop
-    signals' handlers (where this is the main thread, which alone may set
-    them)."""
-    import keras
-
-    state = {"the working directory": _cwd(),
-             _POLICY: keras.mixed_precision.global_policy().name}
-    if threading.current_thread() is threading.main_thread():
-        state["the handlers of stop signals"] = {
-            sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    return state
-
-
-def _cwd() -> Optional[str]:
-    try:
-        return os.getcwd()
-    except OSError:  # removed under the process
-        return None
-
-
-def _set_back(kept: dict) -> None:
-    import keras
-
-    keras.mixed_precision.set_global_policy(kept[_POLICY])
-    with contextlib.suppress(OSError, TypeError):
-        os.chdir(kept["the working directory"])
-    for sig, handler in kept.get("the handlers of stop signals", {}).items():
-        with contextlib.suppress(OSError, TypeError, ValueError):
-            if handler is not None:
-                signal.signal(sig, handler)
 
 
 # What TensorFlow says of a tensor used outside the graph it was made in:
