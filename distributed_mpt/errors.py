@@ -9,12 +9,13 @@ that a process killed by that signal and one exiting on purpose say the
 same thing.
 """
 
+# Nothing that loads an extension module (`typing` does): process/start_guard.py
+# imports this module before its guard is in place, and a Ctrl-C is Python's until then.
 import enum
 import os
 import re
 import signal
 import sysconfig
-from typing import Optional, Tuple
 
 
 # The signals that stop a run at a step boundary, with a checkpoint (PREEMPTED
@@ -127,7 +128,7 @@ _AUTOGRAPH = "in user code:"
 _AUTOGRAPH_FRAME = re.compile(r'    File "(.+)", line (\d+), in ')
 
 
-def inside_autograph(error) -> Optional[Tuple[str, str, Optional[str]]]:
+def inside_autograph(error) -> "tuple[str, str, str | None] | None":
     """(type name, message, "file:line" of the innermost frame in neither an
     installed library nor this package) of what autograph's message wraps
     in `error`; None if it wraps nothing."""

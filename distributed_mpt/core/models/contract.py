@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 
 from distributed_mpt import files
 from distributed_mpt.core import precision
-from distributed_mpt.core.models import process_state, unrecoverable
+from distributed_mpt.core.models import process_state
 from distributed_mpt.core.models.process_state import POLICY as _POLICY
 from distributed_mpt.errors import UserError, first_line, inside_autograph, quoted, text_of
 
@@ -105,13 +105,13 @@ def users_code(name: str, failure: str):
 
 @contextlib.contextmanager
 def _left_usable(name: str):
-    """Refuses what the code did that cannot be set back (unrecoverable.py),
+    """Refuses what the code did that cannot be set back (process_state.py),
     before what can be is set back."""
-    before = unrecoverable.snapshot()
+    before = process_state.unrecoverable()
     try:
         yield
     finally:
-        broken = unrecoverable.broken_since(before)
+        broken = process_state.broken_since(before)
         if broken:
             raise ModelError(f"--model={quoted(name)} {broken}") from None
 
