@@ -315,3 +315,35 @@ def test_a_truncated_file_is_refused_even_if_other_code_told_pillow_to_accept_th
         assert ImageFile.LOAD_TRUNCATED_IMAGES is True, "the caller's setting restored"
     finally:
         ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+# Blocks of 8 x 8 pixels (a JPEG's own blocks: its colours come back near
+# exactly), 2 high and 3 wide, each its own colour: any turn or flip moves them.
+_BLOCKS = np.kron(np.arange(6, dtype=np.uint8).reshape(2, 3, 1) * 40 + np.array(
+    [10, 60, 120], np.uint8), np.ones((8, 8, 1), np.uint8))
+# EXIF Orientation: how the stored pixels are turned to be seen, by numpy.
+_TURNS = {2: np.fliplr, 3: lambda a: np.rot90(a, 2), 6: lambda a: np.rot90(a, -1),
+          8: lambda a: np.rot90(a, 1)}
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+@pytest.mark.parametrize("orientation", sorted(_TURNS))
+def test_a_photo_stored_turned_is_read_as_its_exif_orientation_says(tmp_path, fmt, orientation):
+    """A phone stores a photo held upright sideways, with an Orientation
+    tag: it was trained on and classified sideways."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    options = {"JPEG": {"quality": 100, "subsampling": 0}, "WEBP": {"lossless": True}}.get(fmt, {})
+    encoded = _encoded(Image.fromarray(_BLOCKS), fmt, exif=exif, **options)
+    pixels = _read(tmp_path, encoded)
+    upright = _TURNS[orientation](_BLOCKS)
+    assert pixels.shape == upright.shape
+    np.testing.assert_allclose(pixels, upright, atol=6)
+    exif[0x0112] = 1  # upright as stored
+    assert (_read(tmp_path, _encoded(Image.fromarray(_BLOCKS), "PNG", exif=exif)) == _BLOCKS).all()
+
+
+def test_an_exif_block_that_does_not_parse_is_no_damage_and_no_turn(tmp_path):
+    encoded = _encoded(Image.fromarray(_BLOCKS), "JPEG", quality=100, subsampling=0,
+                       exif=b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08\xff\xff")
+    np.testing.assert_allclose(_read(tmp_path, encoded), _BLOCKS, atol=6)

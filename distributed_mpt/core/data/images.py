@@ -10,10 +10,11 @@ MPO, as cameras and phones write it), GIF, BMP, WebP and TIFF. Any other
 bounds were never checked. A file is decoded whole: every frame of an
 animation or page of a TIFF (within the frame and pixel bounds), and read to
 its end marker, so that a truncated file is refused, not trained on. The
-first frame is the image, in RGB, resized as a whole (squashed, not cropped,
-with antialiasing) to the size the model takes. 16-bit greyscale is scaled
-to 0-255; 32-bit integers and floats, whose range the file does not say,
-are refused.
+first frame is the image, turned upright as its EXIF Orientation tag says (a
+phone's photo is stored sideways with one), in RGB, resized as a whole
+(squashed, not cropped, with antialiasing) to the size the model takes.
+16-bit greyscale is scaled to 0-255; 32-bit integers and floats, whose
+range the file does not say, are refused.
 """
 
 import contextlib
@@ -158,7 +159,7 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
                 extent = _pixel_data_end(image, encoded)  # what load() forgets
                 image.load()
                 if index == 0:
-                    first = _rgb(image, path)
+                    first = _rgb(_upright(image), path)
             damage = _cut_short(image.format, encoded, extent) or _warned(kind, noted)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         said = re.search(r"\((\d+) pixels\)", str(e))
@@ -209,6 +210,19 @@ def _too_large(path: str, frames: int, width: int, height: int, in_all: int) -> 
     return ImageError(f"{quoted(path)} holds {frames} or more frames of {in_all:,} pixels in "
                       f"all, more than this program decodes ({MAX_IMAGE_PIXELS:,}): save its "
                       f"first frame as a still image")
+
+
+def _upright(frame):
+    """`frame` turned as its EXIF Orientation tag says it is seen (Pillow's
+    ImageOps.exif_transpose): a phone stores a photo as its sensor read it,
+    sideways if held upright, and says so only in that tag. The frame itself
+    where the tag is absent, 1 (upright) or not a valid value (Pillow reads
+    a damaged EXIF block as empty, with a warning)."""
+    from PIL import ExifTags, ImageOps
+
+    orientation = frame.getexif().get(ExifTags.Base.Orientation, 1)
+    # Only where there is a turn: exif_transpose copies the pixels where there is none.
+    return ImageOps.exif_transpose(frame) if orientation in range(2, 9) else frame
 
 
 def _rgb(image, path: str) -> np.ndarray:
