@@ -168,6 +168,25 @@ def quoted(value, limit: int = QUOTE_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def too_long_to_open(path: str) -> str:
+    """`path`, which the system refused as too long (ENAMETOOLONG), for an
+    error line: cut in its middle, not at its end (its last names say which
+    it is), with its length and the limit it passes (PATH_MAX for the whole,
+    NAME_MAX for one of its names)."""
+    encoded = os.fsencode(path)
+    longest = max(encoded.split(b"/"), key=len)
+    name_max = os.pathconf("/", "PC_NAME_MAX")
+    if len(longest) > name_max:
+        said = f"a name of {len(longest):,} bytes in it, more than the {name_max:,} a name may be"
+    else:
+        said = (f"a path of {len(encoded):,} bytes, where this system opens fewer than "
+                f"{os.pathconf('/', 'PC_PATH_MAX'):,}")
+    shown = quoted(path, len(path) * 10)  # \U0010ffff: 10 characters for 1
+    if len(shown) > QUOTE_LIMIT:
+        shown = shown[:60] + "..." + shown[63 - QUOTE_LIMIT:]
+    return f"{shown} ({said})"
+
+
 class UserError(Exception):
     """An error caused by input the user controls; printed as one line."""
 

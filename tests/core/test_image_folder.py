@@ -287,3 +287,50 @@ def test_a_class_entry_that_links_to_nothing_or_loops_is_skipped_as_no_class_fol
     dataset = load(DataOptions(dataset="image_folder", data_dir=str(folder), image_size=8), seed=0)
     assert dataset.info.class_names == CLASSES
     assert "skipped 2 entries" in capsys.readouterr().err
+
+
+def _deep_folder(tmp_path, length: int):
+    """A folder whose path is about `length` bytes, in names of 200."""
+    deep = tmp_path
+    while len(os.fsencode(deep)) < length - 201:
+        deep = deep / ("d" * 200)
+    deep.mkdir(parents=True)
+    return deep
+
+
+def test_a_class_folder_whose_path_is_too_long_to_open_is_named_so(tmp_path):
+    """It was "holds no images": the folder holds one, and the system
+    refused its path of more than PATH_MAX bytes (ENAMETOOLONG)."""
+    folder = write_folder(_deep_folder(tmp_path, 3900) / "photos", train_per_class=2,
+                          test_per_class=1)
+    train_fd = os.open(folder / "train", os.O_RDONLY | os.O_DIRECTORY)
+    try:  # reached through its parent's descriptor: the whole path cannot be opened
+        os.mkdir("long-" + "x" * 240, dir_fd=train_fd)
+        class_fd = os.open("long-" + "x" * 240, os.O_RDONLY | os.O_DIRECTORY, dir_fd=train_fd)
+        os.close(os.open("0.png", os.O_WRONLY | os.O_CREAT, dir_fd=class_fd))
+        os.close(class_fd)
+    finally:
+        os.close(train_fd)
+    length = len(os.fsencode(folder / "train")) + 246
+    assert length > os.pathconf("/", "PC_PATH_MAX")
+    result = train([*TINY, f"--data_dir={folder}", f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, f"xxxxxxxxxx (a path of {length:,} bytes, where this system "
+                                  f"opens fewer than {os.pathconf('/', 'PC_PATH_MAX'):,}): move "
+                                  f"--data_dir to a shorter path")
+    assert f"{str(tmp_path)[:40]}" in result.stderr, "its start is named too"
+
+
+def test_a_class_without_test_images_is_named_in_a_warning(tmp_path):
+    """An empty test/<class> (or none) left the class out of the test
+    accuracy without a word."""
+    folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
+    for image in (folder / "test" / "dogs").iterdir():
+        image.unlink()
+    shutil.rmtree(folder / "test" / "ships")
+    result = train([*TINY, f"--data_dir={folder}", f"--model_dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines() if "test images of each" in line]
+    assert warnings == [f"warning: {folder / 'test'} holds no images of 2 of the 3 classes "
+                        f"(dogs, ships): the test accuracy says nothing of them; put test images "
+                        f"of each class in its folder there"], result.stderr
+    assert read_summary(tmp_path / "run")["eval_examples"] == 2

@@ -7,8 +7,9 @@ TFDS' `ImageFolder`.
 
 The classes are train/'s folders in sorted order (label i names the i-th),
 at least two, named in UTF-8 without control characters (they are lines of
-the export's classes.txt); test/ may hold only those, and --test_fraction
-holds out a share of train/ only where there is no test/. Every image is
+the export's classes.txt); test/ may hold only those (a class it holds no
+images of is named in a warning: the test accuracy leaves it out), and
+--test_fraction holds out a share of train/ only where there is no test/. Every image is
 decoded once into uint8 RGB of `image_size` x `image_size` in host memory
 (core/data/images.py: Pillow, its first frame); entries whose name starts
 with a dot (.DS_Store, .ipynb_checkpoints/, editors' swap files) and files
@@ -21,8 +22,10 @@ SHA-256 of its file list with their sizes: what a resumed run compares, so
 that it does not continue on other images (training/plan.py).
 """
 
+import errno
 import hashlib
 import os
+import stat
 import unicodedata
 from typing import Dict, List, Sequence, Tuple
 
@@ -33,14 +36,14 @@ from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, ImageSplit,
                                                aligned_empty)
-from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted
+from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
 # A name's characters that would break classes.txt (one name a line, read
 # back with str.splitlines) or are not UTF-8 (surrogates stand for the bytes
 # that are not): control characters, line and paragraph separators.
 _BAD_IN_NAMES = ("Cc", "Cs", "Zl", "Zp")
-_SKIPPED_SHOWN = 5  # of the skipped entries, named in the warning
+_SHOWN = 5  # of the entries skipped, or the classes without test images, named in a warning
 
 
 def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
@@ -49,10 +52,10 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     raises DataUnavailableError naming what is missing."""
     root, fraction = options.data_dir, options.test_fraction
     train_dir, test_dir = os.path.join(root, "train"), os.path.join(root, "test")
-    if not os.path.isdir(train_dir):
+    if not _is_folder_at(train_dir):
         raise DataUnavailableError(f"--data_dir={quoted(root)} has no train/ folder: an image "
                                    f"folder is laid out as {LAYOUT}")
-    has_test = os.path.isdir(test_dir)
+    has_test = _is_folder_at(test_dir)
     if has_test and fraction > 0:
         raise ConfigError(f"--test_fraction={fraction:g} holds out training images "
                           f"for testing, and {quoted(test_dir)} holds test images already: drop "
@@ -76,12 +79,10 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
                                    f"({LAYOUT}), or pass --test_fraction to hold out a share of "
                                    f"train/ for testing")
     if skipped:  # one line, however many: a .DS_Store in every folder is common
-        shown = [quoted(_shown(os.path.relpath(path, root))) for path in sorted(skipped)]
-        more = f" and {len(shown) - _SKIPPED_SHOWN} more" if len(shown) > _SKIPPED_SHOWN else ""
-        files.warn(f"skipped {len(shown)} entr{'y' if len(shown) == 1 else 'ies'} of "
+        files.warn(f"skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of "
                    f"{quoted(root)} that are not class folders or images (a name starting with "
                    f"a dot, a file beside the class folders): "
-                   f"{', '.join(shown[:_SKIPPED_SHOWN])}{more}")
+                   f"{_some(os.path.relpath(path, root) for path in sorted(skipped))}")
     fingerprint = _fingerprint(root, class_names, listed)
     size = (options.image_size, options.image_size)
     # The statistics come from the training images, whichever splits are read.
@@ -110,7 +111,7 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
     """The class folders in `directory`, sorted; what else is there goes to
     `skipped`, by its path."""
     names = []
-    for entry in os.scandir(directory):
+    for entry in _entries(directory):
         if _is_folder(entry) and not entry.name.startswith("."):
             names.append(entry.name)
         else:
@@ -170,17 +171,64 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
                 f"{quoted(directory)} has class folder(s) "
                 f"{quoted(', '.join(map(_shown, unknown)))} that {quoted(train_dir)} does not: "
                 f"a model learns only the classes it trains on")
-    found = {}
+    found, without = {}, []
     for label, name in enumerate(class_names):
         folder = os.path.join(directory, name)
         paths = []
-        for entry in os.scandir(folder) if os.path.isdir(folder) else ():
+        for entry in _entries(folder, missing_ok=bool(train_dir)):
             (skipped if entry.name.startswith(".") else paths).append(entry.path)
         if not paths and not train_dir:
             raise DataUnavailableError(f"{quoted(folder)} holds no images: every class needs "
                                        f"training images")
+        if not paths:
+            without.append(name)
         found[label] = sorted(paths)
+    # A class without test images is left out of the test accuracy, which
+    # reads as the model's on every class. None at all is load's error.
+    if without and len(without) < len(class_names):
+        files.warn(f"{quoted(directory)} holds no images of {len(without)} of the "
+                   f"{len(class_names)} classes ({_some(without)}): the test accuracy says "
+                   f"nothing of them; put test images of each class in its folder there")
     return found
+
+
+def _is_folder_at(path: str) -> bool:
+    """Whether `path` is a folder (or a link to one); DataUnavailableError
+    where that cannot be told (a path too long to open, a folder above it
+    not readable), which is not the same as its absence."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _entries(folder: str, missing_ok: bool = False) -> List[os.DirEntry]:
+    """The entries of `folder` (none if it is missing and `missing_ok`),
+    or DataUnavailableError naming it and why it cannot be read."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError as e:
+        if missing_ok and e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return []
+        raise _unreadable(folder, e) from None
+
+
+def _unreadable(path: str, error: OSError) -> DataUnavailableError:
+    if error.errno == errno.ENAMETOOLONG:
+        return DataUnavailableError(f"cannot open {too_long_to_open(path)}: move "
+                                    f"--data_dir to a shorter path, or shorten its folders' "
+                                    f"names")
+    return DataUnavailableError(f"cannot read {quoted(_shown(path))} ({error.strerror})")
+
+
+def _some(names) -> str:
+    """Names for a warning: the first few, and how many more."""
+    names = list(names)
+    shown = ", ".join(quoted(_shown(name)) for name in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
 def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, List[str]]]

@@ -18,6 +18,7 @@ range the file does not say, are refused.
 """
 
 import contextlib
+import errno
 import io
 import os
 import re
@@ -27,7 +28,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from distributed_mpt import files
-from distributed_mpt.errors import UserError, quoted
+from distributed_mpt.errors import UserError, quoted, too_long_to_open
 
 # Far above any photo (a 50-megapixel JPEG is about 20 MB): a bigger file is
 # refused before it is read into memory.
@@ -313,4 +314,7 @@ def _file_bytes(path: str) -> bytes:
         raise ImageError(f"{quoted(path)} is larger than an image this program reads "
                          f"({MAX_IMAGE_BYTES >> 20} MB)") from None
     except OSError as e:  # missing, not readable
+        if e.errno == errno.ENAMETOOLONG:
+            raise ImageError(f"cannot open {too_long_to_open(path)}: move it to a "
+                             f"shorter path, or shorten its folders' names") from None
         raise ImageError(f"cannot read {quoted(path)} ({e.strerror})") from None
