@@ -153,18 +153,31 @@ def inside_autograph(error) -> "tuple[str, str, str | None] | None":
 
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# Beyond ASCII, by category: controls, line and paragraph separators, and
+# format characters (Cf): the bidi overrides and isolates (U+202A-U+202E,
+# U+2066-U+2069), which reorder the rest of a terminal's line, and the
+# zero-width ones, which hide that two names differ.
+_UNPRINTABLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
 QUOTE_LIMIT = 200
 
 
 def quoted(value, limit: int = QUOTE_LIMIT) -> str:
-    """`value` (a path, a flag's value, a line of a file) as an error line may
-    echo it: control characters escaped, so that a newline in a file name
-    cannot forge a line of output nor an escape sequence drive the
-    terminal, and at most `limit` characters (`--flagfile=/proc/self/environ`
-    must not print the environment). Plain short text stays as it is."""
-    text = text_of(value)
-    if _UNPRINTABLE.search(text):
+    """`value` (a path, a flag's value, a line of a file, a class name) as
+    an error line or an answer may echo it: control and format characters
+    escaped (as \\n, \\u202e), so that a newline in a file name cannot
+    forge a line of output, an escape sequence drive the terminal, nor a
+    right-to-left override reorder what follows it; and at most `limit`
+    characters (`--flagfile=/proc/self/environ` must not print the
+    environment). Plain short text stays as it is."""
+    # Escaping only lengthens: the first limit + 1 characters decide.
+    text = text_of(value)[:limit + 1]
+    if text.isascii():
         text = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
+    else:
+        import unicodedata  # here: an extension module (see the imports above)
+
+        text = "".join(repr(c)[1:-1] if unicodedata.category(c) in _UNPRINTABLE_CATEGORIES
+                       else c for c in text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

@@ -147,9 +147,25 @@ def _an_empty_test_folder(root):
     return "test holds no images: put some of each class there"
 
 
+def _classes_that_read_as_one(root):
+    # Two classes that a person reads as one, each with part of its images.
+    for split in ("train", "test"):
+        (root / split / "dogs").rename(root / split / "ＣＡＲＳ")  # full-width letters
+    return "train/cars and ＣＡＲＳ read as one name (they differ only in case, Unicode form"
+
+
+def _classes_apart_by_an_invisible_character(root):
+    # A zero-width space: printed raw, the two names looked the same.
+    for split in ("train", "test"):
+        (root / split / "dogs").rename(root / split / "car\u200bs")
+    return "train/cars and car\\u200bs read as one name"
+
+
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
                                    _class_with_a_newline, _one_class, _a_link_to_nothing,
-                                   _a_link_that_loops, _an_empty_test_folder])
+                                   _a_link_that_loops, _an_empty_test_folder,
+                                   _classes_that_read_as_one,
+                                   _classes_apart_by_an_invisible_character])
 def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoil):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     fragment = spoil(folder)

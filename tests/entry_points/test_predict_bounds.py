@@ -118,8 +118,9 @@ def test_an_export_holding_a_link_to_a_fifo_names_what_it_leads_to(untrained, tm
     assert_one_error_line(result, f"{link} is a symbolic link to a FIFO, not a regular file")
 
 
-def _hand_made_export(directory, kind: str, side: int = 32):
-    """An export that passes for this program's but for `kind`."""
+def _hand_made_export(directory, kind: str, side: int = 32, names=None):
+    """An export that passes for this program's but for `kind`, its classes
+    `names` (default c0 to c9)."""
     import tensorflow as tf
     from tensorflow.python.trackable.autotrackable import AutoTrackable
 
@@ -127,15 +128,24 @@ def _hand_made_export(directory, kind: str, side: int = 32):
         def __init__(self):
             self.w = tf.Variable(tf.ones([10]))
             self.trainable_variables = [self.w]
-            self.class_names = [tf.Variable([f"c{i}" for i in range(10)], trainable=False)]
+            self.class_names = [tf.Variable(names or [f"c{i}" for i in range(10)],
+                                            trainable=False)]
 
         @tf.function(input_signature=[tf.TensorSpec([None, side, side, 3], tf.uint8,
                                                     name="images")])
         def serve(self, images):
-            x = tf.reduce_mean(tf.cast(images, tf.float32), axis=[1, 2, 3])[:, None] * self.w
+            pixels = tf.cast(images, tf.float32)
+            brightness = tf.reduce_mean(pixels, axis=[1, 2, 3])[:, None]
+            x = brightness * self.w
             if kind == "raises":
                 tf.debugging.assert_less(tf.reduce_max(x), -1.0, message="boom at run time")
+            if kind == "c0 if its top is brighter":
+                top = tf.reduce_mean(pixels[:, :side // 2], axis=[1, 2, 3])
+                bottom = tf.reduce_mean(pixels[:, side // 2:], axis=[1, 2, 3])
+                x = tf.one_hot(tf.zeros_like(top, tf.int32), 10) * (top - bottom)[:, None]
             p = tf.nn.softmax(x)
+            if kind == "NaN where bright":
+                p = tf.where(brightness > 128, float("nan"), p)
             return {"probabilities": {"strings": tf.strings.as_string(p),
                                       "rank 3": p[:, None, :]}.get(kind, p)}
 
@@ -171,3 +181,31 @@ def test_predict_with_its_output_closed_is_refused(untrained, tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.splitlines()[-1] == (
         "error: standard output is closed: give the answers somewhere to go")
+
+
+def test_class_names_are_printed_with_bidi_and_zero_width_characters_escaped(tmp_path):
+    """A class named with a right-to-left override reordered the rest of
+    the answer's line; a zero-width space hid that two classes differ."""
+    names = ["god\u202etac", "ca\u200bt", *(f"c{i}" for i in range(2, 10))]
+    export = _hand_made_export(tmp_path / "export", "plain", names=names)
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    result = predict(f"--model_dir={export}", "--top_k=10", photo)
+    assert_ok(result)
+    assert "god\\u202etac 0.100" in result.stdout and "ca\\u200bt 0.100" in result.stdout
+    assert "\u202e" not in result.stdout and "\u200b" not in result.stdout
+
+
+def test_a_photo_is_classified_upright_as_its_exif_orientation_says(tmp_path):
+    """A phone's photo, stored upside down with an Orientation tag of 3, was
+    classified as stored: the top of what it shows taken for its bottom."""
+    export = _hand_made_export(tmp_path / "export", "c0 if its top is brighter")
+    stored = np.zeros((32, 32, 3), np.uint8)
+    stored[16:] = 220  # the bottom as stored: the top, turned as the tag says
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(stored).save(photo, exif=exif, quality=95)
+    result = predict(f"--model_dir={export}", photo)
+    assert_ok(result)
+    assert result.stdout.split(": ")[1].startswith("c0 "), result.stdout

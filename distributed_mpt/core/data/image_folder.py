@@ -7,7 +7,8 @@ TFDS' `ImageFolder`.
 
 The classes are train/'s folders in sorted order (label i names the i-th),
 at least two, named in UTF-8 without control characters (they are lines of
-the export's classes.txt); test/ may hold only those (a class it holds no
+the export's classes.txt), no two that read as one (equal but for case,
+NFKC's compatibility forms or invisible format characters); test/ may hold only those (a class it holds no
 images of is named in a warning: the test accuracy leaves it out), and
 --test_fraction holds out a share of train/ only where there is no test/. Every image is
 decoded once into uint8 RGB of `image_size` x `image_size` in host memory
@@ -147,10 +148,28 @@ def _check_class_names(directory: str, names: List[str]) -> None:
         raise DataUnavailableError(f"class folder {folder} has a control character (U+"
                                    f"{ord(bad):04X}) in its name: rename it (class names are "
                                    f"the lines of the export's classes.txt)")
+    _refuse_names_that_read_the_same(directory, names)
     if len(names) < 2:
         raise DataUnavailableError(f"{quoted(directory)} holds one class folder "
                                    f"({quoted(names[0])}): a classifier needs two classes or "
                                    f"more, a folder of images of each")
+
+
+def _refuse_names_that_read_the_same(directory: str, names: List[str]) -> None:
+    """DataUnavailableError if two class names differ only in case, in
+    Unicode's compatibility forms (NFKC: a ligature, a full-width letter) or
+    by invisible format characters: two classes that a person reads, and
+    predict prints, as one, each with part of its images."""
+    seen: Dict[str, str] = {}
+    for name in names:
+        visible = "".join(c for c in name if unicodedata.category(c) != "Cf")
+        key = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", visible).casefold())
+        if key in seen:
+            raise DataUnavailableError(
+                f"class folders {quoted(os.path.join(directory, _shown(seen[key])))} and "
+                f"{quoted(_shown(name))} read as one name (they differ only in case, Unicode "
+                f"form or invisible characters) but are two classes: merge them, or rename one")
+        seen[key] = name
 
 
 def _shown(name: str) -> str:
