@@ -38,7 +38,12 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
-        if os.path.isdir(os.path.join(export_dir, SAVED_MODEL_DIR)):
+        saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
+        if os.path.isdir(saved_model):
+            if users_model is not None:  # the export holds the network: that code would not run
+                raise ConfigError(f"--model={quoted(users_model)} builds the network of a run's "
+                                  f"checkpoint, and {quoted(saved_model)} is an export, which "
+                                  f"holds its network and is used: drop --model")
             return _load_export(export_dir)
     return _load_checkpoint(model_dir, users_model)
 

@@ -196,6 +196,19 @@ def test_class_names_are_printed_with_bidi_and_zero_width_characters_escaped(tmp
     assert "\u202e" not in result.stdout and "\u200b" not in result.stdout
 
 
+def test_model_beside_an_export_is_refused_not_ignored(untrained, tmp_path):
+    """--model builds a checkpoint's network: with an export, it was
+    ignored without a word, whatever code it named."""
+    (tmp_path / "mine.py").write_text("def build(info):\n    raise SystemExit('it ran')\n")
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    result = predict(f"--model_dir={untrained}", f"--model={tmp_path / 'mine.py'}:build", photo)
+    assert_one_error_line(result, f"--model={tmp_path / 'mine.py'}:build builds the network of a "
+                                  f"run's checkpoint, and {untrained / 'export' / 'saved_model'} "
+                                  f"is an export, which holds its network and is used: drop "
+                                  f"--model")
+
+
 def test_a_photo_is_classified_upright_as_its_exif_orientation_says(tmp_path):
     """A phone's photo, stored upside down with an Orientation tag of 3, was
     classified as stored: the top of what it shows taken for its bottom."""
