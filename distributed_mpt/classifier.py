@@ -28,6 +28,7 @@ class Classifier:
     image_shape: tuple  # (height, width, channels) the model takes
     source: str  # the export or checkpoint it was read from
     info: dict   # what it is and was trained on (outputs.model_info); {} if unknown
+    remedy: str  # what mends it where its answers are no numbers
 
 
 def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classifier:
@@ -100,7 +101,8 @@ def _load_export(export_dir: str) -> Classifier:
             raise ConfigError(f"{quoted(saved_model)} failed to run ({quoted(first_line(e))}): "
                               f"{_REEXPORT}") from None
 
-    return Classifier(probabilities, names, tuple(signature.shape[1:]), saved_model, info)
+    return Classifier(probabilities, names, tuple(signature.shape[1:]), saved_model, info,
+                      _REEXPORT)
 
 
 def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
@@ -157,7 +159,9 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     def probabilities(x):
         return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
 
-    return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained)
+    return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained,
+                      "predict from the checkpoint before it (move this one's files away), or "
+                      "train the model again")
 
 
 def _dataset_info(config: TrainConfig, resolved: dict, config_path: str) -> DatasetInfo:

@@ -29,6 +29,7 @@ import gc
 import json
 import logging
 import sys
+from typing import Callable
 
 import numpy as np
 from absl import flags
@@ -147,16 +148,14 @@ def _predict(fv: flags.FlagValues, argv) -> int:
     if fv.evaluate:
         result["evaluation"] = _evaluate_on_test_split(classifier, fv)
     if paths:
-        from distributed_mpt.core.eval_views import class_probabilities
-
         size = classifier.image_shape[:2]
         batch = np.stack([images.read_image(path, size) for path in paths])
         names = classifier.class_names
         result["predictions"] = [
             {"file": path, "top": [{"class": names[i], "probability": float(p[i])}
                                    for i in np.argsort(-p)[:fv.top_k]]}
-            for path, p in zip(paths, class_probabilities(classifier.probabilities, batch,
-                                                          fv.tta, fv.tta_fraction))]
+            for path, p in zip(paths, _probabilities(classifier, batch, fv,
+                                                     lambda i: quoted(paths[i])))]
     if fv.json:
         print(json.dumps(result, indent=2))
         return ExitCode.OK
@@ -186,11 +185,32 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     loaded = chosen_data.load(split.run.seed, splits=("test",))
     dataset = chosen_data.dataset
     _refuse_other_classes(classifier, dataset, loaded.info)  # else its accuracy means nothing
-    from distributed_mpt.core.eval_views import evaluate_probabilities
+    from distributed_mpt.core.eval_views import loss_and_accuracy
 
+    test, names = loaded.test, loaded.info.class_names
+    p = _probabilities(classifier, test.images, fv, lambda i: (
+        f"test image {i + 1} of {len(test)} of --dataset={dataset} (of class "
+        f"{quoted(names[test.labels[i]])})"))
     return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
-            **evaluate_probabilities(classifier.probabilities, loaded.test.images,
-                                     loaded.test.labels, fv.tta, fv.tta_fraction)}
+            **loss_and_accuracy(p, test.labels)}
+
+
+def _probabilities(classifier: Classifier, batch: np.ndarray, fv: flags.FlagValues,
+                   name_of: Callable[[int], str]) -> np.ndarray:
+    """The classifier's probabilities for every image of `batch`, with the
+    flags' test-time views; ConfigError naming (`name_of` its index) the
+    first image it answers NaN or infinity for: printed as numbers, they
+    would read as answers."""
+    from distributed_mpt.core.eval_views import class_probabilities
+
+    p = class_probabilities(classifier.probabilities, batch, fv.tta, fv.tta_fraction)
+    bad = np.flatnonzero(~np.isfinite(p).all(axis=1))
+    if len(bad):
+        value = "NaN" if np.isnan(p[bad[0]]).any() else "infinity"
+        more = f" (and {len(bad) - 1} other image(s))" if len(bad) > 1 else ""
+        raise ConfigError(f"{quoted(classifier.source)} answers {value}, not probabilities, for "
+                          f"{name_of(bad[0])}{more}: it is damaged; {classifier.remedy}")
+    return p
 
 
 def _refuse_other_classes(classifier: Classifier, dataset: str, split: DatasetInfo) -> None:

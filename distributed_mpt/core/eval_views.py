@@ -228,12 +228,9 @@ def drain(accumulator, extra):
     return totals
 
 
-def evaluate_probabilities(probabilities, test_images: np.ndarray, labels: np.ndarray,
-                           views: str = "none", fraction: float = 1.0) -> dict:
-    """Mean cross-entropy and accuracy of `probabilities` over all
-    `test_images`, with test-time `views` as `class_probabilities`
-    (predict's --evaluate)."""
-    p = class_probabilities(probabilities, test_images, views, fraction)
+def loss_and_accuracy(p: np.ndarray, labels: np.ndarray) -> dict:
+    """Mean cross-entropy and accuracy of class probabilities `p` [N,
+    classes] (`class_probabilities`) for `labels` (predict's --evaluate)."""
     loss = -float(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-7)).sum())  # Keras' clip
     correct = int((p.argmax(axis=1) == labels).sum())
     return {"loss": loss / len(labels), "accuracy": correct / len(labels), "examples": len(labels)}

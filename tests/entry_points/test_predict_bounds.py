@@ -196,6 +196,27 @@ def test_class_names_are_printed_with_bidi_and_zero_width_characters_escaped(tmp
     assert "\u202e" not in result.stdout and "\u200b" not in result.stdout
 
 
+@pytest.mark.parametrize("evaluate", [False, True], ids=["files", "evaluate"])
+def test_an_export_that_answers_nan_is_refused_naming_the_image(tmp_path, evaluate):
+    """It printed 'nan' as a probability, and a class as the answer."""
+    export = _hand_made_export(tmp_path / "export", "NaN where bright")
+    photos = tmp_path / "photos"
+    for split in ("train", "test"):
+        for i in range(10):
+            (photos / split / f"c{i}").mkdir(parents=True)
+            Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(
+                photos / split / f"c{i}" / "0.png")
+    bright = photos / "test" / "c3" / "1.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(bright)
+    args = (["--evaluate", "--dataset=image_folder", f"--data_dir={photos}"] if evaluate else
+            [photos / "test" / "c0" / "0.png", bright])
+    which = ("test image 5 of 11 of --dataset=image_folder (of class c3)" if evaluate else
+             str(bright))
+    assert_one_error_line(predict(f"--model_dir={export}", *args),
+                          f"{export / 'saved_model'} answers NaN, not probabilities, for {which}: "
+                          f"it is damaged; remove it and run the run's training command again")
+
+
 def test_model_beside_an_export_is_refused_not_ignored(untrained, tmp_path):
     """--model builds a checkpoint's network: with an export, it was
     ignored without a word, whatever code it named."""
