@@ -12,7 +12,7 @@ import os
 from typing import Callable, Optional
 
 from distributed_mpt import files
-from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record
+from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record, section_problem
 from distributed_mpt.core.data import DatasetInfo
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, first_line, quoted
 from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
@@ -122,6 +122,10 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
         raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export (export/saved_model) "
                           f"and no checkpoint with its config.json")
     recorded = files.read_json(config_path)
+    problem = section_problem(recorded)  # read as a resume reads it: a section is not a flag
+    if problem:
+        raise ConfigError(f"{quoted(config_path)} is damaged ({problem}): write it again, or "
+                          f"move it away")
     config = checked_config(flat_record(recorded), config_path)
     resolved = recorded.get("resolved") if isinstance(recorded.get("resolved"), dict) else {}
     info = _dataset_info(config, resolved, config_path)

@@ -18,6 +18,7 @@ from PIL import Image
 from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, deadline, make_path,
                       read_summary, run_in_process, run_module, snapshot, subprocess_env, train)
 from distributed_mpt import predict as predict_module
+from distributed_mpt.config import SECTIONS
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10, images
 from distributed_mpt.training import outputs
@@ -271,7 +272,12 @@ def _checkpoint_run(config=None, weightless=False):
             run.mkdir()
             (run / "checkpoints").symlink_to(trained / "checkpoints")
         recorded = json.loads((trained / "config.json").read_text())
-        text = config if isinstance(config, str) else json.dumps({**recorded, **(config or {})})
+        if isinstance(config, str):
+            text = config
+        else:  # the changed flags go into their sections, as a run writes them
+            text = json.dumps({name: {**value, **{k: v for k, v in (config or {}).items()
+                                                  if k in value}} if name in SECTIONS else value
+                               for name, value in recorded.items()})
         (run / "config.json").write_text(text)
         return run, [photo]
     return make
@@ -339,6 +345,8 @@ HOSTILE_INPUTS = {
     "config.json of width 100,000": (_checkpoint_run({"model": "resnet9", "model_width": 100_000}),
                                      "larger than this program accepts"),
     "garbage config.json": (_checkpoint_run("\x00garbage{"), "config.json is damaged"),
+    "config.json with a list for a section": (_checkpoint_run(
+        '{"model": ["resnet9"], "data": {}, "run": {}}'), "its 'model' section is"),
     "no export, no checkpoint": (_nothing, "holds no export"),
     "a --model_dir that does not exist": (lambda tmp_path, untrained, trained, photo: (
         tmp_path / "missing", [photo]), "is not a directory"),
