@@ -8,11 +8,12 @@ TFDS' `ImageFolder`.
 The classes are train/'s folders in sorted order (label i names the i-th),
 at least two, named in UTF-8 without control characters (they are lines of
 the export's classes.txt), no two that read as one (equal but for case,
-NFKC's compatibility forms or invisible format characters); test/ may hold only those (a class it holds no
-images of is named in a warning: the test accuracy leaves it out), and
---test_fraction holds out a share of train/ only where there is no test/. Every image is
-decoded once into uint8 RGB of `image_size` x `image_size` in host memory
-(core/data/images.py: Pillow, its first frame); entries whose name starts
+NFKC's compatibility forms or invisible format characters); test/ may hold
+only those (a class it holds no images of is named in a warning: the test
+accuracy leaves it out), and --test_fraction holds out a share of train/
+only where there is no test/. Every image is decoded once into uint8 RGB of
+`image_size` x `image_size` in host memory (core/data/images.py: Pillow, its
+first frame, turned as its EXIF orientation says); entries whose name starts
 with a dot (.DS_Store, .ipynb_checkpoints/, editors' swap files) and files
 beside the class folders are skipped, all named in one warning, and anything
 else that is not an intact image is one error naming it. The mean and
