@@ -144,20 +144,31 @@ def inside_autograph(error) -> "tuple[str, str, str | None] | None":
     name, _, message = "\n".join(line[4:] for line in lines[at:]).partition(": ")
     if not message or not name.isidentifier():
         return None
-    libraries = [os.path.join(directory, "") for directory in (
-        *(sysconfig.get_path(kind) for kind in ("stdlib", "platstdlib", "purelib", "platlib")),
+    # Installed code is in the interpreter's library or a folder named
+    # site-packages or dist-packages (a venv's, the user site's, Debian's
+    # /usr/lib/python3/dist-packages, which sysconfig does not name).
+    ours = [os.path.join(directory, "") for directory in (
+        *(sysconfig.get_path(kind) for kind in ("stdlib", "platstdlib")),
         os.path.dirname(os.path.abspath(__file__)))]
     users = [f"{quoted(path)}:{line}" for path, line in frames
-             if os.path.isabs(path) and not path.startswith(tuple(libraries))]
+             if os.path.isabs(path) and not path.startswith(tuple(ours))
+             and not _INSTALLED.intersection(path.split(os.sep))]
     return name, message, users[-1] if users else None
 
 
+_INSTALLED = {"site-packages", "dist-packages"}
+
+
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-# Beyond ASCII, by category: controls, line and paragraph separators, and
-# format characters (Cf): the bidi overrides and isolates (U+202A-U+202E,
-# U+2066-U+2069), which reorder the rest of a terminal's line, and the
-# zero-width ones, which hide that two names differ.
-_UNPRINTABLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
+# Beyond ASCII, by category: controls, line and paragraph separators, the
+# surrogates that stand for a file name's bytes that are not UTF-8 (a
+# strict UTF-8 stdout cannot print them), and format characters (Cf): the
+# bidi overrides and isolates (U+202A-U+202E, U+2066-U+2069), which reorder
+# the rest of a terminal's line, and the zero-width ones, which hide that
+# two names differ. Not the zero-width joiners, which Persian and Indic
+# words and emoji sequences are written with.
+_UNPRINTABLE_CATEGORIES = ("Cc", "Cf", "Cs", "Zl", "Zp")
+_JOINERS = ("\u200c", "\u200d")
 QUOTE_LIMIT = 200
 
 
@@ -176,8 +187,8 @@ def quoted(value, limit: int = QUOTE_LIMIT) -> str:
     else:
         import unicodedata  # here: an extension module (see the imports above)
 
-        text = "".join(repr(c)[1:-1] if unicodedata.category(c) in _UNPRINTABLE_CATEGORIES
-                       else c for c in text)
+        text = "".join(c.encode("unicode_escape").decode() if c not in _JOINERS and
+                       unicodedata.category(c) in _UNPRINTABLE_CATEGORIES else c for c in text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

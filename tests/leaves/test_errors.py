@@ -4,6 +4,7 @@ process say the same as the codes it would exit with. And the one line an
 error is reported in."""
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,32 @@ def test_first_line_of_errors_on_several_replicas_is_the_first_cause():
     assert first_line(_TWO_REPLICAS_FAILED) == "indices = 5 is not in [0, 2)"
 
 
+
+# What autograph (TensorFlow 2.21) made of a TypeError in a user's layer,
+# Keras installed as Debian installs it (a folder sysconfig does not name).
+_IN_USER_CODE = """in user code:
+
+    File "/home/user/model.py", line 14, in call  *
+        raise TypeError("a user's complaint")
+    File "/usr/lib/python3/dist-packages/keras/src/layers/layer.py", line 900, in __call__
+        outputs = super().__call__(*args, **kwargs)
+
+    TypeError: a user's complaint
+"""
+
+
+def test_an_error_inside_autograph_is_named_at_the_users_line_not_a_librarys():
+    assert errors.inside_autograph(_IN_USER_CODE) == (
+        "TypeError", "a user's complaint", "/home/user/model.py:14")
+    assert errors.inside_autograph("in user code: no frames") is None
+
+
+def test_quoted_escapes_what_would_reorder_hide_or_not_print_but_keeps_joiners():
+    assert errors.quoted("god\u202etac ca\u200bt \udcff") == "god\\u202etac ca\\u200bt \\udcff"
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"  # written with a ZWNJ
+    emoji = "\U0001f469\u200d\U0001f52c"  # a woman scientist: two joined by a ZWJ
+    assert errors.quoted(persian) == persian and errors.quoted(emoji) == emoji
+
 @pytest.mark.parametrize("stop, code", [(KeyboardInterrupt(), ExitCode.ABORTED),
                                         (stopping.Terminated(), ExitCode.PREEMPTED)])
 def test_an_entry_point_stopped_says_so_and_exits_with_the_stops_code(stop, code, capsys):
@@ -102,3 +129,19 @@ def test_an_entry_point_stopped_says_so_and_exits_with_the_stops_code(stop, code
     assert capsys.readouterr().err == "interrupted: nothing written\n"
     with pytest.raises(type(stop)):  # an entry point that saves on a stop handles it itself
         cli.guarded(stopped)
+
+
+def test_libraries_warnings_are_shown_where_a_filter_makes_warnings_errors():
+    """PYTHONWARNINGS=error failed a run at its export, on NumPy's warning of
+    Keras' np.array(tensor); a user's own filter before `error` still decides."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", UserWarning)  # the user's, before `error`
+        cli.libraries_warnings_stay_warnings()
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.warn_explicit("Keras' own", DeprecationWarning, "x.py", 1, module="keras.src")
+        assert [str(w.message) for w in shown] == ["Keras' own"]
+        warnings.warn_explicit("ignored", UserWarning, "x.py", 1, module="keras.src")
+        with pytest.raises(DeprecationWarning):
+            warnings.warn_explicit("the package's", DeprecationWarning, "x.py", 1,
+                                   module="distributed_mpt.training")

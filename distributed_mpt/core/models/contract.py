@@ -132,7 +132,7 @@ def cause(error: BaseException) -> str:
     """What `error` says, for an error line: its type and first line (of
     the error inside Keras' "Exception encountered when calling" wrapper,
     with the layer; of the one inside autograph's "in user code:", with
-    the user's file and line), "..." where it is cut."""
+    the user's file and line after its type), "..." where it is cut."""
     name, message, line = inside_autograph(error) or (type(error).__name__, error, None)
     lines = [line for line in _TERMINAL_CODES.sub("", text_of(message)).splitlines()
              if line.strip()]
@@ -140,7 +140,8 @@ def cause(error: BaseException) -> str:
     text = (f"in {where.group(1)}: {lines[1].strip()}" if where
             else first_line(message, limit=10_000))
     # A variable's repr puts its values on the lines after "numpy=".
-    text = re.sub(r",? numpy=$", ">", text) + (f", at {line}" if line else "")
+    text = re.sub(r",? numpy=$", ">", text)
+    name += f" at {line}" if line else ""  # first: the end of a long message is cut
     return quoted(f"{name} {text}" if where else f"{name}: {text}")
 
 
