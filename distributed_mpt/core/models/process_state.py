@@ -154,8 +154,13 @@ def broken_since(before: Unrecoverable) -> Optional[str]:
         from tensorflow.python.framework import ops
 
         # No public call makes a graph the default again outside a `with`,
-        # which in eager mode would also leave eager execution.
-        ops._default_graph_stack._global_default_graph = before.graph
+        # which in eager mode would also leave eager execution. TensorFlow
+        # 2.21's private attribute, written only where it is there: one that
+        # renamed it leaves a traceback after this line (test_model_contract's
+        # clear_session case fails on such an upgrade).
+        stack = getattr(ops, "_default_graph_stack", None)
+        if hasattr(stack, "_global_default_graph"):
+            stack._global_default_graph = before.graph
         return (f"reset TensorFlow's default graph (keras.backend.clear_session() or "
                 f"tf.compat.v1.reset_default_graph() does), which ended the scope of the run's "
                 f"{type(before.strategy).__name__}: the variables made after it would not be "
