@@ -107,7 +107,7 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     line on stderr and that error's exit code. With `on_interrupt` (what a
     stop leaves behind, e.g. "nothing written"), Ctrl-C or a stop signal
     raised as one ends it as `interrupted` says."""
-    _libraries_warnings_stay_warnings()
+    libraries_warnings_stay_warnings()
     if on_interrupt is not None:  # a stop now raises KeyboardInterrupt, caught below
         stopping.end_start_guard()
     try:
@@ -127,13 +127,18 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
 _LIBRARIES = r"(keras|tensorflow|tf_keras|numpy|absl|google|h5py|ml_dtypes|optree|PIL)(\.|$)"
 
 
-def _libraries_warnings_stay_warnings() -> None:
+def libraries_warnings_stay_warnings() -> None:
     """Where PYTHONWARNINGS=error (or -W error, or a filter of its own) makes
     warnings exceptions, those that the libraries' code raises are shown
     instead: they failed a run after its training, at the export, with a
-    traceback. A run's own code, and a user's model, still fail on theirs."""
-    if any(action == "error" for action, *_ in warnings.filters):
-        warnings.filterwarnings("default", module=_LIBRARIES)
+    traceback. A run's own code, and a user's model, still fail on theirs.
+    Placed before the first filter that makes them errors, not first: a
+    user's own filter before it (PYTHONWARNINGS=error,ignore::Deprecation...
+    puts `ignore` first) still decides."""
+    actions = [action for action, *_ in warnings.filters]
+    if "error" in actions:
+        warnings.filterwarnings("default", module=_LIBRARIES)  # goes first: moved
+        warnings.filters.insert(actions.index("error"), warnings.filters.pop(0))
 
 
 def interrupted(stop: KeyboardInterrupt, left: str) -> int:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from distributed_mpt import launch  # free ports and TF_CONFIGs, made as the launcher makes them
+from distributed_mpt import cli, launch  # free ports and TF_CONFIGs, made as the launcher makes them
 from distributed_mpt.benchmark import roof
 from distributed_mpt.errors import ExitCode, first_line
 from distributed_mpt.process.stopping import helper_command
@@ -167,6 +167,7 @@ def main(measures=None) -> int:
     the function `measures`, by default the cells' and roofs', has for its
     kind), prints its figures; returns the exit status."""
     kind, measure_cell = (measures or _MEASURES)[sys.argv[1]]
+    cli.libraries_warnings_stay_warnings()
     try:
         figures = measure_cell(kind(**json.loads(sys.argv[2])))
     except Exception as e:  # noqa: BLE001 — any failure is one line for run_cell to report

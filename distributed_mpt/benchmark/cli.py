@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if cli.wants_help(argv):
         return cli.show_help(_help_text(), _flag_values())
+    cli.libraries_warnings_stay_warnings()  # the cells' processes inherit PYTHONWARNINGS
     try:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
