@@ -158,7 +158,7 @@ def keep_metrics(path: str, kept) -> float:
         seconds, records = max(seconds, record["elapsed_seconds"]), records + 1
         rewrite = rewrite or not kept(record)
     if log.problems:  # a damaged line costs that line only
-        files.warn(f"{path}: {'; '.join(log.problems)}; rewritten without "
+        files.warn(f"{quoted(path)}: {'; '.join(log.problems)}; rewritten without "
                    f"{'it' if len(log.problems) == 1 else 'them'} ({records} records kept)")
     if log.problems or rewrite:
         with files.replacing(path) as rewritten:

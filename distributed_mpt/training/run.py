@@ -33,7 +33,7 @@ from distributed_mpt.core import batch_norm, data, precision
 from distributed_mpt.core.models.contract import FirstStepError
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
-from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line
+from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line, quoted
 from distributed_mpt.process import log_filter, memory, run_lock, stopping
 from distributed_mpt.process.startup_watchdog import StartupWatchdog
 from distributed_mpt.training import outputs
@@ -152,7 +152,8 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     is not about peers: it is raised again."""
     if cluster is None:
         raise error
-    where = "".join(f" {note}" for note in getattr(error, "__notes__", ()))
+    where = "".join(f" {quoted(first_line(note))}"  # one line, whoever added the note
+                    for note in getattr(error, "__notes__", ()))
     print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
           f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
           f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)

@@ -214,7 +214,8 @@ def test_an_export_that_answers_nan_is_refused_naming_the_image(tmp_path, evalua
              str(bright))
     assert_one_error_line(predict(f"--model_dir={export}", *args),
                           f"{export / 'saved_model'} answers NaN, not probabilities, for {which}: "
-                          f"it is damaged; remove it and run the run's training command again")
+                          f"it is damaged, or its arithmetic overflows on that image; remove it "
+                          f"and run the run's training command again")
 
 
 def test_model_beside_an_export_is_refused_not_ignored(untrained, tmp_path):
