@@ -35,10 +35,10 @@ from typing import Collection, List, Optional, Tuple
 from absl import flags
 
 from distributed_mpt import cli
-from distributed_mpt.errors import (STOP_SIGNALS, ConsoleError, ExitCode, UserError, first_line,
+from distributed_mpt.errors import (ConsoleError, ExitCode, UserError, first_line,
                                     status_of_signal)
 from distributed_mpt.process import console
-from distributed_mpt.process.start_guard import end_start_guard
+from distributed_mpt.process.start_guard import end_start_guard, heeded_stop_signals
 from distributed_mpt.process.stopping import helper_command, passed_on
 
 # Exit codes after which restarting cannot help (see errors.py): bad input,
@@ -303,7 +303,7 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             groups[-1].signal(passed_on(forwarded))
 
     end_start_guard()
-    previous_handlers = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    previous_handlers = {sig: signal.signal(sig, forward) for sig in heeded_stop_signals()}
     try:
         used_ports = set()
         restarts = 0

@@ -40,6 +40,7 @@ _CTRL_C_WHILE_STARTING = {
 _COMMAND_PREFIXES = ("distributed-mpt-", "distributed_mpt.")
 
 _ctrl_c_while_starting: int | None = None  # the guarded command's
+_inherited = {}  # each stop signal's handler when the guard came: what it hands back
 
 
 def stopped_before(sig: signal.Signals, when: str, code: int, done: str) -> str:
@@ -71,7 +72,8 @@ def guard_the_start() -> None:
     if _ctrl_c_while_starting is None:
         ignore_stop_signals()
         return
-    for sig in STOP_SIGNALS:
+    for sig in heeded_stop_signals():
+        _inherited[sig] = signal.getsignal(sig)
         signal.signal(sig, _stop_while_starting)
 
 
@@ -86,15 +88,23 @@ def _stop_while_starting(signum, frame) -> None:
 
 
 def end_start_guard() -> None:
-    """Hands the stop signals that `guard_the_start` holds back to Python,
-    for a command that handles a stop from now on: Ctrl-C as
-    KeyboardInterrupt, or with handlers of its own, put in place after this,
-    which put Python's back when they are done (not the guard's: the start
-    is over)."""
-    for sig in STOP_SIGNALS:
+    """Hands the stop signals that `guard_the_start` holds back to the
+    handlers it found (Python's), for a command that handles a stop from now
+    on: Ctrl-C as KeyboardInterrupt, or with handlers of its own, put in
+    place after this, which put Python's back when they are done (not the
+    guard's: the start is over)."""
+    for sig, handler in _inherited.items():
         if signal.getsignal(sig) is _stop_while_starting:
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
-                          else signal.SIG_DFL)
+            signal.signal(sig, handler)
+
+
+def heeded_stop_signals() -> list[signal.Signals]:
+    """The stop signals this process acts on: all but those it ignores,
+    which whoever started it said must not stop it (nohup's SIGHUP; a shell
+    without job control ignores SIGINT in its `command &`, so that Ctrl-C
+    leaves the background job running). Whoever takes a stop signal over
+    takes only these."""
+    return [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
 
 
 def ignore_stop_signals() -> None:

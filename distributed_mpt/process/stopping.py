@@ -50,7 +50,8 @@ import threading
 from typing import Callable, List, Optional
 
 from distributed_mpt.errors import STOP_SIGNALS, ExitCode
-from distributed_mpt.process.start_guard import end_start_guard, stopped_before
+from distributed_mpt.process.start_guard import (end_start_guard, heeded_stop_signals,
+                                                 stopped_before)
 
 
 # How the start-up watchdog ends a worker that TensorFlow holds while it starts
@@ -120,7 +121,7 @@ class _Owner:
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         # Python's C-level handler writes the signal to the pipe; the
         # Python-level one (run later, in the main thread) has nothing to do.
-        for sig in STOP_SIGNALS:
+        for sig in heeded_stop_signals():  # an ignored one stays ignored (nohup)
             signal.signal(sig, _nothing)
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
         # Started with the signals blocked, so that this thread is never the
@@ -206,15 +207,18 @@ def tensorflow_starting():
     module's docstring). Enter it before TensorFlow starts any thread, as
     threads inherit the mask. On exit, the owner's handlers replace whatever
     TensorFlow installed before the signals are unblocked: one that came
-    meanwhile is acted on then, as Phase.STARTING says."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    meanwhile is acted on then, as Phase.STARTING says. An ignored signal
+    is not held: held, it would be pending, and the watchdog would act on it."""
+    heeded = heeded_stop_signals()
+    signal.pthread_sigmask(signal.SIG_BLOCK, heeded)
     try:
         yield
     finally:
         for sig in STOP_SIGNALS:
             # Replaces TensorFlow's handler with the owner's (or the default).
-            signal.signal(sig, _nothing if _owner is not None else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            signal.signal(sig, signal.SIG_IGN if sig not in heeded else
+                          _nothing if _owner is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, heeded)
 
 
 class Terminated(KeyboardInterrupt):
@@ -235,7 +239,7 @@ def stops_interrupting():
     SIGTERM ends the process at once, and a child measuring a cell ran on for
     up to 15 minutes)."""
     end_start_guard()
-    others = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT]
+    others = [sig for sig in heeded_stop_signals() if sig != signal.SIGINT]
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in others}
     try:
         yield

@@ -9,6 +9,7 @@ watchdog is running, or its gRPC server listens), not from the process's
 start, and printed; the bound is generous for a loaded machine, the figure
 is what to read (docs/reliability.md states it with its load)."""
 
+import contextlib
 import json
 import signal
 import socket
@@ -254,3 +255,36 @@ def test_a_stop_while_a_command_starts_is_one_line_and_its_stop_code(name, sig, 
     assert status in expected and "Traceback" not in out + err, out + err
     assert len(err.splitlines()) <= 1, err
     assert not (tmp_path / "run").exists()
+
+
+def _ignoring_hangup_and_ctrl_c():
+    """As `nohup` starts a command (SIGHUP ignored), and a shell without job
+    control its `command &` (SIGINT ignored)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("name", ["predict", "train"])
+def test_the_stop_signals_a_command_inherits_ignored_stay_ignored(name, tmp_path):
+    """`nohup distributed-mpt-train &` ended with 143 when the terminal closed
+    as it started, and once training stopped with a checkpoint; `command &`
+    in a script took the script's Ctrl-C. SIGHUP and SIGINT, sent again and
+    again from its start to its end, now leave it running to its own end:
+    predict's error for a missing directory, or a finished run."""
+    args = {"predict": ["--evaluate", "--dataset=synthetic", f"--model_dir={tmp_path / 'none'}"],
+            "train": [*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={tmp_path / 'run'}"]}
+    process = subprocess.Popen([sys.executable, "-m", f"distributed_mpt.{name}", *args[name]],
+                               cwd=REPO, env=subprocess_env(), text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, preexec_fn=_ignoring_hangup_and_ctrl_c)
+    deadline = time.monotonic() + 300
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            for sig in (signal.SIGHUP, signal.SIGINT):
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(sig)
+            time.sleep(0.01)
+    finally:
+        process.kill()
+    output = process.communicate()[0]
+    assert process.returncode == (errors.ExitCode.USAGE if name == "predict" else 0), output
+    assert "SIGHUP" not in output and "SIGINT" not in output, output
