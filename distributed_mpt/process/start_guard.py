@@ -48,16 +48,39 @@ def stopped_before(sig: signal.Signals, when: str, code: int, done: str) -> str:
     return f"{sig.name} {when}: exiting with {code:d} (retryable); nothing was {done} yet"
 
 
-def command_of(argv: list[str], orig_argv: list[str]) -> str | None:
-    """The command a process runs, from its console script's name or the
-    module that `python -m` is locating (sys.argv[0] is "-m" meanwhile, and
-    sys.orig_argv names it): "train" for distributed-mpt-train and for
-    distributed_mpt.train. None for anything else: a library user, a test."""
-    script = os.path.basename(argv[0]) if argv else ""
-    if script == "-m" and "-m" in orig_argv[:-1]:
-        script = orig_argv[orig_argv.index("-m") + 1]
-    prefix = next((p for p in _COMMAND_PREFIXES if script.startswith(p)), None)
-    return script[len(prefix):].replace("-", "_") if prefix else None
+def command_of(orig_argv: list[str]) -> str | None:
+    """The command that the interpreter's command line `orig_argv`
+    (sys.orig_argv) runs: "train" for `distributed-mpt-train` (its console
+    script is the script Python runs) and for `python -m distributed_mpt.train`.
+    None for anything else: a library user, a test, and `python -c`, which
+    multiprocessing runs for a spawn or forkserver child (a child of a
+    command copies its sys.argv, so that names the parent's command)."""
+    run = _what_python_runs(orig_argv)
+    prefix = next((p for p in _COMMAND_PREFIXES if run.startswith(p)), None)
+    return run[len(prefix):].replace("-", "_") if prefix else None
+
+
+def _what_python_runs(orig_argv: list[str]) -> str:
+    """The file name of the script or the module that a command line of
+    Python runs; "" for `-c` and standard input."""
+    args = orig_argv[1:]
+    while args:
+        arg, args = args[0], args[1:]
+        if arg == "--":  # the script next
+            arg = args[0] if args else ""
+        if arg == "-" or not arg.startswith("-"):
+            return "" if arg == "-" else os.path.basename(arg)
+        if arg.startswith("--"):  # one takes a value
+            args = args[arg == "--check-hash-based-pycs":]
+            continue
+        for at, option in enumerate(arg[1:], 2):  # options joined: -Im, -mMODULE
+            if option in "cmWX":  # its value is the rest of `arg`, or the next one
+                value = arg[at:] or (args[0] if args else "")
+                args = args[not arg[at:]:]
+                if option in "cm":
+                    return value if option == "m" else ""
+                break
+    return ""
 
 
 def guard_the_start() -> None:
@@ -65,7 +88,7 @@ def guard_the_start() -> None:
     each stop signal end it at once, with one line and the exit code of a
     stop while it starts, until `end_start_guard`; a helper ignores them."""
     global _ctrl_c_while_starting
-    command = command_of(sys.argv, getattr(sys, "orig_argv", []))
+    command = command_of(sys.orig_argv)
     if command not in _CTRL_C_WHILE_STARTING:
         return
     _ctrl_c_while_starting = _CTRL_C_WHILE_STARTING[command]

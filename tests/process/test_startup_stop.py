@@ -194,7 +194,8 @@ def test_the_peers_not_up_at_the_deadline_are_named_at_once():
 
 # Every command, run as a user runs it, with what it would do for seconds if
 # no stop came.
-_COMMANDS = ["train", "launch", "benchmark", "predict", "prepare_data", "distributed-mpt-train"]
+_COMMANDS = ["train", "launch", "benchmark", "predict", "prepare_data", "distributed-mpt-train",
+             "-mdistributed_mpt.train"]
 
 
 def _command(name: str, tmp: Path) -> list:
@@ -202,6 +203,8 @@ def _command(name: str, tmp: Path) -> list:
     train = [*SMOKE_FLAGS, "--train_steps=10", model_dir]
     if name.startswith("distributed-mpt-"):  # the console script
         return [str(Path(sys.executable).with_name(name)), *train]
+    if name.startswith("-m"):  # the module joined to -m
+        return [sys.executable, name, *train]
     args = {"train": train, "launch": ["--num_workers=1", "--", *train],
             "benchmark": ["--tiny", f"--output={tmp / 'bench.json'}"],
             "predict": ["--evaluate", "--dataset=synthetic", model_dir],
@@ -288,3 +291,33 @@ def test_the_stop_signals_a_command_inherits_ignored_stay_ignored(name, tmp_path
     output = process.communicate()[0]
     assert process.returncode == (errors.ExitCode.USAGE if name == "predict" else 0), output
     assert "SIGHUP" not in output and "SIGINT" not in output, output
+
+
+_SPAWNING = """
+import multiprocessing, signal, sys
+import distributed_mpt
+
+def child():
+    print("child", signal.getsignal(signal.SIGINT).__name__, flush=True)
+
+if __name__ == "__main__":
+    print("command", signal.getsignal(signal.SIGINT).__name__, flush=True)
+    process = multiprocessing.get_context(sys.argv[1]).Process(target=child)
+    process.start()
+    process.join()
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_child_process_of_a_command_is_not_guarded(start_method, tmp_path):
+    """A multiprocessing child of a command (a Pool in a user's model code)
+    copies the command's sys.argv, and was guarded as the command: Ctrl-C
+    ended each with "SIGINT while starting ... nothing was done yet" at any
+    time, as nothing ever ended its guard. Python starts it with `-c`: it
+    handles Ctrl-C as Python does, while the command itself is guarded."""
+    script = tmp_path / "distributed-mpt-predict"  # what a console script runs
+    script.write_text(_SPAWNING)
+    result = subprocess.run([sys.executable, str(script), start_method], cwd=REPO,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[:2] == ["command _stop_while_starting",
+                                             "child default_int_handler"], result
