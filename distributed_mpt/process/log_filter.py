@@ -10,7 +10,7 @@ DMPT_VERBOSE=1 keeps them all.
 
 The filter is a process, not a thread: TensorFlow holds the GIL while it
 waits for multi-worker peers, and a thread could not drain the pipe then. It
-ignores the stop signals (start_guard.ignore_stop_signals) and ends when every
+ignores the stop signals (start_guard.py) and ends when every
 writer has closed the pipe, so the last lines of a process that is killed or
 aborts still arrive.
 """
@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 
-from distributed_mpt.process import start_guard, stopping
+from distributed_mpt.process import stopping
 
 VERBOSE_ENV = "DMPT_VERBOSE"
 
@@ -132,8 +132,5 @@ def _write(sink, piece: bytes) -> bool:
         return False
 
 
-if __name__ == "__main__":
-    # Ctrl-C reaches the whole process group: the filter keeps passing lines
-    # on until its writers are gone.
-    start_guard.ignore_stop_signals()
+if __name__ == "__main__":  # ignoring the stop signals (start_guard.py)
     _filter(sys.stdin.buffer, sys.stdout.buffer)

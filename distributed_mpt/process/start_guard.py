@@ -28,9 +28,11 @@ from distributed_mpt.errors import STOP_SIGNALS, ExitCode
 # The commands of the package, by the module that runs each (`python -m
 # distributed_mpt.NAME`, or its console script distributed-mpt-NAME, with
 # "-" for "_": setup.py), and the exit code of a Ctrl-C that stops one while
-# it starts, or None for a helper, which ignores the stop signals. Ctrl-C is
-# a stop like the others for training and for the launcher (whose workers
-# train); it aborts the others, as `cli.interrupted` says.
+# it starts, or None for a helper, which ignores the stop signals from its
+# start on (here, and nowhere else). Ctrl-C is a stop like the others for
+# training and for the launcher (whose workers train); it aborts the others,
+# as `cli.interrupted` says. tests/process/test_startup_stop.py checks that
+# every command is here.
 _CTRL_C_WHILE_STARTING = {
     "train": ExitCode.PREEMPTED, "launch": ExitCode.PREEMPTED,
     "benchmark": ExitCode.ABORTED, "benchmark.scaling": ExitCode.ABORTED,
@@ -93,7 +95,7 @@ def guard_the_start() -> None:
         return
     _ctrl_c_while_starting = _CTRL_C_WHILE_STARTING[command]
     if _ctrl_c_while_starting is None:
-        ignore_stop_signals()
+        _ignore_stop_signals()
         return
     for sig in heeded_stop_signals():
         _inherited[sig] = signal.getsignal(sig)
@@ -130,7 +132,7 @@ def heeded_stop_signals() -> list[signal.Signals]:
     return [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
 
 
-def ignore_stop_signals() -> None:
+def _ignore_stop_signals() -> None:
     """For a helper process: a stop meant for the process group leaves it
     running, so that it can still serve the process that is stopping."""
     for sig in STOP_SIGNALS:

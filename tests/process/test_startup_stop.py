@@ -11,6 +11,7 @@ is what to read (docs/reliability.md states it with its load)."""
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -321,3 +322,54 @@ def test_a_child_process_of_a_command_is_not_guarded(start_method, tmp_path):
                             env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert result.stdout.split("\n")[:2] == ["command _stop_while_starting",
                                              "child default_int_handler"], result
+
+
+# The modules with a `__main__` that are no command of the package's users:
+# a stop while they start is theirs to handle, or Python's.
+_NOT_GUARDED = {
+    "benchmark.cells": "a process of the benchmark, which ends it when it is stopped",
+    "benchmark.allreduce": "a process of the benchmark, which ends it when it is stopped",
+    "recipes.ledger": "a maintainer's tool, handling no stop of its own: Ctrl-C is Python's",
+    "recipes.measure": "a maintainer's tool, handling no stop of its own: Ctrl-C is Python's",
+}
+
+
+def test_every_command_and_helper_is_guarded_as_it_starts():
+    """The commands that start_guard guards are a list beside setup.py's
+    console scripts and the modules run with `python -m`: a command added to
+    one and not the other would print a traceback on a Ctrl-C as it starts."""
+    from distributed_mpt.process import start_guard
+
+    table = start_guard._CTRL_C_WHILE_STARTING
+    scripts = re.findall(r'"(distributed-mpt-[\w-]+)=distributed_mpt\.([\w.]+):',
+                         (REPO / "setup.py").read_text())
+    assert scripts, "setup.py's console_scripts are where this test looks"
+    for script, module in scripts:
+        assert start_guard.command_of([sys.executable, f"/venv/bin/{script}"]) == module, script
+    mains = {path.relative_to(REPO).with_suffix("").as_posix().replace("/", ".")
+             for path in (REPO / "distributed_mpt").rglob("*.py")
+             if 'if __name__ == "__main__"' in path.read_text() or path.name == "__main__.py"}
+    for main in mains:
+        command = start_guard.command_of([sys.executable, "-m", main.removesuffix(".__main__")])
+        assert command in table or command in _NOT_GUARDED, f"{main} is in neither list"
+    assert set(table).isdisjoint(_NOT_GUARDED)
+
+
+def test_a_helper_process_passes_its_lines_on_through_a_ctrl_c():
+    """The log filter, started as a run starts it, outlives a Ctrl-C to the
+    process group and passes on what its writer writes until it is done."""
+    from distributed_mpt.process import stopping
+
+    process = subprocess.Popen(stopping.helper_command("distributed_mpt.process.log_filter"),
+                               cwd=REPO, env=subprocess_env(), stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not _importing(process.pid):  # past the package's __init__
+            assert time.monotonic() < deadline, "no extension module loaded within 120 s"
+            time.sleep(0.001)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(b"after Ctrl-C\n", timeout=120)
+    finally:
+        process.kill()
+    assert (process.returncode, out, err) == (0, b"after Ctrl-C\n", b"")
