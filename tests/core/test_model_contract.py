@@ -246,11 +246,6 @@ def closes_stderr(info):
     return _flat_model(info)
 
 
-def _flat_model(info):
-    images, x = _flat(info)
-    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
-
-
 class Unsayable(Exception):
     def __str__(self):
         raise RuntimeError("its own __str__ fails")
@@ -398,7 +393,8 @@ def test_a_model_function_that_ends_the_program_is_one_error_line(model_file, tm
     ("clears_session", "reset TensorFlow's default graph (keras.backend.clear_session() or "
                        "tf.compat.v1.reset_default_graph() does), which ended the scope of the "
                        "run's MirroredStrategy: the variables made after it would not be "
-                       "mirrored across its 2 replicas", ["--strategy=mirrored", "--cpu_replicas=2"]),
+                       "mirrored across its 2 replicas",
+     ["--strategy=mirrored", "--cpu_replicas=2"]),
     ("closes_stdout", "closed sys.stdout, to which the run writes its progress lines: remove "
                       "that call (contextlib.redirect_stdout", []),
     ("closes_stderr", "closed sys.stderr, to which the run writes its warnings and errors", []),
