@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from distributed_mpt import files
 from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record, section_problem
-from distributed_mpt.core.data import DatasetInfo
+from distributed_mpt.core.data.dataset import DatasetInfo, class_names_problem
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, first_line, quoted
 from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
                                               SAVED_MODEL_DIR, model_info)
@@ -173,11 +173,15 @@ def _dataset_info(config: TrainConfig, resolved: dict, config_path: str) -> Data
     statistics of an image folder come from its images), else its dataset's."""
     recorded = resolved.get("dataset_info")
     if isinstance(recorded, dict):
+        # Checked before a model is built for them: a list of a million took 12.9 GB.
+        problem = class_names_problem(recorded.get("class_names"))
         try:
-            return DatasetInfo(**{k: tuple(v) for k, v in recorded.items()})
+            if not problem:
+                return DatasetInfo(**{k: tuple(v) for k, v in recorded.items()})
         except TypeError:
-            raise ConfigError(f"{quoted(config_path)} is damaged (its dataset_info is not what "
-                              f"this program writes): write it again, or move it away") from None
+            problem = "its dataset_info is not what this program writes"
+        raise ConfigError(f"{quoted(config_path)} is damaged ({problem}): write it again, or "
+                          f"move it away")
     from distributed_mpt.core.data import cifar10
     return cifar10.INFO  # runs from before it was recorded: CIFAR-10 or synthetic
 

@@ -15,6 +15,7 @@ from PIL import Image
 from conftest import (SMALL_MODEL, assert_ok, assert_one_error_line, read_summary, run_in_process,
                       snapshot, train)
 from distributed_mpt import train as train_entry_point
+from distributed_mpt.core.data import dataset
 
 CLASSES = ("cars", "dogs", "ships")  # sorted: labels 0, 1, 2
 COLOURS = {"cars": (220, 40, 40), "dogs": (40, 200, 60), "ships": (30, 60, 220)}
@@ -159,6 +160,17 @@ def _classes_apart_by_an_invisible_character(root):
     for split in ("train", "test"):
         (root / split / "dogs").rename(root / split / "car\u200bs")
     return "train/cars and car\\u200bs read as one name"
+
+
+@pytest.mark.parametrize("look_alike", ["cat\ufe0f", "cat\u034f", "cat\u3164", "cat ", " Cat",
+                                        "c\u00adat", "\uff43at"])
+def test_class_names_that_print_as_one_read_as_one(look_alike):
+    """A variation selector, a combining grapheme joiner, a Hangul filler, a
+    soft hyphen (drawn as nothing), spaces at an end, a full-width letter:
+    each made a second class that predict printed as the first."""
+    assert dataset.read_as(look_alike) == dataset.read_as("cat")
+    assert "read as one" in dataset.class_names_problem(["cat", look_alike])
+    assert dataset.class_names_problem(["cat", "cats", "\u0645\u06cc\u200c\u062e"]) is None
 
 
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,

@@ -283,6 +283,18 @@ def _checkpoint_run(config=None, weightless=False):
     return make
 
 
+def _recorded_classes(names):
+    """The trained run before its export, config.json listing `names` as the
+    classes it learned (a hand edit; what predict answers with)."""
+    def make(tmp_path, untrained, trained, photo):
+        run, args = _checkpoint_run()(tmp_path, untrained, trained, photo)
+        recorded = json.loads((run / "config.json").read_text())
+        recorded["resolved"]["dataset_info"]["class_names"] = names
+        (run / "config.json").write_text(json.dumps(recorded))
+        return run, args
+    return make
+
+
 def _bad_image(made):
     """The untrained run, and `made(path)` as the image to classify."""
     def make(tmp_path, untrained, trained, photo):
@@ -347,6 +359,12 @@ HOSTILE_INPUTS = {
     "garbage config.json": (_checkpoint_run("\x00garbage{"), "config.json is damaged"),
     "config.json with a list for a section": (_checkpoint_run(
         '{"model": ["resnet9"], "data": {}, "run": {}}'), "its 'model' section is"),
+    "config.json of a million classes": (_recorded_classes([f"c{i}" for i in range(10**6)]),
+                                         "it names 1,000,000 classes"),
+    "config.json of one class twice": (_recorded_classes(["cat", "cat", *"abcdefgh"]),
+                                       "class names cat and cat read as one"),
+    "config.json of classes that are not names": (_recorded_classes([None, 7, *"abcdefgh"]),
+                                                  "its class names are not a list of names"),
     "no export, no checkpoint": (_nothing, "holds no export"),
     "a --model_dir that does not exist": (lambda tmp_path, untrained, trained, photo: (
         tmp_path / "missing", [photo]), "is not a directory"),

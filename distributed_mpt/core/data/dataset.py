@@ -8,7 +8,10 @@ registry; its loader returns a `Dataset`.
 
 import dataclasses
 import importlib
+import re
 from typing import Dict, Optional, Sequence, Tuple
+
+from distributed_mpt.errors import quoted
 
 SPLITS = ("train", "test")
 
@@ -82,6 +85,47 @@ class DatasetInfo:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+
+# Far above any classifier trained here (ImageNet-21k has 21,841 classes): a
+# config.json that lists more was not written by a run, and a model built for
+# a million classes took 12.9 GB before predict could refuse it.
+MAX_CLASSES = 100_000
+# Unicode's default-ignorable code points (DerivedCoreProperties.txt): drawn
+# as nothing, so two names that differ only by them print the same. Format
+# characters (Cf) are the rest of them, found by category.
+_IGNORABLE = re.compile("[\u00ad\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164"
+                        "\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]")
+
+
+def read_as(name: str) -> str:
+    """What a person reads in the class name `name`: without its invisible
+    characters and the spaces at its ends, in NFKC's compatibility forms,
+    case folded. Two names read the same are one class to a reader, and
+    print as one in predict's answers."""
+    import unicodedata  # an extension module, loaded where it is used
+
+    visible = _IGNORABLE.sub("", "".join(c for c in name if unicodedata.category(c) != "Cf"))
+    return unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", visible.strip())
+                                 .casefold()).strip()
+
+
+def class_names_problem(names) -> Optional[str]:
+    """What is wrong with `names` as a classifier's class names (at least two
+    and at most MAX_CLASSES strings, no two read as one), or None."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return "its class names are not a list of names"
+    if not 2 <= len(names) <= MAX_CLASSES:
+        return (f"it names {len(names):,} class{'' if len(names) == 1 else 'es'}, where a "
+                f"classifier has 2 to {MAX_CLASSES:,}")
+    seen: Dict[str, str] = {}
+    for name in names:
+        if read_as(name) in seen:
+            return (f"class names {quoted(seen[read_as(name)])} and {quoted(name)} read as one "
+                    f"(they differ only in case, Unicode form, invisible characters or spaces "
+                    f"at their ends)")
+        seen[read_as(name)] = name
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,12 +8,13 @@ TFDS' `ImageFolder`.
 The classes are train/'s folders in sorted order (label i names the i-th),
 at least two, named in UTF-8 without control characters (they are lines of
 the export's classes.txt), no two that read as one (equal but for case,
-NFKC's compatibility forms or invisible format characters); test/ may hold
-only those (a class it holds no images of is named in a warning: the test
-accuracy leaves it out), and --test_fraction holds out a share of train/
-only where there is no test/. Every image is decoded once into uint8 RGB of
-`image_size` x `image_size` in host memory (core/data/images.py: Pillow, its
-first frame, turned as its EXIF orientation says); entries whose name starts
+NFKC's compatibility forms, invisible characters or spaces at their ends);
+test/ may hold only those (a class it holds no images of is named in a
+warning: the test accuracy leaves it out), and --test_fraction holds out a
+share of train/ only where there is no test/. Every image is decoded once
+into uint8 RGB of `image_size` x `image_size` in host memory
+(core/data/images.py: Pillow, its first frame, turned as its EXIF
+orientation says); entries whose name starts
 with a dot (.DS_Store, .ipynb_checkpoints/, editors' swap files) and files
 beside the class folders are skipped, all named in one warning, and anything
 else that is not an intact image is one error naming it. The mean and
@@ -37,7 +38,7 @@ from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, ImageSplit,
-                                               aligned_empty)
+                                               aligned_empty, read_as)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
@@ -158,18 +159,19 @@ def _check_class_names(directory: str, names: List[str]) -> None:
 
 def _refuse_names_that_read_the_same(directory: str, names: List[str]) -> None:
     """DataUnavailableError if two class names differ only in case, in
-    Unicode's compatibility forms (NFKC: a ligature, a full-width letter) or
-    by invisible format characters: two classes that a person reads, and
-    predict prints, as one, each with part of its images."""
+    Unicode's compatibility forms (NFKC: a ligature, a full-width letter), by
+    invisible characters or by spaces at their ends (dataset.read_as): two
+    classes that a person reads, and predict prints, as one, each with part
+    of its images."""
     seen: Dict[str, str] = {}
     for name in names:
-        visible = "".join(c for c in name if unicodedata.category(c) != "Cf")
-        key = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", visible).casefold())
+        key = read_as(name)
         if key in seen:
             raise DataUnavailableError(
                 f"class folders {quoted(os.path.join(directory, _shown(seen[key])))} and "
                 f"{quoted(_shown(name))} read as one name (they differ only in case, Unicode "
-                f"form or invisible characters) but are two classes: merge them, or rename one")
+                f"form, invisible characters or spaces at their ends) but are two classes: "
+                f"merge them, or rename one")
         seen[key] = name
 
 
