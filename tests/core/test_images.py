@@ -343,6 +343,16 @@ def test_a_photo_stored_turned_is_read_as_its_exif_orientation_says(tmp_path, fm
     assert (_read(tmp_path, _encoded(Image.fromarray(_BLOCKS), "PNG", exif=exif)) == _BLOCKS).all()
 
 
+def test_a_malformed_tag_beside_the_orientation_is_no_damage(tmp_path):
+    """An Orientation of 6 and, beside it, an interop pointer typed as two
+    signed bytes, which Pillow cannot write back: the photo was refused as
+    "damaged or truncated" (found by a probe of image folders)."""
+    exif = bytes.fromhex("45786966000049492a000800000002001201030001000000060000"
+                         "0005a0060002000000ffffffff00000000")
+    encoded = _encoded(Image.fromarray(_BLOCKS), "JPEG", quality=100, subsampling=0, exif=exif)
+    np.testing.assert_allclose(_read(tmp_path, encoded), _TURNS[6](_BLOCKS), atol=6)
+
+
 def test_an_exif_block_that_does_not_parse_is_no_damage_and_no_turn(tmp_path):
     encoded = _encoded(Image.fromarray(_BLOCKS), "JPEG", quality=100, subsampling=0,
                        exif=b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08\xff\xff")

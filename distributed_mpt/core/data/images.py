@@ -214,16 +214,21 @@ def _too_large(path: str, frames: int, width: int, height: int, in_all: int) -> 
 
 
 def _upright(frame):
-    """`frame` turned as its EXIF Orientation tag says it is seen (Pillow's
-    ImageOps.exif_transpose): a phone stores a photo as its sensor read it,
+    """`frame` turned as its EXIF Orientation tag says it is seen (as
+    Pillow's ImageOps.exif_transpose turns it): a phone stores a photo as its sensor read it,
     sideways if held upright, and says so only in that tag. The frame itself
     where the tag is absent, 1 (upright) or not a valid value (Pillow reads
     a damaged EXIF block as empty, with a warning)."""
-    from PIL import ExifTags, ImageOps
+    from PIL import ExifTags, Image
 
-    orientation = frame.getexif().get(ExifTags.Base.Orientation, 1)
-    # Only where there is a turn: exif_transpose copies the pixels where there is none.
-    return ImageOps.exif_transpose(frame) if orientation in range(2, 9) else frame
+    turns = Image.Transpose
+    # Not ImageOps.exif_transpose, which also writes the EXIF block back
+    # without the tag: a camera's malformed tag beside it (an SBYTE interop
+    # pointer) failed that, and an intact photo was refused as damaged.
+    turn = {2: turns.FLIP_LEFT_RIGHT, 3: turns.ROTATE_180, 4: turns.FLIP_TOP_BOTTOM,
+            5: turns.TRANSPOSE, 6: turns.ROTATE_270, 7: turns.TRANSVERSE,
+            8: turns.ROTATE_90}.get(frame.getexif().get(ExifTags.Base.Orientation, 1))
+    return frame.transpose(turn) if turn is not None else frame
 
 
 def _rgb(image, path: str) -> np.ndarray:
