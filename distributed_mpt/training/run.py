@@ -34,9 +34,9 @@ from distributed_mpt.core.models.contract import FirstStepError
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line, quoted
-from distributed_mpt.process import log_filter, memory, run_lock, stopping
+from distributed_mpt.process import console, log_filter, memory, run_lock, stopping
 from distributed_mpt.process.startup_watchdog import StartupWatchdog
-from distributed_mpt.training import outputs
+from distributed_mpt.training import PROGRESS_SECONDS, outputs
 
 if TYPE_CHECKING:  # for the annotations only: at run time, imported where they are used
     import tensorflow as tf
@@ -174,7 +174,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
                                                resume, start_warnings)
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
-    dataset = config.data.load(config.run.seed)
+    reading = f"reading --dataset={config.data.dataset}"  # 100,000 images: minutes
+    with console.lines_while(reading, PROGRESS_SECONDS, say=is_chief):
+        dataset = config.data.load(config.run.seed)
     plan = plan_run(config, strategy.num_replicas_in_sync,
                     cluster.num_workers if cluster else 1, len(dataset.train))
     precision.set_precision(plan.policy)

@@ -101,3 +101,18 @@ def test_a_run_whose_reader_left_still_stops_with_its_checkpoint(model_dir, tmp_
     assert code == ExitCode.PREEMPTED, said[-3000:]
     stopped = int(re.search(r"stopped at step (\d+) after a checkpoint", said).group(1))
     assert (model_dir / "checkpoints" / f"ckpt-{stopped}.index").exists()
+
+
+def test_a_long_wait_before_the_first_line_of_progress_is_said(capsys):
+    """An image folder of 100,000 files was decoded for 7 minutes before a
+    run's first line (found by a probe of image folders)."""
+    from distributed_mpt.process import console
+
+    with console.lines_while("reading --dataset=image_folder", 0.05):
+        time.sleep(1)
+    with console.lines_while("a chief's only", 0.05, say=False):
+        time.sleep(0.2)
+    time.sleep(0.2)  # nothing more once the block is over
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(re.fullmatch(
+        r"reading --dataset=image_folder: \d+ s so far", line) for line in lines), lines
