@@ -7,6 +7,7 @@ float() would take `0x10`, `1_000`, `١٢` (Arabic-Indic digits), `nan` and
 `inf`, none of which a user means for a step count or a learning rate.
 """
 
+import contextlib
 import math
 import re
 import sys
@@ -108,10 +109,14 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     stop leaves behind, e.g. "nothing written"), Ctrl-C or a stop signal
     raised as one ends it as `interrupted` says."""
     libraries_warnings_stay_warnings()
-    if on_interrupt is not None:  # a stop now raises KeyboardInterrupt, caught below
-        stopping.end_start_guard()
+    # Every stop signal then raises as Ctrl-C does, caught below: SIGTERM and
+    # SIGHUP had their default, and ended predict without a word (and SIGHUP
+    # with 129, where a stop is documented as 143).
+    stops = (stopping.stops_interrupting() if on_interrupt is not None
+             else contextlib.nullcontext())
     try:
-        return main()
+        with stops:
+            return main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

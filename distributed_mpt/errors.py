@@ -101,7 +101,9 @@ def text_of(value) -> str:
     an error whose __str__ raises, or returns no string."""
     try:
         return str(value)
-    except Exception:  # noqa: BLE001 - whatever its own code raises
+    # BaseException: a __str__ that raises KeyboardInterrupt or calls
+    # sys.exit() gave a traceback, or ended the run without a word.
+    except BaseException:  # noqa: BLE001 - whatever its own code raises
         return f"{type(value).__name__} (whose message cannot be shown)"
 
 

@@ -3,7 +3,10 @@ with it; the documentation's table is that one; the signals that end a
 process say the same as the codes it would exit with. And the one line an
 error is reported in."""
 
+import os
 import re
+import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -145,3 +148,28 @@ def test_libraries_warnings_are_shown_where_a_filter_makes_warnings_errors():
         with pytest.raises(DeprecationWarning):
             warnings.warn_explicit("the package's", DeprecationWarning, "x.py", 1,
                                    module="distributed_mpt.training")
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("no"), KeyboardInterrupt(), SystemExit(7)])
+def test_an_error_whose_message_raises_is_named_by_its_type(raised):
+    """A user's exception whose __str__ raised KeyboardInterrupt or called
+    sys.exit() gave a traceback, or ended the run silently with its code."""
+    class Unsayable(Exception):
+        def __str__(self):
+            raise raised
+
+    assert errors.text_of(Unsayable()) == "Unsayable (whose message cannot be shown)"
+    assert errors.first_line(Unsayable()) == "Unsayable (whose message cannot be shown)"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_ends_a_command_with_one_line_and_the_stop_code(stop, capsys):
+    """predict and prepare-data, past their start, died of SIGTERM and SIGHUP
+    without a word (SIGHUP with 129, where a stop is documented as 143)."""
+    def stopped():
+        os.kill(os.getpid(), stop)
+        time.sleep(30)  # the handler raises here
+        return ExitCode.OK
+
+    assert cli.guarded(stopped, on_interrupt="nothing written") == ExitCode.PREEMPTED
+    assert capsys.readouterr().err == "interrupted: nothing written\n"
