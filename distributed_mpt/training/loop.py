@@ -179,6 +179,12 @@ class TrainingLoop:
                       f"scaled by the global batch/{REFERENCE_BATCH_SIZE}; or set "
                       f"--max_learning_rate)" +
                       (" or use --precision=float32" if plan.policy != "float32" else ""))
+            if self._nonfinite_run == current:  # step 1 too: its loss is of the initial weights
+                raise DivergedError(
+                    f"the loss was NaN or infinite from the first step on, whose loss no update "
+                    f"has touched: the model's output for its initial weights is not finite "
+                    f"(its initializers, or arithmetic such as a log or a division), which no "
+                    f"learning rate causes; {kept}")
             raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
 
     def _log(self, step: int, interval: LoopTotals, seconds: float, with_eta: bool) -> dict:

@@ -81,6 +81,14 @@ def zero_filters(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+def nan_from_the_start(info):
+    """Its output is NaN before any update: a bias initialized so."""
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, keras.layers.Dense(
+        info.num_classes, bias_initializer=keras.initializers.Constant(float("nan")))(x))
+
+
 def no_such_group(info):
     model = small_cnn(info)
     model.parameter_group = lambda variable: "muon"
@@ -186,6 +194,18 @@ def test_filters_that_start_at_zero_train_with_muon(model_file, tmp_path):
                     "--train_steps=4", f"--model_dir={tmp_path / 'run'}"])
     assert_ok(result)
     assert "filters: Muon, 1 variable(s), 216 weights" in result.stdout
+
+
+def test_a_loss_not_finite_from_the_first_step_names_the_model_not_the_learning_rate(
+        model_file, tmp_path):
+    """Step 1's loss is of the initial weights: the run said to lower the
+    learning rate, which no update had used yet (found by a probe)."""
+    result = train([*FLAGS, f"--model={model_file}:nan_from_the_start", "--train_steps=4",
+                    f"--model_dir={tmp_path / 'run'}"])
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert_one_error_line(result, "the loss was NaN or infinite from the first step on",
+                          exit_code=3)
+    assert "learning rate causes" in result.stderr and "lower the" not in result.stderr
 
 
 def test_a_model_the_export_cannot_save_is_one_error_line_before_training(model_file, tmp_path):
