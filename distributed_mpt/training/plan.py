@@ -27,7 +27,8 @@ from distributed_mpt import files
 from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, flat_record, section_problem,
                                     training_flags)
-from distributed_mpt.core import pipeline, precision
+from distributed_mpt.core import models, pipeline, precision
+from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
 from distributed_mpt.errors import ClusterError, ConfigError, quoted
@@ -255,7 +256,7 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
     previous = flat_record(resumption.previous_config)
     changed = [(name, previous.get(name, DEFAULTS[name]), value)
                for name, value in training_flags(config).items()
-               if previous.get(name, DEFAULTS[name]) != value]
+               if _compared(name, previous.get(name, DEFAULTS[name])) != _compared(name, value)]
     if changed:
         theirs = " ".join(f"--{name}={quoted(old, 60)}" for name, old, _ in changed)
         mine = ", ".join(f"--{name}={quoted(old, 40)} to {quoted(new, 40)}"
@@ -267,6 +268,20 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
     refuse_another_model(previous.get("resolved", {}), signature, config.model.spec,
                          f"the run in --model_dir={quoted(config.run.model_dir)}",
                          "restore what differs to resume, or choose another --model_dir")
+
+
+def _compared(name: str, value):
+    """A flag's `value` as a resume compares it: a user's --model by its
+    function (spec.identity), as its checkpoint names it. Its file is
+    compared by its code (refuse_another_model), and the same file given by
+    an absolute path, or from another working directory (a cluster's job),
+    was refused as another model."""
+    if name != "model" or not isinstance(value, str):
+        return value
+    try:
+        return models.model_spec(value).identity
+    except ModelError:  # not a model this program names: compared as it is
+        return value
 
 
 def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -> List[str]:

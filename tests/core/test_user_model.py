@@ -4,6 +4,7 @@ get (N replicas train like one, a resume ends with the weights of an
 uninterrupted run, the export and predict), and a broken one refused before
 any training with one line naming it."""
 
+import os
 
 import numpy as np
 import pytest
@@ -206,6 +207,23 @@ def test_a_loss_not_finite_from_the_first_step_names_the_model_not_the_learning_
     assert_one_error_line(result, "the loss was NaN or infinite from the first step on",
                           exit_code=3)
     assert "learning rate causes" in result.stderr and "lower the" not in result.stderr
+
+
+def test_a_run_resumes_with_its_model_file_spelled_otherwise(model_file, tmp_path):
+    """A run started with --model=FILE relative to its directory was refused
+    as 'trained otherwise' when resumed by the file's absolute path (as a
+    cluster's job in another directory gives it): the file is compared by
+    its code, not by how its path is written."""
+    run = tmp_path / "run"
+    relative = os.path.relpath(model_file)
+    assert_ok(train([*FLAGS, f"--model={relative}:small_cnn", "--train_steps=4",
+                     f"--model_dir={run}"]))
+    resumed = train([*FLAGS, f"--model={model_file}:small_cnn", "--train_steps=8",
+                     f"--model_dir={run}"])
+    assert_ok(resumed)
+    assert "resum" in resumed.stdout
+    assert_one_error_line(train([*FLAGS, f"--model={model_file}:zero_filters", "--train_steps=12",
+                                 f"--model_dir={run}"]), "small_cnn")
 
 
 def test_a_model_the_export_cannot_save_is_one_error_line_before_training(model_file, tmp_path):
