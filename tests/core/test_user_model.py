@@ -82,6 +82,16 @@ def zero_filters(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+def two_outputs(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, [keras.layers.Dense(info.num_classes)(x),
+                                keras.layers.Dense(info.num_classes)(x)])
+
+
+not_a_function = 42
+
+
 def nan_from_the_start(info):
     """Its output is NaN before any update: a bias initialized so."""
     images = keras.Input(info.image_shape, dtype="uint8")
@@ -207,6 +217,18 @@ def test_a_loss_not_finite_from_the_first_step_names_the_model_not_the_learning_
     assert_one_error_line(result, "the loss was NaN or infinite from the first step on",
                           exit_code=3)
     assert "learning rate causes" in result.stderr and "lower the" not in result.stderr
+
+
+@pytest.mark.parametrize("function, fragment", [
+    ("two_outputs", "returns 2 outputs (a list); it must return one"),
+    ("not_a_function", "has no function not_a_function (not_a_function is 'int')")])
+def test_a_model_that_is_not_one_function_of_one_output_is_named_so(model_file, tmp_path,
+                                                                  function, fragment):
+    """Two outputs were said to be 'shape []', a number 'no function'."""
+    run = tmp_path / "run"
+    assert_one_error_line(train([*FLAGS, f"--model={model_file}:{function}", "--train_steps=2",
+                                 f"--model_dir={run}"]), fragment)
+    assert not run.exists()
 
 
 def test_a_run_resumes_with_its_model_file_spelled_otherwise(model_file, tmp_path):

@@ -389,6 +389,7 @@ def _import_builder(builder: str):
             module = importlib.import_module(where)
         found = getattr(module, function, None)  # a module's __getattr__ is code too
     if not callable(found):
+        what = "" if found is None else f" ({quoted(function)} is {type(found).__name__!r})"
         raise ModelError(f"--model={quoted(builder)}: {quoted(where)} has no function "
-                         f"{quoted(function)}")
+                         f"{quoted(function)}{what}")
     return found

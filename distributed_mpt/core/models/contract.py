@@ -261,6 +261,10 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
 def _check_logits(name: str, logits, batch: int, num_classes: int) -> None:
     """Raises ModelError unless `logits` are floats of shape [batch,
     num_classes] (a traced shape's unknown sizes pass, not an unknown rank)."""
+    if isinstance(logits, (list, tuple, dict)):  # a model of several outputs: no shape of its own
+        raise ModelError(f"--model={quoted(name)} returns {len(logits)} outputs (a "
+                         f"{type(logits).__name__}); it must return one, [batch, {num_classes}] "
+                         f"logits")
     shape = getattr(logits, "shape", ())
     returned = tuple(shape) if getattr(shape, "rank", 0) is not None else ("unknown rank",)
     if len(returned) != 2 or any(got not in (None, want)
