@@ -9,6 +9,7 @@ float() would take `0x10`, `1_000`, `١٢` (Arabic-Indic digits), `nan` and
 
 import contextlib
 import math
+import os
 import re
 import sys
 import warnings
@@ -86,7 +87,14 @@ def parse(program: str, fv: flags.FlagValues, argv: List[str],
     except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`
         # quoted: absl echoes what it was given (a --flagfile of
         # /proc/self/environ: the environment), control characters and all.
-        raise ConfigError(quoted(first_line(e, limit=10_000).removeprefix("ERROR:: "))) from None
+        said = quoted(first_line(e, limit=10_000).removeprefix("ERROR:: "))
+        # A file named -photo.png reads as a flag, which absl names without its dash.
+        files_like_flags = [a for a in argv if positionals and a.startswith("-")
+                            and not a.startswith("--") and os.path.lexists(a)]
+        if files_like_flags:
+            said += (f" (for the file {quoted(files_like_flags[0])}, give "
+                     f"{quoted('./' + files_like_flags[0])}, or put -- before the files)")
+        raise ConfigError(said) from None
     if rest and not positionals:
         raise ConfigError(f"unexpected argument(s) {quoted(' '.join(rest))}: all options are "
                           f"--flags")

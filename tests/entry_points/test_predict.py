@@ -404,3 +404,14 @@ def test_hostile_input_is_one_error_line_and_exit_2(problem, model_dir, syntheti
         result = predict(f"--model_dir={run}", *args)
     assert_one_error_line(result, fragment)
     assert snapshot(run, directory_times=True, lock_time=True) == before, "predict writes nothing"
+
+
+def test_a_file_named_like_a_flag_gets_a_way_out(model_dir, photo, tmp_path, monkeypatch):
+    """`predict -photo.png` said only "Unknown command line flag 'photo.png'"
+    (found by a probe of predict's inputs); ./-photo.png and -- both work."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(photo, tmp_path / "-photo.png")
+    assert_one_error_line(predict(f"--model_dir={model_dir}", "-photo.png"),
+                          "(for the file -photo.png, give ./-photo.png, or put -- before the files)")
+    assert_ok(predict(f"--model_dir={model_dir}", "./-photo.png"))
+    assert_ok(predict(f"--model_dir={model_dir}", "--", "-photo.png"))
