@@ -218,6 +218,11 @@ def test_a_file_made_a_fifo_after_its_check_is_refused_not_waited_on(tmp_path, m
         _refused(tmp_path, None, "is a FIFO, not a regular file: give an image file", "photo.png")
 
 
+def test_an_empty_file_is_named_empty(tmp_path):
+    """It was "not an image file", which sent a user looking for its format."""
+    _refused(tmp_path, b"", "is empty (0 bytes): give an image file", "photo.png")
+
+
 def test_a_small_image_is_read_without_allocating_the_bound(tmp_path):
     # read(MAX_IMAGE_BYTES + 1) allocates its 64 MB before it reads a byte.
     encoded = _encoded(Image.new("RGB", (8, 8)), "PNG")

@@ -84,7 +84,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     if skipped:  # one line, however many: a .DS_Store in every folder is common
         files.warn(f"skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of "
                    f"{quoted(root)} that are not class folders or images (a name starting with "
-                   f"a dot, a file beside the class folders): "
+                   f"a dot, or beside the class folders what is not a folder): "
                    f"{_some(os.path.relpath(path, root) for path in sorted(skipped))}")
     fingerprint = _fingerprint(root, class_names, listed)
     size = (options.image_size, options.image_size)

@@ -138,6 +138,8 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
     they come); ImageError otherwise."""
     from PIL import Image
 
+    if not encoded:
+        raise ImageError(f"{quoted(path)} is empty (0 bytes): give an image file")
     kind = _signature(encoded)
     if kind not in FORMATS:
         raise ImageError(
