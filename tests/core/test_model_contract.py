@@ -8,6 +8,7 @@ first step refused with one `error:` line, exit 2 and nothing left."""
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from distributed_mpt.errors import ExitCode
 MODELS = '''
 import os
 import signal
+import time
 import sys
 
 import keras
@@ -524,3 +526,44 @@ def test_the_policy_a_model_sets_is_set_back_and_refused():
         with users_code("m.py:net", "failed to build its model"):
             keras.mixed_precision.set_global_policy("float64")
     assert keras.mixed_precision.global_policy().name == "float32", "set back"
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended: gone, or a zombie its parent (the
+    run, or whatever adopted it) has not reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_process_the_model_forks_ends_and_leaves_the_run_to_its_parent(tmp_path):
+    """The forked child returned from the model function and trained too,
+    then hung for ever as an orphan holding the --model_dir lock: every
+    later run on that directory was refused, exit 144."""
+    forked = tmp_path / "forked"
+    source = tmp_path / "forks.py"
+    source.write_text("import os\nimport keras\n\ndef net(info):\n"
+                      "    images = keras.Input(info.image_shape, dtype='uint8')\n"
+                      "    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))\n"
+                      "    model = keras.Model(images, keras.layers.Dense(info.num_classes)(x))\n"
+                      "    child = os.fork()\n"
+                      "    if child:\n"
+                      f"        with open({str(forked)!r}, 'a') as f:\n"
+                      "            f.write(f'{child}\\n')\n"
+                      "    return model\n")
+    run = tmp_path / "run"
+    for steps in (2, 4):  # the second resumes the first, in the same --model_dir
+        result = train([*FLAGS, f"--train_steps={steps}", f"--model={source}:net",
+                        f"--model_dir={run}"], timeout=300)
+        assert_ok(result)
+        assert len(re.findall(rf"^step +{steps}/{steps}", result.stdout, re.M)) == 1, \
+            result.stdout
+        assert "a process that --model=" in result.stderr
+    children = [int(pid) for pid in forked.read_text().split()]
+    assert len(children) == 2
+    deadline = time.monotonic() + 60
+    while not all(_ended(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(_ended(pid) for pid in children), children

@@ -27,6 +27,7 @@ SystemExit and a KeyboardInterrupt included, is one ModelError naming it
 """
 
 import contextlib
+import os
 import re
 import signal
 from typing import Optional, Tuple
@@ -35,7 +36,8 @@ from distributed_mpt import files
 from distributed_mpt.core import precision
 from distributed_mpt.core.models import process_state
 from distributed_mpt.core.models.process_state import POLICY as _POLICY
-from distributed_mpt.errors import UserError, first_line, inside_autograph, quoted, text_of
+from distributed_mpt.errors import (ExitCode, UserError, first_line, inside_autograph, quoted,
+                                   text_of)
 
 
 class ModelError(UserError):
@@ -103,14 +105,28 @@ def users_code(name: str, failure: str):
                            f"run relies on: set back")
 
 
+def _end_if_forked(name: str, pid: int) -> None:
+    """Ends, at once, a process the model's code forked that returned from
+    it into the run: it trained too, as an orphan that hung for ever and
+    held the --model_dir lock (shared through fork), so that every later
+    run was refused. Its parent owns the run's files: nothing is cleaned up."""
+    if os.getpid() != pid:
+        with contextlib.suppress(OSError):  # on descriptor 2: sys.stderr is the model's to break
+            os.write(2, f"error: a process that --model={quoted(name)} forked returned from it "
+                        f"into the run: it ends here; the run goes on in the process that "
+                        f"forked it\n".encode(errors="backslashreplace"))
+        os._exit(ExitCode.USAGE)
+
+
 @contextlib.contextmanager
 def _left_usable(name: str):
     """Refuses what the code did that cannot be set back (process_state.py),
     before what can be is set back."""
-    before = process_state.unrecoverable()
+    before, pid = process_state.unrecoverable(), os.getpid()
     try:
         yield
     finally:
+        _end_if_forked(name, pid)
         broken = process_state.broken_since(before)
         if broken:
             raise ModelError(f"--model={quoted(name)} {broken}") from None
