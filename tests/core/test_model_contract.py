@@ -248,6 +248,11 @@ def closes_stderr(info):
     return _flat_model(info)
 
 
+def closes_descriptor_1(info):  # as a library that makes itself a daemon does
+    os.close(1)
+    return _flat_model(info)
+
+
 class Unsayable(Exception):
     def __str__(self):
         raise RuntimeError("its own __str__ fails")
@@ -400,6 +405,10 @@ def test_a_model_function_that_ends_the_program_is_one_error_line(model_file, tm
     ("closes_stdout", "closed sys.stdout, to which the run writes its progress lines: remove "
                       "that call (contextlib.redirect_stdout", []),
     ("closes_stderr", "closed sys.stderr, to which the run writes its warnings and errors", []),
+    # The next file opened took descriptor 1: the progress lines went into
+    # TensorBoard's events file, exit 0.
+    ("closes_descriptor_1", "closed or replaced file descriptor 1 (stdout), to which the run "
+                            "writes its progress lines: remove that call", []),
 ])
 def test_a_model_that_breaks_what_cannot_be_set_back_is_one_error_line(model_file, tmp_path,
                                                                       function, fragment, flags):

@@ -17,8 +17,10 @@ and with a traceback:
   which holds it): the variables made after it are not mirrored, and the
   scope's end failed with "IndexError: pop from empty list";
 - sys.stdout or sys.stderr closed: the next progress line, or the error
-  line itself, failed ("lost sys.stderr", the run's files left behind).
-The graph and the streams are made usable again first, so that the refusal
+  line itself, failed ("lost sys.stderr", the run's files left behind);
+- file descriptor 1 or 2 closed or replaced (os.close(1)): the next file
+  the run opened took it, and the progress lines went into it, exit 0.
+The graph, the streams and the descriptors are made usable again first, so that the refusal
 is one line and the run's clean-up runs.
 """
 
@@ -120,6 +122,7 @@ class Unrecoverable(NamedTuple):
     graph: object
     strategy: Optional[object]  # the strategy whose scope the code ran in; None: none
     descriptors: dict  # each open stream of _STREAMS: its file descriptor, or None
+    saved: dict  # each open descriptor of _FDS: (a duplicate of it, the identity of its file)
 
 
 def unrecoverable() -> Unrecoverable:
@@ -129,17 +132,53 @@ def unrecoverable() -> Unrecoverable:
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     return Unrecoverable(tf.executing_eagerly(), tf.compat.v1.get_default_graph(), strategy,
                          {name: _descriptor(getattr(sys, name)) for name in _STREAMS
-                          if not getattr(getattr(sys, name), "closed", True)})
+                          if not getattr(getattr(sys, name), "closed", True)}, _saved())
+
+
+# The descriptors the run's output goes to, by the process's and Python's
+# own name for them.
+_FDS = {1: "stdout", 2: "stderr"}
+
+
+def _saved() -> dict:
+    saved = {}
+    for fd in _FDS:
+        with contextlib.suppress(OSError):  # closed before the model's code ran
+            saved[fd] = os.dup(fd), _identity(fd)
+    return saved
+
+
+def _identity(fd: int) -> Optional[tuple]:
+    try:
+        stat = os.fstat(fd)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _put_back(saved: dict) -> list:
+    """Puts back each of the saved descriptors that is closed or on another
+    file now (the next file opened took a closed 1, and the progress lines
+    went into it); returns them. Closes the saved copies."""
+    replaced = []
+    for fd, (copy, identity) in saved.items():
+        if _identity(fd) != identity:
+            os.dup2(copy, fd)
+            replaced.append(fd)
+        os.close(copy)
+    return replaced
 
 
 def broken_since(before: Unrecoverable) -> Optional[str]:
     """What the code run since `before` did that the run cannot go on
     with ("turned off eager execution ...: remove that call"), None if
     nothing. A stream it closed is replaced by one on the same descriptor,
-    and the default graph put back, so that the error can be said and the
+    a descriptor 1 or 2 it closed or replaced put back, and the default
+    graph put back, so that the error can be said and the
     strategy's scope ended."""
     import tensorflow as tf
 
+    replaced = _put_back(before.saved)
     closed = [name for name, descriptor in before.descriptors.items()
               if getattr(getattr(sys, name), "closed", False)]
     for name in closed:
@@ -166,6 +205,11 @@ def broken_since(before: Unrecoverable) -> Optional[str]:
                 f"{type(before.strategy).__name__}: the variables made after it would not be "
                 f"mirrored across its {before.strategy.num_replicas_in_sync} replicas; remove "
                 f"that call (a run starts with nothing to clear)")
+    if replaced:
+        return (f"closed or replaced "
+                f"{' and '.join(f'file descriptor {fd} ({_FDS[fd]})' for fd in replaced)}, to "
+                f"which the run writes {' and '.join(_STREAMS[_FDS[fd]] for fd in replaced)}: "
+                f"remove that call (os.close or os.dup2 on it)")
     if closed:
         return (f"closed {' and '.join(f'sys.{name}' for name in closed)}, to which the run "
                 f"writes {' and '.join(_STREAMS[name] for name in closed)}: remove that call "
