@@ -42,6 +42,11 @@ def closes_its_event_loop(info):  # asyncio's, which stops waking a descriptor w
     return _flat_model(info)
 
 
+def arms_an_alarm(info):  # as a library's time-out left armed
+    signal.alarm(3)
+    return _flat_model(info)
+
+
 def _flat_model(info):
     images, x = _flat(info)
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
@@ -490,6 +495,21 @@ def test_a_models_wakeup_descriptor_is_set_back_and_a_stop_still_stops_the_run(m
     assert "changed the descriptor that signals wake (signal.set_wakeup_fd), which the run " \
            "relies on: set back" in run.output()
     assert re.search(r"stopped by a signal at step \d+; checkpoint saved", run.output())
+
+
+def test_an_alarm_a_model_arms_is_disarmed_and_the_run_outlives_it(model_file, tmp_path):
+    """SIGALRM killed the run 3 s after the model function returned, with
+    no line and the exit status of a peer's time-out (142), all training lost."""
+    run = WatchedProcess("distributed_mpt.train", [
+        *SMOKE_FLAGS, f"--model={model_file}:arms_an_alarm", "--train_steps=100000",
+        f"--model_dir={tmp_path / 'run'}"])
+    run.wait_for(r"^step +\d+/100000", timeout=300)
+    time.sleep(6)  # twice the alarm's time, which it was set to before the first step
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == ExitCode.PREEMPTED, run.output()[-3000:]
+    assert re.search(r"stopped by a signal at step \d+; checkpoint saved", run.output())
+    assert "changed the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_REAL)), " \
+           "which the run relies on: set back" in run.output()
 
 
 def test_a_wakeup_descriptor_that_cannot_be_set_back_is_refused():

@@ -3,10 +3,12 @@ on, read before it runs and judged after it, by contract.users_code.
 
 Set back, with a warning: the working directory (relative paths), Keras'
 mixed-precision policy (set from --precision), the stop signals' handlers
-(a library that ignores SIGTERM) and the descriptor that signals wake:
+(a library that ignores SIGTERM), the descriptor that signals wake:
 process/stopping.py hears of a stop through it, and an event loop that sets
 its own (asyncio's, which sets none when it closes) left a run that only
-SIGKILL stopped.
+SIGKILL stopped; and the real-time timer, which a library's timeout left
+armed (signal.alarm(3)) killed by SIGALRM, without a line, with the exit
+status of a peer's time-out.
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
@@ -36,10 +38,12 @@ from distributed_mpt.errors import STOP_SIGNALS, first_line, quoted
 POLICY = "the mixed-precision policy"
 _CWD, _HANDLERS = "the working directory", "the handlers of stop signals"
 _WAKEUP = "the descriptor that signals wake (signal.set_wakeup_fd)"
+_TIMER = "the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_REAL))"
 # What the run would do without what a model changed and cannot be set back.
 WITHOUT = {_CWD: "relative paths would lead elsewhere",
            _HANDLERS: "a stop signal would not stop it with a checkpoint",
-           _WAKEUP: "a stop signal would not stop it with a checkpoint"}
+           _WAKEUP: "a stop signal would not stop it with a checkpoint",
+           _TIMER: "the alarm set before it would not go off"}
 
 
 def read() -> dict:
@@ -47,7 +51,9 @@ def read() -> dict:
     main thread, which alone may set them."""
     import keras
 
-    state = {_CWD: _cwd(), POLICY: keras.mixed_precision.global_policy().name}
+    # Whether the timer is armed, not what it has left, which runs down.
+    state = {_CWD: _cwd(), POLICY: keras.mixed_precision.global_policy().name,
+             _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0}
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         state[_WAKEUP] = _wakeup_fd()
@@ -108,6 +114,10 @@ def set_back(kept: dict, changed) -> dict:
             signal.set_wakeup_fd(kept[_WAKEUP])
     except (OSError, ValueError) as e:  # the model closed it, or made it blocking
         failed[_WAKEUP] = first_line(e)
+    if _TIMER in changed and kept[_TIMER]:
+        failed[_TIMER] = "it was armed before the model's code ran, and is not now"
+    elif _TIMER in changed:
+        signal.setitimer(signal.ITIMER_REAL, 0)
     return failed
 
 
