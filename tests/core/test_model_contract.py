@@ -253,6 +253,17 @@ def closes_stderr(info):
     return _flat_model(info)
 
 
+def replaces_stdout(info):  # to hear a library's prints, and forgets to put it back
+    import io
+    sys.stdout = io.StringIO()
+    return _flat_model(info)
+
+
+def drops_stderr_and_fails(info):  # as code written for pythonw does
+    sys.stderr = None
+    raise ValueError("no model today")
+
+
 def closes_descriptor_1(info):  # as a library that makes itself a daemon does
     os.close(1)
     return _flat_model(info)
@@ -423,6 +434,27 @@ def test_a_model_that_breaks_what_cannot_be_set_back_is_one_error_line(model_fil
     result = train([*FLAGS, *flags, f"--model={model_file}:{function}", f"--model_dir={run}"],
                    timeout=300)
     assert_one_error_line(result, fragment)
+    assert not run.exists()
+
+
+def test_a_stream_a_model_replaces_is_set_back_with_a_warning(model_file, tmp_path):
+    """sys.stdout replaced by an io.StringIO: exit 0, every progress line
+    lost without a word."""
+    result = train([*FLAGS, f"--model={model_file}:replaces_stdout",
+                    f"--model_dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    assert re.search(r"^step +2/2", result.stdout, re.M), result.stdout
+    assert "changed sys.stdout, which the run relies on: set back" in result.stderr
+
+
+def test_a_model_that_drops_stderr_and_fails_says_so_on_stderr(model_file, tmp_path):
+    """sys.stderr = None, then an error: the error line went to stdout,
+    exit 1, as for a traceback."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:drops_stderr_and_fails", f"--model_dir={run}"])
+    assert_one_error_line(result, "failed to build its model (ValueError: no model today)")
+    assert "changed sys.stderr, which the run relies on: set back" in result.stderr
+    assert "error:" not in result.stdout
     assert not run.exists()
 
 

@@ -55,11 +55,11 @@ def users_code(name: str, failure: str):
     ModelError, "--model=NAME <failure> (<what it raised>)", except a
     KeyboardInterrupt that Ctrl-C may have raised (predict's, where SIGINT
     has Python's default handler; a training run owns its stop signals).
-    What it changes of the process that the run relies on, the working
-    directory (relative paths), the stop signals' handlers (a library that
-    ignores SIGTERM) and the descriptor signals wake (an event loop's:
-    process/stopping.py hears of a stop through it), is set back, with a
-    warning; what cannot be is a ModelError, as the run would go on without it."""
+    What it changes of the process that the run relies on (process_state.py:
+    the working directory, the stop signals' handlers, the descriptor
+    signals wake, an alarm, sys.stdout and sys.stderr) is set back, with a
+    warning; what cannot be is a ModelError, as the run would go on without
+    it. A process it forked that returns into the run ends there."""
     kept, raised = process_state.read(), True
     try:
         with _left_usable(name):
@@ -81,7 +81,7 @@ def users_code(name: str, failure: str):
         raise ModelError(f"--model={quoted(name)} {failure} ({cause(e)})") from None
     finally:
         now = process_state.read()
-        changed = [what for what, value in now.items() if value != kept[what]]
+        changed = process_state.changed(kept, now)
         if changed:
             failed = process_state.set_back(kept, changed)
             if _POLICY in changed and not raised:  # its layers have it now

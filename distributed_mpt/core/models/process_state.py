@@ -6,9 +6,11 @@ mixed-precision policy (set from --precision), the stop signals' handlers
 (a library that ignores SIGTERM), the descriptor that signals wake:
 process/stopping.py hears of a stop through it, and an event loop that sets
 its own (asyncio's, which sets none when it closes) left a run that only
-SIGKILL stopped; and the real-time timer, which a library's timeout left
+SIGKILL stopped; the real-time timer, which a library's timeout left
 armed (signal.alarm(3)) killed by SIGALRM, without a line, with the exit
-status of a peer's time-out.
+status of a peer's time-out; and the sys.stdout and sys.stderr objects:
+an io.StringIO lost every progress line, exit 0, and sys.stderr = None
+sent the error line to stdout.
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
@@ -54,6 +56,7 @@ def read() -> dict:
     # Whether the timer is armed, not what it has left, which runs down.
     state = {_CWD: _cwd(), POLICY: keras.mixed_precision.global_policy().name,
              _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0}
+    state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         state[_WAKEUP] = _wakeup_fd()
@@ -87,6 +90,14 @@ def _cwd() -> Optional[str]:
         return None
 
 
+def changed(kept: dict, now: dict) -> list:
+    """What of `kept`, read before the model's code ran, differs `now`: a
+    stream it closed is not, as broken_since has put one in its place and
+    refuses it."""
+    return [what for what, value in now.items() if value != kept[what]
+            and not (what.startswith("sys.") and getattr(kept[what], "closed", False))]
+
+
 def set_back(kept: dict, changed) -> dict:
     """Sets back what of `kept` is `changed`; returns {what: why} for what
     could not be."""
@@ -95,6 +106,9 @@ def set_back(kept: dict, changed) -> dict:
     failed = {}
     if POLICY in changed:
         keras.mixed_precision.set_global_policy(kept[POLICY])
+    for name in _STREAMS:
+        if f"sys.{name}" in changed:  # replaced: an io.StringIO that kept the progress lines
+            setattr(sys, name, kept[f"sys.{name}"])
     try:
         if _CWD in changed:
             os.chdir(kept[_CWD])
@@ -131,7 +145,7 @@ class Unrecoverable(NamedTuple):
     eager: bool
     graph: object
     strategy: Optional[object]  # the strategy whose scope the code ran in; None: none
-    descriptors: dict  # each open stream of _STREAMS: its file descriptor, or None
+    streams: dict  # each open stream of _STREAMS: (the object, its file descriptor or None)
     saved: dict  # each open descriptor of _FDS: (a duplicate of it, the identity of its file)
 
 
@@ -141,7 +155,8 @@ def unrecoverable() -> Unrecoverable:
 
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     return Unrecoverable(tf.executing_eagerly(), tf.compat.v1.get_default_graph(), strategy,
-                         {name: _descriptor(getattr(sys, name)) for name in _STREAMS
+                         {name: (getattr(sys, name), _descriptor(getattr(sys, name)))
+                          for name in _STREAMS
                           if not getattr(getattr(sys, name), "closed", True)}, _saved())
 
 
@@ -189,10 +204,11 @@ def broken_since(before: Unrecoverable) -> Optional[str]:
     import tensorflow as tf
 
     replaced = _put_back(before.saved)
-    closed = [name for name, descriptor in before.descriptors.items()
-              if getattr(getattr(sys, name), "closed", False)]
+    # The streams as they were: set_back puts back one the code replaced.
+    closed = [name for name, (stream, _) in before.streams.items()
+              if getattr(stream, "closed", False)]
     for name in closed:
-        descriptor = before.descriptors[name]
+        descriptor = before.streams[name][1]
         setattr(sys, name, open(os.devnull, "w") if descriptor is None else open(
             descriptor, "w", buffering=1, closefd=False, errors="backslashreplace"))
     if before.eager and not tf.executing_eagerly():
