@@ -209,8 +209,8 @@ def _probabilities(classifier: Classifier, batch: np.ndarray, fv: flags.FlagValu
         value = "NaN" if np.isnan(p[bad[0]]).any() else "infinity"
         more = f" (and {len(bad) - 1} other image(s))" if len(bad) > 1 else ""
         raise ConfigError(f"{quoted(classifier.source)} answers {value}, not probabilities, for "
-                          f"{name_of(bad[0])}{more}: it is damaged, or its arithmetic overflows on that "
-                          f"image; {classifier.remedy}")
+                          f"{name_of(bad[0])}{more}: it is damaged, or its arithmetic overflows on "
+                          f"that image; {classifier.remedy}")
     return p
 
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from distributed_mpt import cli, launch  # free ports and TF_CONFIGs, made as the launcher makes them
+from distributed_mpt import cli, launch  # launch: ports and TF_CONFIGs, made as the launcher does
 from distributed_mpt.benchmark import roof
 from distributed_mpt.errors import ExitCode, first_line
 from distributed_mpt.process.stopping import helper_command

@@ -412,6 +412,7 @@ def test_a_file_named_like_a_flag_gets_a_way_out(model_dir, photo, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     shutil.copy(photo, tmp_path / "-photo.png")
     assert_one_error_line(predict(f"--model_dir={model_dir}", "-photo.png"),
-                          "(for the file -photo.png, give ./-photo.png, or put -- before the files)")
+                          "(for the file -photo.png, give ./-photo.png, or put -- before the "
+                          "files)")
     assert_ok(predict(f"--model_dir={model_dir}", "./-photo.png"))
     assert_ok(predict(f"--model_dir={model_dir}", "--", "-photo.png"))
