@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import threading
 import warnings
 from typing import Callable, List, Optional
 
@@ -120,7 +121,9 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     # Every stop signal then raises as Ctrl-C does, caught below: SIGTERM and
     # SIGHUP had their default, and ended predict without a word (and SIGHUP
     # with 129, where a stop is documented as 143).
-    stops = (stopping.stops_interrupting() if on_interrupt is not None
+    # Only the main thread may set handlers (a library caller's thread keeps its own).
+    owns_signals = threading.current_thread() is threading.main_thread()
+    stops = (stopping.stops_interrupting() if on_interrupt is not None and owns_signals
              else contextlib.nullcontext())
     try:
         with stops:

@@ -173,3 +173,16 @@ def test_a_stop_signal_ends_a_command_with_one_line_and_the_stop_code(stop, caps
 
     assert cli.guarded(stopped, on_interrupt="nothing written") == ExitCode.PREEMPTED
     assert capsys.readouterr().err == "interrupted: nothing written\n"
+
+
+def test_a_command_called_from_another_thread_leaves_the_signals_alone(capsys):
+    """A library caller's thread (a web server's) may not set handlers:
+    Python raises ValueError where it tries."""
+    import threading
+
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(
+        cli.guarded(lambda: ExitCode.OK, on_interrupt="nothing written")))
+    thread.start()
+    thread.join()
+    assert codes == [ExitCode.OK]
