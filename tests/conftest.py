@@ -26,6 +26,26 @@ from distributed_mpt.process.run_lock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def _ignoring_as_children_do_not_inherit():
+    """The processes a test starts stand for commands run from a terminal.
+    A runner that ignores a stop signal (nohup's SIGHUP; a shell's
+    `command &`, SIGINT) would have them inherit it ignored, and a command
+    then rightly keeps ignoring it (process/start_guard.py): a test of
+    SIGHUP timed out under `nohup .ci/run`. A handler that does nothing keeps
+    this process (and, by the variable, pytest-xdist's workers) as deaf to
+    it as the runner asked, and every exec of a child resets a handled
+    signal to its default."""
+    ignored = set(filter(None, os.environ.get("DISTRIBUTED_MPT_TESTS_IGNORE", "").split(",")))
+    for sig in (signal.SIGHUP, signal.SIGINT):
+        if signal.getsignal(sig) is signal.SIG_IGN or sig.name in ignored:
+            signal.signal(sig, lambda signum, frame: None)
+            ignored.add(sig.name)
+    os.environ["DISTRIBUTED_MPT_TESTS_IGNORE"] = ",".join(sorted(ignored))
+
+
+_ignoring_as_children_do_not_inherit()
+
 # A small, fast run: the notebook's MLP on learnable synthetic data.
 SMOKE_FLAGS = [
     "--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp",
