@@ -137,7 +137,8 @@ def _occupy(fd: int) -> int:
 def lines_while(activity: str, seconds: float, say: bool = True):
     """A line on stdout every `seconds` while the block runs (if `say`):
     what holds a process before its first line of progress is not silent
-    (an image folder of 100,000 files took 7 minutes to decode, unseen)."""
+    (an image folder of 100,000 files took 7 minutes to decode, unseen, on
+    2 cores of an AVX2-only AMD EPYC, Zen 3, loaded)."""
     done, started = threading.Event(), time.monotonic()
 
     def lines():

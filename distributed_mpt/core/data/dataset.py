@@ -89,7 +89,8 @@ class DatasetInfo:
 
 # Far above any classifier trained here (ImageNet-21k has 21,841 classes): a
 # config.json that lists more was not written by a run, and a model built for
-# a million classes took 12.9 GB before predict could refuse it.
+# a million classes took 12.9 GB before predict could refuse it (2 cores of
+# an AVX2-only AMD EPYC, Zen 3).
 MAX_CLASSES = 100_000
 # Unicode's default-ignorable code points (DerivedCoreProperties.txt): drawn
 # as nothing, so two names that differ only by them print the same. Format
