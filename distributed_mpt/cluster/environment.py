@@ -32,7 +32,7 @@ import os
 import re
 from typing import Mapping, Optional, Tuple
 
-from distributed_mpt.errors import ClusterError
+from distributed_mpt.errors import ClusterError, quoted
 
 TASK_TYPES = ("chief", "worker")
 DEFAULT_PORT = 2222
@@ -97,7 +97,7 @@ def _from_tf_config(text: str) -> Cluster:
     cluster = config["cluster"]
     unknown = sorted(set(cluster) - set(TASK_TYPES))
     if unknown:
-        raise ClusterError(f"TF_CONFIG has task type(s) {unknown}: this trainer runs "
+        raise ClusterError(f"TF_CONFIG has task type(s) {_short(unknown)}: this trainer runs "
                            f"MultiWorkerMirroredStrategy, which takes only {list(TASK_TYPES)}")
     for task_type, addresses in cluster.items():
         if not isinstance(addresses, list) or not all(isinstance(a, str) and a for a in addresses):
@@ -124,10 +124,11 @@ def _from_tf_config(text: str) -> Cluster:
                          task_type, task_index)
 
 
-def _short(value) -> str:
-    """A value for an error line: its repr, cut to a readable length."""
+def _short(value, limit: int = 40) -> str:
+    """A value for an error line: its repr (a string's escaped, never its
+    newlines), cut to `limit` characters."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
@@ -136,16 +137,19 @@ def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
         _check_address(address)
     # Counted in one pass: a quadratic check of 10,000 addresses takes minutes.
     # As the resolver reads them: host names in any case, ports with leading
-    # zeros (localhost:2222 and LOCALHOST:02222 are one task's).
+    # zeros (localhost:2222 and LOCALHOST:02222 are one task's), IPv6
+    # addresses however written ([::1] is [0:0::1]).
     spelled = collections.defaultdict(list)
     for address in addresses:
         host, _, port = address.rpartition(":")
+        if host.startswith("["):
+            host = str(ipaddress.IPv6Address(host[1:-1]))
         spelled[(host.lower().rstrip("."), int(port))].append(address)
-    duplicates = sorted(" and ".join(sorted(set(same))) for same in spelled.values()
+    duplicates = sorted(" and ".join(sorted(set(same))[:2]) for same in spelled.values()
                         if len(same) > 1)
     if duplicates:
-        raise ClusterError(f"cluster lists {', '.join(duplicates[:3])} more than once; "
-                           "every task needs its own host:port")
+        raise ClusterError(f"cluster lists {quoted(', '.join(duplicates[:3]))} more than "
+                           "once; every task needs its own host:port")
     # The chief task if there is one, else worker 0, writes every file.
     chief_type = "chief" if "chief" in cluster else "worker"
     return Cluster(
@@ -162,7 +166,7 @@ def _check_address(address: str) -> None:
         raise ClusterError(f"cluster address {_short(address)} is not of the form host:port "
                            "(port in ASCII digits)")
     if not 1 <= int(port) <= 65535:
-        raise ClusterError(f'cluster address "{address}" has port {port}, outside 1-65535')
+        raise ClusterError(f"cluster address {_short(address)} has port {port}, outside 1-65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
@@ -170,9 +174,23 @@ def _check_address(address: str) -> None:
         except ValueError:
             pass
     elif len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):
-        return  # a host name, or an IPv4 address (its labels are digits)
+        # A name's last label is never all digits (RFC 1123): 999.1.1.1 and
+        # 10.0.0.010 are typos of addresses, which gRPC would look up as
+        # names, its peers waiting out their deadline.
+        if not host.rstrip(".").rpartition(".")[2].isdigit() or _is_ipv4(host):
+            return
+        raise ClusterError(f"cluster address {_short(address)} is not an IPv4 address "
+                           "(four numbers 0-255, without leading zeros)")
     raise ClusterError(f"cluster address {_short(address)} does not start with a host name, an IPv4 "
                        "address or a bracketed IPv6 address ([::1]:2222)")
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+        return True
+    except ValueError:
+        return False
 
 
 # ------------------------------------------------------- environment values
@@ -208,8 +226,9 @@ def _dns_label(environ: Mapping[str, str], name: str) -> str:
 def _from_jobset(environ: Mapping[str, str]) -> Cluster:
     jobset = _dns_label(environ, "JOBSET_NAME")
     replicated_job = _dns_label(environ, "REPLICATED_JOB_NAME")
-    if _int_env(environ, "JOB_INDEX") != 0:
-        raise ClusterError(f"JOB_INDEX={environ['JOB_INDEX']}: the replicated job {replicated_job} must "
+    job_index = _int_env(environ, "JOB_INDEX")
+    if job_index != 0:
+        raise ClusterError(f"JOB_INDEX={job_index}: the replicated job {replicated_job} must "
                            "have replicas: 1 (its workers are the pods of one Job; scale with "
                            "parallelism and completions)")
     pod_index = _int_env(environ, "JOB_COMPLETION_INDEX")
@@ -295,8 +314,8 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster:
     # resolver answered task None, and the process trained alone as a
     # non-chief that wrote nothing, exiting 0.
     if not environ.get("SLURM_STEP_NUM_TASKS"):
-        raise ClusterError(f"SLURM_NTASKS={environ.get('SLURM_NTASKS')} but SLURM_STEP_NUM_TASKS is not "
-                           "set: this process is not a task of a job step; start the tasks with srun "
+        raise ClusterError(f"SLURM_NTASKS={_int_env(environ, 'SLURM_NTASKS')} but "
+                           "SLURM_STEP_NUM_TASKS is not set: this process is not a task of a job step; start the tasks with srun "
                            "(launch/slurm.sbatch does)")
     num_tasks = _int_env(environ, "SLURM_STEP_NUM_TASKS", low=1)
     rank = _int_env(environ, "SLURM_PROCID")
@@ -346,7 +365,8 @@ def _check_placement(environ: Mapping[str, str], address: str, port: int) -> Non
     expected = f"{node}:{port + local}"
     if address != expected:
         raise ClusterError(
-            f"TensorFlow's SlurmClusterResolver places SLURM task {environ.get('SLURM_PROCID')} at "
+            f"TensorFlow's SlurmClusterResolver places SLURM task "
+            f"{_int_env(environ, 'SLURM_PROCID')} at "
             f"{_short(address)}, but SLURM started it on {_short(node)} as local task {local} "
             f"({_short(expected)}): the resolver orders nodes by name and fills them in turn; use "
             "node names that sort in SLURM's order (node01, not node1) and srun's block distribution, "

@@ -175,6 +175,24 @@ MALFORMED = [
     (tf_config({"cluster": {"worker": ["fd00::1:2222"]}, "task": {"type": "worker", "index": 0}}), "bracketed IPv6"),
     (tf_config({"cluster": {"worker": ["[not-v6]:2222"]}, "task": {"type": "worker", "index": 0}}), "host name"),
     (tf_config({"cluster": {"worker": ["-a.b:2222"]}, "task": {"type": "worker", "index": 0}}), "host name"),
+    # Echoed whole once: a newline forged a second line, a long host or
+    # thousands of task types made a line of 50,000 characters.
+    (tf_config({"cluster": {"worker": ["a\nerror: forged:0"]}, "task": {"type": "worker", "index": 0}}),
+     "cluster address 'a\\nerror: forged:0' has port 0"),
+    (tf_config({"cluster": {"worker": ["h" * 5000 + ":70000"]}, "task": {"type": "worker", "index": 0}}),
+     "has port 70000"),
+    (tf_config({"cluster": {"worker": ["a:1"], **{f"type{i}": [] for i in range(2000)}},
+                "task": {"type": "worker", "index": 0}}), "task type(s) ['type0', 'type1',"),
+    (tf_config({"cluster": {"worker": [f"{'h' * 60}.{'x' * 60}.{'y' * 60}:1",
+                                       f"{'H' * 60}.{'x' * 60}.{'y' * 60}:1"] * 2},
+                "task": {"type": "worker", "index": 0}}), "more than once"),
+    # One IPv6 address written two ways; addresses gRPC would look up as names.
+    (tf_config({"cluster": {"worker": ["[::1]:2222", "[0:0::1]:2222"]}, "task": {"type": "worker", "index": 0}}),
+     "cluster lists [0:0::1]:2222 and [::1]:2222 more than once"),
+    (tf_config({"cluster": {"worker": ["999.1.1.1:2222"]}, "task": {"type": "worker", "index": 0}}),
+     "is not an IPv4 address"),
+    (tf_config({"cluster": {"worker": ["10.0.0.010:2222"]}, "task": {"type": "worker", "index": 0}}),
+     "without leading zeros"),
     # indexed Job
     ({"JOB_COMPLETION_INDEX": "4", "DMPT_NUM_WORKERS": "2", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
      "out of range"),
@@ -192,6 +210,7 @@ MALFORMED = [
     # JobSet and TrainJob
     (jobset_pod("worker", 3), "JOB_COMPLETION_INDEX=3 is out of range"),
     (jobset_pod("worker", 0, JOB_INDEX="1"), "replicas: 1"),
+    (jobset_pod("worker", 0, JOB_INDEX=" 1\n"), "JOB_INDEX=1: the replicated job"),
     (jobset_pod("worker", 0, DMPT_NUM_WORKERS="0"), "DMPT_NUM_WORKERS=0 is outside"),
     (jobset_pod("worker", 0, DMPT_NUM_WORKERS="1" + "0" * 5000), "DMPT_NUM_WORKERS='1000"),
     (jobset_pod("worker", 0, coordinator="other-worker-0-0.cifar"), "JOBSET_COORDINATOR"),
@@ -213,6 +232,7 @@ MALFORMED = [
       "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2"},
      "SLURM_PROCID=3 is out of range for SLURM_STEP_NUM_TASKS=2"),
     ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, "start the tasks with srun"),
+    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2\n", "SLURM_PROCID": "0"}, "SLURM_NTASKS=2 but"),
     # The step's variables disagree: the resolver's own refusal, in one line.
     (dict(SLURM, SLURM_STEP_TASKS_PER_NODE="1"), "cannot read the SLURM allocation"),
     # The resolver sorts nodes by name: node10 before node2, so it puts rank
@@ -261,7 +281,9 @@ def test_the_largest_cluster_is_built_promptly():
      "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1"},
     {"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "100000", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
     jobset_pod("worker", 7),
-], ids=["tf_config-port", "slurm-rank", "slurm-step-rank", "indexed-job-count", "jobset-index"])
+    tf_config({"cluster": {"worker": ["a\nerror: forged:0"]}, "task": {"type": "worker", "index": 0}}),
+], ids=["tf_config-port", "slurm-rank", "slurm-step-rank", "indexed-job-count", "jobset-index",
+        "tf_config-newline"])
 def test_the_trainer_refuses_a_malformed_cluster_in_one_line(environ, tmp_path):
     """What a user sees: one `error:` line, exit 2, nothing written (a
     process of its own: the environment is the input)."""
