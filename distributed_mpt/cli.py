@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 
 from absl import flags
 
+from distributed_mpt import files
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, first_line, quoted
 from distributed_mpt.process import stopping
 
@@ -78,11 +79,46 @@ def show_help(doc: str, fv: flags.FlagValues, epilogue: str = "") -> int:
     return ExitCode.OK
 
 
+_FLAGFILE = ("--flagfile", "-flagfile")
+
+
+def check_flagfiles(args, seen=()) -> None:
+    """Raises ConfigError unless every --flagfile in `args`, and every one
+    that those name, is a regular file of UTF-8 text. absl opens whatever it
+    is given: it waits forever on a FIFO, raises UnicodeDecodeError on a
+    binary file, and echoes a line it cannot read as a flag (a --flagfile of
+    /proc/self/environ: the environment, secrets and all)."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        if arg in _FLAGFILE:
+            path = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(tuple(f"{name}=" for name in _FLAGFILE)):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        path = os.path.expanduser(path)
+        if not path or path in seen:  # absl warns of a cycle and goes on
+            continue
+        try:
+            text = files.read_text(path, "--flagfile takes a text file of flags, one a line, "
+                                         "in UTF-8")
+        except files.DamagedFileError as e:
+            raise ConfigError(str(e)) from None
+        if text is not None and "\x00" in text:  # /proc/self/environ: not a flagfile
+            raise ConfigError(f"--flagfile={quoted(path)} holds NUL bytes: a flagfile is a text "
+                              f"file of flags, one a line")
+        if text is not None:  # a missing file is absl's to report
+            check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
+
+
 def parse(program: str, fv: flags.FlagValues, argv: List[str],
           positionals: bool = False) -> List[str]:
     """Parses `argv` (without the program name) into `fv`; returns the
     positional arguments, which only a program that takes them (`positionals`)
     may be given. Raises ConfigError with one line (absl's, or ours)."""
+    check_flagfiles(argv)
     try:
         rest = fv([program, *argv])[1:]
     except (flags.Error, ValueError) as e:  # ValueError: `--nodownload=1`

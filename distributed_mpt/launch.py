@@ -35,8 +35,8 @@ from typing import Collection, List, Optional, Tuple
 from absl import flags
 
 from distributed_mpt import cli
-from distributed_mpt.errors import (ConsoleError, ExitCode, UserError, first_line,
-                                    status_of_signal)
+from distributed_mpt.errors import (ConfigError, ConsoleError, ExitCode, UserError, first_line,
+                                    quoted, status_of_signal)
 from distributed_mpt.process import console
 from distributed_mpt.process.start_guard import end_start_guard, heeded_stop_signals
 from distributed_mpt.process.stopping import helper_command, passed_on
@@ -365,28 +365,24 @@ def main(argv=None) -> int:
         else (argv, [])
     fv = flags.FlagValues()
     _define_flags(fv)
-    if {"-h", "--help"} & set(own):
-        print(__doc__ + "\nFlags:\n" + fv.get_help())  # not _say: help unwritten is an error
-        return ExitCode.OK
+    if cli.wants_help(own):
+        return cli.show_help(__doc__, fv)
     try:
-        rest = fv(["distributed-mpt-launch", *own])
-        if len(rest) > 1:
-            raise flags.Error(f"unexpected argument(s) {' '.join(rest[1:])}; put training flags after --")
-    except flags.Error as e:
-        _say(f"error: {first_line(e)}", sys.stderr)
-        return ExitCode.USAGE
-    if not train_flags:
-        _say("error: no training flags: distributed-mpt-launch --num_workers=N -- --model_dir=DIR ...",
-             sys.stderr)
-        return ExitCode.USAGE
-    most, why = max_workers()
-    if fv.num_workers > most:
-        _say(f"error: --num_workers={fv.num_workers}: this host holds at most {most} ({why})",
-             sys.stderr)
-        return ExitCode.USAGE
-    try:
+        # cli.parse: absl's words escaped and cut, a --flagfile read safely
+        # (absl echoed /proc/self/environ whole, and waited on a FIFO).
+        rest = cli.parse("distributed-mpt-launch", fv, own, positionals=True)
+        if rest:
+            raise ConfigError(f"unexpected argument(s) {quoted(' '.join(rest))}; put training "
+                              "flags after --")
+        if not train_flags:
+            raise ConfigError("no training flags: distributed-mpt-launch --num_workers=N -- "
+                              "--model_dir=DIR ...")
+        most, why = max_workers()
+        if fv.num_workers > most:
+            raise ConfigError(f"--num_workers={fv.num_workers}: this host holds at most {most} "
+                              f"({why})")
         return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
-    except UserError as e:  # PortError, WorkerStartError
+    except UserError as e:  # ConfigError, PortError, WorkerStartError
         _say(f"error: {e}", sys.stderr)
         return e.exit_code
 

@@ -18,10 +18,10 @@ import typing
 
 from absl import flags
 
-from distributed_mpt import cli, files, recipes
+from distributed_mpt import cli, recipes
 from distributed_mpt import config as config_lib
 from distributed_mpt.core import models
-from distributed_mpt.errors import ConfigError, quoted
+from distributed_mpt.errors import ConfigError
 
 _DEFINE = {bool: flags.DEFINE_bool, str: flags.DEFINE_string,
            int: lambda *args, flag_values: cli.define_integer(flag_values, *args),
@@ -72,45 +72,11 @@ def _expand_recipes(argv) -> list:
     return expanded + others
 
 
-_FLAGFILE = ("--flagfile", "-flagfile")
-
-
-def _check_flagfiles(args, seen=()) -> None:
-    """Raises ConfigError unless every --flagfile in `args`, and every one
-    that those name, is a regular file of UTF-8 text. absl opens whatever it
-    is given: it waits forever on a FIFO and raises UnicodeDecodeError on a
-    binary file."""
-    args = list(args)
-    for i, arg in enumerate(args):
-        if arg == "--":
-            return
-        if arg in _FLAGFILE:
-            path = args[i + 1] if i + 1 < len(args) else ""
-        elif arg.startswith(tuple(f"{name}=" for name in _FLAGFILE)):
-            path = arg.split("=", 1)[1]
-        else:
-            continue
-        path = os.path.expanduser(path)
-        if not path or path in seen:  # absl warns of a cycle and goes on
-            continue
-        try:
-            text = files.read_text(path, "--flagfile takes a text file of flags, one a line, "
-                                         "in UTF-8")
-        except files.DamagedFileError as e:
-            raise ConfigError(str(e)) from None
-        if text is not None and "\x00" in text:  # /proc/self/environ: not a flagfile
-            raise ConfigError(f"--flagfile={quoted(path)} holds NUL bytes: a flagfile is a text "
-                              f"file of flags, one a line")
-        if text is not None:  # a missing file is absl's to report
-            _check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
-
-
 def parse_config(argv) -> config_lib.TrainConfig:
     """Parses command-line flags (without the program name) into a validated
     config. Raises ConfigError, with one line saying what is wrong."""
     fv = _flag_values()
     args = _expand_recipes(argv)
-    _check_flagfiles(args)
     cli.parse("distributed-mpt-train", fv, args)
     if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it
         raise ConfigError(f"--recipe={fv.recipe} must be given on the command line, as "

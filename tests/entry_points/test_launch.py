@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from conftest import REPO, SMALL_MODEL, SMOKE_FLAGS, read_summary, run_module, subprocess_env
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, assert_one_error_line, make_path,
+                      read_summary, run_module, subprocess_env)
 from distributed_mpt import errors, launch
 
 # Every test here starts several workers: the full suite only (README).
@@ -126,6 +127,27 @@ def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     out, err = capsys.readouterr()
     assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err, err
     assert "started worker" not in out
+
+
+@pytest.mark.parametrize("flagfile", ["/proc/self/environ", "FIFO"])
+def test_a_flagfile_that_is_no_text_file_is_refused_unread(flagfile, tmp_path):
+    """absl printed a --flagfile of /proc/self/environ whole as 'unexpected
+    argument(s)': every variable, a status server's URL and its
+    access_token included; it waited on a FIFO for ever."""
+    if flagfile == "FIFO":
+        flagfile = str(make_path("FIFO", tmp_path / "flags"))
+    result = run_module("distributed_mpt.launch", [f"--flagfile={flagfile}", "--",
+                                                    "--model_dir=unused"], timeout=60,
+                        env=subprocess_env(STATUS_URL="https://h/status?access_token=S3CRET"))
+    assert_one_error_line(result, "--flagfile")
+    assert "S3CRET" not in result.stdout + result.stderr
+    assert "started worker" not in result.stdout
+
+
+def test_a_flag_value_cannot_drive_the_terminal(capsys):
+    assert launch.main(["--max_restarts=\x1b[2J", "--", "--model_dir=x"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and "max_restarts" in err, err
 
 
 def test_the_most_workers_tf_config_can_name_is_what_the_kernel_accepts():
