@@ -89,6 +89,7 @@ class TrainJobStatus:
         self._changed = threading.Condition()
         self._close_by: Optional[float] = None  # time.monotonic(), once close() is called
         self._warned = False
+        self._warning = threading.Lock()  # close() warns too, of a thread it gave up on
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                         name="trainjob-status")
         self._thread.start()
@@ -131,6 +132,8 @@ class TrainJobStatus:
             self._close_by = time.monotonic() + CLOSE_SECONDS - 1
             self._changed.notify()
         self._thread.join(CLOSE_SECONDS)
+        if self._thread.is_alive():  # held where no deadline reaches: resolving the host's name
+            self._failed(f"the final progress was not sent within {CLOSE_SECONDS:g} s")
 
     def _send_loop(self) -> None:
         last_sent = -MIN_SECONDS
@@ -184,8 +187,9 @@ class TrainJobStatus:
     def _failed(self, why: str) -> None:
         """A warning for the first report that failed: a server that is down
         stays down."""
-        if not self._warned:
-            self._warned = True
+        with self._warning:
+            warned, self._warned = self._warned, True
+        if not warned:
             _warn(f"TrainJob progress not reported to {_shown(self._url)} "
                   f"({quoted(why, 400)}); training goes on")
 
@@ -219,7 +223,7 @@ class _Connection(http.client.HTTPSConnection):
         self._deadline = deadline
 
     def connect(self):
-        plain = socket.create_connection((self.host, self.port), _seconds_left(self._deadline))
+        plain = _connected(self.host, self.port, self._deadline)
         try:
             self.sock = self._context.wrap_socket(plain, server_hostname=self.host,
                                                   do_handshake_on_connect=False)
@@ -228,6 +232,25 @@ class _Connection(http.client.HTTPSConnection):
             raise
         self.sock.deadline = self._deadline
         self.sock.do_handshake()
+
+
+def _connected(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to the first of `host`'s addresses that takes it,
+    all tried by `deadline`: socket.create_connection gives each address the
+    whole timeout, and a name of 4 addresses that never answer held a
+    report for 20 s, and the run's end past its bound."""
+    error = OSError(0, "the host name has no address")
+    for family, kind, protocol, _, address in socket.getaddrinfo(host, port,
+                                                                 type=socket.SOCK_STREAM):
+        plain = socket.socket(family, kind, protocol)
+        try:
+            plain.settimeout(_seconds_left(deadline))
+            plain.connect(address)
+            return plain
+        except OSError as e:
+            plain.close()
+            error = e
+    raise error
 
 
 def _seconds_left(deadline: float) -> float:

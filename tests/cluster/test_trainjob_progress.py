@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import threading
 import time
 from typing import Tuple
@@ -23,6 +24,7 @@ import pytest
 
 from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
 from distributed_mpt import files
+from distributed_mpt.cluster import trainjob_progress
 from distributed_mpt.cluster.trainjob_progress import (
     CLOSE_SECONDS, MAX_ANSWER_BYTES, REQUEST_SECONDS, TrainJobStatus)
 from support.netns import checkpointed_step
@@ -251,6 +253,74 @@ def test_a_slow_answer_leaves_the_final_report_its_turn(serve, capfd):
     assert len(server.requests) == 2, "the final report was sent"
     assert json.loads(server.requests[1][2])["trainerStatus"]["progressPercentage"] == 100
     assert "no time left" not in err
+
+
+@pytest.fixture
+def addresses_of(monkeypatch):
+    """`addresses_of(name, ports)`: the name resolves to 127.0.0.1 at each of
+    `ports`, or, without ports, never resolves (`addresses_of.asked` is set
+    once it is looked up); released after the test."""
+    real, names, released = socket.getaddrinfo, {}, threading.Event()
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in names:
+            return real(host, *args, **kwargs)
+        if names[host] is None:
+            resolve.asked.set()
+            released.wait()
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))
+                for port in names[host]]
+    def resolve(name, ports=None):
+        names[name] = ports
+    resolve.asked = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield resolve
+    released.set()
+
+
+def unanswered_port(stack: contextlib.ExitStack) -> int:
+    """A port on 127.0.0.1 whose connections never complete: its listener's
+    queue is full, and the kernel drops their SYNs."""
+    listener = stack.enter_context(socket.socket())
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    for _ in range(3):
+        filler = stack.enter_context(socket.socket())
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(listener.getsockname())
+    return listener.getsockname()[1]
+
+
+def test_a_report_to_a_name_of_many_unanswering_addresses_ends_in_time(serve, capfd,
+                                                                        addresses_of):
+    """Each address had the whole REQUEST_SECONDS to connect: 4 of them held
+    the report for 20 s, close() gave up on it, and no warning was printed."""
+    with contextlib.ExitStack() as stack:
+        addresses_of("status.example", [unanswered_port(stack)] * 4)
+        server = serve()
+        warnings, output = report(
+            {**server.env, "KUBEFLOW_TRAINER_SERVER_URL": "https://status.example/status"}, capfd)
+    assert_one_warning(warnings, f"no complete answer within {REQUEST_SECONDS:.1f} s")
+    assert_no_part_of_the_token(output)
+
+
+def test_a_name_that_never_resolves_is_a_warning_at_the_end(serve, capfd, addresses_of,
+                                                             monkeypatch):
+    """No deadline reaches a name's resolution: close() returns in its bound
+    all the same, and says the final progress was not sent (it said nothing)."""
+    monkeypatch.setattr(trainjob_progress, "CLOSE_SECONDS", 2.0)
+    addresses_of("status.example")
+    status = TrainJobStatus.from_environment(
+        {**serve().env, "KUBEFLOW_TRAINER_SERVER_URL": "https://status.example/status"})
+    status.update(100, 0, {"loss": 0.5})
+    assert addresses_of.asked.wait(30)
+    began = time.monotonic()
+    status.close()
+    assert time.monotonic() - began < 2.0 + 10
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, "the final progress was not sent within 2 s")
 
 
 def test_garbage_for_a_handshake_or_another_ca_certificate(serve, capfd):
