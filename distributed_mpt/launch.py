@@ -12,9 +12,10 @@ MultiWorkerMirroredStrategy cannot go on without a peer, so when a worker dies t
 are stopped and the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3 (diverged) are
 not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's) status; with
-2 and one `error:` line when this host cannot hold that many workers (`max_workers`) or has
-no free port or process left. Whatever ends the launcher, its workers end with it: it stops
-them, or, killed itself, the kernel does (`_DIE_WITH_LAUNCHER`).
+2 and one `error:` line, no worker started, for training flags train refuses, or when this
+host cannot hold that many workers (`max_workers`) or has no free port or process left.
+Whatever ends the launcher, its workers end with it: it stops them, or, killed itself, the
+kernel does (`_DIE_WITH_LAUNCHER`).
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
@@ -34,7 +35,7 @@ from typing import Collection, List, Optional, Tuple
 
 from absl import flags
 
-from distributed_mpt import cli
+from distributed_mpt import cli, train
 from distributed_mpt.errors import (ConfigError, ConsoleError, ExitCode, UserError, first_line,
                                     quoted, status_of_signal)
 from distributed_mpt.process import console
@@ -377,6 +378,8 @@ def main(argv=None) -> int:
         if not train_flags:
             raise ConfigError("no training flags: distributed-mpt-launch --num_workers=N -- "
                               "--model_dir=DIR ...")
+        if not cli.wants_help(train_flags):  # refused once here, not once by each worker
+            train.parse_config(train_flags)
         most, why = max_workers()
         if fv.num_workers > most:
             raise ConfigError(f"--num_workers={fv.num_workers}: this host holds at most {most} "

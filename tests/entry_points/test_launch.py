@@ -121,6 +121,10 @@ def test_no_free_port_is_one_error_line_and_exit_2(monkeypatch, capsys):
     (["--num_workers=1_000", "--", "--model_dir=x"], "1_000 is not a whole number"),
     (["--num_workers=0x5f", "--", "--model_dir=x"], "0x5f is not a whole number"),
     (["--max_restarts=99999999999", "--", "--model_dir=x"], "range [0, 10000]"),
+    # Training's flags, refused once before any worker starts: each worker
+    # printed its own '[worker i] error:' line, and the launcher none.
+    (["--num_workers=2", "--", "--model_dir=x", "--bogus=1"], "Unknown command line flag 'bogus'"),
+    (["--num_workers=2", "--", "--model_dir=x", "--learning_rate=-1"], "--learning_rate=-1"),
 ])
 def test_bad_launcher_flags_are_one_error_line(args, fragment, capsys):
     assert launch.main(args) == 2
@@ -207,13 +211,14 @@ def _launcher(args, tmp_path, **kwargs):
 
 
 def test_permanent_exit_code_is_not_retried(tmp_path):
+    # Bad input the workers find, not the launcher: its flags are good.
+    (tmp_path / "run").touch()
     result = _launcher(["--num_workers=2", "--max_restarts=3", "--", *WORKER_FLAGS,
-                        "--learning_rate=-1", f"--model_dir={tmp_path / 'run'}"], tmp_path,
-                       timeout=120)
+                        f"--model_dir={tmp_path / 'run'}"], tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(_worker_pids(result.stdout)) == 2, "one group, never restarted"
     assert "exit code 2 is permanent" in result.stdout
-    assert re.search(r"^\[worker [01]\] error: .*learning_rate", result.stderr, re.M)
+    assert re.search(r"^\[worker [01]\] error: .*is a file, not a directory", result.stderr, re.M)
 
 
 def test_a_model_dir_another_run_holds_is_not_retried(tmp_path):
