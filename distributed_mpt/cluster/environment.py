@@ -290,10 +290,10 @@ def _from_indexed_job(environ: Mapping[str, str]) -> Cluster:
 def _hostlist_length(hostlist: str) -> int:
     """How many hosts a SLURM host list (`n[1-4,7],m5`) names, without
     expanding it: a list of a billion hosts is counted, not built."""
-    text = re.sub(r"\[([^\]]*)\]", lambda m: "[" + m.group(1).replace(",", ";") + "]", hostlist)
+    text = re.sub(r"\[([^[\]]*)\]", lambda m: "[" + m.group(1).replace(",", ";") + "]", hostlist)
     total = 0
     for part in filter(None, text.split(",")):
-        ranges = re.search(r"\[([^\]]*)\]$", part)
+        ranges = re.search(r"\[([^[\]]*)\]$", part)
         if not ranges:
             total += 1
             continue
@@ -342,7 +342,7 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster:
         workers = list(resolver.cluster_spec().as_dict().get("worker", []))
         task_type, task_index = resolver.get_task_info()
     except Exception as e:  # the resolver raises bare RuntimeError/KeyError on odd environments
-        raise ClusterError(f"cannot read the SLURM allocation: {e}") from None
+        raise ClusterError(f"cannot read the SLURM allocation: {quoted(e)}") from None
     if (task_type, task_index) != ("worker", rank) or len(workers) != num_tasks:
         raise ClusterError(f"TensorFlow's SlurmClusterResolver cannot place SLURM task {rank} of "
                            f"{num_tasks} (it answers task {task_type} {task_index} of {len(workers)} "
