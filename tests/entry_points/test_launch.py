@@ -238,17 +238,19 @@ def test_a_model_dir_another_run_holds_is_not_retried(tmp_path):
 def test_a_launcher_whose_output_cannot_be_written_supervises_its_workers(tmp_path):
     # Its first line used to end it with an error, worker 0 started and left
     # on its own; now it warns once and supervises its workers to their end.
+    (tmp_path / "run").touch()  # which the workers refuse, not the launcher
     with open("/dev/full", "w") as full:  # every write fails with ENOSPC
         result = subprocess.run(
             [sys.executable, "-m", "distributed_mpt.launch", "--num_workers=2", "--",
-             *WORKER_FLAGS, "--learning_rate=-1", f"--model_dir={tmp_path / 'run'}"],
+             *WORKER_FLAGS, f"--model_dir={tmp_path / 'run'}"],
             stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(),
             timeout=120)
     assert result.returncode == 2, result.stderr
     said_once = r"^warning: cannot write standard output \(No space left on device\)"
     assert len(re.findall(said_once, result.stderr, re.M)) == 1, result.stderr
     # A worker's error relayed (the other may be stopped before it says its own).
-    assert re.search(r"^\[worker [01]\] error: .*learning_rate", result.stderr, re.M)
+    assert re.search(r"^\[worker [01]\] error: .*is a file, not a directory", result.stderr,
+                     re.M)
 
 
 def test_a_launcher_with_no_console_at_all_trains_to_the_end(tmp_path):
