@@ -315,8 +315,8 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster:
     # non-chief that wrote nothing, exiting 0.
     if not environ.get("SLURM_STEP_NUM_TASKS"):
         raise ClusterError(f"SLURM_NTASKS={_int_env(environ, 'SLURM_NTASKS')} but "
-                           "SLURM_STEP_NUM_TASKS is not set: this process is not a task of a job step; start the tasks with srun "
-                           "(launch/slurm.sbatch does)")
+                           "SLURM_STEP_NUM_TASKS is not set: this process is not a task of a job "
+                           "step; start the tasks with srun (launch/slurm.sbatch does)")
     num_tasks = _int_env(environ, "SLURM_STEP_NUM_TASKS", low=1)
     rank = _int_env(environ, "SLURM_PROCID")
     if rank >= num_tasks:

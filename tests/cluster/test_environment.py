@@ -132,6 +132,12 @@ def test_slurm_tasks_are_those_of_the_step_not_of_the_job(monkeypatch):
     assert cluster.own_address == "node2:3001"
 
 
+def workers_at(*addresses):
+    """The TF_CONFIG of worker 0 of workers at `addresses`."""
+    return tf_config({"cluster": {"worker": list(addresses)},
+                      "task": {"type": "worker", "index": 0}})
+
+
 def nested(depth):
     return "[" * depth + "]" * depth
 
@@ -177,22 +183,18 @@ MALFORMED = [
     (tf_config({"cluster": {"worker": ["-a.b:2222"]}, "task": {"type": "worker", "index": 0}}), "host name"),
     # Echoed whole once: a newline forged a second line, a long host or
     # thousands of task types made a line of 50,000 characters.
-    (tf_config({"cluster": {"worker": ["a\nerror: forged:0"]}, "task": {"type": "worker", "index": 0}}),
-     "cluster address 'a\\nerror: forged:0' has port 0"),
-    (tf_config({"cluster": {"worker": ["h" * 5000 + ":70000"]}, "task": {"type": "worker", "index": 0}}),
-     "has port 70000"),
+    (workers_at("a\nerror: forged:0"), "cluster address 'a\\nerror: forged:0' has port 0"),
+    (workers_at("h" * 5000 + ":70000"), "has port 70000"),
     (tf_config({"cluster": {"worker": ["a:1"], **{f"type{i}": [] for i in range(2000)}},
                 "task": {"type": "worker", "index": 0}}), "task type(s) ['type0', 'type1',"),
     (tf_config({"cluster": {"worker": [f"{'h' * 60}.{'x' * 60}.{'y' * 60}:1",
                                        f"{'H' * 60}.{'x' * 60}.{'y' * 60}:1"] * 2},
                 "task": {"type": "worker", "index": 0}}), "more than once"),
     # One IPv6 address written two ways; addresses gRPC would look up as names.
-    (tf_config({"cluster": {"worker": ["[::1]:2222", "[0:0::1]:2222"]}, "task": {"type": "worker", "index": 0}}),
+    (workers_at("[::1]:2222", "[0:0::1]:2222"),
      "cluster lists [0:0::1]:2222 and [::1]:2222 more than once"),
-    (tf_config({"cluster": {"worker": ["999.1.1.1:2222"]}, "task": {"type": "worker", "index": 0}}),
-     "is not an IPv4 address"),
-    (tf_config({"cluster": {"worker": ["10.0.0.010:2222"]}, "task": {"type": "worker", "index": 0}}),
-     "without leading zeros"),
+    (workers_at("999.1.1.1:2222"), "is not an IPv4 address"),
+    (workers_at("10.0.0.010:2222"), "without leading zeros"),
     # indexed Job
     ({"JOB_COMPLETION_INDEX": "4", "DMPT_NUM_WORKERS": "2", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
      "out of range"),
@@ -248,7 +250,8 @@ MALFORMED = [
     (dict(SLURM, SLURM_STEP_NODELIST="node[a-b]"), "not numbers"),
     # Counted in linear time (40,000 brackets took 14 s), and the resolver's
     # refusal, which quotes the list, cut.
-    (dict(SLURM, SLURM_STEP_NODELIST="node[1-2]" + "[" * 40_000), "cannot read the SLURM allocation"),
+    (dict(SLURM, SLURM_STEP_NODELIST="node[1-2]" + "[" * 40_000),
+     "cannot read the SLURM allocation"),
     (dict(SLURM, SLURM_STEP_TASKS_PER_NODE="1(x999999999)"), f"more than {MAX_TASKS} nodes"),
 ]
 
@@ -284,7 +287,7 @@ def test_the_largest_cluster_is_built_promptly():
      "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1"},
     {"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "100000", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
     jobset_pod("worker", 7),
-    tf_config({"cluster": {"worker": ["a\nerror: forged:0"]}, "task": {"type": "worker", "index": 0}}),
+    workers_at("a\nerror: forged:0"),
 ], ids=["tf_config-port", "slurm-rank", "slurm-step-rank", "indexed-job-count", "jobset-index",
         "tf_config-newline"])
 def test_the_trainer_refuses_a_malformed_cluster_in_one_line(environ, tmp_path):
