@@ -177,8 +177,11 @@ for name, text in {"bool flag with a value": "--nodownload=1",
          else "not one of the shipped recipes")
 case("flagfile in Latin-1", "train", _flagfile("--seed=1 # \u00e9\n".encode("latin-1")),
      "not UTF-8")
-case("flagfile of /proc/self/environ", "train", _args("--flagfile=/proc/self/environ"),
-     "holds NUL bytes")
+# Every entry point: predict raised ValueError (an image path with a NUL
+# byte, absl's reading of it), the launcher printed the environment whole.
+for entry in ("train", "predict", "launch", "benchmark", "prepare_data"):
+    case("flagfile of /proc/self/environ", entry, _args("--flagfile=/proc/self/environ"),
+         "holds NUL bytes")
 case("a flagfile naming a FIFO", "train", lambda scene: (
     make_path("FIFO", scene.tmp_path / "fifo"),
     (scene.tmp_path / "a.flags").write_text(f"--flagfile={scene.tmp_path / 'fifo'}\n"),
