@@ -210,6 +210,15 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
                           f"choose a directory you can write to") from None
 
 
+def why_no_access(path: str, mode: int) -> Optional[str]:
+    """Why this process lacks the `mode` (os.R_OK, W_OK, X_OK, or'ed) of access to the existing
+    `path`, in the C library's words, or None. Asked, not tried: no debris if killed."""
+    if os.access(path, mode):
+        return None
+    read_only = mode & os.W_OK and os.statvfs(path).f_flag & os.ST_RDONLY
+    return os.strerror(errno.EROFS if read_only else errno.EACCES)
+
+
 def is_disk_full(error: Exception) -> bool:
     """True if `error` is a write that found no space (or quota) left."""
     if isinstance(error, OSError):

@@ -74,8 +74,11 @@ class RunLock:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
                                0o644)
         except OSError as e:
+            remedy = ("make it writable for this user, or remove it if no run of --model_dir "
+                      "is under way" if files.why_unwritable(e)  # another user's
+                      else "remove it if it is not a plain file")
             raise ConfigError(f"cannot open the lock file {quoted(self.path)} ({e.strerror}); "
-                              f"remove it if it is not a plain file") from None
+                              f"{remedy}") from None
         if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a FIFO, a device: not a lock file
             os.close(self._fd)
             raise ConfigError(f"the lock file {quoted(self.path)} is not a regular file; move it "

@@ -339,14 +339,16 @@ def _resumed_with_a_path_mounted_over(tmp_path, name: str, read_only: bool):
 
 def test_checkpoints_that_cannot_be_written_are_one_line_and_the_rerun_resumes(tmp_path):
     """checkpoints/ on a read-only mount (as a directory of another user,
-    EACCES): a TensorFlow traceback and exit 1, before."""
+    EACCES): a TensorFlow traceback and exit 1, before; then one line after
+    the steps it could not keep; now one line before any step."""
     model_dir, flags, result, errors = _resumed_with_a_path_mounted_over(
         tmp_path, "checkpoints", read_only=True)
     saved = model_dir / "checkpoints"
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert errors == [f"error: cannot write the checkpoint of step 4 in {saved} (Read-only file "
-                      f"system): make it writable for this user (a directory another user made, "
-                      f"a read-only mount) and run the same command again to resume"]
+    assert errors == [f"error: {saved} is not writable (Read-only file system), and a run writes "
+                      f"its checkpoints there: make it writable for this user, or choose another "
+                      f"--model_dir"]
+    assert "step " not in result.stdout, "no step trained that could not be kept"
     assert_ok(train([*flags, "--train_steps=4"]))
     assert read_summary(model_dir)["resumed_from_step"] == 2
 

@@ -1,0 +1,55 @@
+"""The entry points as a user without root's rights meets them: another
+user's folders and files in a run directory, a folder closed to them, a
+umask that closes their own files to them. Each a refusal before anything
+is trained or written, one `error:` line that names the path and says what
+is wrong, and never another diagnosis ("no checkpoint", "damaged")."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, snapshot, train
+from support import unprivileged
+from support.unprivileged import NOBODY_UID, chown_tree, run_as_nobody
+
+
+@pytest.fixture
+def scratch():
+    """A folder the user nobody owns and may reach; skipped where a test
+    cannot run a command as nobody."""
+    why = unprivileged.unavailable()
+    if why:
+        pytest.skip(why)
+    folder = unprivileged.scratch()
+    yield folder
+    unprivileged.remove(folder)
+
+
+def _run_as_root(folder: Path, *flags) -> Path:
+    """A finished run of 5 steps, trained as root, then given to nobody."""
+    run = folder / "run"
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", f"--model_dir={run}", *flags]))
+    chown_tree(run, NOBODY_UID)
+    return run
+
+
+@pytest.mark.parametrize("root_owns, fragment", [
+    # TensorFlow's summary writer failed with a traceback.
+    ("tensorboard", "tensorboard is not writable (Permission denied)"),
+    # The new export was moved into place, and removing the old one failed
+    # after the training, with a traceback: summary.json unwritten.
+    ("export/saved_model/variables", "variables is not writable (Permission denied)"),
+    # "remove it if it is not a plain file": it is one, of another user.
+    (".lock", "(Permission denied); make it writable for this user"),
+])
+def test_another_users_part_of_a_run_directory_is_refused_before_training(scratch, root_owns,
+                                                                        fragment):
+    run = _run_as_root(scratch, "--export")
+    os.chown(run / root_owns, 0, 0)
+    before = snapshot(run)
+    result = run_as_nobody("distributed_mpt.train", [
+        *SMOKE_FLAGS, "--export", "--train_steps=10", f"--model_dir={run}"], scratch)
+    assert_one_error_line(result, fragment)
+    assert str(run) in result.stderr and "step " not in result.stdout, "nothing trained"
+    assert snapshot(run) == before, "nothing written or removed"
