@@ -39,6 +39,11 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
+        # One this user may not read looks empty: it would be called no export.
+        why = os.path.isdir(export_dir) and files.why_no_access(export_dir, os.R_OK | os.X_OK)
+        if why:
+            raise ConfigError(f"cannot read {quoted(export_dir)} ({why}): make it readable for "
+                              f"this user")
         saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
         if os.path.isdir(saved_model):
             if users_model is not None:  # the export holds the network: that code would not run
@@ -63,6 +68,7 @@ def _load_export(export_dir: str) -> Classifier:
 
     saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
     files.refuse_special_files(saved_model, _REEXPORT)  # TensorFlow would wait on a FIFO for ever
+    _refuse_unreadable(saved_model)
     try:
         loaded = tf.saved_model.load(saved_model)
         serve = loaded.signatures["serving_default"]
@@ -106,6 +112,19 @@ def _load_export(export_dir: str) -> Classifier:
                       _REEXPORT)
 
 
+def _refuse_unreadable(directory: str) -> None:
+    """Raises ConfigError naming the first file or folder in `directory`
+    (itself included) that this user may not read: TensorFlow would call
+    it missing, and the export damaged."""
+    paths = [directory]
+    for root, folders, names in os.walk(directory):  # which skips a folder it may not list
+        paths += [os.path.join(root, name) for name in folders + names]
+    for path in paths:
+        why = files.why_no_access(path, os.R_OK | os.X_OK * os.path.isdir(path))
+        if why:
+            raise ConfigError(f"cannot read {quoted(path)} ({why}): make it readable for this user")
+
+
 def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     import tensorflow as tf
 
@@ -115,9 +134,18 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
 
     # The newest checkpoint that reads back whole, as training resumes from;
     # the `checkpoint` index file may be damaged or point at a missing one.
-    step, prefix = next(((step, prefix) for step, prefix in checkpoints.checkpoints_on_disk(
-        os.path.join(model_dir, "checkpoints")) if not checkpoints.why_unreadable(prefix)),
-        (None, None))
+    directory = os.path.join(model_dir, "checkpoints")
+    why = os.path.isdir(directory) and files.why_no_access(directory, os.R_OK | os.X_OK)
+    found = [] if why else checkpoints.checkpoints_on_disk(directory)
+    step, prefix = None, None
+    for step, prefix in found:
+        why = checkpoints.why_unreadable(prefix)
+        if not why:
+            break
+    if why:  # not "no checkpoint": one this user may not read, say, is one
+        raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export, and cannot read "
+                          f"{quoted(prefix or directory)} ({why}): make it readable for this "
+                          f"user, or put back an intact copy")
     config_path = os.path.join(model_dir, "config.json")
     if not (prefix and os.path.exists(config_path)):
         raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export (export/saved_model) "

@@ -173,6 +173,17 @@ def refuse_special_files(directory: str, remedy: str) -> None:
                                   f"folder: {remedy}")
 
 
+def why_unreadable_file(path: str) -> Optional[str]:
+    """None if `path` is a regular file this user may read; else, to follow its name, "is
+    not a file" (missing, a folder, a FIFO) or "cannot be read (Permission denied)"."""
+    try:
+        with open_regular(path):
+            return None
+    except (NotRegularFileError, OSError) as e:  # in a folder it may not search: not missing
+        missing = getattr(e, "errno", errno.ENOENT) == errno.ENOENT
+        return "is not a file" if missing else f"cannot be read ({e.strerror})"
+
+
 def is_regular_file(path: str) -> bool:
     """True if `path` is a regular file, or a symbolic link to one."""
     try:

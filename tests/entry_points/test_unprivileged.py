@@ -7,7 +7,9 @@ is wrong, and never another diagnosis ("no checkpoint", "damaged")."""
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, snapshot, train
 from support import unprivileged
@@ -53,3 +55,32 @@ def test_another_users_part_of_a_run_directory_is_refused_before_training(scratc
     assert_one_error_line(result, fragment)
     assert str(run) in result.stderr and "step " not in result.stdout, "nothing trained"
     assert snapshot(run) == before, "nothing written or removed"
+
+
+@pytest.mark.parametrize("closed, fragment", [
+    # Was "cannot be loaded (SavedModel file does not exist ...): remove it",
+    # which would have had the user delete an intact export.
+    ("export/saved_model/variables", "cannot read {path} (Permission denied): make it readable"),
+    # Was "holds no export (export/saved_model) and no checkpoint".
+    ("checkpoints", "cannot read {path} (Permission denied): make it readable"),
+])
+def test_predict_says_which_part_of_a_run_this_user_may_not_read(scratch, closed, fragment):
+    run = _run_as_root(scratch, "--export" if closed.startswith("export") else "--noexport")
+    (run / closed).chmod(0o700)
+    os.chown(run / closed, 0, 0)
+    image = scratch / "image.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    result = run_as_nobody("distributed_mpt.predict", [f"--model_dir={run}", image], scratch)
+    assert_one_error_line(result, fragment.format(path=run / closed))
+
+
+def test_a_model_file_in_a_folder_this_user_may_not_search_is_no_missing_file(scratch):
+    closed = scratch / "closed"
+    closed.mkdir(mode=0o700)  # root's
+    (closed / "my_models.py").write_text("def small(num_classes, input_shape):\n    pass\n")
+    result = run_as_nobody("distributed_mpt.train", [
+        *SMOKE_FLAGS, f"--model={closed / 'my_models.py'}:small",
+        f"--model_dir={scratch / 'run'}"], scratch)
+    # Was "... is not a file".
+    assert_one_error_line(result, "my_models.py cannot be read (Permission denied)")
+    assert not (scratch / "run").exists()
