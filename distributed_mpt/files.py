@@ -207,6 +207,11 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"{flag}={quoted(directory)} is {kind_of(directory)}, not a directory: "
                           f"choose a directory (it is created if missing)")
+    os.umask(mask := os.umask(0))  # read by setting it, and set back
+    # Its files and folders would be closed to their owner, this program (root reads them).
+    if mask & 0o700 and os.geteuid() != 0:
+        raise ConfigError(f"the umask {mask:04o} denies this user the files it writes: set one "
+                          f"that leaves the owner's rights, such as 022 (`umask 022`)")
     try:
         os.makedirs(directory, exist_ok=True)
         descriptor, path = tempfile.mkstemp(dir=directory,

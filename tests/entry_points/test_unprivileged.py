@@ -84,3 +84,23 @@ def test_a_model_file_in_a_folder_this_user_may_not_search_is_no_missing_file(sc
     # Was "... is not a file".
     assert_one_error_line(result, "my_models.py cannot be read (Permission denied)")
     assert not (scratch / "run").exists()
+
+
+def test_prepare_data_into_a_folder_of_another_user_says_so_before_any_download(scratch):
+    closed = scratch / "closed"
+    closed.mkdir()  # root's, mode 755
+    result = run_as_nobody("distributed_mpt.prepare_data", [f"--data_dir={closed / 'tfds'}"],
+                           scratch)
+    # Was, without network: "CIFAR-10 is not in ... and ... cannot be reached".
+    assert_one_error_line(result, f"--data_dir={closed / 'tfds'} is not writable "
+                                  f"(Permission denied)")
+
+
+def test_a_umask_that_closes_the_users_own_files_is_refused_before_anything_is_made(scratch):
+    result = run_as_nobody("distributed_mpt.train", [
+        *SMOKE_FLAGS, f"--model_dir={scratch / 'run'}"], scratch, umask=0o777)
+    # Was "--model_dir=... is not writable (Permission denied)", and a new
+    # --model_dir of mode 000 was left behind; resumed, a traceback, and a
+    # config.json of mode 000 that left the run unresumable.
+    assert_one_error_line(result, "the umask 0777 denies this user the files it writes")
+    assert not (scratch / "run").exists()

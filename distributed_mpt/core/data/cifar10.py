@@ -131,6 +131,8 @@ def _prepare_cifar10(builder, download: bool) -> None:
 
     manual_dir = os.path.join(builder.data_dir_root, "downloads", "manual")
     have_archive = os.path.exists(os.path.join(manual_dir, CIFAR10_ARCHIVE))
+    if have_archive or download:  # preparing writes into data_dir: no download could mend that
+        files.check_writable(builder.data_dir_root, flag="--data_dir")
     if not have_archive:
         reason = None
         if not download:
@@ -146,8 +148,6 @@ def _prepare_cifar10(builder, download: bool) -> None:
                 f"`distributed-mpt-prepare-data --data_dir=DIR` on a machine with network and "
                 f"copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} into "
                 f"{manual_dir}, or train on --dataset=synthetic.")
-    # Preparing writes into data_dir: say so now, not in a traceback.
-    files.check_writable(builder.data_dir_root, flag="--data_dir")
     try:
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
