@@ -111,6 +111,22 @@ def read_as(name: str) -> str:
                                  .casefold()).strip()
 
 
+# How two names that read_as makes one differ, for the messages that name them.
+READ_AS_ONE_BY = "case, Unicode form, invisible characters or spaces at their ends"
+
+
+def first_pair_read_as_one(names) -> Optional[Tuple[str, str]]:
+    """The first two of `names` (in their order) that read_as makes one, or
+    None: two classes a person reads, and predict prints, as one."""
+    seen: Dict[str, str] = {}
+    for name in names:
+        key = read_as(name)
+        if key in seen:
+            return seen[key], name
+        seen[key] = name
+    return None
+
+
 def class_names_problem(names) -> Optional[str]:
     """What is wrong with `names` as a classifier's class names (at least two
     and at most MAX_CLASSES strings, no two read as one), or None."""
@@ -119,13 +135,10 @@ def class_names_problem(names) -> Optional[str]:
     if not 2 <= len(names) <= MAX_CLASSES:
         return (f"it names {len(names):,} class{'' if len(names) == 1 else 'es'}, where a "
                 f"classifier has 2 to {MAX_CLASSES:,}")
-    seen: Dict[str, str] = {}
-    for name in names:
-        if read_as(name) in seen:
-            return (f"class names {quoted(seen[read_as(name)])} and {quoted(name)} read as one "
-                    f"(they differ only in case, Unicode form, invisible characters or spaces "
-                    f"at their ends)")
-        seen[read_as(name)] = name
+    pair = first_pair_read_as_one(names)
+    if pair:
+        return (f"class names {quoted(pair[0])} and {quoted(pair[1])} read as one (they differ "
+                f"only in {READ_AS_ONE_BY})")
     return None
 
 

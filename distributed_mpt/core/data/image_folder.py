@@ -37,8 +37,9 @@ import numpy as np
 from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
-from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, ImageSplit,
-                                               aligned_empty, read_as)
+from distributed_mpt.core.data.dataset import (READ_AS_ONE_BY, SPLITS, Dataset, DatasetInfo,
+                                               ImageSplit, aligned_empty,
+                                               first_pair_read_as_one)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
@@ -158,21 +159,15 @@ def _check_class_names(directory: str, names: List[str]) -> None:
 
 
 def _refuse_names_that_read_the_same(directory: str, names: List[str]) -> None:
-    """DataUnavailableError if two class names differ only in case, in
-    Unicode's compatibility forms (NFKC: a ligature, a full-width letter), by
-    invisible characters or by spaces at their ends (dataset.read_as): two
-    classes that a person reads, and predict prints, as one, each with part
-    of its images."""
-    seen: Dict[str, str] = {}
-    for name in names:
-        key = read_as(name)
-        if key in seen:
-            raise DataUnavailableError(
-                f"class folders {quoted(os.path.join(directory, _shown(seen[key])))} and "
-                f"{quoted(_shown(name))} read as one name (they differ only in case, Unicode "
-                f"form, invisible characters or spaces at their ends) but are two classes: "
-                f"merge them, or rename one")
-        seen[key] = name
+    """DataUnavailableError if two class names read as one (dataset.read_as):
+    two classes that a person reads, and predict prints, as one, each with
+    part of its images."""
+    pair = first_pair_read_as_one(names)
+    if pair:
+        raise DataUnavailableError(
+            f"class folders {quoted(os.path.join(directory, pair[0]))} and {quoted(pair[1])} "
+            f"read as one name (they differ only in {READ_AS_ONE_BY}) but are two classes: "
+            f"merge them, or rename one")
 
 
 def _shown(name: str) -> str:
