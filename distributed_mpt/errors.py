@@ -177,11 +177,13 @@ QUOTE_LIMIT = 200
 def quoted(value, limit: int = QUOTE_LIMIT) -> str:
     """`value` (a path, a flag's value, a line of a file, a class name) as
     an error line or an answer may echo it: control and format characters
-    escaped (as \\n, \\u202e), so that a newline in a file name cannot
-    forge a line of output, an escape sequence drive the terminal, nor a
-    right-to-left override reorder what follows it; and at most `limit`
-    characters (`--flagfile=/proc/self/environ` must not print the
-    environment). Plain short text stays as it is."""
+    escaped (as \\n, \\u202e; a file name's byte that is not UTF-8 as Python
+    holds it, 0xE9 as \\udce9, the one spelling of every message), so that
+    a newline in a file name cannot forge a line of output, an escape
+    sequence drive the terminal, nor a right-to-left override reorder what
+    follows it; and at most `limit` characters
+    (`--flagfile=/proc/self/environ` must not print the environment). Plain
+    short text stays as it is."""
     # Escaping only lengthens: the first limit + 1 characters decide.
     text = text_of(value)[:limit + 1]
     if text.isascii():

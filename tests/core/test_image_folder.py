@@ -317,6 +317,28 @@ def test_a_class_entry_that_links_to_nothing_or_loops_is_skipped_as_no_class_fol
     assert "skipped 2 entries" in capsys.readouterr().err
 
 
+def test_a_name_not_in_utf_8_reads_the_same_in_training_s_errors_and_predict_s_answers(
+        tiny_run, tmp_path):
+    """Its byte 0xE9 was \\xe9 in an image folder's error lines and \\udce9
+    in predict's answers and the image decoder's errors (errors.quoted): one
+    name, two spellings, for the user to match."""
+    from distributed_mpt.predict import main as predict
+
+    folder, run, _ = tiny_run
+    named = os.fsencode(tmp_path) + b"/chiens-\xe9"
+    shutil.copytree(folder / "train" / "dogs", os.fsdecode(named))
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    os.rename(other / "train" / "dogs", os.fsencode(other / "train") + b"/chiens-\xe9")
+    shutil.rmtree(other / "test" / "dogs")
+    assert_one_error_line(train([*TINY, f"--data_dir={other}", f"--model_dir={tmp_path / 'r'}"]),
+                          f"class folder {other}/train/chiens-\\udce9 is named in bytes")
+    photo = os.fsdecode(named + b"/000.png")
+    result = run_in_process(predict, [f"--model_dir={run}", photo])
+    assert_ok(result)
+    assert result.stdout.startswith(f"{tmp_path}/chiens-\\udce9/000.png: "), result.stdout
+
+
 def _deep_folder(tmp_path, length: int):
     """A folder whose path is about `length` bytes, in names of 200."""
     deep = tmp_path

@@ -143,7 +143,7 @@ def _check_class_names(directory: str, names: List[str]) -> None:
         bad = next((c for c in name if unicodedata.category(c) in _BAD_IN_NAMES), None)
         if bad is None:
             continue
-        folder = quoted(os.path.join(directory, _shown(name)))
+        folder = quoted(os.path.join(directory, name))
         if unicodedata.category(bad) == "Cs":
             raise DataUnavailableError(f"class folder {folder} is named in bytes that are not "
                                        f"UTF-8: rename it (class names are written into the "
@@ -170,13 +170,6 @@ def _refuse_names_that_read_the_same(directory: str, names: List[str]) -> None:
             f"merge them, or rename one")
 
 
-def _shown(name: str) -> str:
-    """A file name as an error line may print it: its bytes that are not
-    UTF-8 as \\x escapes (Python holds them as surrogates, which stderr
-    cannot encode)."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
-
-
 def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
                     train_dir: str = "") -> Dict[int, List[str]]:
     """{label: the image files of its folder in `directory`, sorted}; the
@@ -186,7 +179,7 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
         if unknown:
             raise DataUnavailableError(
                 f"{quoted(directory)} has class folder(s) "
-                f"{quoted(', '.join(map(_shown, unknown)))} that {quoted(train_dir)} does not: "
+                f"{quoted(', '.join(unknown))} that {quoted(train_dir)} does not: "
                 f"a model learns only the classes it trains on")
     found, without = {}, []
     for label, name in enumerate(class_names):
@@ -238,13 +231,13 @@ def _unreadable(path: str, error: OSError) -> DataUnavailableError:
         return DataUnavailableError(f"cannot open {too_long_to_open(path)}: move "
                                     f"--data_dir to a shorter path, or shorten its folders' "
                                     f"names")
-    return DataUnavailableError(f"cannot read {quoted(_shown(path))} ({error.strerror})")
+    return DataUnavailableError(f"cannot read {quoted(path)} ({error.strerror})")
 
 
 def _some(names) -> str:
     """Names for a warning: the first few, and how many more."""
     names = list(names)
-    shown = ", ".join(quoted(_shown(name)) for name in names[:_SHOWN])
+    shown = ", ".join(quoted(name) for name in names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
