@@ -140,6 +140,17 @@ def _a_link_that_loops(root):
     return "loop.png is a symbolic link in a loop, not a regular file"
 
 
+def _a_class_link_that_loops(root):
+    # Skipped with a warning, the run trained without the class it may have been.
+    (root / "train" / "birds").symlink_to("birds")
+    return "train/birds is a symbolic link in a loop, among the class folders: point it at"
+
+
+def _a_class_link_to_nothing(root):
+    (root / "test" / "birds").symlink_to(root / "unmounted" / "birds")
+    return "test/birds is a symbolic link to nothing, among the class folders"
+
+
 def _an_empty_test_folder(root):
     # Its class folders are there, and may each be empty; all of them may
     # not: the run trained to the end and failed to evaluate 0 images.
@@ -175,7 +186,8 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
 
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
                                    _class_with_a_newline, _one_class, _a_link_to_nothing,
-                                   _a_link_that_loops, _an_empty_test_folder,
+                                   _a_link_that_loops, _a_class_link_that_loops,
+                                   _a_class_link_to_nothing, _an_empty_test_folder,
                                    _classes_that_read_as_one,
                                    _classes_apart_by_an_invisible_character])
 def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoil):
@@ -304,17 +316,16 @@ def test_a_copy_of_the_images_elsewhere_and_a_run_without_a_fingerprint_resume(t
     assert read_summary(resumed)["resumed_from_step"] == 4
 
 
-def test_a_class_entry_that_links_to_nothing_or_loops_is_skipped_as_no_class_folder(tmp_path,
-                                                                                    capsys):
+def test_a_dot_named_link_to_nothing_is_skipped_as_an_editor_s_lock(tmp_path, capsys):
+    """Emacs locks a file it edits with a link to nothing named .#file."""
     from distributed_mpt.core.data import DataOptions
     from distributed_mpt.core.data.image_folder import load
 
     folder = write_folder(tmp_path / "photos", train_per_class=2, test_per_class=1)
-    (folder / "train" / "loop").symlink_to("loop")
-    (folder / "train" / "gone").symlink_to(tmp_path / "nowhere")
+    (folder / "train" / ".#notes.txt").symlink_to("user@host.4242:1700000000")
     dataset = load(DataOptions(dataset="image_folder", data_dir=str(folder), image_size=8), seed=0)
     assert dataset.info.class_names == CLASSES
-    assert "skipped 2 entries" in capsys.readouterr().err
+    assert "skipped 1 entry" in capsys.readouterr().err
 
 
 def test_a_name_not_in_utf_8_reads_the_same_in_training_s_errors_and_predict_s_answers(

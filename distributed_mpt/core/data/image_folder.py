@@ -17,7 +17,8 @@ into uint8 RGB of `image_size` x `image_size` in host memory
 orientation says); entries whose name starts
 with a dot (.DS_Store, .ipynb_checkpoints/, editors' swap files) and files
 beside the class folders are skipped, all named in one warning, and anything
-else that is not an intact image is one error naming it. The mean and
+else that is not an intact image (a link among the class folders that
+leads nowhere too) is one error naming it. The mean and
 standard deviation the model normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
@@ -116,7 +117,7 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
     `skipped`, by its path."""
     names = []
     for entry in _entries(directory):
-        if _is_folder(entry) and not entry.name.startswith("."):
+        if not entry.name.startswith(".") and _is_folder(entry):
             names.append(entry.name)
         else:
             skipped.append(entry.path)
@@ -127,12 +128,20 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
 
 
 def _is_folder(entry: os.DirEntry) -> bool:
-    """Whether `entry` is a folder, or a link to one; a link that loops
-    (ELOOP) is not, as a link to nothing is not."""
+    """Whether `entry` is a folder, or a link to one. DataUnavailableError
+    for a link that leads nowhere (to nothing, or in a loop): it stands
+    where a class folder may have been, and skipped, the run would train
+    without that class (as a link among the images is refused)."""
     try:
-        return entry.is_dir()
-    except OSError:
-        return False
+        if entry.is_dir():
+            return True
+    except OSError:  # ELOOP
+        pass
+    if entry.is_symlink() and not os.path.exists(entry.path):
+        raise DataUnavailableError(f"{quoted(entry.path)} is {files.kind_of(entry.path)}, "
+                                   f"among the class folders: point it at its folder of "
+                                   f"images, or move it away")
+    return False
 
 
 def _check_class_names(directory: str, names: List[str]) -> None:
