@@ -136,16 +136,21 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     # the `checkpoint` index file may be damaged or point at a missing one.
     directory = os.path.join(model_dir, "checkpoints")
     why = os.path.isdir(directory) and files.why_no_access(directory, os.R_OK | os.X_OK)
-    found = [] if why else checkpoints.checkpoints_on_disk(directory)
-    step, prefix = None, None
-    for step, prefix in found:
-        why = checkpoints.why_unreadable(prefix)
-        if not why:
-            break
-    if why:  # not "no checkpoint": one this user may not read, say, is one
+    if why:  # one this user may not list looks empty: it would be called no checkpoint
         raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export, and cannot read "
-                          f"{quoted(prefix or directory)} ({why}): make it readable for this "
-                          f"user, or put back an intact copy")
+                          f"{quoted(directory)} ({why}): make it readable for this user")
+    step, prefix, skipped = None, None, []
+    for found_step, found in checkpoints.checkpoints_on_disk(directory):
+        problem = checkpoints.why_unreadable(found)
+        if not problem:
+            step, prefix = found_step, found
+            break
+        skipped.append((found, problem))
+    if skipped and not prefix:  # not "no checkpoint": the fix differs
+        raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export, and none of its "
+                          f"{len(skipped)} checkpoint(s) reads back whole "
+                          f"({quoted(checkpoints.reasons(skipped))}): put back intact copies, "
+                          f"make them readable for this user, or train the model again")
     config_path = os.path.join(model_dir, "config.json")
     if not (prefix and os.path.exists(config_path)):
         raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export (export/saved_model) "
@@ -188,6 +193,11 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     results = summary if summary.get("steps") == step else {}
     trained = model_info(config.flags(), {**results, "steps": step, "precision":
                                           resolved.get("precision") or config.run.precision})
+
+    if skipped:  # answers of an older model, which the describe line alone would not tell
+        files.warn(f"predicting with {quoted(prefix)} (step {step}), the newest checkpoint that "
+                   f"reads back whole: {len(skipped)} newer one(s) cannot be read "
+                   f"({quoted(checkpoints.reasons(skipped))}); a resume of the run replaces them")
 
     def probabilities(x):
         return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()

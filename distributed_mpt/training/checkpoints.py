@@ -93,9 +93,8 @@ class Restored:
         """One line for the log: which checkpoint, and why not a newer one."""
         line = f"resuming from step {self.step} (checkpoint {self.path})"
         if self.skipped:
-            reasons = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in self.skipped)
             line += (f"; skipped {len(self.skipped)} newer checkpoint(s) that cannot be read "
-                     f"({reasons}), the steps since are trained again")
+                     f"({reasons(self.skipped)}), the steps since are trained again")
         return line
 
 
@@ -205,11 +204,10 @@ class Checkpoints:
             if self._is_chief:
                 self._rewrite_index(None, [])  # an index naming nothing goes
             return None
-        reasons = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
         raise CheckpointDamagedError(
-            f"{self._shared_dir} holds {len(found)} checkpoint(s) and none can be read ({reasons}); "
-            f"nothing was changed: put back intact copies, or move {self._shared_dir} away to "
-            f"start again from step 0")
+            f"{self._shared_dir} holds {len(found)} checkpoint(s) and none can be read "
+            f"({reasons(skipped)}); nothing was changed: put back intact copies, or move "
+            f"{self._shared_dir} away to start again from step 0")
 
     def _rewrite_index(self, step: Optional[int], older: List[str]) -> None:
         """Makes the index file name the restored checkpoint as the latest and
@@ -300,6 +298,12 @@ def checkpoints_on_disk(directory: str) -> List[Tuple[int, str]]:
         if match:
             steps.add(int(match.group(1)))
     return [(step, os.path.join(directory, f"ckpt-{step}")) for step in sorted(steps, reverse=True)]
+
+
+def reasons(skipped) -> str:
+    """(prefix, why) pairs of checkpoints passed over, for a message:
+    `ckpt-20: why; ckpt-10: why`."""
+    return "; ".join(f"{os.path.basename(prefix)}: {why}" for prefix, why in skipped)
 
 
 def _read_index(path: str) -> Optional[List[str]]:

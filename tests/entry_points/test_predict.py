@@ -196,6 +196,31 @@ def test_a_run_without_export_is_evaluated_from_its_checkpoint_on_its_own_data(
     assert answer["evaluation"]["accuracy"] > 0.5, "synthetic labels are learnable"
 
 
+def test_a_half_written_newer_checkpoint_is_named_in_a_warning_and_none_whole_is_refused(
+        synthetic_run, photo, tmp_path):
+    """A run killed while it saved step 30: predict answered with step 20's
+    model without a word, and with no whole checkpoint said it held none."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(synthetic_run / "config.json", run)
+    for part in (synthetic_run / "checkpoints").glob("ckpt-20.*"):
+        os.link(part, run / "checkpoints" / part.name)  # not a symbolic link: refused as one
+        with open(part, "rb") as whole:  # its first kilobyte
+            (run / "checkpoints" / part.name.replace("-20.", "-30.")).write_bytes(whole.read(1000))
+    result = predict(f"--model_dir={run}", photo)
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings[0].startswith(
+        f"warning: predicting with {run}/checkpoints/ckpt-20 (step 20), the newest checkpoint "
+        f"that reads back whole: 1 newer one(s) cannot be read (ckpt-30: "), result.stderr
+    assert result.stdout.startswith(f"{photo}: ")
+    for part in (run / "checkpoints").glob("ckpt-20.*"):
+        part.unlink()
+    assert_one_error_line(predict(f"--model_dir={run}", photo),
+                          f"--model_dir={run} holds no export, and none of its 1 checkpoint(s) "
+                          f"reads back whole (ckpt-30: ")
+
+
 def test_evaluate_with_test_time_views_reproduces_the_runs_own_evaluation(tmp_path, photo):
     """A run evaluated with the 2025 record's selective views; predict's
     --tta, from the export (probabilities only), gives back its numbers, and
