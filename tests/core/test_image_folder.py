@@ -151,6 +151,13 @@ def _a_class_link_to_nothing(root):
     return "test/birds is a symbolic link to nothing, among the class folders"
 
 
+def _a_test_file(root):
+    # "has no test/ folder: add one", where the user saw one.
+    shutil.rmtree(root / "test")
+    (root / "test").write_text("cars 0.png\n")
+    return "photos/test is a file, not a folder: an image folder is laid out as"
+
+
 def _an_empty_test_folder(root):
     # Its class folders are there, and may each be empty; all of them may
     # not: the run trained to the end and failed to evaluate 0 images.
@@ -187,7 +194,8 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
                                    _class_with_a_newline, _one_class, _a_link_to_nothing,
                                    _a_link_that_loops, _a_class_link_that_loops,
-                                   _a_class_link_to_nothing, _an_empty_test_folder,
+                                   _a_class_link_to_nothing, _a_test_file,
+                                   _an_empty_test_folder,
                                    _classes_that_read_as_one,
                                    _classes_apart_by_an_invisible_character])
 def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoil):

@@ -212,15 +212,22 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
 
 
 def _is_folder_at(path: str) -> bool:
-    """Whether `path` is a folder (or a link to one); DataUnavailableError
-    where that cannot be told (a path too long to open, a folder above it
-    not readable), which is not the same as its absence."""
+    """Whether `path` is a folder (or a link to one), False if nothing is
+    there; DataUnavailableError if something else is (a file, a link that
+    leads nowhere: "no test/ folder" sent the user looking for what is
+    there), or where it cannot be told (a path too long to open, a folder
+    above it not readable), which is not the same as its absence."""
     try:
-        return stat.S_ISDIR(os.stat(path).st_mode)
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            return True
     except (FileNotFoundError, NotADirectoryError):
-        return False
+        if not os.path.lexists(path):
+            return False
     except OSError as e:
-        raise _unreadable(path, e) from None
+        if e.errno != errno.ELOOP:
+            raise _unreadable(path, e) from None
+    raise DataUnavailableError(f"{quoted(path)} is {files.kind_of(path)}, not a folder: an "
+                               f"image folder is laid out as {LAYOUT}")
 
 
 def _entries(folder: str, missing_ok: bool = False) -> List[os.DirEntry]:
