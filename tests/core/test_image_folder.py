@@ -232,6 +232,12 @@ def tiny_run(tmp_path_factory):
     Image.new("RGB", (8, 8)).save(folder / "train" / "..cats" / "0.png")
     (folder / "train" / "ships" / ".DS_Store").write_bytes(b"\x00")
     (folder / "train" / "labels.csv").write_text("file,label\n")
+    # What Windows leaves beside photos, and macOS in a zip that another system
+    # unpacks: each was refused as no image, __MACOSX taken for a class.
+    (folder / "train" / "dogs" / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0" + bytes(60))
+    (folder / "test" / "cars" / "desktop.ini").write_text("[.ShellClassInfo]\n")
+    (folder / "train" / "__MACOSX" / "cars").mkdir(parents=True)
+    (folder / "train" / "__MACOSX" / "cars" / "._000.png").write_bytes(b"\x00\x05\x16\x07")
     result = train([*TINY, f"--data_dir={folder}", f"--model_dir={root / 'run'}"])
     assert_ok(result)
     return folder, root / "run", result
@@ -243,8 +249,9 @@ def test_what_a_folder_skips_is_named_in_one_warning(tiny_run):
     warnings = [line for line in result.stderr.splitlines()
                 if line.startswith("warning:") and "global batch" not in line]
     assert len(warnings) == 1, result.stderr
-    assert ("skipped 3 entries of" in warnings[0] and "train/..cats, train/labels.csv, "
-            "train/ships/.DS_Store" in warnings[0]), warnings[0]
+    assert ("skipped 6 entries of" in warnings[0] and "test/cars/desktop.ini, train/..cats, "
+            "train/__MACOSX, train/dogs/Thumbs.db, train/labels.csv and 1 more" in warnings[0]
+            ), warnings[0]
 
 
 def test_the_run_records_its_data_and_that_image_folders_are_not_flipped(tiny_run):

@@ -14,12 +14,13 @@ warning: the test accuracy leaves it out), and --test_fraction holds out a
 share of train/ only where there is no test/. Every image is decoded once
 into uint8 RGB of `image_size` x `image_size` in host memory
 (core/data/images.py: Pillow, its first frame, turned as its EXIF
-orientation says); entries whose name starts
-with a dot (.DS_Store, .ipynb_checkpoints/, editors' swap files) and files
+orientation says); entries whose name starts with a dot (.DS_Store,
+.ipynb_checkpoints/, editors' swap files), the files systems leave beside a
+user's (Thumbs.db, desktop.ini, an unzipped archive's __MACOSX/) and files
 beside the class folders are skipped, all named in one warning, and anything
-else that is not an intact image (a link among the class folders that
-leads nowhere too) is one error naming it. The mean and
-standard deviation the model normalizes with are the training images'.
+else that is not an intact image (a link among the class folders that leads
+nowhere too) is one error naming it. The mean and standard deviation the
+model normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
 SHA-256 of its file list with their sizes: what a resumed run compares, so
@@ -49,6 +50,11 @@ NAME = "image_folder"
 # that are not): control characters, line and paragraph separators.
 _BAD_IN_NAMES = ("Cc", "Cs", "Zl", "Zp")
 _SHOWN = 5  # of the entries skipped, or the classes without test images, named in a warning
+# What operating systems leave beside a user's images, as macOS leaves
+# .DS_Store: Windows' thumbnail caches and folder settings, and the folder of
+# macOS's resource forks that another system's unzip makes. As a class
+# folder it trained a class of its own; among the images it was refused.
+_SYSTEMS_FILES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "__macosx")
 
 
 def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
@@ -86,7 +92,8 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     if skipped:  # one line, however many: a .DS_Store in every folder is common
         files.warn(f"skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of "
                    f"{quoted(root)} that are not class folders or images (a name starting with "
-                   f"a dot, or beside the class folders what is not a folder): "
+                   f"a dot, a system's own such as Thumbs.db, or beside the class folders what "
+                   f"is not a folder): "
                    f"{_some(os.path.relpath(path, root) for path in sorted(skipped))}")
     fingerprint = _fingerprint(root, class_names, listed)
     size = (options.image_size, options.image_size)
@@ -117,7 +124,7 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
     `skipped`, by its path."""
     names = []
     for entry in _entries(directory):
-        if not entry.name.startswith(".") and _is_folder(entry):
+        if not _skipped_by_name(entry.name) and _is_folder(entry):
             names.append(entry.name)
         else:
             skipped.append(entry.path)
@@ -125,6 +132,13 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
         raise DataUnavailableError(f"{quoted(directory)} holds no class folders: an image folder "
                                    f"is laid out as {LAYOUT}")
     return sorted(names)
+
+
+def _skipped_by_name(name: str) -> bool:
+    """Whether an entry named `name` is skipped whatever it is: hidden (a
+    dot first), or a system's own (_SYSTEMS_FILES, named in any case, as
+    Windows matches them)."""
+    return name.startswith(".") or name.casefold() in _SYSTEMS_FILES
 
 
 def _is_folder(entry: os.DirEntry) -> bool:
@@ -195,7 +209,7 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
         folder = os.path.join(directory, name)
         paths = []
         for entry in _entries(folder, missing_ok=bool(train_dir)):
-            (skipped if entry.name.startswith(".") else paths).append(entry.path)
+            (skipped if _skipped_by_name(entry.name) else paths).append(entry.path)
         if not paths and not train_dir:
             raise DataUnavailableError(f"{quoted(folder)} holds no images: every class needs "
                                        f"training images")
