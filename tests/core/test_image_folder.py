@@ -119,6 +119,16 @@ def _class_with_a_newline(root):
     return "has a control character (U+000A) in its name"
 
 
+def _a_test_class_spelled_otherwise(root):
+    # é as e and a combining accent (NFD, as macOS names files) in train/, as
+    # one character in test/: "test has class folder(s) café that train does
+    # not", the two names printed alike.
+    for split, name in (("train", "cafe\u0301s"), ("test", "caf\u00e9s")):
+        (root / split / "dogs").rename(root / split / name)
+    return ("photos/train/cafe\u0301s read as one name but are spelled differently (in case, "
+            "Unicode form")
+
+
 def _one_class(root):
     # All 24 images in one class: it trained, and learned that everything is a car.
     for split in ("train", "test"):
@@ -192,7 +202,8 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
 
 
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
-                                   _class_with_a_newline, _one_class, _a_link_to_nothing,
+                                   _class_with_a_newline, _a_test_class_spelled_otherwise,
+                                   _one_class, _a_link_to_nothing,
                                    _a_link_that_loops, _a_class_link_that_loops,
                                    _a_class_link_to_nothing, _a_test_file,
                                    _an_empty_test_folder,

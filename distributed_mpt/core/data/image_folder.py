@@ -199,6 +199,14 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
     entries skipped go to `skipped`."""
     if train_dir:
         unknown = sorted(set(_class_folders(directory, skipped)) - set(class_names))
+        # The first may be a class spelled another way (a name in NFD, as
+        # macOS writes it): printed, the two look the same.
+        pair = first_pair_read_as_one([*class_names, *unknown])
+        if pair and pair[0] in class_names:
+            raise DataUnavailableError(
+                f"class folders {quoted(os.path.join(directory, pair[1]))} and "
+                f"{quoted(os.path.join(train_dir, pair[0]))} read as one name but are spelled "
+                f"differently (in {READ_AS_ONE_BY}): rename the one in test/ as in train/")
         if unknown:
             raise DataUnavailableError(
                 f"{quoted(directory)} has class folder(s) "
