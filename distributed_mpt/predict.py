@@ -39,6 +39,7 @@ from distributed_mpt.classifier import Classifier, checked_config, load_classifi
 from distributed_mpt.config import DEFAULTS, user_path
 from distributed_mpt.core.augmentation import TTA_VIEWS
 from distributed_mpt.core.data import DATASETS, DatasetInfo, images
+from distributed_mpt.core.data.dataset import READ_AS_ONE_BY, read_as
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import log_filter
 
@@ -219,7 +220,9 @@ def _refuse_other_classes(classifier: Classifier, dataset: str, split: DatasetIn
     info) has the model's classes, in its order, and image size."""
     ours, theirs = list(classifier.class_names), list(split.class_names)
     shape, its_shape = list(classifier.image_shape), list(split.image_shape)
-    order = " (in another order)" if sorted(theirs) == sorted(ours) else ""
+    order = (" (in another order)" if sorted(theirs) == sorted(ours) else
+             f" (spelled otherwise: in {READ_AS_ONE_BY})"
+             if sorted(map(read_as, theirs)) == sorted(map(read_as, ours)) else "")
     what = (f"the classes {quoted(', '.join(theirs), 80)}{order}, and the model predicts "
             f"{quoted(', '.join(ours), 80)}" if theirs != ours else
             f"images {its_shape}, and the model takes {shape}" if its_shape != shape else "")

@@ -376,6 +376,23 @@ def test_a_name_not_in_utf_8_reads_the_same_in_training_s_errors_and_predict_s_a
     assert result.stdout.startswith(f"{tmp_path}/chiens-\\udce9/000.png: "), result.stdout
 
 
+def test_evaluating_on_classes_spelled_otherwise_says_so(tiny_run, tmp_path):
+    """predict --evaluate on a copy whose class is Cars, of a model of cars:
+    "has the classes Cars, dogs, ships, and the model predicts cars, dogs,
+    ships", which a name in NFD and one in NFC print alike."""
+    from distributed_mpt.predict import main as predict
+
+    folder, run, _ = tiny_run
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    for split in ("train", "test"):
+        (other / split / "cars").rename(other / split / "Cars")
+    assert_one_error_line(run_in_process(predict, [f"--model_dir={run}", "--evaluate",
+                                                   f"--data_dir={other}"]),
+                          "has the classes Cars, dogs, ships (spelled otherwise: in case, "
+                          "Unicode form")
+
+
 def _deep_folder(tmp_path, length: int):
     """A folder whose path is about `length` bytes, in names of 200."""
     deep = tmp_path
