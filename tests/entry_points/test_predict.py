@@ -332,6 +332,16 @@ def _text(path):
     return path
 
 
+def _saved(path, fmt):
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(path, fmt)
+    return path
+
+
+def _written(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 def _cut_short(image, path):
     path.write_bytes(image.read_bytes()[:-100])
     return path
@@ -396,6 +406,12 @@ HOSTILE_INPUTS = {
     # Images: refused by kind and size before they are read.
     "a text file as an image": (_bad_image(_text),
                                 "is not an image file (PNG, JPEG"),
+    # Named by their format, which the first bytes alone may not tell: a TGA
+    # was "an image in the CUR format", a phone's HEIC "not an image file".
+    "a TGA as an image": (_bad_image(lambda p: _saved(p, "TGA")), "in the TGA format, which"),
+    "a HEIC as an image": (_bad_image(lambda p: _written(p, b"\0\0\0\x18ftypmif1\0\0\0\0"
+                                                         b"mif1heic" + bytes(100))),
+                           "in the HEIC format, which this program does not read"),
     "a truncated PNG": (lambda tmp_path, untrained, trained, photo: (
         untrained, [_cut_short(photo, tmp_path / "cut.png")]),
         "begins as a PNG image does but does not decode"),

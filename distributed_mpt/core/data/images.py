@@ -6,8 +6,8 @@ code, so a model sees a user's photo as it saw its training images.
 The formats are those whose decoders this module was tested against,
 damaged and oversized (tests/core/test_images.py): PNG (animated too), JPEG (and
 MPO, as cameras and phones write it), GIF, BMP, WebP and TIFF. Any other
-(ICO, ICNS, PSD, ...) is refused by name, not handed to a decoder whose
-bounds were never checked. A file is decoded whole: every frame of an
+(HEIC, AVIF, TGA, ICO, PSD, ...) is refused by name, not handed to a
+decoder whose bounds were never checked. A file is decoded whole: every frame of an
 animation or page of a TIFF (within the frame and pixel bounds), and read to
 its end marker, so that a truncated file is refused, not trained on. The
 first frame is the image, turned upright as its EXIF Orientation tag says (a
@@ -184,20 +184,46 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
     return first
 
 
+# Formats Pillow has no reader for, by their first bytes: what a phone saves
+# (HEIC, in an ISO media file of one of these brands) and JPEG XL.
+_UNREAD_SIGNATURES = (
+    (re.compile(rb"....ftyp(heic|heix|hevc|hevx|heim|heis|mif1|msf1)", re.DOTALL), "HEIC"),
+    (re.compile(rb"\xff\x0a|\x00\x00\x00\x0cJXL \r\n\x87\n"), "JPEG XL"))
+
+
 def _signature(encoded: bytes) -> Optional[str]:
     """The format whose signature `encoded` starts with, by Pillow's own
-    tests of the first bytes (no decoder runs); None if no format's."""
+    tests of the first bytes (no decoder runs); another format's than ours
+    only if its reader takes the header too (a TGA begins as a CUR does,
+    and has no signature: it is tried last); None if no format's."""
     from PIL import Image
 
     Image.init()
     for name in (*FORMATS, *Image.ID):  # ours first, as Image.open tries them
         accept = Image.OPEN[name][1]
         try:
-            if accept is not None and accept(encoded[:16]):
+            if accept is not None and accept(encoded[:16]) and (
+                    name in FORMATS or _header_reads_as(name, encoded)):
                 return name
         except Exception:  # noqa: BLE001 - a test that cannot read so short a prefix
             continue
-    return None
+    unread = next((name for signature, name in _UNREAD_SIGNATURES
+                   if signature.match(encoded)), None)
+    return unread or ("TGA" if _header_reads_as("TGA", encoded) else None)
+
+
+def _header_reads_as(name: str, encoded: bytes) -> bool:
+    """Whether Pillow's reader of the format `name` takes the header of
+    `encoded` (its size and mode: no pixel is decoded)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(encoded), formats=[name]):
+            return True
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        return True  # it read a size, and a large one
+    except Exception:  # noqa: BLE001 - UnidentifiedImageError, SyntaxError, ...
+        return False
 
 
 def _too_large(path: str, frames: int, width: int, height: int, in_all: int) -> ImageError:
