@@ -132,6 +132,19 @@ def convolves_uint8(info):
     return Convolutions(info.num_classes)
 
 
+def asserts_on_its_logits(info):  # takes uint8 well; its own check fails on any images
+    import tensorflow as tf
+
+    images, x = _flat(info)
+    logits = keras.layers.Dense(info.num_classes)(x)
+
+    def checked(t):
+        tf.debugging.assert_less(tf.reduce_max(t), -1e9, message="logits out of range")
+        return t
+
+    return keras.Model(images, keras.layers.Lambda(checked)(logits))
+
+
 def frozen(info):
     images, x = _flat(info)
     dense = keras.layers.Dense(info.num_classes)
@@ -381,12 +394,22 @@ def test_a_model_that_needs_its_batch_in_pairs_is_traced_at_the_runs_batch_and_t
 def test_a_model_that_cannot_take_uint8_says_why_in_one_whole_line(model_file, tmp_path):
     result = train([*FLAGS, f"--model={model_file}:convolves_uint8",
                     f"--model_dir={tmp_path / 'run'}"])
-    assert_one_error_line(result, "does not take uint8 images [32, 32, 3], 0-255")
+    assert_one_error_line(result, "failed when called on two uint8 images [32, 32, 3], 0-255")
     line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
     # What Keras said, from inside its "Exception encountered when calling"
     # wrapper, and the fix after it: the line ends as a sentence ends.
     assert "(ValueError in Conv2D.call(): Incompatible type conversion requested" in line
     assert line.endswith("(keras.layers.Rescaling(1 / 255) does both)"), line
+
+
+def test_a_model_whose_own_check_fails_is_not_said_to_refuse_uint8(model_file, tmp_path):
+    """Its call raised on the probe's two images for a reason of its own: the
+    line names that reason, and does not blame the input it takes well."""
+    result = train([*FLAGS, f"--model={model_file}:asserts_on_its_logits",
+                    f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "failed when called on two uint8 images [32, 32, 3], 0-255")
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+    assert "logits out of range" in line and "does not take uint8" not in line, line
 
 
 @pytest.mark.parametrize("function, fragment", [

@@ -242,12 +242,14 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
                     f"build that layer in __init__ (a Normalization given its mean and variance: "
                     f"layer.build((None, *info.image_shape)); docs/extending.md, \"A subclassed "
                     f"model\")") from None
+            # Not "does not take": the call may raise for reasons of its own
+            # (an assertion on the values), and the cause says which.
             raise ModelError(
-                f"--model={quoted(name)} does not take {shape}, 0-255, which is what this "
-                f"package gives every model ({cause(e)}): take them as they are (keras.Input("
-                f"info.image_shape, dtype=\"uint8\"), or a subclassed model's call()) and rescale "
-                f"or cast them before the first layer that computes with them "
-                f"(keras.layers.Rescaling(1 / 255) does both)") from None
+                f"--model={quoted(name)} failed when called on two {shape}, 0-255, which is "
+                f"what this package gives every model ({cause(e)}): if it does not take them, "
+                f"take them as they are (keras.Input(info.image_shape, dtype=\"uint8\"), or a "
+                f"subclassed model's call()) and rescale or cast them before the first layer "
+                f"that computes with them (keras.layers.Rescaling(1 / 255) does both)") from None
     _check_logits(name, outputs, 2, info.num_classes)
     values = np.asarray(outputs, np.float32)
     if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
