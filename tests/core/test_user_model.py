@@ -106,6 +106,19 @@ def no_such_group(info):
     return model
 
 
+class Centered(keras.layers.Layer):
+    """A layer of the user's own, without a get_config() of its own."""
+
+    def call(self, images):
+        return keras.ops.cast(images, "float32") / 127.5 - 1.0
+
+
+def own_layer(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.GlobalAveragePooling2D()(Centered()(images))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def wrong_classes(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -155,6 +168,24 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
     assert sum(t["probability"] for t in top) == pytest.approx(1.0, abs=1e-4)
     assert len({t["probability"] for t in top}) > 1
     assert "--dataset=synthetic" in result.stderr and "small_cnn" in result.stderr
+
+
+def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):
+    # The export swaps this package's layers for Keras' own; a user's layer
+    # was swapped for the bare keras Layer, and the run failed after training.
+    run = tmp_path / "run"
+    assert_ok(train([*FLAGS, f"--model={model_file}:own_layer", "--train_steps=2", "--export",
+                     f"--model_dir={run}"]))
+    import importlib.util
+
+    import keras
+    spec = importlib.util.spec_from_file_location("user_models", model_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loaded = keras.models.load_model(run / "export" / "model.keras",
+                                     custom_objects={"Centered": module.Centered})
+    probabilities = np.asarray(loaded(np.zeros((2, 32, 32, 3), np.uint8)))
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
 
 
 @pytest.mark.parametrize("source, fragment", [

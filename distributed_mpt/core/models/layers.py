@@ -98,8 +98,11 @@ def with_keras_layers(model: keras.Model) -> keras.Model:
     subclassed one of the user's) is returned as it is."""
 
     def clone(layer):
-        keras_class = next(c for c in type(layer).__mro__ if c.__module__.startswith("keras"))
-        return keras_class.from_config(layer.get_config())
+        # A user's own layer stays itself: the first Keras class above it
+        # may be the bare Layer, which has no call().
+        outside = next(c for c in type(layer).__mro__
+                       if not c.__module__.startswith("distributed_mpt."))
+        return outside.from_config(layer.get_config())
 
     try:
         copy = keras.models.clone_model(model, clone_function=clone)
