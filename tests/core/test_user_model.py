@@ -184,7 +184,7 @@ def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model
     spec.loader.exec_module(module)
     loaded = keras.models.load_model(run / "export" / "model.keras",
                                      custom_objects={"Centered": module.Centered})
-    probabilities = np.asarray(loaded(np.zeros((2, 32, 32, 3), np.uint8)))
+    probabilities = np.asarray(loaded([np.zeros((2, 32, 32, 3), np.uint8)]))  # its one input
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
 
 
