@@ -20,6 +20,7 @@ from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.process import memory
 from distributed_mpt.training import outputs
+from distributed_mpt.training.checkpoints import RANDOM_STATE
 from distributed_mpt.training.plan import RunPlan
 
 
@@ -40,7 +41,18 @@ class Built:
                  "global_batch_size": self.trained_global_batch}
         if self.lookahead:
             state["lookahead"] = self.lookahead.state
+        draws = random_state(trainer.model)
+        if draws:  # a resume then draws the masks an uninterrupted run would
+            state[RANDOM_STATE] = draws
         return state
+
+
+def random_state(model) -> list:
+    """The state of `model`'s random draws (Dropout's masks, Keras' random
+    augmentations): its variables that are not weights, Keras' seed
+    generators. Keras checkpoints a model's weights alone."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
 
 
 def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,

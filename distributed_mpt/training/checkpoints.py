@@ -5,16 +5,13 @@ part), but only the chief writes into `<model_dir>/checkpoints`; the others
 write into a private scratch directory that they delete. All workers restore
 from the chief's directory, so a restarted group starts from one state.
 
-A checkpoint is lost only if every copy of it is: a run restores the newest
-checkpoint that reads back whole, found by listing the files on disk rather
-than by trusting the `checkpoint` index file (a crash, a full disk or a user
-can leave that file garbage or pointing at nothing), and skips damaged newer
-ones, saying why; the index file is then rewritten from what was found.
-When checkpoints exist and none reads back, the run stops and changes
-nothing: it never starts from step 0 over them. Beside the
-checkpoints, `model.json` records which model they hold, so that a run of
-another model refuses the directory instead of failing deep in TensorFlow
-or, worse, overwriting it.
+A run restores the newest checkpoint that reads back whole, found by listing
+the files (a crash, a full disk or a user can leave the `checkpoint` index
+file garbage), skips damaged newer ones, saying why, and rewrites the index.
+When checkpoints exist and none reads back, it stops and changes nothing,
+never starting from step 0 over them. `model.json` beside them records the
+model they hold: a run of another model refuses the directory instead of
+failing deep in TensorFlow or overwriting it.
 """
 
 import contextlib
@@ -37,6 +34,7 @@ from distributed_mpt.errors import CheckpointMismatchError, UserError, first_lin
 from distributed_mpt.training.outputs import debris, remove_matching
 
 MAX_TO_KEEP = 3
+RANDOM_STATE = "random_state"  # the random layers' (training.build); absent before 2026-12
 
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
 # A step is an int64 in TensorFlow: a name with a larger number was not saved
@@ -76,7 +74,8 @@ def checkpoint_bytes(**trackables) -> int:
     optimizer slots included (the files add a few kB of index)."""
     variables = []
     for trackable in trackables.values():
-        variables += [trackable] if isinstance(trackable, tf.Variable) else trackable.variables
+        variables += ([trackable] if isinstance(trackable, tf.Variable) else
+                      trackable if isinstance(trackable, list) else trackable.variables)
     # Keras variables give their shape as a tuple and dtype as a name.
     return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
 
@@ -109,6 +108,8 @@ class Checkpoints:
         self._is_chief = worker is None
         self._own_dir = self._shared_dir if self._is_chief else _scratch_dir(model_dir, worker)
         self._checkpoint = tf.train.Checkpoint(**trackables)
+        self._before_random_state = RANDOM_STATE in trackables and tf.train.Checkpoint(
+            **{k: v for k, v in trackables.items() if k != RANDOM_STATE})
         self._step = trackables.get("step")  # what a restored checkpoint says it is
         self._bytes = checkpoint_bytes(**trackables)
         # Made at the first save, once restore_latest has checked the index
@@ -182,8 +183,14 @@ class Checkpoints:
                 _refuse_what_a_save_cannot_replace(prefix)
                 skipped.append((prefix, problem))
                 continue
+            checkpoint = self._checkpoint  # or, saved before random layers' state was, without it
+            if self._before_random_state and not any(
+                    n.startswith(RANDOM_STATE + "/") for n, _ in tf.train.list_variables(prefix)):
+                checkpoint = self._before_random_state
+                files.warn(f"{prefix} holds no state of the model's random layers (an older "
+                           f"version's): they draw other masks than an unstopped run would")
             try:
-                self._checkpoint.restore(prefix).assert_existing_objects_matched()
+                checkpoint.restore(prefix).assert_existing_objects_matched()
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 # It reads back whole, so it is not damaged: it holds other state.
                 raise CheckpointMismatchError(

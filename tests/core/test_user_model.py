@@ -119,6 +119,13 @@ def own_layer(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+def with_dropout(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    x = keras.layers.Dropout(0.5)(keras.layers.Dense(16, activation="relu")(x))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def wrong_classes(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -151,6 +158,30 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(model_file,
               "--log_every_steps=2"]
     expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=80)
     assert_same_weights(resumed, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_run_of_a_model_with_dropout_draws_the_masks_it_would_have(model_file,
+                                                                               tmp_path):
+    # Keras checkpoints weights alone: its seed generators' state was lost,
+    # and the resumed run drew other masks from there.
+    common = [*FLAGS, f"--model={model_file}:with_dropout", "--train_steps=80",
+              "--steps_per_loop=2", "--log_every_steps=2"]
+    expected, resumed = weights_of_whole_and_resumed(common, tmp_path, steps=80)
+    assert any(name.startswith("random_state/") for name in expected)
+    assert_same_weights(resumed, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_saved_without_the_random_state_resumes_with_a_warning(model_file, tmp_path,
+                                                                             monkeypatch):
+    from distributed_mpt.training import build
+    common = [*FLAGS, f"--model={model_file}:with_dropout", "--train_steps=8",
+              f"--model_dir={tmp_path / 'run'}"]
+    with monkeypatch.context() as older:  # as the versions before it saved
+        older.setattr(build, "random_state", lambda model: [])
+        assert_ok(train(common))
+    result = train(common)
+    assert_ok(result)
+    assert "holds no state of the model's random layers" in result.stderr, result.stderr[-2000:]
 
 
 def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_path):
