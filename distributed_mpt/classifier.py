@@ -39,8 +39,9 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
-        # One this user may not read looks empty: it would be called no export.
-        why = os.path.isdir(export_dir) and files.why_no_access(export_dir, os.R_OK | os.X_OK)
+        # One this user may not enter looks empty: it would be called no
+        # export. Entering is all it takes to find saved_model/ (0711 will do).
+        why = os.path.isdir(export_dir) and files.why_no_access(export_dir, os.X_OK)
         if why:
             raise ConfigError(f"cannot read {quoted(export_dir)} ({why}): make it readable for "
                               f"this user")

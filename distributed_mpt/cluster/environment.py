@@ -177,7 +177,7 @@ def _check_address(address: str) -> None:
         # A name's last label is never all digits (RFC 1123): 999.1.1.1 and
         # 10.0.0.010 are typos of addresses, which gRPC would look up as
         # names, its peers waiting out their deadline.
-        if not host.rstrip(".").rpartition(".")[2].isdigit() or _is_ipv4(host):
+        if not host.rpartition(".")[2].isdigit() or _is_ipv4(host):
             return
         raise ClusterError(f"cluster address {_short(address)} is not an IPv4 address "
                            "(four numbers 0-255, without leading zeros)")

@@ -240,11 +240,13 @@ def _connected(host: str, port: int, deadline: float) -> socket.socket:
     whole timeout, and a name of 4 addresses that never answer held a
     report for 20 s, and the run's end past its bound."""
     error = OSError(0, "the host name has no address")
-    for family, kind, protocol, _, address in socket.getaddrinfo(host, port,
-                                                                 type=socket.SOCK_STREAM):
+    addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for tried, (family, kind, protocol, _, address) in enumerate(addresses):
         plain = socket.socket(family, kind, protocol)
         try:
-            plain.settimeout(_seconds_left(deadline))
+            # A share of what is left: a dead first address (IPv6 on a
+            # network of IPv4) must leave the next one time to answer.
+            plain.settimeout(_seconds_left(deadline) / (len(addresses) - tried))
             plain.connect(address)
             return plain
         except OSError as e:

@@ -75,7 +75,7 @@ class RunLock:
                                0o644)
         except OSError as e:
             remedy = ("make it writable for this user, or remove it if no run of --model_dir "
-                      "is under way" if files.why_unwritable(e)  # another user's
+                      "is under way" if e.errno in (errno.EACCES, errno.EPERM)  # another user's
                       else "remove it if it is not a plain file")
             raise ConfigError(f"cannot open the lock file {quoted(self.path)} ({e.strerror}); "
                               f"{remedy}") from None

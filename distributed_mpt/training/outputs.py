@@ -98,21 +98,25 @@ def check_layout(model_dir: str, export: bool = True) -> None:
                               f"choose another --model_dir")
 
 
-def check_folders_writable(model_dir: str, export: bool = True) -> None:
-    """Raises ConfigError if a folder a run writes into already exists in
-    `model_dir` and this user cannot write there (another user's, a
+def check_parts_writable(model_dir: str, export: bool = True) -> None:
+    """Raises ConfigError if a part of `model_dir` a run writes in place
+    already exists and this user cannot write it (another user's, a
     read-only mount): TensorBoard's writer failed with a traceback, a
-    checkpoint after the steps it was to keep, and the replaced export's
-    removal after the training. With `export`, every folder of export/."""
-    folders = [(os.path.join(model_dir, name), f"a run writes its {name} there", False)
-               for name in DIRECTORIES]
+    checkpoint after the steps it was to keep, the metrics' first line after
+    TensorFlow's start, and the replaced export's removal after the
+    training. With `export`, every folder of export/."""
+    writable = os.W_OK | os.X_OK
+    parts = [(os.path.join(model_dir, name), f"a run writes its {name} there", writable)
+             for name in DIRECTORIES]
+    parts.append((os.path.join(model_dir, "metrics.jsonl"), "a run appends its metrics to it",
+                  os.W_OK))
     if export:  # replaced whole: the old one is listed and removed, folder by folder
         top = os.path.join(model_dir, EXPORT_DIR)
-        folders += [(path, "a new export removes the old one", True) for path in
-                    [top, *(os.path.join(root, d) for root, ds, _ in os.walk(top) for d in ds)]]
-    for path, what, listed in folders:
-        why = os.path.isdir(path) and files.why_no_access(
-            path, os.W_OK | os.X_OK | (os.R_OK if listed else 0))
+        parts += [(path, "a new export removes the old one", writable | os.R_OK) for path in
+                  [top, *(os.path.join(root, d) for root, ds, _ in os.walk(top) for d in ds)]]
+    for path, what, mode in parts:
+        listed = mode & os.R_OK
+        why = os.path.exists(path) and files.why_no_access(path, mode)
         if why:
             raise ConfigError(f"{quoted(path)} is not writable ({why}), and {what}: make it "
                               f"writable for this user, {'pass --noexport, ' if listed else ''}"

@@ -81,7 +81,7 @@ def _run(config: TrainConfig) -> int:
             # One run per model_dir, held until the end (the OS drops it if
             # the process dies); only the holder may mark it or clear debris.
             files.check_writable(config.run.model_dir)
-            outputs.check_folders_writable(config.run.model_dir, export=config.run.export)
+            outputs.check_parts_writable(config.run.model_dir, export=config.run.export)
             lock = run_lock.RunLock(config.run.model_dir)
             if new_model_dir:  # a stop before training leaves nothing new
                 stopping.on_stop_before_training(lambda: lock.release(

@@ -306,6 +306,18 @@ def test_a_report_to_a_name_of_many_unanswering_addresses_ends_in_time(serve, ca
     assert_no_part_of_the_token(output)
 
 
+def test_a_report_reaches_the_address_that_answers_after_one_that_never_does(serve, capfd,
+                                                                              addresses_of):
+    """The first address (a dead IPv6 one on a network of IPv4, say) took the
+    report's whole time, and the one that answers was never tried."""
+    with contextlib.ExitStack() as stack:
+        server = serve()
+        addresses_of(server.NAME, [unanswered_port(stack), server.port])
+        warnings, _ = report({**server.env, "KUBEFLOW_TRAINER_SERVER_URL":
+                              f"https://{server.NAME}:{server.port}/apis/status"}, capfd)
+    assert warnings == [] and len(server.requests) == 1, warnings
+
+
 def test_a_name_that_never_resolves_is_a_warning_at_the_end(serve, capfd, addresses_of,
                                                              monkeypatch):
     """No deadline reaches a name's resolution: close() returns in its bound

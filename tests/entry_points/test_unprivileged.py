@@ -42,6 +42,8 @@ def _run_as_root(folder: Path, *flags) -> Path:
     # The new export was moved into place, and removing the old one failed
     # after the training, with a traceback: summary.json unwritten.
     ("export/saved_model/variables", "variables is not writable (Permission denied)"),
+    # Found after TensorFlow's start, at the first line appended.
+    ("metrics.jsonl", "metrics.jsonl is not writable (Permission denied)"),
     # "remove it if it is not a plain file": it is one, of another user.
     (".lock", "(Permission denied); make it writable for this user"),
 ])
@@ -72,6 +74,19 @@ def test_predict_says_which_part_of_a_run_this_user_may_not_read(scratch, closed
     Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
     result = run_as_nobody("distributed_mpt.predict", [f"--model_dir={run}", image], scratch)
     assert_one_error_line(result, fragment.format(path=run / closed))
+
+
+@pytest.mark.parametrize("entered", ["run", "run/export"])
+def test_predict_answers_from_a_run_it_may_enter_but_not_list(scratch, entered):
+    run = _run_as_root(scratch, "--export")
+    chown_tree(run, 0)
+    (scratch / entered).chmod(0o711)  # a shared run: found by name, not listed
+    image = scratch / "image.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    result = run_as_nobody("distributed_mpt.predict", [f"--model_dir={scratch / entered}", image],
+                           scratch)
+    assert_ok(result)
+    assert result.stdout.startswith(f"{image}: "), result.stdout
 
 
 def test_a_model_file_in_a_folder_this_user_may_not_search_is_no_missing_file(scratch):

@@ -21,6 +21,7 @@ class StatusServer:
     as the controller does: 200 and the applied status."""
 
     TOKEN = "a-projected-service-account-token"
+    NAME = "status.example"  # in its certificate too, for a test to resolve to it
 
     def __init__(self, address: str, directory, answer=None, token: str = TOKEN):
         self.requests = []
@@ -40,7 +41,8 @@ class StatusServer:
         tls.load_cert_chain(directory / "server.crt", directory / "server.key")
         self._http.socket = tls.wrap_socket(self._http.socket, server_side=True)
         (directory / "token").write_text(token)
-        self.url = f"https://{address}:{self._http.server_address[1]}/apis/status"
+        self.port = self._http.server_address[1]
+        self.url = f"https://{address}:{self.port}/apis/status"
         self.env = {"KUBEFLOW_TRAINER_SERVER_URL": self.url,
                     "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(directory / "ca.crt"),
                     "KUBEFLOW_TRAINER_SERVER_TOKEN": str(directory / "token")}
@@ -57,7 +59,8 @@ class StatusServer:
                 "-subj", "/CN=test trainer CA")
         openssl("req", *key, "-keyout", "server.key", "-out", "server.csr",
                 "-subj", "/CN=kubeflow-trainer-controller")
-        (directory / "san.ext").write_text(f"subjectAltName=IP:{address}\n")
+        (directory / "san.ext").write_text(
+            f"subjectAltName=IP:{address},DNS:{StatusServer.NAME}\n")
         openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
                 "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
 

@@ -13,11 +13,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Tuple
 
 from conftest import REPO, subprocess_env
 
-NOBODY = ["--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-NOBODY_UID = 65534
+NOBODY_UID = 65534  # nobody's, and nogroup's or nobody's group (RHEL names it so)
+NOBODY = [f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups"]
 
 
 def _env() -> dict:
@@ -27,20 +28,31 @@ def _env() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _python() -> str:
+def _python() -> Tuple[str, str]:
     """An interpreter of this Python version that nobody may run and that
-    imports the package and its libraries; "" if there is none. A pyenv's
-    or a virtual environment's may lie in root's home, closed to others."""
+    imports the package and its libraries, and ""; or "" and why there is
+    none. A pyenv's or a virtual environment's may lie in root's home,
+    closed to others."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    why = ""
     for python in dict.fromkeys([sys.executable, shutil.which(version) or "",
                                  f"/usr/bin/{version}", f"/usr/local/bin/{version}"]):
         # Its helper processes run sys.executable again: as nobody, too.
         probe = ["setpriv", *NOBODY, python, "-c", "import distributed_mpt, numpy, subprocess, "
                  "sys; subprocess.run([sys.executable, '-c', ''], check=True)"]
-        if python and subprocess.run(probe, capture_output=True, timeout=60,
-                                     env=_env()).returncode == 0:
-            return python
-    return ""
+        if not python:
+            continue
+        try:
+            result = subprocess.run(probe, capture_output=True, text=True, timeout=300,
+                                    env=_env())
+        except subprocess.TimeoutExpired:
+            why = f"{python} did not start within 300 s as nobody"
+            continue
+        if result.returncode == 0:
+            return python, ""
+        lines = result.stderr.strip().splitlines()
+        why = f"{python} as nobody: {lines[-1] if lines else f'exit {result.returncode}'}"
+    return "", why
 
 
 def unavailable() -> str:
@@ -49,10 +61,11 @@ def unavailable() -> str:
         return "needs root, to run a command as the user nobody"
     if not shutil.which("setpriv"):
         return "needs setpriv (util-linux), to run a command as the user nobody"
-    if not _python():
+    python, why = _python()
+    if not python:
         return (f"the user nobody may run no Python {sys.version_info.major}."
-                f"{sys.version_info.minor} that imports this package and NumPy "
-                f"({sys.executable} is in a folder closed to others)")
+                f"{sys.version_info.minor} that imports this package (from {REPO}) and NumPy; "
+                f"the last tried: {why}")
     return ""
 
 
@@ -74,7 +87,7 @@ def chown_tree(path: Path, uid: int) -> None:
 def run_as_nobody(module: str, args, home: Path, umask=None) -> subprocess.CompletedProcess:
     """`python -m module args` as the user nobody, with `home` as HOME."""
     env = {**_env(), "HOME": str(home)}
-    return subprocess.run(["setpriv", *NOBODY, _python(), "-m", module, *map(str, args)],
+    return subprocess.run(["setpriv", *NOBODY, _python()[0], "-m", module, *map(str, args)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=home,
                           umask=-1 if umask is None else umask)
 
