@@ -28,6 +28,7 @@ the others still run, and the exit status is 1.
 # the JSON file and the exit status (0; 1 if a section failed; 2 for bad flags).
 
 import contextlib
+import errno
 import os
 import sys
 import textwrap
@@ -43,7 +44,8 @@ from distributed_mpt.benchmark.cells import MAX_REPEATS
 from distributed_mpt.core import models
 from distributed_mpt.benchmark.sections import (SECTIONS, BenchmarkOptions, format_report,
                                                 run_benchmark)
-from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
+from distributed_mpt.errors import (ConfigError, ExitCode, UserError, quoted,
+                                    too_long_to_open)
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 # Every section measured, the mixed policy included (emulated, but small).
@@ -158,6 +160,7 @@ def main(argv=None) -> int:
         options = parse_options(argv)
         if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
             files.check_writable(os.path.dirname(os.path.realpath(options.output)), "--output")
+            _check_name(options.output)
         # TensorFlow's C++ start-up lines, off the report; SIGTERM ends the cells too.
         with log_filter.filtering(), stopping.stops_interrupting():
             results = run_benchmark(options)
@@ -178,6 +181,20 @@ def main(argv=None) -> int:
     for name, reason in failed.items():
         print(f"error: section {name} FAILED: {reason}", file=sys.stderr)
     return ExitCode.CRASHED if failed else ExitCode.OK
+
+
+def _check_name(output: str) -> None:
+    """Raises ConfigError if the file system refuses the name --output gives
+    (too long, a loop of links): found by the write, it came after minutes
+    of measuring, whose figures were then only on the console."""
+    try:
+        os.lstat(output)
+    except FileNotFoundError:  # to be written: its folder is there and writable
+        return
+    except OSError as e:
+        shown = too_long_to_open(output) if e.errno == errno.ENAMETOOLONG else quoted(output)
+        raise ConfigError(f"--output={shown} cannot be written ({e.strerror}): name another "
+                          f"file") from None
 
 
 def _write(output: str, results: dict) -> Optional[str]:

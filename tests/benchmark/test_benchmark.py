@@ -199,6 +199,17 @@ def test_bad_flags_are_one_error_line_and_exit_2_before_measuring(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_output_name_too_long_for_the_file_system_is_one_error_line_before_measuring(
+        tmp_path, capsys, nothing_measured):
+    # Found by the write, it came after minutes of measuring.
+    assert cli.main(["--tiny", f"--output={tmp_path / ('a' * 300 + '.json')}"]) == ExitCode.USAGE
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: --output=/"), errors
+    assert errors[0].endswith("(a name of 305 bytes in it, more than the 255 a name may be) "
+                              "cannot be written (File name too long): name another file"), errors
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
 def _special_files(directory: Path) -> dict:
     """One of each kind of file that is not a regular file, by kind."""
     import socket
