@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import typing
 from typing import Optional
 
 from distributed_mpt.cluster import ClusterOptions
@@ -140,6 +141,33 @@ RESUME_MAY_CHANGE = (
     "data_dir", "download", "strategy", "cpu_replicas", "communication", "steps_per_loop",
     "log_every_steps", "checkpoint_every_steps", "xla", "data_on_device", "peer_timeout_seconds",
     "evaluate", "eval_every_epochs", "eval_tta", "eval_tta_fraction", "bn_recalibration", "export")
+
+
+_WRITTEN_AS = {bool: "true or false", str: "a string", float: "a number", int: "a whole number"}
+
+
+def compared_flag_problem(flags: dict) -> Optional[str]:
+    """What is wrong with a flag that a resume compares (not in
+    RESUME_MAY_CHANGE) in `flags`, a config.json's flags by name, or None: a
+    value of a type this program never writes there. Compared as it was, the
+    string "0.1" was said to differ from --learning_rate=0.1, and the user
+    told to pass what they had passed."""
+    for field in FIELDS:
+        if field.name in RESUME_MAY_CHANGE or field.name not in flags:
+            continue
+        value, kinds = flags[field.name], typing.get_args(field.type) or (field.type,)
+        kind = kinds[0]
+        if kind is bool or isinstance(value, bool):
+            fits = isinstance(value, bool) and kind is bool
+        elif kind is str:
+            fits = isinstance(value, str)
+        else:  # a whole float (64.0) is the number a JSON writer may make of 64
+            fits = isinstance(value, int) or isinstance(value, float) and (
+                kind is float or value.is_integer())
+        if not fits and not (value is None and type(None) in kinds):
+            return (f"its {field.name!r} is {quoted(json.dumps(value), 40)}, where this program "
+                    f"writes {_WRITTEN_AS[kind]}")
+    return None
 
 
 def training_flags(c: TrainConfig) -> dict:

@@ -25,8 +25,8 @@ import tensorflow as tf
 
 from distributed_mpt import files
 from distributed_mpt.cluster.strategy import barrier
-from distributed_mpt.config import (DEFAULTS, TrainConfig, flat_record, section_problem,
-                                    training_flags)
+from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
+                                    section_problem, training_flags)
 from distributed_mpt.core import models, pipeline, precision
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
@@ -183,8 +183,9 @@ def _previous_config(model_dir: str) -> dict:
     remedy = ("it records the flags of the run that wrote the checkpoints: restore an intact "
               "copy, or remove it to resume without comparing them")
     previous_config = files.read_json(config_path, remedy=remedy)
-    problem = section_problem(previous_config) or files.missing_fields(
-        flat_record(previous_config), {"dataset": str, "seed": int, "resolved": dict})
+    flags = flat_record(previous_config)
+    problem = (section_problem(previous_config) or compared_flag_problem(flags) or
+               files.missing_fields(flags, {"dataset": str, "seed": int, "resolved": dict}))
     if problem:
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ({problem}); {remedy}")
     earlier = previous_config.get("earlier", [])  # absent in runs from before it was kept
@@ -259,8 +260,10 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
                if _compared(name, previous.get(name, DEFAULTS[name])) != _compared(name, value)]
     if changed:
         theirs = " ".join(f"--{name}={quoted(old, 60)}" for name, old, _ in changed)
-        mine = ", ".join(f"--{name}={quoted(old, 40)} to {quoted(new, 40)}"
-                         for name, old, new in changed)
+        # A flag its config.json lacks (an older version's, or edited away) was its default.
+        unrecorded = " (the default: its config.json does not record it)"
+        mine = ", ".join(f"--{name}={quoted(old, 40)}{'' if name in previous else unrecorded} to "
+                         f"{quoted(new, 40)}" for name, old, new in changed)
         raise ConfigError(
             f"--model_dir={quoted(config.run.model_dir)} holds a run trained otherwise: this run "
             f"changes {mine}. Pass {theirs} to resume it (only its length, batch, evaluation "

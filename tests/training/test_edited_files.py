@@ -74,8 +74,28 @@ CASES = {
                                         "config.json is damaged ('earlier' is not a list"),
     "config.json: earlier of numbers": (_edit("config.json", _with(earlier=[1, 2])), 8,
                                         "config.json is damaged ('earlier' is not a list"),
+    # A flag of a type never written there was compared as it was: "changes
+    # --learning_rate=0.1 to 0.1. Pass --learning_rate=0.1", for the string "0.1".
     "config.json: a flag of nested junk": (
-        _edit("config.json", _with(learning_rate={"a": [[[1]]]})), 8, "changes --learning_rate"),
+        _edit("config.json", _with(learning_rate={"a": [[[1]]]})), 8,
+        "config.json is damaged (its 'learning_rate' is {\"a\": [[[1]]]}, where this program "
+        "writes a number)"),
+    "config.json: a rate as a string": (
+        _edit("config.json", _in_section("optimizer", learning_rate="0.1")), 8,
+        "config.json is damaged (its 'learning_rate' is \"0.1\", where this program writes a "
+        "number); it records the flags"),
+    "config.json: a choice as true": (_edit("config.json", _in_section("augmentation", flip=True)),
+                                      8, "(its 'flip' is true, where this program writes a string)"),
+    "config.json: a width of 64.5": (
+        _edit("config.json", _in_section("model", model_width=64.5)), 8,
+        "(its 'model_width' is 64.5, where this program writes a whole number)"),
+    "config.json: a width of 64.0": (_edit("config.json", _in_section("model", model_width=64.0)),
+                                     8, None),
+    # A flag it lacks (an older version's file) was the default, and is said to be.
+    "config.json: the model removed": (
+        _edit("config.json", lambda r: json.dumps({**r, "model": {"model_width": 64}})), 8,
+        "changes --model=resnet9 (the default: its config.json does not record it) to mlp. "
+        "Pass --model=resnet9"),
     "config.json: a huge seed": (_edit("config.json", _with(seed=10**30)), 8, "changes --seed"),
     "config.json: a number beyond a float": (
         _edit("config.json", lambda r: json.dumps(r).replace('"seed": 0', '"seed": 1e400')), 8,
