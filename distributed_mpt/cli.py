@@ -113,6 +113,25 @@ def check_flagfiles(args, seen=()) -> None:
             check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
 
 
+# `$NAME` or `${NAME}`: what a shell would have expanded.
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
+
+
+def refuse_unexpanded_variables(fv: flags.FlagValues, *names: str) -> None:
+    """Raises ConfigError if the path flag `names` of `fv` holds a variable
+    of the environment, as `$HOME/runs`: no shell expands a flagfile's lines
+    (nor a quoted argument), and training made a folder named `$HOME` in the
+    working directory. An unset name is taken as part of the path."""
+    for name in names:
+        value = fv[name].value or ""
+        for match in _VARIABLE.finditer(value):
+            variable = match.group(1) or match.group(2)
+            if variable in os.environ:
+                raise ConfigError(f"--{name}={quoted(value)} holds {match.group()}, which no "
+                                  f"shell expanded (in a flagfile, or quoted): write the path out")
+
+
+
 def parse(program: str, fv: flags.FlagValues, argv: List[str],
           positionals: bool = False) -> List[str]:
     """Parses `argv` (without the program name) into `fv`; returns the

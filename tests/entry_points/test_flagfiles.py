@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from conftest import deadline, make_path, run_in_process
+from conftest import SMOKE_FLAGS, deadline, make_path, run_in_process
 
 PROGRAMS = {"train": ("distributed_mpt.train", ["--model_dir=unused"]),
             "predict": ("distributed_mpt.predict", ["--model_dir=unused", "--evaluate"]),
@@ -34,3 +34,27 @@ def test_a_flagfile_that_is_no_text_file_is_one_error_line(program, kind, said, 
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
     assert f"{path} {said}; --flagfile takes a text file of flags" in result.stderr
+
+
+@pytest.mark.parametrize("program, flag", [("train", "model_dir"), ("train", "data_dir"),
+                                           ("predict", "model_dir")])
+@pytest.mark.parametrize("written", ["$HOME", "${HOME}"])
+def test_a_variable_no_shell_expanded_in_a_path_is_one_error_line(program, flag, written,
+                                                                  tmp_path, monkeypatch):
+    # A flagfile's lines reach the program as written: training made a
+    # folder named `$HOME` in the working directory, and trained there.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_text(f"--{flag}={written}/runs/a\n")
+    module = PROGRAMS[program][0]
+    others = ["--evaluate"] if program == "predict" else [*SMOKE_FLAGS, "--train_steps=2"]
+    if flag == "data_dir":
+        others.append(f"--model_dir={tmp_path / 'run'}")
+    result = run_in_process(importlib.import_module(module).main,
+                            [f"--flagfile={flagfile}", *others])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (f"error: --{flag}={written}/runs/a holds {written}, which no shell "
+                             f"expanded (in a flagfile, or quoted): write the path out\n")
+    assert list((tmp_path / "work").iterdir()) == [], "nothing made"
