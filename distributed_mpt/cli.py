@@ -80,6 +80,8 @@ def show_help(doc: str, fv: flags.FlagValues, epilogue: str = "") -> int:
 
 
 _FLAGFILE = ("--flagfile", "-flagfile")
+# Far above any flagfile (the shipped recipes are under 2 kB), even one of a 100 kB path.
+MAX_FLAGFILE_BYTES = 1 << 20
 
 
 def check_flagfiles(args, seen=()) -> None:
@@ -101,6 +103,12 @@ def check_flagfiles(args, seen=()) -> None:
         path = os.path.expanduser(path)
         if not path or path in seen:  # absl warns of a cycle and goes on
             continue
+        # A log or a data set given by mistake: absl took 6 s and 160 MB a million lines.
+        size = os.path.getsize(path) if files.is_regular_file(path) else 0
+        if size > MAX_FLAGFILE_BYTES:
+            raise ConfigError(f"--flagfile={quoted(path)} holds {size:,} bytes, where a flagfile "
+                              f"holds a few thousand (at most {MAX_FLAGFILE_BYTES:,} are read): "
+                              f"is it the file you meant?")
         try:
             text = files.read_text(path, "--flagfile takes a text file of flags, one a line, "
                                          "in UTF-8")
@@ -109,6 +117,9 @@ def check_flagfiles(args, seen=()) -> None:
         if text is not None and "\x00" in text:  # /proc/self/environ: not a flagfile
             raise ConfigError(f"--flagfile={quoted(path)} holds NUL bytes: a flagfile is a text "
                               f"file of flags, one a line")
+        if text is not None and text.startswith("\ufeff"):  # absl reads it as part of a flag
+            raise ConfigError(f"--flagfile={quoted(path)} begins with a byte order mark (as some "
+                              f"Windows editors save UTF-8): save it without one")
         if text is not None:  # a missing file is absl's to report
             check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
 

@@ -36,6 +36,25 @@ def test_a_flagfile_that_is_no_text_file_is_one_error_line(program, kind, said, 
     assert f"{path} {said}; --flagfile takes a text file of flags" in result.stderr
 
 
+@pytest.mark.parametrize("content, said", [
+    # A log given by mistake: absl read it all, 6 s and 160 MB a million lines.
+    (b"--model=mlp\n" * 100_000, "holds 1,200,000 bytes, where a flagfile holds a few thousand "
+                                 "(at most 1,048,576 are read): is it the file you meant?"),
+    # absl took the mark for part of the first flag: "unexpected argument(s) \ufeff--model=mlp".
+    ("\ufeff--model=mlp\n".encode(), "begins with a byte order mark (as some Windows editors "
+                                     "save UTF-8): save it without one")])
+def test_a_flagfile_too_large_or_with_a_byte_order_mark_is_one_error_line(content, said,
+                                                                        tmp_path):
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_bytes(content)
+    from distributed_mpt.train import main
+
+    result = run_in_process(main, [f"--flagfile={flagfile}", f"--model_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2
+    assert result.stderr == f"error: --flagfile={flagfile} {said}\n"
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("program, flag", [("train", "model_dir"), ("train", "data_dir"),
                                            ("predict", "model_dir")])
 @pytest.mark.parametrize("written", ["$HOME", "${HOME}"])
