@@ -128,13 +128,18 @@ def check_flagfiles(args, seen=()) -> None:
 _VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
 
 
-def refuse_unexpanded_variables(fv: flags.FlagValues, *names: str) -> None:
-    """Raises ConfigError if the path flag `names` of `fv` holds a variable
-    of the environment, as `$HOME/runs`: no shell expands a flagfile's lines
-    (nor a quoted argument), and training made a folder named `$HOME` in the
-    working directory. An unset name is taken as part of the path."""
+def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
+    """Raises ConfigError if a path flag `names` of `fv` is given empty (an
+    unset shell variable: `--output=$OUT` wrote no file and said nothing) or
+    holds a variable of the environment, as `$HOME/runs`: no shell expands a
+    flagfile's lines (nor a quoted argument), and training made a folder
+    named `$HOME` in the working directory. An unset name is taken as part
+    of the path."""
     for name in names:
         value = fv[name].value or ""
+        if fv[name].present and not value.strip():
+            raise ConfigError(f"--{name}={quoted(value)} is empty: give a path, or leave the flag "
+                              f"out (an unset shell variable gives an empty value)")
         for match in _VARIABLE.finditer(value):
             variable = match.group(1) or match.group(2)
             if variable in os.environ:

@@ -126,7 +126,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
     paths = cli.parse("distributed-mpt-predict", fv, argv, positionals=True)
     if getattr(sys.stdout, "closed_at_start", False):  # >&-: exit 0, the answers nowhere
         raise ConfigError("standard output is closed: give the answers somewhere to go")
-    cli.refuse_unexpanded_variables(fv, "model_dir", "data_dir")
+    cli.check_path_flags(fv, "model_dir", "data_dir")
     for name in ("model_dir", "data_dir"):
         fv[name].value = user_path(fv[name].value)
     if not fv.model_dir:

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
 def _prepare(fv: flags.FlagValues, argv) -> int:
     cli.parse("distributed-mpt-prepare-data", fv, argv)
-    cli.refuse_unexpanded_variables(fv, "data_dir")
+    cli.check_path_flags(fv, "data_dir")
     data_dir = user_path(fv.data_dir)
     # TensorFlow's C++ start-up lines, off the console. What training reads:
     # the official binary release, where the directory holds it, is ready as

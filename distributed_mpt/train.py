@@ -78,7 +78,7 @@ def parse_config(argv) -> config_lib.TrainConfig:
     fv = _flag_values()
     args = _expand_recipes(argv)
     cli.parse("distributed-mpt-train", fv, args)
-    cli.refuse_unexpanded_variables(fv, "model_dir", "data_dir")
+    cli.check_path_flags(fv, "model_dir", "data_dir")
     if fv["recipe"].present:  # -recipe=..., or inside a --flagfile: absl only stored it
         raise ConfigError(f"--recipe={fv.recipe} must be given on the command line, as "
                           f"--recipe={fv.recipe} (inside a flagfile, use --flagfile="

@@ -119,6 +119,7 @@ def parse_options(argv) -> BenchmarkOptions:
     """Flags (without the program name) into BenchmarkOptions; raises ConfigError."""
     fv = _flag_values()
     cli.parse("distributed-mpt-benchmark", fv, argv)
+    cli.check_path_flags(fv, "output")
     if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
         raise ConfigError(f"--batch_sizes={quoted(','.join(fv.batch_sizes))} must be whole "
                           f"numbers in decimal digits")

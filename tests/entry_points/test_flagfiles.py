@@ -77,3 +77,29 @@ def test_a_variable_no_shell_expanded_in_a_path_is_one_error_line(program, flag,
     assert result.stderr == (f"error: --{flag}={written}/runs/a holds {written}, which no shell "
                              f"expanded (in a flagfile, or quoted): write the path out\n")
     assert list((tmp_path / "work").iterdir()) == [], "nothing made"
+
+
+@pytest.mark.parametrize("program, flag", [("train", "data_dir"), ("predict", "data_dir"),
+                                           ("prepare-data", "data_dir"),
+                                           ("benchmark", "output")])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_path_flag_given_empty_is_one_error_line(program, flag, value, tmp_path, monkeypatch,
+                                                   capsys):
+    # `--data_dir=$DATA` with DATA unset: prepare-data downloaded into
+    # ~/tensorflow_datasets, the benchmark measured and wrote no file.
+    from distributed_mpt.benchmark import sections
+
+    monkeypatch.setattr(sections, "run_cell", lambda cell: pytest.fail("measured"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    module, others = PROGRAMS[program]
+    if program == "train":
+        others = [*SMOKE_FLAGS, "--train_steps=2", f"--model_dir={tmp_path / 'run'}"]
+    elif program == "predict":
+        others = [f"--model_dir={tmp_path}", "--evaluate"]
+    code = importlib.import_module(module).main([f"--{flag}={value}", *others])
+    assert code == 2
+    assert capsys.readouterr().err == (f"error: --{flag}={value} is empty: give a path, or leave "
+                                       f"the flag out (an unset shell variable gives an empty "
+                                       f"value)\n")
+    assert list(tmp_path.iterdir()) == [], "nothing made"
