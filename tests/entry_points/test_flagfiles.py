@@ -12,7 +12,8 @@ PROGRAMS = {"train": ("distributed_mpt.train", ["--model_dir=unused"]),
             "predict": ("distributed_mpt.predict", ["--model_dir=unused", "--evaluate"]),
             "benchmark": ("distributed_mpt.benchmark.cli", ["--tiny"]),
             "prepare-data": ("distributed_mpt.prepare_data", []),
-            "scaling": ("distributed_mpt.benchmark.scaling", [])}
+            "scaling": ("distributed_mpt.benchmark.scaling", []),
+            "launch": ("distributed_mpt.launch", ["--", "--model_dir=unused"])}
 
 
 def _binary(path):
