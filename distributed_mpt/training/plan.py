@@ -182,6 +182,8 @@ def _previous_config(model_dir: str) -> dict:
     config_path = os.path.join(model_dir, "config.json")
     remedy = ("it records the flags of the run that wrote the checkpoints: restore an intact "
               "copy, or remove it to resume without comparing them")
+    if not os.path.lexists(config_path):  # removed, as the remedy below offers: not compared
+        return {}
     previous_config = files.read_json(config_path, remedy=remedy)
     flags = flat_record(previous_config)
     problem = (section_problem(previous_config) or compared_flag_problem(flags) or

@@ -68,6 +68,9 @@ CASES = {
                                         "damaged (its 'data' section is 3, where"),
     "config.json: a section null": (_edit("config.json", _with(optimizer=None)), 8,
                                     "damaged (its 'optimizer' section is null, where"),
+    # Its remedy says: "remove it to resume without comparing them"; removed, it was
+    # "damaged (no 'dataset')", and the run could not resume at all.
+    "config.json: removed": (lambda model_dir: (model_dir / "config.json").unlink(), 8, None),
     "config.json: a list": (_edit("config.json", lambda r: json.dumps([r])), 8,
                             "config.json is damaged (a JSON list, not an object)"),
     "config.json: earlier not a list": (_edit("config.json", _with(earlier="junk")), 8,
