@@ -80,3 +80,13 @@ def test_the_batch_rule_is_left_unsaid_only_where_the_short_runs_batch_keeps_it(
     short, beyond = _start_warnings(1_281_167, 8, per_replica_batch_size=2048, epochs=2)
     assert "--epochs=3" in short and "--per_replica_batch_size" not in short
     assert beyond.startswith("a global batch of 16384 is above 8192")
+
+
+def test_a_tiny_positive_number_of_epochs_trains_one_step(model_dir):
+    # --epochs=0 is refused, and --epochs=1e-9 came to 0 steps: a model never
+    # trained was evaluated and exported as the run's result.
+    result = train(["--dataset=synthetic", "--synthetic_examples=256", "--model=mlp",
+                    "--per_replica_batch_size=32", "--epochs=1e-9", "--noevaluate",
+                    "--noexport", f"--model_dir={model_dir}"])
+    assert_ok(result)
+    assert "\nstep 1/1 " in result.stdout, result.stdout

@@ -57,7 +57,8 @@ class ScheduleOptions(Options):
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """The run's steps; a fraction of an epoch counts its steps, rounded up (airbench's 9.9)."""
-        return self.train_steps or math.ceil(round(self.epochs * steps_per_epoch, 6))
+        # At least one: --epochs=1e-9 made a run of 0 steps, which exported a model never trained.
+        return self.train_steps or max(1, math.ceil(round(self.epochs * steps_per_epoch, 6)))
 
     def warmup_steps(self, steps_per_epoch: int, total_steps: int) -> int:
         """Capped here as the schedule caps it, so that config.json says what ran."""
