@@ -30,24 +30,31 @@ HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "-helpfull")
 flags.disclaim_key_flags()
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+_NOT_BOOLEAN = re.compile(r"\('Non-boolean argument to boolean flag', (.*)\)$")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 class _StrictIntegerParser(flags.IntegerParser):
     def convert(self, argument):
         if isinstance(argument, str) and not is_decimal_integer(argument):
-            raise ValueError(f"{quoted(argument, 40)} is not a whole number in decimal digits")
+            raise ValueError(f"{_shown(argument)} is not a whole number in decimal digits")
         return super().convert(argument)
 
 
 class _StrictFloatParser(flags.FloatParser):
     def convert(self, argument):
         if isinstance(argument, str) and not _FLOAT.fullmatch(argument.strip()):
-            raise ValueError(f"{quoted(argument, 40)} is not a decimal number")
+            raise ValueError(f"{_shown(argument)} is not a decimal number")
         value = super().convert(argument)
         if not math.isfinite(value):  # `1e400` is written in decimals, and is infinity
             raise ValueError(f"{quoted(argument, 40)} is too large for a number")
         return value
+
+
+def _shown(argument: str) -> str:
+    """A flag's value as its error line echoes it: `--epochs=` gave
+    "flag --epochs=:  is not a decimal number"."""
+    return quoted(argument, 40) if argument.strip() else "an empty value"
 
 
 def is_decimal_integer(text: str) -> bool:
@@ -160,6 +167,8 @@ def parse(program: str, fv: flags.FlagValues, argv: List[str],
         # quoted: absl echoes what it was given (a --flagfile of
         # /proc/self/environ: the environment), control characters and all.
         said = quoted(first_line(e, limit=10_000).removeprefix("ERROR:: "))
+        # absl's BooleanParser raises ValueError(message, value), shown as a tuple.
+        said = _NOT_BOOLEAN.sub(r"\1 is neither true nor false", said)
         # A file named -photo.png reads as a flag, which absl names without its dash.
         files_like_flags = [a for a in argv if positionals and a.startswith("-")
                             and not a.startswith("--") and os.path.lexists(a)]

@@ -64,6 +64,11 @@ def test_shipped_recipes_parse(tmp_path):
     (["--train_steps=1_000"], "--train_steps=1_000: 1_000 is not a whole number"),
     (["--seed=\u0661\u0662"], "is not a whole number in decimal digits"),
     (["--learning_rate=1_0.5"], "--learning_rate=1_0.5: 1_0.5 is not a decimal number"),
+    # An unset shell variable, and a word for a switch: said as such, not as
+    # "--epochs=:  is not" and "('Non-boolean argument to boolean flag', 'yes')".
+    (["--epochs="], "flag --epochs=: an empty value is not a decimal number"),
+    (["--train_steps= "], "flag --train_steps= : an empty value is not a whole number"),
+    (["--export=yes"], "flag --export=yes: 'yes' is neither true nor false"),
     (["--train_steps=1000000000000000000000000000000"], "train_steps"),
     (["--synthetic_examples=1000000000000"], "--synthetic_examples=1000000000000 is larger"),
     (["--model_width=1000000000"], "--model_width=1000000000 is larger"),
