@@ -145,8 +145,9 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
     for name in names:
         value = fv[name].value or ""
         if fv[name].present and not value.strip():
-            raise ConfigError(f"--{name}={quoted(value)} is empty: give a path, or leave the flag "
-                              f"out (an unset shell variable gives an empty value)")
+            # Not "leave it out": --model_dir is required.
+            raise ConfigError(f"--{name}={quoted(value)} is empty: give a path (an unset shell "
+                              f"variable gives an empty value)")
         for match in _VARIABLE.finditer(value):
             variable = match.group(1) or match.group(2)
             if variable in os.environ:
