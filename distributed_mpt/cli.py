@@ -148,12 +148,15 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
             # Not "leave it out": --model_dir is required.
             raise ConfigError(f"--{name}={quoted(value)} is empty: give a path (an unset shell "
                               f"variable gives an empty value)")
+        if value == "-":  # elsewhere standard output or input; here it made a file named -
+            raise ConfigError(f"--{name}=- would be a file or folder named '-' (this program "
+                              f"writes and reads no standard stream there): give a path, ./- for "
+                              f"that name")
         for match in _VARIABLE.finditer(value):
             variable = match.group(1) or match.group(2)
             if variable in os.environ:
                 raise ConfigError(f"--{name}={quoted(value)} holds {match.group()}, which no "
                                   f"shell expanded (in a flagfile, or quoted): write the path out")
-
 
 
 def parse(program: str, fv: flags.FlagValues, argv: List[str],

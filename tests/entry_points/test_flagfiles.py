@@ -103,3 +103,23 @@ def test_a_path_flag_given_empty_is_one_error_line(program, flag, value, tmp_pat
     assert capsys.readouterr().err == (f"error: --{flag}={value} is empty: give a path (an unset "
                                        f"shell variable gives an empty value)\n")
     assert list(tmp_path.iterdir()) == [], "nothing made"
+
+
+@pytest.mark.parametrize("program, flag", [("train", "model_dir"), ("predict", "model_dir"),
+                                           ("prepare-data", "data_dir"),
+                                           ("benchmark", "output")])
+def test_a_path_flag_of_a_dash_is_one_error_line(program, flag, tmp_path, monkeypatch, capsys):
+    # `--output=-` wrote the benchmark's JSON to a file named '-', not to
+    # standard output as elsewhere; `--model_dir=-` trained into a folder '-'.
+    from distributed_mpt.benchmark import sections
+
+    monkeypatch.setattr(sections, "run_cell", lambda cell: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    module, others = PROGRAMS[program]
+    others = {"train": [*SMOKE_FLAGS, "--train_steps=2"], "predict": ["--evaluate"]}.get(
+        program, others)
+    code = importlib.import_module(module).main([f"--{flag}=-", *others])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --{flag}=- would be a file or folder named '-'"), err
+    assert err.count("\n") == 1 and list(tmp_path.iterdir()) == [], "one line, nothing made"
