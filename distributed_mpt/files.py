@@ -73,12 +73,11 @@ def kind_of(path: str) -> str:
     if stat.S_ISLNK(mode):
         try:
             target = os.stat(path).st_mode
-        except OSError as e:  # a loop is no missing target: the fix differs
-            return "a symbolic link in a loop" if e.errno == errno.ELOOP \
-                else "a symbolic link to nothing"
+        except OSError as e:  # a loop, or a target this user may not reach, is no missing one
+            return {errno.ELOOP: "a symbolic link in a loop", errno.EACCES: "a symbolic link "
+                    "into a folder closed to this user"}.get(e.errno, "a symbolic link to nothing")
         # What it leads to, where that is what is wrong (a FIFO, a folder).
-        return ("a symbolic link" if stat.S_ISREG(target)
-                else f"a symbolic link to {_kind_of_mode(target)}")
+        return "a symbolic link" + ("" if stat.S_ISREG(target) else f" to {_kind_of_mode(target)}")
     return _kind_of_mode(mode)
 
 

@@ -111,6 +111,27 @@ def test_prepare_data_into_a_folder_of_another_user_says_so_before_any_download(
                                   f"(Permission denied)")
 
 
+@pytest.mark.parametrize("closed, fragment", [
+    # Was "cannot read DIR/train (Permission denied)", of a DIR closed to the user.
+    ("images", "cannot read {images} (Permission denied)"),
+    # Was "... is a symbolic link to nothing": it leads to a folder of images.
+    ("elsewhere", "{images}/train/cat is a symbolic link into a folder closed to this user"),
+])
+def test_an_image_folder_closed_to_this_user_is_named(scratch, closed, fragment):
+    images = scratch / "images"
+    for folder in (images / "train" / "dog", images / "test" / "dog",
+                   scratch / "elsewhere" / "cat"):
+        folder.mkdir(parents=True)  # root's, mode 755
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(folder / "0.png")
+    (images / "train" / "cat").symlink_to(scratch / "elsewhere" / "cat")
+    (scratch / closed).chmod(0o700)
+    result = run_as_nobody("distributed_mpt.train", [
+        *SMOKE_FLAGS, "--dataset=image_folder", f"--data_dir={images}",
+        f"--model_dir={scratch / 'run'}"], scratch)
+    assert_one_error_line(result, fragment.format(images=images))
+    assert not (scratch / "run").exists()
+
+
 def test_a_umask_that_closes_the_users_own_files_is_refused_before_anything_is_made(scratch):
     result = run_as_nobody("distributed_mpt.train", [
         *SMOKE_FLAGS, f"--model_dir={scratch / 'run'}"], scratch, umask=0o777)

@@ -269,6 +269,12 @@ def _unreadable(path: str, error: OSError) -> DataUnavailableError:
         return DataUnavailableError(f"cannot open {too_long_to_open(path)}: move "
                                     f"--data_dir to a shorter path, or shorten its folders' "
                                     f"names")
+    if error.errno == errno.EACCES:  # named by the folder closed to this user: DIR, not DIR/train
+        above = [os.path.abspath(path)]
+        while above[-1] != os.path.dirname(above[-1]):
+            above.append(os.path.dirname(above[-1]))
+        path = next((folder for folder in reversed(above[1:]) if not os.access(folder, os.X_OK)),
+                    path)
     return DataUnavailableError(f"cannot read {quoted(path)} ({error.strerror})")
 
 
