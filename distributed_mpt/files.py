@@ -200,9 +200,10 @@ def check_replaceable(path: str, what: str = "") -> None:
                           f"program writes only files of its own; choose another path")
 
 
-def check_writable(directory: str, flag: str = "--model_dir") -> None:
-    """Creates `directory` if needed and proves it writable, or raises
-    ConfigError naming `flag`, the flag that chose it."""
+def check_writable(directory: str, flag: str = "--model_dir", create: bool = True) -> None:
+    """Proves `directory` writable, creating it if missing, or raises ConfigError naming `flag`,
+    the flag that chose it. Without `create` a missing one is left to be made when written
+    (a refusal that follows leaves no folder behind): the folder above it is asked instead."""
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"{flag}={quoted(directory)} is {kind_of(directory)}, not a directory: "
                           f"choose a directory (it is created if missing)")
@@ -211,18 +212,28 @@ def check_writable(directory: str, flag: str = "--model_dir") -> None:
     if mask & 0o700 and os.geteuid() != 0:
         raise ConfigError(f"the umask {mask:04o} denies this user the files it writes: set one "
                           f"that leaves the owner's rights, such as 022 (`umask 022`)")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        descriptor, path = tempfile.mkstemp(dir=directory,
-                                            prefix=f"{WRITE_TEST_PREFIX}{owner_tag()}-")
-        os.close(descriptor)
-        # Gone already is fine: a run holding the directory's lock may have
-        # removed it as a killed run's debris; it was written, which is the test.
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-    except OSError as e:
-        raise ConfigError(f"{flag}={quoted(directory)} is not writable ({e.strerror}); "
-                          f"choose a directory you can write to") from None
+    if not create and not os.path.lexists(directory):
+        above = os.path.abspath(directory)
+        while not os.path.lexists(above):
+            above = os.path.dirname(above)
+        why = why_no_access(above, os.W_OK | os.X_OK) if os.path.isdir(above) else \
+            os.strerror(errno.ENOTDIR)
+    else:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            descriptor, path = tempfile.mkstemp(dir=directory,
+                                                prefix=f"{WRITE_TEST_PREFIX}{owner_tag()}-")
+            os.close(descriptor)
+            # Gone already is fine: a run holding the directory's lock may have
+            # removed it as a killed run's debris; it was written, which is the test.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            why = None
+        except OSError as e:
+            why = e.strerror
+    if why:
+        raise ConfigError(f"{flag}={quoted(directory)} is not writable ({why}); "
+                          f"choose a directory you can write to")
 
 
 def why_no_access(path: str, mode: int) -> Optional[str]:
@@ -278,8 +289,7 @@ def replacing(path: str):
             raise
     # Temporary files are private (0600); the result is for everyone the
     # umask allows, like any file the user writes.
-    umask = os.umask(0)
-    os.umask(umask)
+    os.umask(umask := os.umask(0))
     try:
         os.chmod(f.name, 0o666 & ~umask)
         os.replace(f.name, path)
@@ -309,9 +319,10 @@ def read_text(path: str, remedy: str) -> Optional[str]:
     None if there is nothing there. Anything else (a FIFO, a directory, a
     huge or undecodable file) raises DamagedFileError, which names the file
     and `remedy`, the way out."""
-    raw = _read_ours(path, remedy)
-    if raw is None:
+    if not os.path.lexists(path):
         return None
+    with reading_ours(path, remedy):
+        raw = read_bounded(path, MAX_READ_BYTES)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -332,16 +343,6 @@ def read_json(path: str, fields: Optional[dict] = None,
     if problem:
         raise DamagedFileError(f"{quoted(path)} is damaged ({problem}); {remedy}")
     return data
-
-
-def _read_ours(path: str, remedy: str) -> Optional[bytes]:
-    """The bytes of a file this program writes at `path`, None if there is
-    nothing there; DamagedFileError if it is not a regular file, cannot be
-    read or is larger than any it writes (see reading_ours)."""
-    if not os.path.lexists(path):
-        return None
-    with reading_ours(path, remedy):
-        return read_bounded(path, MAX_READ_BYTES)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ is trained or written, one `error:` line that names the path and says what
 is wrong, and never another diagnosis ("no checkpoint", "damaged")."""
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -101,14 +102,22 @@ def test_a_model_file_in_a_folder_this_user_may_not_search_is_no_missing_file(sc
     assert not (scratch / "run").exists()
 
 
-def test_prepare_data_into_a_folder_of_another_user_says_so_before_any_download(scratch):
+@pytest.mark.parametrize("parent, fragment", [
+    # Was "CIFAR-10 is not in ... and ... cannot be reached".
+    ("closed", "--data_dir={data_dir} is not writable (Permission denied)"),
+    # Said so, and left new/tfds/ behind, made by the check that it was writable.
+    ("new", "CIFAR-10 is not in {data_dir} and www.cs.toronto.edu cannot be reached"),
+])
+def test_prepare_data_without_network_says_why_and_makes_nothing(scratch, parent, fragment):
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare (util-linux), to run a command without network")
     closed = scratch / "closed"
     closed.mkdir()  # root's, mode 755
-    result = run_as_nobody("distributed_mpt.prepare_data", [f"--data_dir={closed / 'tfds'}"],
-                           scratch)
-    # Was, without network: "CIFAR-10 is not in ... and ... cannot be reached".
-    assert_one_error_line(result, f"--data_dir={closed / 'tfds'} is not writable "
-                                  f"(Permission denied)")
+    data_dir = scratch / parent / "tfds"
+    result = run_as_nobody("distributed_mpt.prepare_data", [f"--data_dir={data_dir}"], scratch,
+                           network=False)
+    assert_one_error_line(result, fragment.format(data_dir=data_dir))
+    assert not data_dir.exists() and not (scratch / "new").exists()
 
 
 @pytest.mark.parametrize("closed, fragment", [

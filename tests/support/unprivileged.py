@@ -84,10 +84,14 @@ def chown_tree(path: Path, uid: int) -> None:
         os.chown(entry, uid, uid, follow_symlinks=False)
 
 
-def run_as_nobody(module: str, args, home: Path, umask=None) -> subprocess.CompletedProcess:
-    """`python -m module args` as the user nobody, with `home` as HOME."""
+def run_as_nobody(module: str, args, home: Path, umask=None,
+                  network: bool = True) -> subprocess.CompletedProcess:
+    """`python -m module args` as the user nobody, with `home` as HOME;
+    without `network`, in a network namespace of its own, which has none."""
     env = {**_env(), "HOME": str(home)}
-    return subprocess.run(["setpriv", *NOBODY, _python()[0], "-m", module, *map(str, args)],
+    offline = [] if network else ["unshare", "--net"]
+    return subprocess.run([*offline, "setpriv", *NOBODY, _python()[0], "-m", module,
+                           *map(str, args)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=home,
                           umask=-1 if umask is None else umask)
 

@@ -132,7 +132,7 @@ def _prepare_cifar10(builder, download: bool) -> None:
     manual_dir = os.path.join(builder.data_dir_root, "downloads", "manual")
     have_archive = os.path.exists(os.path.join(manual_dir, CIFAR10_ARCHIVE))
     if have_archive or download:  # preparing writes into data_dir: no download could mend that
-        files.check_writable(builder.data_dir_root, flag="--data_dir")
+        files.check_writable(builder.data_dir_root, flag="--data_dir", create=False)
     if not have_archive:
         reason = None
         if not download:
