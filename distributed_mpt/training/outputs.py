@@ -98,29 +98,36 @@ def check_layout(model_dir: str, export: bool = True) -> None:
                               f"choose another --model_dir")
 
 
+_REPLACES_EXPORT = "a new export removes the old one"
+
+
 def check_parts_writable(model_dir: str, export: bool = True) -> None:
     """Raises ConfigError if a part of `model_dir` a run writes in place
-    already exists and this user cannot write it (another user's, a
-    read-only mount): TensorBoard's writer failed with a traceback, a
-    checkpoint after the steps it was to keep, the metrics' first line after
-    TensorFlow's start, and the replaced export's removal after the
-    training. With `export`, every folder of export/."""
-    writable = os.W_OK | os.X_OK
-    parts = [(os.path.join(model_dir, name), f"a run writes its {name} there", writable)
+    exists and this user cannot write it (another user's, a read-only
+    mount): found before TensorFlow starts, not after the steps before a
+    checkpoint, or the export. With `export`, every folder of export/."""
+    parts = [(os.path.join(model_dir, name), f"a run writes its {name} there", False)
              for name in DIRECTORIES]
-    parts.append((os.path.join(model_dir, "metrics.jsonl"), "a run appends its metrics to it",
-                  os.W_OK))
+    parts.append((os.path.join(model_dir, "metrics.jsonl"), "a run appends to it", False))
     if export:  # replaced whole: the old one is listed and removed, folder by folder
         top = os.path.join(model_dir, EXPORT_DIR)
-        parts += [(path, "a new export removes the old one", writable | os.R_OK) for path in
+        parts += [(path, _REPLACES_EXPORT, True) for path in
                   [top, *(os.path.join(root, d) for root, ds, _ in os.walk(top) for d in ds)]]
-    for path, what, mode in parts:
-        listed = mode & os.R_OK
-        why = os.path.exists(path) and files.why_no_access(path, mode)
-        if why:
-            raise ConfigError(f"{quoted(path)} is not writable ({why}), and {what}: make it "
-                              f"writable for this user, {'pass --noexport, ' if listed else ''}"
-                              f"or choose another --model_dir")
+    for path, what, listed in parts:
+        if os.path.exists(path):
+            _refuse_unwritable(path, what, listed)
+
+
+def _refuse_unwritable(path: str, what: str, listed: bool) -> None:
+    """ConfigError if this user may not write the existing `path` (nor, if `listed`,
+    list it), where `what` says why a run must: the way out is to make it so."""
+    why = files.why_no_access(path, os.R_OK | os.X_OK) if listed else None
+    lacks = "cannot be listed" if why else "is not writable"
+    why = why or files.why_no_access(path, os.W_OK | os.X_OK * os.path.isdir(path))
+    if why:
+        raise ConfigError(f"{quoted(path)} {lacks} ({why}), and {what}: make it "
+                          f"{'readable and ' if listed else ''}writable for this user, "
+                          f"{'pass --noexport, ' if listed else ''}or choose another --model_dir")
 
 
 def check_ours(model_dir: str, adopt: bool = False) -> None:
@@ -275,7 +282,11 @@ def check_export_destination(model_dir: str) -> None:
         raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, not an export of this "
                           f"program, and a new export would replace it: move it away, pass "
                           f"--noexport, or choose another --model_dir")
-    entries = os.listdir(path)
+    try:
+        entries = os.listdir(path)
+    except PermissionError:  # was reported as a write that failed, "make it writable"
+        _refuse_unwritable(path, _REPLACES_EXPORT, listed=True)
+        raise
     # Ours: its entries are all an export's (some may be missing).
     if not set(entries) <= set(EXPORT_ENTRIES):
         others = sorted(set(entries) - set(EXPORT_ENTRIES))

@@ -37,21 +37,26 @@ def _run_as_root(folder: Path, *flags) -> Path:
     return run
 
 
-@pytest.mark.parametrize("root_owns, fragment", [
+@pytest.mark.parametrize("root_owns, mode, fragment", [
     # TensorFlow's summary writer failed with a traceback.
-    ("tensorboard", "tensorboard is not writable (Permission denied)"),
+    ("tensorboard", None, "tensorboard is not writable (Permission denied)"),
     # The new export was moved into place, and removing the old one failed
     # after the training, with a traceback: summary.json unwritten.
-    ("export/saved_model/variables", "variables is not writable (Permission denied)"),
+    ("export/saved_model/variables", None, "variables is not writable (Permission denied)"),
+    # Was "cannot write .../export (Permission denied): make it writable".
+    ("export", 0o700, "export cannot be listed (Permission denied), and a new export removes"),
     # Found after TensorFlow's start, at the first line appended.
-    ("metrics.jsonl", "metrics.jsonl is not writable (Permission denied)"),
+    ("metrics.jsonl", None, "metrics.jsonl is not writable (Permission denied), and a run "
+                     "appends to it"),
     # "remove it if it is not a plain file": it is one, of another user.
-    (".lock", "(Permission denied); make it writable for this user"),
+    (".lock", None, "(Permission denied); make it writable for this user"),
 ])
 def test_another_users_part_of_a_run_directory_is_refused_before_training(scratch, root_owns,
-                                                                        fragment):
+                                                                        mode, fragment):
     run = _run_as_root(scratch, "--export")
     os.chown(run / root_owns, 0, 0)
+    if mode is not None:
+        (run / root_owns).chmod(mode)
     before = snapshot(run)
     result = run_as_nobody("distributed_mpt.train", [
         *SMOKE_FLAGS, "--export", "--train_steps=10", f"--model_dir={run}"], scratch)
