@@ -71,8 +71,9 @@ class RunLock:
         # child can keep the lock alive after this process is gone.
         try:
             # O_NONBLOCK: opening a FIFO put there must not wait for a writer.
+            # Its mode is the umask's: a team's run directory (umask 002) is the team's to resume.
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
-                               0o644)
+                               0o666)
         except OSError as e:
             remedy = ("make it writable for this user, or remove it if no run of --model_dir "
                       "is under way" if e.errno in (errno.EACCES, errno.EPERM)  # another user's

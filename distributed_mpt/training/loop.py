@@ -267,6 +267,8 @@ class Reporter:
         self._earlier_seconds = outputs.keep_metrics(self._metrics_path, lambda r: (
             r["step"] <= resumed_from_step and not (
                 evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)))
+        # Made here, as the umask says: TensorFlow's mode 755 shut a team (umask 002) out of it.
+        os.makedirs(os.path.join(model_dir, "tensorboard"), exist_ok=True)
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
         self._status = TrainJobStatus.from_environment()
         self._closed = threading.Event()

@@ -18,6 +18,7 @@ its answers are worth; it is written whole, then moved into place: a reader
 never sees half.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -228,10 +229,8 @@ def remove_matching(directory: str, patterns) -> List[str]:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-            except FileNotFoundError:
-                pass
         removed.append(path)
     return removed
 
@@ -245,6 +244,7 @@ MODEL_INFO_NAME = "model_info.json"
 EXPORT_ENTRIES = (SAVED_MODEL_DIR, KERAS_FILE, CLASSES_FILE, MODEL_INFO_NAME)
 # Staging, and a retired export, beside the export: what a killed export leaves.
 STAGING_PREFIX = ".export-"
+_REPLACES_EXPORT = "a new export removes the old one"  # why a run must list and write export/
 # The settings model_info.json records, TrainConfig's fields: what the model
 # is and its data (synthetic_examples only for --dataset=synthetic, where it
 # and the seed regenerate the test split; image_size and test_fraction only
@@ -347,6 +347,9 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
                          "".join(f"{c}\n" for c in class_names))
         if info is not None:
             files.write_json(os.path.join(staging, MODEL_INFO_NAME), info)
+        os.umask(umask := os.umask(0))  # not TensorFlow's 755: a team's (umask 002) to replace
+        for folder in [os.path.join(root, d) for root, ds, _ in os.walk(staging) for d in ds]:
+            os.chmod(folder, 0o777 & ~umask)
         if os.path.exists(final):
             retired = f"{staging}-old"
             os.replace(final, retired)

@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, snapshot, train
+from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary, snapshot,
+                      train)
 from support import unprivileged
 from support.unprivileged import NOBODY_UID, chown_tree, run_as_nobody
+
+_TEAM = 4242  # a group id of no one's, for a team's folder
 
 
 @pytest.fixture
@@ -123,6 +126,25 @@ def test_prepare_data_without_network_says_why_and_makes_nothing(scratch, parent
                            network=False)
     assert_one_error_line(result, fragment.format(data_dir=data_dir))
     assert not data_dir.exists() and not (scratch / "new").exists()
+
+
+def test_a_teams_run_directory_is_resumed_by_another_member(scratch):
+    team = scratch / "team"  # root's, of a group nobody joins, as a team's folder is set up
+    team.mkdir()
+    os.chown(team, 0, _TEAM)
+    team.chmod(0o2775)
+    run = team / "run"
+    flags = [*SMOKE_FLAGS, "--export", f"--model_dir={run}"]
+    umask = os.umask(0o002)  # the team's: what one writes, the others may
+    try:
+        assert_ok(train([*flags, "--train_steps=5"]))
+    finally:
+        os.umask(umask)
+    # Was refused: the lock file (mode 644 whatever the umask), tensorboard/
+    # and the export's folders (755, TensorFlow's) were the first member's alone.
+    assert_ok(run_as_nobody("distributed_mpt.train", [*flags, "--train_steps=10"], scratch,
+                            umask=0o002, group=_TEAM))
+    assert read_summary(run)["steps"] == 10 and (run / "export" / "saved_model").is_dir()
 
 
 @pytest.mark.parametrize("closed, fragment", [
