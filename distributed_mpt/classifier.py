@@ -35,6 +35,14 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
     """The model of a run directory or export directory `model_dir`: its
     export if it has one, else its newest readable checkpoint (a user's
     network built from `users_model`, --model). UserError if neither holds it."""
+    try:
+        os.stat(model_dir)
+    except PermissionError as e:  # not "is not a directory": it may be one, past a closed folder
+        raise ConfigError(f"cannot reach --model_dir={quoted(model_dir)} ({e.strerror}): a folder "
+                          f"on its way is closed to this user; open it to them, or give another "
+                          f"path") from None
+    except OSError:
+        pass  # missing, or in a loop: "is not a directory"
     if not os.path.isdir(model_dir):
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")

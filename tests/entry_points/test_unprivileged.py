@@ -98,6 +98,19 @@ def test_predict_answers_from_a_run_it_may_enter_but_not_list(scratch, entered):
     assert result.stdout.startswith(f"{image}: "), result.stdout
 
 
+def test_predict_from_a_working_directory_closed_to_this_user_says_so(scratch):
+    closed = scratch / "closed"
+    (closed / "run").mkdir(parents=True)
+    closed.chmod(0o700)  # root's; nobody's shell may stand in it (`sudo -u nobody`)
+    image = scratch / "image.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    result = run_as_nobody("distributed_mpt.predict", ["--model_dir=run", image], scratch,
+                           cwd=closed)
+    # Was "--model_dir=run is not a directory".
+    assert_one_error_line(result, "cannot reach --model_dir=run (Permission denied): a folder on "
+                                  "its way is closed to this user")
+
+
 def test_a_model_file_in_a_folder_this_user_may_not_search_is_no_missing_file(scratch):
     closed = scratch / "closed"
     closed.mkdir(mode=0o700)  # root's

@@ -85,16 +85,16 @@ def chown_tree(path: Path, uid: int) -> None:
 
 
 def run_as_nobody(module: str, args, home: Path, umask=None, network: bool = True,
-                  group: int = 0) -> subprocess.CompletedProcess:
-    """`python -m module args` as the user nobody, with `home` as HOME, a
-    member of `group` too if given; without `network`, in a network
-    namespace of its own, which has none."""
+                  group: int = 0, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m module args` as the user nobody, with `home` as HOME (and
+    working directory, unless `cwd`), a member of `group` too if given;
+    without `network`, in a network namespace of its own, which has none."""
     env = {**_env(), "HOME": str(home)}
     offline = [] if network else ["unshare", "--net"]
     user = [*NOBODY[:2], f"--groups={group}"] if group else NOBODY
     return subprocess.run([*offline, "setpriv", *user, _python()[0], "-m", module,
                            *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=home,
+                          capture_output=True, text=True, timeout=300, env=env, cwd=cwd or home,
                           umask=-1 if umask is None else umask)
 
 
