@@ -99,9 +99,6 @@ def check_layout(model_dir: str, export: bool = True) -> None:
                               f"choose another --model_dir")
 
 
-_REPLACES_EXPORT = "a new export removes the old one"
-
-
 def check_parts_writable(model_dir: str, export: bool = True) -> None:
     """Raises ConfigError if a part of `model_dir` a run writes in place
     exists and this user cannot write it (another user's, a read-only
