@@ -207,7 +207,7 @@ def check_writable(directory: str, flag: str = "--model_dir", create: bool = Tru
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"{flag}={quoted(directory)} is {kind_of(directory)}, not a directory: "
                           f"choose a directory (it is created if missing)")
-    os.umask(mask := os.umask(0))  # read by setting it, and set back
+    mask = umask()
     # Its files and folders would be closed to their owner, this program (root reads them).
     if mask & 0o700 and os.geteuid() != 0:
         raise ConfigError(f"the umask {mask:04o} denies this user the files it writes: set one "
@@ -234,6 +234,15 @@ def check_writable(directory: str, flag: str = "--model_dir", create: bool = Tru
     if why:
         raise ConfigError(f"{flag}={quoted(directory)} is not writable ({why}); "
                           f"choose a directory you can write to")
+
+
+def umask() -> int:
+    """The process's umask, read where Linux shows it: os.umask reads it only by
+    setting it, and a file another thread makes meanwhile would get mode 0666."""
+    with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    os.umask(mask := os.umask(0))
+    return mask
 
 
 def why_no_access(path: str, mode: int) -> Optional[str]:
@@ -289,9 +298,8 @@ def replacing(path: str):
             raise
     # Temporary files are private (0600); the result is for everyone the
     # umask allows, like any file the user writes.
-    os.umask(umask := os.umask(0))
     try:
-        os.chmod(f.name, 0o666 & ~umask)
+        os.chmod(f.name, 0o666 & ~umask())
         os.replace(f.name, path)
     except BaseException:  # a file mounted on itself (EBUSY), say: no temporary file left
         with contextlib.suppress(OSError):
@@ -304,14 +312,6 @@ def write_json(path: str, data) -> None:
     an infinity is a bug upstream: ValueError, not a file other readers
     refuse)."""
     write_text(path, json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
-
-
-def finite_values(record: dict) -> dict:
-    """`record` with each NaN or infinite number made None (null): a measured
-    loss may be infinite, and JSON has no such number (Python would write
-    `Infinity`, which standard readers refuse)."""
-    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
-            for key, value in record.items()}
 
 
 def read_text(path: str, remedy: str) -> Optional[str]:

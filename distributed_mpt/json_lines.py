@@ -1,9 +1,11 @@
 """JSON-lines files (metrics.jsonl, the recipes' ledger), read one line at a
 time and without trusting them: a run logs a line per step as long as it
 runs, so a resume must read any length of log in bounded memory, and a
-damaged line costs that line only."""
+damaged line costs that line only. And what makes a record writable as
+JSON at all (finite_values)."""
 
 import itertools
+import math
 import os
 from typing import Iterator, List, Optional, Tuple
 
@@ -79,3 +81,11 @@ def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], Li
     reads whole (files.MAX_READ_BYTES)."""
     lines = JsonLines(path, fields, limit=files.MAX_READ_BYTES)
     return [record for record, _ in lines], lines.problems
+
+
+def finite_values(record: dict) -> dict:
+    """`record` with each NaN or infinite number made None (null): a measured
+    loss may be infinite, and JSON has no such number (Python would write
+    `Infinity`, which standard readers refuse)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}

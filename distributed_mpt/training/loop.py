@@ -22,7 +22,6 @@ from typing import Optional
 
 import tensorflow as tf
 
-from distributed_mpt import files
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.training import PROGRESS_SECONDS
 from distributed_mpt.core import precision
@@ -32,7 +31,7 @@ from distributed_mpt.cluster.strategy import PEER_ERRORS
 from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
-from distributed_mpt.json_lines import JsonLines
+from distributed_mpt.json_lines import JsonLines, finite_values
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -311,7 +310,7 @@ class Reporter:
         if not self._enabled:
             return
         elapsed = self._earlier_seconds + time.monotonic() - self._started
-        record = files.finite_values({"step": step, **record,
+        record = finite_values({"step": step, **record,
                                       "elapsed_seconds": round(elapsed, 3)})
         with open(self._metrics_path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")

@@ -344,9 +344,8 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
                          "".join(f"{c}\n" for c in class_names))
         if info is not None:
             files.write_json(os.path.join(staging, MODEL_INFO_NAME), info)
-        os.umask(umask := os.umask(0))  # not TensorFlow's 755: a team's (umask 002) to replace
         for folder in [os.path.join(root, d) for root, ds, _ in os.walk(staging) for d in ds]:
-            os.chmod(folder, 0o777 & ~umask)
+            os.chmod(folder, 0o777 & ~files.umask())  # not TensorFlow's 755: a team's to replace
         if os.path.exists(final):
             retired = f"{staging}-old"
             os.replace(final, retired)

@@ -34,6 +34,7 @@ from distributed_mpt.core.models.contract import FirstStepError
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line, quoted
+from distributed_mpt.json_lines import finite_values
 from distributed_mpt.process import console, log_filter, memory, run_lock, stopping
 from distributed_mpt.process.startup_watchdog import StartupWatchdog
 from distributed_mpt.training import PROGRESS_SECONDS, outputs
@@ -244,7 +245,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             # segment only, where the run resumed; the chief's, of several workers).
             summary["peak_memory_bytes"] = peak_resident_bytes()
             if is_chief:  # a loss that overflowed is null, not a file no reader takes
-                files.write_json(f"{config.run.model_dir}/summary.json", files.finite_values(summary))
+                files.write_json(f"{config.run.model_dir}/summary.json", finite_values(summary))
             if plan.num_workers > 1:
                 leave_together(strategy)
             return summary

@@ -211,8 +211,8 @@ def test_a_write_test_removed_by_another_run_still_proves_the_directory_writable
 def test_a_measured_infinity_is_written_null_and_read_back_strictly(tmp_path):
     """A loss that overflowed was written `Infinity` into metrics.jsonl, and
     `1e400`, a JSON number, was read back as an infinity and carried on."""
-    record = files.finite_values({"step": 3, "loss": float("inf"), "eval_loss": float("nan"),
-                                  "accuracy": 0.5})
+    record = json_lines.finite_values({"step": 3, "loss": float("inf"),
+                                       "eval_loss": float("nan"), "accuracy": 0.5})
     assert record == {"step": 3, "loss": None, "eval_loss": None, "accuracy": 0.5}
     files.write_json(tmp_path / "summary.json", record)
     assert files.read_json(tmp_path / "summary.json") == record
