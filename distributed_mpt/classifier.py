@@ -49,10 +49,8 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
     for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
         # One this user may not enter looks empty: it would be called no
         # export. Entering is all it takes to find saved_model/ (0711 will do).
-        why = os.path.isdir(export_dir) and files.why_no_access(export_dir, os.X_OK)
-        if why:
-            raise ConfigError(f"cannot read {quoted(export_dir)} ({why}): make it readable for "
-                              f"this user")
+        if os.path.isdir(export_dir):
+            _refuse_closed(export_dir, os.X_OK)
         saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
         if os.path.isdir(saved_model):
             if users_model is not None:  # the export holds the network: that code would not run
@@ -76,8 +74,7 @@ def _load_export(export_dir: str) -> Classifier:
     from distributed_mpt.core import precision
 
     saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
-    files.refuse_special_files(saved_model, _REEXPORT)  # TensorFlow would wait on a FIFO for ever
-    _refuse_unreadable(saved_model)
+    _refuse_what_tensorflow_cannot_read(saved_model)
     try:
         loaded = tf.saved_model.load(saved_model)
         serve = loaded.signatures["serving_default"]
@@ -121,17 +118,29 @@ def _load_export(export_dir: str) -> Classifier:
                       _REEXPORT)
 
 
-def _refuse_unreadable(directory: str) -> None:
-    """Raises ConfigError naming the first file or folder in `directory`
-    (itself included) that this user may not read: TensorFlow would call
-    it missing, and the export damaged."""
-    paths = [directory]
-    for root, folders, names in os.walk(directory):  # which skips a folder it may not list
-        paths += [os.path.join(root, name) for name in folders + names]
-    for path in paths:
-        why = files.why_no_access(path, os.R_OK | os.X_OK * os.path.isdir(path))
-        if why:
-            raise ConfigError(f"cannot read {quoted(path)} ({why}): make it readable for this user")
+def _refuse_what_tensorflow_cannot_read(saved_model: str) -> None:
+    """Raises ConfigError naming the first entry of `saved_model` (itself
+    included) that TensorFlow cannot read: one that is no regular file or
+    folder (it would wait on a FIFO for ever; a link to a folder is not
+    looked into), or one this user may not read (called missing by it, and
+    the export damaged)."""
+    _refuse_closed(saved_model, os.R_OK | os.X_OK)
+    for root, folders, names in os.walk(saved_model):  # which skips a folder it may not list
+        for name in folders + names:
+            path = os.path.join(root, name)
+            if os.path.islink(path) if name in folders else not files.is_regular_file(path):
+                raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, not a regular file "
+                                  f"or folder: {_REEXPORT}")
+            _refuse_closed(path, os.R_OK | os.X_OK * (name in folders))
+
+
+def _refuse_closed(path: str, mode: int, context: str = "") -> None:
+    """Raises ConfigError if this user lacks `mode` of access to `path`,
+    which TensorFlow would call missing, or damaged; `context` begins the line."""
+    why = files.why_no_access(path, mode)
+    if why:
+        raise ConfigError(f"{context}cannot read {quoted(path)} ({why}): make it readable for "
+                          f"this user")
 
 
 def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
@@ -144,10 +153,9 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     # The newest checkpoint that reads back whole, as training resumes from;
     # the `checkpoint` index file may be damaged or point at a missing one.
     directory = os.path.join(model_dir, "checkpoints")
-    why = os.path.isdir(directory) and files.why_no_access(directory, os.R_OK | os.X_OK)
-    if why:  # one this user may not list looks empty: it would be called no checkpoint
-        raise ConfigError(f"--model_dir={quoted(model_dir)} holds no export, and cannot read "
-                          f"{quoted(directory)} ({why}): make it readable for this user")
+    if os.path.isdir(directory):  # one this user may not list looks empty: "no checkpoint"
+        _refuse_closed(directory, os.R_OK | os.X_OK,
+                       f"--model_dir={quoted(model_dir)} holds no export, and ")
     step, prefix, skipped = None, None, []
     for found_step, found in checkpoints.checkpoints_on_disk(directory):
         problem = checkpoints.why_unreadable(found)

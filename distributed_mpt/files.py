@@ -160,18 +160,6 @@ def _read_now(f, size: int) -> bytes:
     return data
 
 
-def refuse_special_files(directory: str, remedy: str) -> None:
-    """Raises ConfigError (ending in `remedy`) if anything below
-    `directory` is neither a regular file nor a folder: a FIFO, a device, a
-    socket, a link to nothing or to a folder (not looked into)."""
-    for root, folders, names in os.walk(directory):
-        for name in names + [f for f in folders if os.path.islink(os.path.join(root, f))]:
-            path = os.path.join(root, name)
-            if not is_regular_file(path):
-                raise ConfigError(f"{quoted(path)} is {kind_of(path)}, not a regular file or "
-                                  f"folder: {remedy}")
-
-
 def why_unreadable_file(path: str) -> Optional[str]:
     """None if `path` is a regular file this user may read; else, to follow its name, "is
     not a file" (missing, a folder, a FIFO) or "cannot be read (Permission denied)"."""
@@ -250,7 +238,10 @@ def why_no_access(path: str, mode: int) -> Optional[str]:
     `path`, in the C library's words, or None. Asked, not tried: no debris if killed."""
     if os.access(path, mode):
         return None
-    read_only = mode & os.W_OK and os.statvfs(path).f_flag & os.ST_RDONLY
+    try:  # a read-only mount, where all but writing is allowed
+        read_only = os.access(path, mode & ~os.W_OK) and os.statvfs(path).f_flag & os.ST_RDONLY
+    except OSError as e:  # gone since it was looked at
+        return e.strerror
     return os.strerror(errno.EROFS if read_only else errno.EACCES)
 
 
