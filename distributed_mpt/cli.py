@@ -154,7 +154,7 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
                               f"that name")
         for match in _VARIABLE.finditer(value):
             variable = match.group(1) or match.group(2)
-            if variable in os.environ:
+            if variable != "_" and variable in os.environ:  # $_: what a shell sets for itself
                 raise ConfigError(f"--{name}={quoted(value)} holds {match.group()}, which no "
                                   f"shell expanded (in a flagfile, or quoted): write the path out")
 

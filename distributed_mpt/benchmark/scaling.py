@@ -347,6 +347,7 @@ def main(argv=None) -> int:
 def _project(fv: flags.FlagValues, argv: List[str]) -> int:
     """Parses `argv` into `fv`, prints the tables (and writes the plot)."""
     cli.parse("distributed-mpt-scaling", fv, argv)
+    cli.check_path_flags(fv, "svg")
     if fv.svg:  # now, not after the models are built
         files.check_replaceable(fv.svg, f"--svg={fv.svg}")
         files.check_writable(os.path.dirname(os.path.abspath(fv.svg)), "--svg")

@@ -97,7 +97,9 @@ def main(argv=None) -> int:
 
 
 def _measure(fv: flags.FlagValues, own, train_flags) -> int:
-    if cli.parse("measure", fv, own, positionals=True):
+    positionals = cli.parse("measure", fv, own, positionals=True)
+    cli.check_path_flags(fv, "runs_dir", *["ledger"] * bool(fv.ledger))  # --ledger='': none
+    if positionals:
         raise ConfigError("unexpected arguments: training flags go after --")
     if not fv.recipe:
         raise ConfigError("--recipe is required: the recipe to measure")

@@ -129,6 +129,16 @@ def _a_test_class_spelled_otherwise(root):
             "Unicode form")
 
 
+def _a_test_class_spelled_both_ways(root):
+    # test/ holds the class as train/ spells it and spelled otherwise: it
+    # said "rename the one in test/", onto the folder already there.
+    import shutil
+    shutil.copytree(root / "test" / "dogs", root / "test" / "Dogs")
+    return "photos/train/dogs read as one name but are spelled differently (in case, " \
+        "Unicode form, invisible characters or spaces at their ends): merge it into the one " \
+        "spelled as in train/"
+
+
 def _one_class(root):
     # All 24 images in one class: it trained, and learned that everything is a car.
     for split in ("train", "test"):
@@ -203,6 +213,7 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
 
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
                                    _class_with_a_newline, _a_test_class_spelled_otherwise,
+                                   _a_test_class_spelled_both_ways,
                                    _one_class, _a_link_to_nothing,
                                    _a_link_that_loops, _a_class_link_that_loops,
                                    _a_class_link_to_nothing, _a_test_file,

@@ -107,7 +107,7 @@ def test_a_path_flag_given_empty_is_one_error_line(program, flag, value, tmp_pat
 
 @pytest.mark.parametrize("program, flag", [("train", "model_dir"), ("predict", "model_dir"),
                                            ("prepare-data", "data_dir"),
-                                           ("benchmark", "output")])
+                                           ("benchmark", "output"), ("scaling", "svg")])
 def test_a_path_flag_of_a_dash_is_one_error_line(program, flag, tmp_path, monkeypatch, capsys):
     # `--output=-` wrote the benchmark's JSON to a file named '-', not to
     # standard output as elsewhere; `--model_dir=-` trained into a folder '-'.
@@ -123,3 +123,16 @@ def test_a_path_flag_of_a_dash_is_one_error_line(program, flag, tmp_path, monkey
     err = capsys.readouterr().err
     assert err.startswith(f"error: --{flag}=- would be a file or folder named '-'"), err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == [], "one line, nothing made"
+
+
+def test_a_dollar_underscore_in_a_path_is_taken_as_written(monkeypatch):
+    # Every shell sets $_ for itself: '/data/exp$_' was refused as unexpanded.
+    from absl import flags
+
+    from distributed_mpt import cli
+
+    monkeypatch.setenv("_", "/usr/bin/env")
+    fv = flags.FlagValues()
+    flags.DEFINE_string("model_dir", None, "", flag_values=fv)
+    fv(["prog", "--model_dir=/data/exp$_/x"])
+    cli.check_path_flags(fv, "model_dir")

@@ -203,10 +203,12 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
         # macOS writes it): printed, the two look the same.
         pair = first_pair_read_as_one([*class_names, *unknown])
         if pair and pair[0] in class_names:
+            fix = ("merge it into the one spelled as in train/" if pair[0] in
+                   _class_folders(directory, []) else "rename the one in test/ as in train/")
             raise DataUnavailableError(
                 f"class folders {quoted(os.path.join(directory, pair[1]))} and "
                 f"{quoted(os.path.join(train_dir, pair[0]))} read as one name but are spelled "
-                f"differently (in {READ_AS_ONE_BY}): rename the one in test/ as in train/")
+                f"differently (in {READ_AS_ONE_BY}): {fix}")
         if unknown:
             raise DataUnavailableError(
                 f"{quoted(directory)} has class folder(s) "
