@@ -92,6 +92,24 @@ def two_outputs(info):
 not_a_function = 42
 
 
+async def async_model(info):
+    return small_cnn(info)
+
+
+class OwnStep(keras.Model):
+    """What Keras' fit() would call, not this package's run."""
+
+    def train_step(self, data):
+        raise RuntimeError("fit() only")
+
+
+def own_step(info):
+    model = small_cnn(info)
+    model = OwnStep(model.inputs[0], model.outputs[0])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
 def nan_from_the_start(info):
     """Its output is NaN before any update: a bias initialized so."""
     images = keras.Input(info.image_shape, dtype="uint8")
@@ -291,6 +309,28 @@ def test_a_model_that_is_not_one_function_of_one_output_is_named_so(model_file, 
     assert_one_error_line(train([*FLAGS, f"--model={model_file}:{function}", "--train_steps=2",
                                  f"--model_dir={run}"]), fragment)
     assert not run.exists()
+
+
+def test_an_async_model_function_is_one_error_line(model_file, tmp_path):
+    """Its error line was followed by Python's warning of a coroutine never
+    awaited, with a line of the package's code: seen at the process's end."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={model_file}:async_model", "--train_steps=2",
+                    f"--model_dir={run}"], timeout=300)
+    assert_one_error_line(result, "returned coroutine, not a keras.Model")
+    assert "never awaited" not in result.stderr
+    assert not run.exists()
+
+
+def test_what_only_keras_fit_uses_of_a_model_is_said_once(model_file, tmp_path):
+    """A model's own train_step() and compile() were passed over without a
+    word: the user believed their step trained it."""
+    result = train([*FLAGS, f"--model={model_file}:own_step", "--train_steps=2",
+                    f"--model_dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    notes = [line for line in result.stdout.splitlines() if "fit() alone uses" in line]
+    assert len(notes) == 1, result.stdout
+    assert "its train_step() and the compile() it was given" in notes[0]
 
 
 def test_a_run_resumes_with_its_model_file_spelled_otherwise(model_file, tmp_path):

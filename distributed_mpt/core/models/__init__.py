@@ -31,7 +31,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from distributed_mpt import files
-from distributed_mpt.core.models import contract
+from distributed_mpt.core.models import contract, softmax
 from distributed_mpt.core.models.contract import ModelError, users_code
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
 from distributed_mpt.options import (MAX_EXAMPLES, Options, option, require, require_at_most,
@@ -221,13 +221,12 @@ def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str
     builder = _import_builder(spec.builder)
     with users_code(spec.name, "failed to build its model"):
         model = builder(info) if spec.is_users else builder(info, width, **options)
-    if not isinstance(model, keras.Model):
-        raise ModelError(f"--model={quoted(spec.name)} returned {type(model).__name__}, not a "
-                         f"keras.Model")
-    model, note = contract.drop_final_softmax(model, spec.name)
+    contract.check_is_model(spec.name, model)
+    ignored = contract.ignored_by_the_run(model, spec.name)  # of the model as its user made it
+    model, note = softmax.drop_final_softmax(model, spec.name)
     contract.check_contract(spec.name, model, info, batch_size if spec.is_users else None)
-    if note and notes is not None:
-        notes.append(note)
+    if notes is not None:
+        notes.extend(filter(None, [note, ignored]))
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization):
             # Statistics over the global batch: N replicas train like one.

@@ -35,6 +35,7 @@ from typing import Optional, Tuple
 from distributed_mpt import files
 from distributed_mpt.core import precision
 from distributed_mpt.core.models import process_state
+from distributed_mpt.core.models.softmax import named
 from distributed_mpt.core.models.process_state import POLICY as _POLICY
 from distributed_mpt.errors import (ExitCode, UserError, first_line, inside_autograph, quoted,
                                    text_of)
@@ -161,62 +162,38 @@ def cause(error: BaseException) -> str:
     return quoted(f"{name} {text}" if where else f"{name}: {text}")
 
 
-def drop_final_softmax(model, name: str) -> Tuple[object, Optional[str]]:
-    """(`model` returning logits, a note saying what was dropped) if its
-    output is a softmax; (`model`, None) if not. The model returned may be
-    a new one over the same layers."""
+def check_is_model(name: str, model) -> None:
+    """Raises ModelError unless the model function returned a keras.Model.
+    A generator or coroutine it returned (a `yield` or `async def`) is
+    closed first: left to the garbage collector, a coroutine's "never
+    awaited" warning followed the error line."""
     import keras
 
-    if isinstance(model, keras.Sequential):
-        last = model.layers[-1] if model.layers else None
-        if _is_softmax(last):
-            model.pop()
-            return model, _dropped(name, f"its last layer, {_named(last)}")
-    else:
-        outputs = getattr(model, "outputs", None)
-        if not (isinstance(outputs, list) and len(outputs) == 1):
-            return model, None  # subclassed: its call() is code (see check_contract)
-        operation, node_index, _ = outputs[0]._keras_history
-        if _is_softmax(operation):
-            before = operation._inbound_nodes[node_index].input_tensors[0]
-            # One input as one tensor, as the user's model took it: Keras
-            # warns of a call whose structure differs from its inputs'.
-            inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
-            kind = "layer" if isinstance(operation, keras.layers.Layer) else "operation"
-            logits = keras.Model(inputs, before, name=model.name)
-            from distributed_mpt.core.optim.groups import HOOK
-
-            if hasattr(model, HOOK):  # the user's choice of update rules, kept
-                setattr(logits, HOOK, getattr(model, HOOK))
-            return logits, _dropped(name, f"its last {kind}, {_named(operation)}")
-        last = operation
-    if _has_softmax_activation(last):
-        last.activation = keras.activations.linear
-        return model, _dropped(name, f"the softmax activation of its last layer, {_named(last)}")
-    return model, None
+    if not isinstance(model, keras.Model):
+        with contextlib.suppress(Exception):
+            model.close()
+        raise ModelError(f"--model={quoted(name)} returned {type(model).__name__}, not a "
+                         f"keras.Model")
 
 
-def _is_softmax(operation) -> bool:
-    """A keras.layers.Softmax or keras.ops.softmax over the last axis: cut
-    off. A layer with a softmax activation, Activation("softmax") among
-    them, is made linear instead, as runs from before the cut resume."""
-    return (type(operation).__name__ == "Softmax"
-            and type(operation).__module__.startswith("keras.")
-            and getattr(operation, "axis", -1) in (-1, [-1], (-1,)))
+# Keras' own training (fit) calls these, and uses what compile() was given;
+# the run has its own step, loss and optimizer, from the flags.
+_KERAS_TRAINING = ("train_step", "compute_loss")
 
 
-def _has_softmax_activation(layer) -> bool:
-    activation = getattr(layer, "activation", None)
-    return getattr(activation, "__name__", "") == "softmax"
+def ignored_by_the_run(model, name: str) -> Optional[str]:
+    """A note naming what of `model` only Keras' fit() uses (an overridden
+    train_step or compute_loss, a compile()), which this run does not: it
+    trained without a word, as if the user's step ran. None if nothing."""
+    import keras
 
-
-def _named(operation) -> str:
-    return f"{type(operation).__name__} {quoted(operation.name)!r}"
-
-
-def _dropped(name: str, what: str) -> str:
-    return (f"--model={quoted(name)} ends in a softmax ({what}): it is dropped for training, "
-            f"whose loss and test-time augmentation take logits; the export adds it back")
+    what = [f"its {method}()" for method in _KERAS_TRAINING
+            if getattr(type(model), method) is not getattr(keras.Model, method)]
+    what += ["the compile() it was given"] if getattr(model, "compiled", False) else []
+    if not what:
+        return None
+    return (f"--model={quoted(name)}: Keras' fit() alone uses {' and '.join(what)}; the run "
+            f"trains with its own step, its loss and optimizer set by the flags")
 
 
 def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -> None:
@@ -371,7 +348,7 @@ def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
                 if inner:
                     return dtype, inner[1]
             elif getattr(operation, "weights", None):
-                return dtype, _named(operation)
+                return dtype, named(operation)
             elif id(node) not in seen:  # padding, resizing, a cast: the values pass unscaled
                 seen.add(id(node))
                 frontier.extend(node.output_tensors)
