@@ -13,7 +13,7 @@ from distributed_mpt.core import models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import Dataset, ImageSplit
 from distributed_mpt.core.eval_views import EvalViews
-from distributed_mpt.core.models.contract import users_code
+from distributed_mpt.core.models.contract import check_servable, users_code
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
@@ -82,6 +82,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"drop --xla, or use it with one replica")
         if run.export:
             outputs.check_exportable(model, spec.name)
+            if spec.is_users:  # its call() is code
+                check_servable(spec.name, model, dataset.info.image_shape)
         if spec.is_users:  # all of them now, against the memory there was before
             _check_memory(sum(int(tf.size(v)) for v in model.weights), config, replicas,
                           headroom)

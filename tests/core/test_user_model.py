@@ -96,6 +96,29 @@ async def async_model(info):
     return small_cnn(info)
 
 
+class PythonInGraph(keras.Model):
+    """Rescales its images in Python: it trains, but a SavedModel cannot
+    hold the callback."""
+
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = num_classes
+        self.classify = keras.layers.Dense(num_classes)
+
+    def call(self, images):
+        import tensorflow as tf
+
+        x = tf.py_function(lambda t: tf.cast(t, tf.float32) / 255, [images], tf.float32)
+        return self.classify(tf.reshape(x, (-1, 32 * 32 * 3)))
+
+    def get_config(self):
+        return {**super().get_config(), "num_classes": self.num_classes}
+
+
+def python_in_graph(info):
+    return PythonInGraph(info.num_classes)
+
+
 class OwnStep(keras.Model):
     """What Keras' fit() would call, not this package's run."""
 
@@ -320,6 +343,18 @@ def test_an_async_model_function_is_one_error_line(model_file, tmp_path):
     assert_one_error_line(result, "returned coroutine, not a keras.Model")
     assert "never awaited" not in result.stderr
     assert not run.exists()
+
+
+def test_a_model_that_calls_python_in_its_graph_is_refused_an_export_before_training(
+        model_file, tmp_path):
+    """A tf.py_function trained and was exported; then predict failed on the
+    SavedModel ("Could not find callback"), and said to train it again."""
+    run = tmp_path / "run"
+    model = f"--model={model_file}:python_in_graph"
+    result = train([*FLAGS, model, "--train_steps=2", "--export", f"--model_dir={run}"])
+    assert_one_error_line(result, "calls Python inside its graph (EagerPyFunc: tf.py_function")
+    assert "or pass --noexport" in result.stderr and not run.exists()
+    assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
 
 
 def test_what_only_keras_fit_uses_of_a_model_is_said_once(model_file, tmp_path):

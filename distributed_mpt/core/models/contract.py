@@ -176,6 +176,25 @@ def check_is_model(name: str, model) -> None:
                          f"keras.Model")
 
 
+def check_servable(name: str, model, image_shape) -> None:
+    """Raises ModelError if `model`, traced as the export's serving function
+    traces it (any batch size, not training), cannot be a SavedModel's: its
+    graph calls Python (a tf.py_function trained, and was exported; then
+    predict failed on the SavedModel, "Could not find callback")."""
+    import tensorflow as tf
+
+    serving = tf.function(lambda images: model(images, training=False))
+    with users_code(name, "failed when traced for the export, at any batch size"):
+        graph = serving.get_concrete_function(tf.TensorSpec([None, *image_shape], tf.uint8)).graph
+    python = sorted({op.type for op in graph.get_operations() if "PyFunc" in op.type})
+    if python:
+        raise ModelError(f"--model={quoted(name)} calls Python inside its graph "
+                         f"({', '.join(python)}: tf.py_function or tf.numpy_function), which "
+                         f"the export's saved_model/ cannot hold (predict and TF Serving could "
+                         f"not run it): compute it with TensorFlow or keras.ops; or pass "
+                         f"--noexport")
+
+
 # Keras' own training (fit) calls these, and uses what compile() was given;
 # the run has its own step, loss and optimizer, from the flags.
 _KERAS_TRAINING = ("train_step", "compute_loss")
