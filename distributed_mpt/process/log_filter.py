@@ -36,10 +36,17 @@ _TENSORFLOW_LINE = re.compile(
     rb"|To enable the following instructions: .* rebuild TensorFlow"
     rb"|This TensorFlow binary is optimized to use available CPU instructions"
     # The continuation of the coordination service's "Example stragglers:".
-    rb"|/job:\w+/replica:\d+/task:\d+$)")
-# The line after an op's failure (a warning line) that names its node: gone
-# with the line it continues; in a traceback's message it stays.
-_NODE_LINE = re.compile(rb"\t \[\[")
+    rb"|/job:\w+/replica:\d+/task:\d+$"
+    # The continuation of the allocator's out-of-memory warning and of its
+    # dump's statistics: the op's error, which follows, says what was refused.
+    rb"|If the cause is memory fragmentation maybe the environment variable 'TF_GPU_ALLOCATOR"
+    rb"|Current allocation summary follows\.$"
+    rb"|(?:Limit|InUse|MaxInUse|NumAllocs|MaxAllocSize|Reserved|PeakReserved|LargestFreeBlock):"
+    rb" {3,}[\d.]+(?:[KMGT]i)?B?$)")
+# The line after an op's failure (a warning line) that names its node, and
+# an empty line after a dropped one (the allocator's dump ends with one):
+# gone with the line they continue; in a traceback's message they stay.
+_NODE_LINE = re.compile(rb"\t \[\[|\r?\n$")
 
 _filter_process = None
 _original_stderr = None

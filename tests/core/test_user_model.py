@@ -119,6 +119,13 @@ def python_in_graph(info):
     return PythonInGraph(info.num_classes)
 
 
+def terabytes(info):
+    """A single layer of 10^12 weights, far more than any memory holds."""
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, keras.layers.Dense(10 ** 12 // 3072)(x))
+
+
 class OwnStep(keras.Model):
     """What Keras' fit() would call, not this package's run."""
 
@@ -355,6 +362,20 @@ def test_a_model_that_calls_python_in_its_graph_is_refused_an_export_before_trai
     assert_one_error_line(result, "calls Python inside its graph (EagerPyFunc: tf.py_function")
     assert "or pass --noexport" in result.stderr and not run.exists()
     assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
+
+
+def test_a_model_too_large_for_any_memory_is_one_error_line(model_file, tmp_path):
+    """TensorFlow refuses its one weight before making it; its allocator's
+    report went on for lines (its limit, its use, ...) before the error.
+    TensorFlow's log level as users have it: the tests' own hides warnings."""
+    run = tmp_path / "run"
+    env = subprocess_env()
+    del env["TF_CPP_MIN_LOG_LEVEL"]
+    result = train([*FLAGS, f"--model={model_file}:terabytes", "--train_steps=2",
+                    f"--model_dir={run}"], env=env)
+    assert_one_error_line(result, "failed to build its model (ResourceExhaustedError")
+    assert result.stderr.startswith("error:"), result.stderr
+    assert not run.exists()
 
 
 def test_what_only_keras_fit_uses_of_a_model_is_said_once(model_file, tmp_path):
