@@ -61,6 +61,22 @@ def seeds_of(text: str) -> List[int]:
     return list(range(numbers[0], numbers[1] + 1)) if "-" in text else numbers
 
 
+# What measure gives each seed's run itself: given after `--` too, the last
+# would win, and every seed would train alike (the ledger then held one run
+# as several seeds) or into one --model_dir.
+_OWN_FLAGS = {"seed": "--seeds", "model_dir": "--runs_dir", "recipe": "--recipe"}
+
+
+def _refuse_own_flags(train_flags: List[str]) -> None:
+    """Raises ConfigError if a training flag after `--` is one measure sets."""
+    for arg in train_flags:
+        name = arg.lstrip("-").partition("=")[0]
+        if arg.startswith("-") and name in _OWN_FLAGS:
+            raise ConfigError(f"--{name} after -- is measure's to give each seed's run (seed S "
+                              f"trains with --seed=S into RUNS_DIR/seed-S): use "
+                              f"{_OWN_FLAGS[name]} before --")
+
+
 def table(recipe: str, summaries: List[dict]) -> str:
     """The results as Markdown: the statistics of the test accuracy (of the
     runs that were evaluated: not with --noevaluate), then one row per run."""
@@ -103,6 +119,7 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
         raise ConfigError("unexpected arguments: training flags go after --")
     if not fv.recipe:
         raise ConfigError("--recipe is required: the recipe to measure")
+    _refuse_own_flags(train_flags)
     runs_dir = os.path.expanduser(fv.runs_dir or os.path.join("runs", fv.recipe))
     book = os.path.expanduser(fv.ledger)
     if book:  # a damaged or unwritable ledger is found now, not hours later

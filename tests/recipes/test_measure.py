@@ -121,3 +121,22 @@ def test_one_run_is_tabulated_without_a_spread_it_does_not_have():
     assert "nan" not in one and "| 0 | 94.10% | 92.94% |" in one
     two = table("cpu_cnn94_muon", [run, {**run, "seed": 1, "eval_accuracy": 0.939}])
     assert "n = 2, mean 94.00%, standard deviation 0.14 points, 95% interval" in two, two
+
+
+@pytest.mark.parametrize("given, own", [(["--seed=7"], "--seeds"), (["--seed", "7"], "--seeds"),
+                                         (["--model_dir=one"], "--runs_dir"),
+                                         (["-recipe=cpu_cnn"], "--recipe")])
+def test_a_training_flag_that_measure_gives_each_seed_is_refused_before_any_training(
+        tmp_path, capsys, given, own):
+    """After `--`, --seed won over each seed's own: every seed trained
+    alike and the ledger held one run as several seeds; --model_dir trained
+    them all into one directory."""
+    from distributed_mpt.recipes import measure
+
+    runs = tmp_path / "runs"
+    assert measure.main(["--recipe=mlp", "--seeds=0-1", f"--runs_dir={runs}",
+                         f"--ledger={tmp_path / 'ledger.jsonl'}", *SHORT, *given]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: --"), errors
+    assert errors[0].endswith(f"use {own} before --"), errors
+    assert not runs.exists() and list(tmp_path.iterdir()) == []
