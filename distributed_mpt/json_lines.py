@@ -28,13 +28,14 @@ class JsonLines:
     included) costs that line only; once the records are read, `problems`
     says what was wrong with them. No file: no records.
 
-    `fields` as for files.read_json. Reading raises files.DamagedFileError
-    only if `path` is not a regular file or cannot be read, if a line of it
-    is longer than MAX_LINE_BYTES, or if it is longer than `limit` bytes
-    (if given)."""
+    `fields` as for files.read_json; `remedy`, the way out a refusal names.
+    Reading raises files.DamagedFileError only if `path` is not a regular
+    file or cannot be read, if a line of it is longer than MAX_LINE_BYTES,
+    or if it is longer than `limit` bytes (if given)."""
 
-    def __init__(self, path: str, fields: Optional[dict] = None, limit: Optional[int] = None):
-        self.path, self.problems = path, []
+    def __init__(self, path: str, fields: Optional[dict] = None, limit: Optional[int] = None,
+                 remedy: str = _REMEDY):
+        self.path, self.problems, self._remedy = path, [], remedy
         self._fields, self._limit = fields or {}, limit
 
     def __iter__(self) -> Iterator[Tuple[dict, bytes]]:
@@ -44,7 +45,7 @@ class JsonLines:
         # Each line as bytes: an undecodable line costs that line only. Only
         # the first damage is said: 33 MB of damaged lines, split at once and
         # each said, took 2.3 GB and 94 s (2 cores of an AVX2 EPYC).
-        with files.reading_ours(self.path, _REMEDY), files.open_regular(self.path) as f:
+        with files.reading_ours(self.path, self._remedy), files.open_regular(self.path) as f:
             if self._limit is not None and os.fstat(f.fileno()).st_size > self._limit:
                 raise files.FileTooLargeError(self._limit)  # now, not once read up to it
             for number in itertools.count(1):
@@ -55,7 +56,7 @@ class JsonLines:
                 if len(line) > MAX_LINE_BYTES:
                     raise files.DamagedFileError(
                         f"{quoted(self.path)} is damaged (line {number} is longer than any this "
-                        f"program writes, {MAX_LINE_BYTES:,} bytes); {_REMEDY}")
+                        f"program writes, {MAX_LINE_BYTES:,} bytes); {self._remedy}")
                 if not line.endswith(b"\n"):
                     if line:
                         self.problems.append("its last line was cut short")
@@ -74,12 +75,13 @@ class JsonLines:
             self.problems.append(f"{damaged - _DAMAGE_SAID:,} more damaged lines")
 
 
-def read_jsonl(path: str, fields: Optional[dict] = None) -> Tuple[List[dict], List[str]]:
+def read_jsonl(path: str, fields: Optional[dict] = None,
+               remedy: str = _REMEDY) -> Tuple[List[dict], List[str]]:
     """The intact records of a JSON-lines file, and what is wrong with its
     damaged lines, as JsonLines reads them; held whole, so refused
     (files.DamagedFileError) if the file is larger than any this program
     reads whole (files.MAX_READ_BYTES)."""
-    lines = JsonLines(path, fields, limit=files.MAX_READ_BYTES)
+    lines = JsonLines(path, fields, limit=files.MAX_READ_BYTES, remedy=remedy)
     return [record for record, _ in lines], lines.problems
 
 

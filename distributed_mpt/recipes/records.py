@@ -137,11 +137,32 @@ def wall_time(seconds: Optional[float], unit: str = "min", digits: int = 1,
     return f"{value:.{digits}f}" + (f" {unit}" if with_unit else "")
 
 
+# A ledger is mended by hand, or restored from version control.
+_REMEDY = "mend it, or restore it from version control"
+_TEXT, _NUMBER = (str, type(None)), (int, float, type(None))
+# What each kind of record must hold for the figures to be drawn from it,
+# and of which type (None: null): a record edited by hand without one ended
+# --check, --write and the listing with a KeyError's traceback.
+_FIELDS = {
+    "machine": {"machine": str, "cpu": str, "column": str},
+    "run": {"id": str, "recipe": str, "set": str, "machine": str, "flags": dict, "seed": int,
+            "session": _TEXT, "against": _TEXT, "eval_accuracy": _NUMBER,
+            "eval_accuracy_without_tta": _NUMBER},
+    "tests": {"suite": str, "tests": int, "machine": str},
+}
+
+
 class Ledger:
     """The records of a ledger file, by kind, checked against each other."""
 
     def __init__(self, records: List[dict], path: str = PATH):
         self.path = path
+        for line, record in enumerate(records, 1):  # a ledger's records are its lines
+            fields = _FIELDS.get(record["kind"])
+            problem = (files.missing_fields(record, fields) if fields else
+                       f"kind {record['kind']!r}, none of {', '.join(_FIELDS)}")
+            if problem:
+                raise files.DamagedFileError(f"{path}: line {line} is damaged ({problem})")
         self.machines = {r["machine"]: r for r in records if r["kind"] == "machine"}
         self.runs = [r for r in records if r["kind"] == "run"]
         self.tests = [r for r in records if r["kind"] == "tests"]
@@ -191,7 +212,7 @@ class Ledger:
 def load(path: str = PATH) -> Ledger:
     """The ledger in `path`. DamagedFileError if a line is damaged: the ledger is
     the repository's, written by hand and by measure.py, never cut short."""
-    records, problems = read_jsonl(path, {"kind": str})
+    records, problems = read_jsonl(path, {"kind": str}, _REMEDY)
     if problems:
         raise files.DamagedFileError(f"{path}: {'; '.join(problems)}")
     if not records and not os.path.exists(path):
@@ -206,7 +227,7 @@ def append(path: str, records: List[dict]) -> None:
     if text and not text.endswith("\n"):
         raise files.DamagedFileError(f"{path}: its last line was cut short; mend it "
                                      f"before appending")
-    Ledger(read_jsonl(path, {"kind": str})[0] + records, path)  # the result is consistent
+    Ledger(read_jsonl(path, {"kind": str}, _REMEDY)[0] + records, path)  # the result is consistent
     files.write_text(path, text + "".join(json.dumps(r, sort_keys=False) + "\n"
                                           for r in records))
 
@@ -236,7 +257,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     records added."""
     import datetime
     from distributed_mpt import recipes
-    existing = read_jsonl(path, {"kind": str})[0]
+    existing = read_jsonl(path, {"kind": str}, _REMEDY)[0]
     commit = code_commit()
     given = []
     for arg in train_flags:  # `--name value`, as absl takes it too, becomes `--name=value`

@@ -112,6 +112,37 @@ def test_a_damaged_ledger_is_one_error_line(tmp_path):
     assert "line" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
+def test_a_record_without_what_its_figures_need_is_one_error_line(tmp_path):
+    """A record edited by hand (no run id, a machine without its column, a
+    kind misspelt, a seed in words) ended --check, --write and the listing
+    with a KeyError's traceback, or was passed over without a word; a line
+    too long named --model_dir, which the ledger has not, as the way out."""
+    copy = _copy_of_the_repository(tmp_path)
+    ledger = copy / "distributed_mpt" / "recipes" / "ledger.jsonl"
+    shipped = ledger.read_text()
+    line = len(shipped.splitlines()) + 1
+    run = json.loads(shipped.splitlines()[-1])
+    for added, flags, problem in (
+            ({"kind": "run"}, ["--check", "--nocount_tests"], "no 'id'"),
+            ({"kind": "machine", "machine": "m", "cpu": "c"}, [], "no 'column'"),
+            ({**run, "seed": "one", "id": "x"}, ["--write", "--nocount_tests"],
+             "'seed' is a str"),
+            ({"kind": "Run"}, ["--check", "--nocount_tests"],
+             "kind 'Run', none of machine, run, tests")):
+        ledger.write_text(shipped + json.dumps(added) + "\n")
+        result = _check(copy, *flags)
+        assert result.returncode == 2 and not result.stdout, result.stderr
+        assert result.stderr.splitlines() == [f"error: {ledger}: line {line} is damaged "
+                                              f"({problem})"]
+    ledger.write_text(shipped + "x" * 2**21 + "\n")
+    result = _check(copy, "--check", "--nocount_tests")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.rstrip().endswith(
+        f"(line {line} is longer than any this program writes, 1,048,576 bytes); mend it, or "
+        f"restore it from version control"), result.stderr
+    assert (copy / "README.md").read_text() == (REPO / "README.md").read_text()
+
+
 def test_the_ledger_lists_a_recipes_runs():
     result = run_module(LEDGER, ["cpu_cnn94_muon"])
     assert_ok(result)
