@@ -319,20 +319,31 @@ _README_QUOTES: List[tuple] = [
 ]
 
 
+def quoting(path: Path) -> str:
+    """The text of `path`, a file that quotes the ledger: DamagedFileError
+    if it is anything but UTF-8 text in a regular file (a directory, a
+    FIFO, which hung --check and --write, or bytes of no text ended them
+    with a traceback)."""
+    text = files.read_text(str(path), "restore it from version control")
+    if text is None:
+        raise files.DamagedFileError(f"{path} is gone; restore it from version control")
+    return text
+
+
 def rendered(ledger: Ledger, counts: Optional[dict]) -> dict:
     """{path: its text as the ledger has it} for every file that quotes it."""
     out = {}
-    readme = (REPO / "README.md").read_text()
+    readme = quoting(REPO / "README.md")
     text = render_marked(ledger, readme)
     for pattern, figure in _README_QUOTES:
         text = pattern.sub(lambda m: m.group(1) + figure(ledger) + m.group(3), text)
     text = suite.render(ledger, text, counts)
     out[REPO / "README.md"] = text
     for path in sorted((REPO / "docs").glob("*.md")):
-        out[path] = render_marked(ledger, path.read_text())
+        out[path] = render_marked(ledger, quoting(path))
     for name in recipes.names():
         path = Path(recipes.path(name))
-        old = path.read_text()
+        old = quoting(path)
         if not _MEASURED.search(old):
             raise ConfigError(f"{path} has no '# Measured' line for the ledger's figures")
         out[path] = _MEASURED.sub(lambda m: recipe_block(ledger, name), old, count=1)
@@ -349,7 +360,7 @@ def main(write: bool, collect: bool = True) -> int:
     ledger = records.load()
     differ = {path: text for path, text in rendered(ledger, suite.count_tests() if collect
                                                     else None).items()
-              if path.read_text() != text}
+              if quoting(path) != text}
     for path, text in differ.items():
         if write:
             files.write_text(str(path), text)
@@ -359,5 +370,5 @@ def main(write: bool, collect: bool = True) -> int:
                   f"`python -m distributed_mpt.recipes.ledger --write` renders it:")
             import difflib
             sys.stdout.writelines(list(difflib.unified_diff(
-                path.read_text().splitlines(True), text.splitlines(True), n=0))[2:40])
+                quoting(path).splitlines(True), text.splitlines(True), n=0))[2:40])
     return 1 if differ and not write else 0

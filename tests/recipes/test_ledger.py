@@ -143,6 +143,30 @@ def test_a_record_without_what_its_figures_need_is_one_error_line(tmp_path):
     assert (copy / "README.md").read_text() == (REPO / "README.md").read_text()
 
 
+def test_a_file_quoting_the_ledger_that_is_no_text_file_is_one_error_line(tmp_path):
+    """A README that is a FIFO hung --check and --write; one that is a
+    directory, or a doc holding bytes of no text, ended them with a traceback."""
+    import os
+
+    copy = _copy_of_the_repository(tmp_path)
+    readme, doc = copy / "README.md", copy / "docs" / "recipes.md"
+    shipped = readme.read_text()
+    readme.unlink()
+    for make, flag, wrong in ((readme.mkdir, "--write", "is a directory, not a regular file"),
+                              (lambda: os.mkfifo(readme), "--check", "is a FIFO")):
+        make()
+        result = _check(copy, flag, "--nocount_tests")
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(f"error: {readme} {wrong}"), result.stderr
+        os.rmdir(readme) if readme.is_dir() else readme.unlink()
+    readme.write_text(shipped)
+    doc.write_bytes(doc.read_bytes() + b"\xff\xfe")
+    result = _check(copy, "--write", "--nocount_tests")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {doc} is damaged (not UTF-8 text"), result.stderr
+    assert readme.read_text() == shipped, "nothing written"
+
+
 def test_the_ledger_lists_a_recipes_runs():
     result = run_module(LEDGER, ["cpu_cnn94_muon"])
     assert_ok(result)
