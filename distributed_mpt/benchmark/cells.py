@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,7 @@ def run_cell(cell) -> dict:
         processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True, env=dict(
             environment, TF_CONFIG=tf_config) if tf_config else environment)
                      for (out, err), tf_config in zip(logs, tf_configs)]
-        deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
+        deadline, stopped_here = time.monotonic() + CHILD_TIMEOUT_SECONDS, set()
         try:  # a worker that fails leaves its peers waiting in a collective: stop all
             while (any(p.poll() is None for p in processes)
                    and not any(p.returncode for p in processes) and time.monotonic() < deadline):
@@ -150,16 +151,33 @@ def run_cell(cell) -> dict:
             for process in processes:
                 if process.poll() is None:
                     process.kill()
+                    stopped_here.add(process)
                 process.wait()
-        failed = [(p.returncode, err) for p, (_, err) in zip(processes, logs) if p.returncode]
-        if failed:
-            code, err = max(failed, key=lambda f: f[0])  # one that failed on its own, not one stopped here
+        # One that failed on its own, not one stopped here; none: its time ran out.
+        failed = [(p.returncode, err) for p, (_, err) in zip(processes, logs)
+                  if p.returncode and p not in stopped_here]
+        if failed or stopped_here:
+            if not failed:
+                raise RuntimeError(f"{cell.describe()}: stopped after {CHILD_TIMEOUT_SECONDS} s, "
+                                   f"its time limit")
+            code, err = max(failed, key=lambda f: f[0])
             err.seek(0)
             lines = [line.strip() for line in err.read().splitlines() if line.strip()] or ["?"]
-            reason = lines[-1] if code > 0 else f"stopped after {CHILD_TIMEOUT_SECONDS} s"
+            # A signal's death (the OOM killer's SIGKILL, a SIGSEGV) was told as a time out.
+            reason = lines[-1] if code > 0 else _killed_by(-code)
             raise RuntimeError(f"{cell.describe()}: exited {code}: {reason}")
         logs[0][0].seek(0)
         return json.loads(logs[0][0].read().strip().splitlines()[-1])
+
+
+def _killed_by(number: int) -> str:
+    """Why a process that signal `number` ended ended, in words."""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {number}"
+    # The kernel's OOM killer sends SIGKILL, and so does nothing else here.
+    return f"killed by {name}" + (" (out of memory?)" if number == signal.SIGKILL else "")
 
 
 def main(measures=None) -> int:

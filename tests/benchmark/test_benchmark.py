@@ -4,6 +4,7 @@ Behaviour only: no test asserts a speed or the value of a ratio, which
 depend on the machine and its load.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -375,3 +376,42 @@ def test_an_output_that_is_the_programs_own_log_is_refused(tmp_path):
         "error: flag --output=/dev/stdout: is this program's standard output, which the report "
         "goes to: name a file of its own for the JSON")
     assert log.read_text() == "yesterday's results\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Killed:
+    """A measurement whose process dies of a signal: a run_cell's cell."""
+
+    module = "a_broken_measurement"  # written by the test below; not a field
+
+    def describe(self) -> str:
+        return "a cell that is killed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hangs(Killed):
+    """A measurement whose process never ends."""
+
+    def describe(self) -> str:
+        return "a cell that hangs"
+
+
+def test_a_cell_killed_by_a_signal_or_out_of_time_is_reported_as_such(tmp_path, monkeypatch):
+    """A cell the OOM killer ended (SIGKILL) after seconds was reported as
+    stopped after its 900 s time limit; one that hangs is stopped at it."""
+    (tmp_path / "a_broken_measurement.py").write_text(
+        "import os, signal, sys, time\n"
+        "if sys.argv[1] == 'Killed':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    with pytest.raises(RuntimeError, match=r"^a cell that is killed: exited -9: killed by SIGKILL "
+                                           r"\(out of memory\?\)$"):
+        cells.run_cell(Killed())
+    monkeypatch.setattr(cells, "CHILD_TIMEOUT_SECONDS", 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^a cell that hangs: stopped after 1 s, its time "
+                                           r"limit$"):
+        cells.run_cell(Hangs())
+    assert time.monotonic() - started < 60, "bounded by its time limit"
