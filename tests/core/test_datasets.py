@@ -1,6 +1,7 @@
 """Where the data comes from: synthetic data, the official binary release,
 tensorflow-datasets up to the network boundary, and damaged or missing files."""
 
+import os
 import subprocess
 import sys
 import time
@@ -274,3 +275,22 @@ def test_prepare_data_without_network_fails_fast_with_remedies(tmp_path):
     if result.returncode == 0:
         pytest.skip("this machine reaches the CIFAR-10 host: it prepared the data")
     assert_one_error_line(result, "downloads/manual")
+
+
+@pytest.mark.parametrize("make", [os.mkdir, os.mkfifo], ids=["a directory", "a FIFO"])
+def test_prepare_data_with_no_file_where_the_archive_goes_is_one_error_line(tmp_path, capsys,
+                                                                            make):
+    """A directory named as the archive in downloads/manual (a download
+    unpacked in place) ended prepare-data with a traceback; a FIFO would
+    have blocked it."""
+    from distributed_mpt import prepare_data
+
+    archive = tmp_path / "downloads" / "manual" / cifar10.CIFAR10_ARCHIVE
+    archive.parent.mkdir(parents=True)
+    make(archive)
+    assert prepare_data.main([f"--data_dir={tmp_path}"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    kind = "a directory" if archive.is_dir() else "a FIFO"
+    assert errors == [f"error: {archive} is {kind}, not the CIFAR-10 archive: put the file "
+                      f"downloaded from https://www.cs.toronto.edu/~kriz/cifar.html there, or "
+                      f"remove it"], errors

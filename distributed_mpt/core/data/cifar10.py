@@ -130,7 +130,14 @@ def _prepare_cifar10(builder, download: bool) -> None:
     from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
     manual_dir = os.path.join(builder.data_dir_root, "downloads", "manual")
-    have_archive = os.path.exists(os.path.join(manual_dir, CIFAR10_ARCHIVE))
+    archive = os.path.join(manual_dir, CIFAR10_ARCHIVE)
+    # tensorflow-datasets opens it as it is: a directory ended the run with a
+    # traceback, and a FIFO would block it.
+    if os.path.lexists(archive) and not files.is_regular_file(archive):
+        raise DataUnavailableError(
+            f"{archive} is {files.kind_of(archive)}, not the CIFAR-10 archive: put the file "
+            f"downloaded from https://www.cs.toronto.edu/~kriz/cifar.html there, or remove it")
+    have_archive = os.path.exists(archive)
     if have_archive or download:  # preparing writes into data_dir: no download could mend that
         files.check_writable(builder.data_dir_root, flag="--data_dir", create=False)
     if not have_archive:
@@ -153,7 +160,7 @@ def _prepare_cifar10(builder, download: bool) -> None:
             download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
     except NonMatchingChecksumError:
         raise DataUnavailableError(
-            f"{os.path.join(manual_dir, CIFAR10_ARCHIVE)} is not the CIFAR-10 archive "
+            f"{archive} is not the CIFAR-10 archive "
             f"(its checksum does not match; the real one is 170,052,171 bytes): download it "
             f"again from https://www.cs.toronto.edu/~kriz/cifar.html") from None
 
