@@ -58,6 +58,8 @@ def seeds_of(text: str) -> List[int]:
     count = numbers[1] - numbers[0] + 1 if "-" in text else len(numbers)
     if not 1 <= count <= 1000:
         raise ConfigError(f"--seeds={quoted(text)} must name 1 to 1000 seeds, none negative")
+    if "-" not in text and len(set(numbers)) != len(numbers):  # one run, counted twice
+        raise ConfigError(f"--seeds={quoted(text)} names a seed twice")
     return list(range(numbers[0], numbers[1] + 1)) if "-" in text else numbers
 
 
@@ -144,8 +146,11 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
         except KeyboardInterrupt:  # Ctrl-C reached the run too: it stops with a checkpoint
             code = run.wait()
         if code != ExitCode.OK:
-            print(f"[measure] seed {seed} ended with {code}; run the same command again to "
-                  f"resume", file=sys.stderr, flush=True)
+            # A refusal (bad flags, data) would only be met again.
+            then = ("run the same command again to resume" if code < 0 or code >= 128 else
+                    "mend what its error says, then run the same command again")
+            print(f"[measure] seed {seed} ended with {code}; {then}", file=sys.stderr,
+                  flush=True)
             return code if code > 0 else 128 - code
         summary_path = os.path.join(model_dir, "summary.json")
         summary = files.read_json(summary_path)

@@ -111,6 +111,29 @@ def test_seeds_are_decimal_and_counted_before_they_are_made(seeds):
         seeds_of(seeds)
 
 
+def test_a_seed_named_twice_is_refused_and_a_range_of_one_is_not():
+    """--seeds=1,1 trained seed 1, read it back as a second run, and its
+    table stated n = 2 and a spread of one run."""
+    from distributed_mpt.recipes.measure import seeds_of
+
+    with pytest.raises(ConfigError, match=r"^--seeds=1,2,1 names a seed twice$"):
+        seeds_of("1,2,1")
+    assert seeds_of("3-3") == [3]
+
+
+def test_a_run_refused_for_its_flags_is_not_said_to_resume(tmp_path, capfd):
+    """A seed's run that exits 2 (bad flags) was followed by 'run the same
+    command again to resume', which would meet the same refusal."""
+    from distributed_mpt.recipes import measure
+
+    assert measure.main(["--recipe=mlp", "--seeds=0", f"--runs_dir={tmp_path / 'runs'}",
+                         "--ledger=", "--", "--train_steps=x"]) == 2
+    err = capfd.readouterr().err
+    assert "error: flag --train_steps=x: x is not a whole number" in err, err
+    assert err.splitlines()[-1] == ("[measure] seed 0 ended with 2; mend what its error says, "
+                                    "then run the same command again"), err
+
+
 def test_one_run_is_tabulated_without_a_spread_it_does_not_have():
     from distributed_mpt.recipes.measure import table
 
