@@ -228,8 +228,14 @@ def append(path: str, records: List[dict]) -> None:
         raise files.DamagedFileError(f"{path}: its last line was cut short; mend it "
                                      f"before appending")
     Ledger(read_jsonl(path, {"kind": str}, _REMEDY)[0] + records, path)  # the result is consistent
-    files.write_text(path, text + "".join(json.dumps(r, sort_keys=False) + "\n"
-                                          for r in records))
+    try:
+        files.write_text(path, text + "".join(json.dumps(r, sort_keys=False) + "\n"
+                                              for r in records))
+    except OSError as e:  # a full disk, after hours of measuring, was a traceback
+        if not files.why_unwritable(e):
+            raise
+        raise ConfigError(f"cannot add to the ledger {path} ({files.why_unwritable(e)}): it is "
+                          f"left as it was; make room and run the same command again") from None
 
 
 def code_commit() -> str:

@@ -4,6 +4,7 @@ docs/recipes.md's tables of runs. The repository agrees with it, a figure
 typed by hand is caught, and a recipe holds its flags and a short header."""
 
 import json
+import os
 import re
 import shutil
 
@@ -146,8 +147,6 @@ def test_a_record_without_what_its_figures_need_is_one_error_line(tmp_path):
 def test_a_file_quoting_the_ledger_that_is_no_text_file_is_one_error_line(tmp_path):
     """A README that is a FIFO hung --check and --write; one that is a
     directory, or a doc holding bytes of no text, ended them with a traceback."""
-    import os
-
     copy = _copy_of_the_repository(tmp_path)
     readme, doc = copy / "README.md", copy / "docs" / "recipes.md"
     shipped = readme.read_text()
@@ -324,3 +323,25 @@ def test_every_figure_the_readme_quotes_is_where_the_renderer_looks():
     readme = (REPO / "README.md").read_text()
     for pattern, _ in render._README_QUOTES:
         assert len(pattern.findall(readme)) == 1, pattern.pattern
+
+
+def test_a_ledger_on_a_full_disk_is_one_error_and_left_as_it_was(tmpfs):
+    """measure adds its runs after the last seed, hours in: a full disk then
+    ended it with a traceback."""
+    from distributed_mpt.errors import ConfigError
+    from distributed_mpt.recipes import records
+
+    mount_point, _ = tmpfs
+    ledger = mount_point / "ledger.jsonl"
+    machine = {"kind": "machine", "machine": "m", "cpu": "c", "column": "c"}
+    ledger.write_text(json.dumps(machine) + "\n")
+    filler = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)  # the disk fills up
+    with pytest.raises(OSError, match="No space left"):
+        while True:
+            os.write(filler, b"\0" * 65536)
+    os.close(filler)
+    with pytest.raises(ConfigError, match=r"^cannot add to the ledger .* \(No space left on "
+                                          r"device\): it is left as it was; make room"):
+        records.append(str(ledger), [{**machine, "machine": "n"}])
+    assert ledger.read_text() == json.dumps(machine) + "\n"
+    assert sorted(p.name for p in mount_point.iterdir()) == ["filler", "ledger.jsonl"]
