@@ -123,11 +123,13 @@ def parse_options(argv) -> BenchmarkOptions:
     if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
         raise ConfigError(f"--batch_sizes={quoted(','.join(fv.batch_sizes))} must be whole "
                           f"numbers in decimal digits")
-    batch_sizes = tuple(int(b) for b in fv.batch_sizes)
+    # Once each: a value given twice measured and reported its rows twice.
+    batch_sizes = tuple(dict.fromkeys(int(b) for b in fv.batch_sizes))
     given = {name: fv[name].value for name in ("model_width", "repeats")}
     given["output"] = config_lib.user_path(fv.output)
-    given.update(sections=tuple(fv.sections), models=tuple(fv.models), batch_sizes=batch_sizes,
-                 precisions=tuple(fv.precisions))
+    given.update(sections=tuple(dict.fromkeys(fv.sections)), batch_sizes=batch_sizes,
+                 models=tuple(dict.fromkeys(fv.models)),
+                 precisions=tuple(dict.fromkeys(fv.precisions)))
     if fv.tiny:
         given.update({k: v for k, v in _TINY.items() if k not in fv or not fv[k].present})
     options = BenchmarkOptions(**given)

@@ -415,3 +415,21 @@ def test_a_cell_killed_by_a_signal_or_out_of_time_is_reported_as_such(tmp_path, 
                                            r"limit$"):
         cells.run_cell(Hangs())
     assert time.monotonic() - started < 60, "bounded by its time limit"
+
+
+def test_a_value_given_twice_is_measured_and_reported_once(tmp_path, monkeypatch):
+    measured = []
+
+    def run_cell(cell):
+        measured.append(cell)
+        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+                "peak_memory_bytes": 2**20}
+
+    monkeypatch.setattr(sections, "run_cell", run_cell)
+    output = tmp_path / "bench.json"
+    assert cli.main(["--tiny", "--sections=training,training", "--models=mlp,mlp",
+                     "--batch_sizes=32,032", "--precisions=float32,float32",
+                     f"--output={output}"]) == 0
+    rows = json.loads(output.read_text())["sections"]["training"]["rows"]
+    assert [(r["model"], r["precision"], r["batch_size"]) for r in rows] == [
+        ("mlp", "float32", 32)] and len(measured) == 1
