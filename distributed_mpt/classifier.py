@@ -77,14 +77,15 @@ def _load_export(export_dir: str) -> Classifier:
     _refuse_what_tensorflow_cannot_read(saved_model)
     try:
         loaded = tf.saved_model.load(saved_model)
-        serve = loaded.signatures["serving_default"]
-        names = [n.decode() for n in loaded.class_names[0].numpy()]
     # A damaged SavedModel raises OSError, ValueError, KeyError, OpError...
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"{quoted(saved_model)} cannot be loaded ({quoted(first_line(e))}): "
                           f"{_REEXPORT}") from None
-    _, inputs = serve.structured_input_signature
-    signature, outputs = inputs.get("images"), serve.structured_outputs
+    # Before the class names: another program's SavedModel (Keras' export(), a
+    # tf.saved_model.save) has none, and was told to train again, as if damaged.
+    serve = loaded.signatures.get("serving_default")
+    _, inputs = serve.structured_input_signature if serve else ((), {})
+    signature, outputs = inputs.get("images"), serve.structured_outputs if serve else None
     answer = outputs.get("probabilities") if isinstance(outputs, dict) else None
     if not (signature is not None and signature.dtype == tf.uint8 and signature.shape.rank == 4
             and None not in signature.shape[1:] and signature.shape[-1] == 3
@@ -93,6 +94,17 @@ def _load_export(export_dir: str) -> Classifier:
         raise ConfigError(f"{quoted(saved_model)} is not an export of this program: its serving "
                           f"signature does not map uint8 `images` [N, height, width, 3] (at most "
                           f"{MAX_INPUT_SIDE} a side) to float `probabilities` [N, classes]")
+    try:
+        names = [n.decode() for n in loaded.class_names[0].numpy()]
+    except AttributeError:
+        raise ConfigError(f"{quoted(saved_model)} cannot be loaded (it holds no class names): "
+                          f"{_REEXPORT}") from None
+    except Exception as e:  # noqa: BLE001  (not strings: TypeError, UnicodeDecodeError...)
+        raise ConfigError(f"{quoted(saved_model)} cannot be loaded ({quoted(first_line(e))}): "
+                          f"{_REEXPORT}") from None
+    problem = class_names_problem(names)  # as a run's config.json is checked
+    if problem:
+        raise ConfigError(f"{quoted(saved_model)} is damaged ({problem}): {_REEXPORT}")
     # A graph that computes answers without trained weights would serve them
     # as confidently as a trained one.
     if not getattr(loaded, "trainable_variables", None):

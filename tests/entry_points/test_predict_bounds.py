@@ -244,3 +244,39 @@ def test_a_photo_is_classified_upright_as_its_exif_orientation_says(tmp_path):
     result = predict(f"--model_dir={export}", photo)
     assert_ok(result)
     assert result.stdout.split(": ")[1].startswith("c0 "), result.stdout
+
+
+@pytest.mark.parametrize("save", ["keras export()", "tf.saved_model.save"])
+def test_another_programs_saved_model_is_named_so_not_called_damaged(tmp_path, save):
+    """A Keras model's SavedModel, written by Keras or by TensorFlow, was
+    'cannot be loaded (... no attribute 'class_names'): ... run the run's
+    training command again', as if this program's export were damaged."""
+    import keras
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
+                              keras.layers.Dense(10, activation="softmax")])
+    saved_model = tmp_path / "export" / "saved_model"
+    if save == "keras export()":
+        model.export(str(saved_model), verbose=False)
+    else:
+        tf.saved_model.save(model, str(saved_model))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    assert_one_error_line(predict(f"--model_dir={tmp_path / 'export'}", photo),
+                          f"{saved_model} is not an export of this program: its serving signature "
+                          f"does not map uint8 `images`")
+
+
+@pytest.mark.parametrize("names, problem", [
+    (["", *(f"c{i}" for i in range(1, 10))], "its class name 1 of 10 is empty"),
+    (["cat", "Cat ", *(f"c{i}" for i in range(2, 10))], "class names cat and Cat  read as one"),
+], ids=["empty", "twice"])
+def test_an_exports_class_names_are_checked_as_a_checkpoints_are(tmp_path, names, problem):
+    """An export naming a class '' answered 'photo.png:  0.100'; one naming
+    two classes alike answered with both, a reader unable to tell which."""
+    export = _hand_made_export(tmp_path / "export", "plain", names=names)
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(photo)
+    assert_one_error_line(predict(f"--model_dir={export}", photo),
+                          f"{export / 'saved_model'} is damaged ({problem}")

@@ -129,12 +129,14 @@ def first_pair_read_as_one(names) -> Optional[Tuple[str, str]]:
 
 def class_names_problem(names) -> Optional[str]:
     """What is wrong with `names` as a classifier's class names (at least two
-    and at most MAX_CLASSES strings, no two read as one), or None."""
+    and at most MAX_CLASSES strings, none empty, no two read as one), or None."""
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         return "its class names are not a list of names"
     if not 2 <= len(names) <= MAX_CLASSES:
         return (f"it names {len(names):,} class{'' if len(names) == 1 else 'es'}, where a "
                 f"classifier has 2 to {MAX_CLASSES:,}")
+    if "" in names:  # no class folder, no line of classes.txt, is empty
+        return f"its class name {names.index('') + 1} of {len(names):,} is empty"
     pair = first_pair_read_as_one(names)
     if pair:
         return (f"class names {quoted(pair[0])} and {quoted(pair[1])} read as one (they differ "
