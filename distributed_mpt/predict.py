@@ -51,6 +51,10 @@ UNTRAINED_WARNING = (
     "--model_dir at a run that trained")
 
 
+# The flags that choose --evaluate's test split, and mean nothing without it.
+_EVALUATE_FLAGS = ("dataset", "data_dir", "download", "synthetic_examples")
+
+
 def _flag_values() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("model_dir", None, "A training run's directory, or its export/.",
@@ -133,6 +137,11 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         raise ConfigError("--model_dir is required: a training run's directory or its export/")
     if not paths and not fv.evaluate:
         raise ConfigError("nothing to do: give image files to classify, or --evaluate")
+    unused = [f"--{name}" for name in _EVALUATE_FLAGS if fv[name].present]
+    if unused and not fv.evaluate:  # else ignored without a word
+        raise ConfigError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for "
+                          f"--evaluate's test split, which is not asked for: add --evaluate, or "
+                          f"drop {'it' if len(unused) == 1 else 'them'}")
     if not fv.tta_fraction > 0:
         raise ConfigError(f"--tta_fraction={fv.tta_fraction} must be in (0, 1]")
     if fv.synthetic_examples is not None:  # bounded as in training, before the model loads
@@ -181,6 +190,11 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     chosen = {k: v for k, v in (("dataset", fv.dataset),
                                 ("synthetic_examples", fv.synthetic_examples)) if v is not None}
     split = checked_config({**trained, **chosen, "data_dir": fv.data_dir})
+    if split.data.dataset == "synthetic" and fv.data_dir is not None:  # else evaluated unread
+        whose = "" if fv.dataset else " (the model's)"
+        raise ConfigError(f"--data_dir={quoted(fv.data_dir)} is not read: the test split is "
+                          f"--dataset=synthetic's{whose}, made from its seed; for the images "
+                          f"there, give --dataset=image_folder or --dataset=cifar10")
     # The data_dir as given here (or None), and the model's own image size.
     chosen_data = dataclasses.replace(split.data, data_dir=fv.data_dir, download=fv.download,
                                       image_size=classifier.image_shape[0])

@@ -432,6 +432,16 @@ HOSTILE_INPUTS = {
     "--tta_fraction=0": (_flags("--tta=flip", "--tta_fraction=0"), "must be in (0, 1]"),
     "--tta_fraction=1.5": (_flags("--tta=flip", "--tta_fraction=1.5"), "--tta_fraction"),
     "--tta_fraction=nan": (_flags("--tta=flip", "--tta_fraction=nan"), "--tta_fraction"),
+    # A test split's flags, which choose what --evaluate reads, were ignored without a word.
+    "--data_dir without --evaluate": (lambda tmp_path, untrained, trained, photo: (
+        untrained, [f"--data_dir={tmp_path}", "--nodownload", photo]),
+        "--data_dir, --download are for --evaluate's test split, which is not asked for"),
+    "--data_dir of a model of synthetic data": (lambda tmp_path, untrained, trained, photo: (
+        trained, ["--evaluate", f"--data_dir={tmp_path}"]), "is not read: the test split is "
+        "--dataset=synthetic's (the model's), made from its seed"),
+    "--data_dir with --dataset=synthetic": (
+        _flags(f"--data_dir={Path.home()}"),
+        "is not read: the test split is --dataset=synthetic's, made"),
 }
 
 
