@@ -146,8 +146,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         raise ConfigError(f"--tta_fraction={fv.tta_fraction} must be in (0, 1]")
     if fv.synthetic_examples is not None:  # bounded as in training, before the model loads
         checked_config({"synthetic_examples": fv.synthetic_examples})
-    for path in paths:  # bad files fail before the model loads (and are read again after)
-        images.read_image(path)
+    _refuse_unreadable(paths)  # before the model loads (and read again after)
     classifier = load_classifier(fv.model_dir, fv.model)
     print(describe(classifier), file=sys.stderr)
     if paths and classifier.info.get("dataset") == "synthetic":
@@ -181,6 +180,24 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         print(f"{quoted(prediction['file'], 10_000)}: " + ", ".join(
             f"{quoted(t['class'])} {t['probability']:.3f}" for t in prediction["top"]))
     return ExitCode.OK
+
+
+def _refuse_unreadable(paths) -> None:
+    """Raises the ImageError of the first of `paths` that is no readable
+    image, saying how many others are not either: one at a time, a folder of
+    3,000 with a few bad ones took a run to find each."""
+    failed = []
+    for path in paths:
+        try:
+            images.read_image(path)
+        except images.ImageError as e:
+            failed.append((path, e))
+    if len(failed) > 1:
+        raise images.ImageError(f"{failed[0][1]} ({len(failed) - 1:,} more of the "
+                                f"{len(paths):,} files given are not readable images either, "
+                                f"the next {quoted(failed[1][0])})")
+    if failed:
+        raise failed[0][1]
 
 
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:

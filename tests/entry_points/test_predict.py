@@ -439,6 +439,12 @@ HOSTILE_INPUTS = {
     "an image of 64 MB": (_bad_image(_huge), "larger than an image"),
     "a PNG of 1.6 billion pixels": (_bad_image(_a_png_of_a_billion_pixels),
                                     "more than this program decodes"),
+    # Among good ones: the first named, and the others counted, not found a run at a time.
+    "bad images among good ones": (lambda tmp_path, untrained, trained, photo: (
+        untrained, [photo, _text(tmp_path / "a.png"), photo, make_path("directory", tmp_path / "b"),
+                    _text(tmp_path / "c.png")]),
+        "a.png is not an image file (PNG, JPEG, GIF, BMP, WebP and TIFF are read) (2 more of the 5 "
+        "files given are not readable images either, the next "),
     # Counts bounded as training bounds them.
     "--synthetic_examples=-1": (_flags("--synthetic_examples=-1"), "must be a positive"),
     "--synthetic_examples=10**11": (_flags(f"--synthetic_examples={10**11}"),
