@@ -32,6 +32,7 @@ from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.json_lines import JsonLines, finite_values
+from distributed_mpt.process.run_lock import check_held
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -147,6 +148,7 @@ class TrainingLoop:
             if current % run.checkpoint_every_steps == 0 or current == plan.total_steps:
                 save_started = time.perf_counter()
                 with self._reporter.doing(f"saving the checkpoint of step {current}"):
+                    check_held()  # a save would recreate a removed --model_dir
                     self._checkpoints.save(current)
                 self._last_saved = current
                 interval_start += time.perf_counter() - save_started  # not training time
@@ -159,6 +161,7 @@ class TrainingLoop:
         `call_start` short) and raises Preempted. The steps since the last
         progress line go unlogged; the resumed run logs from `reached` on."""
         self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
+        check_held()
         self._checkpoints.save(reached)
         self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
                            f"run the same command again to resume")
@@ -312,6 +315,7 @@ class Reporter:
         elapsed = self._earlier_seconds + time.monotonic() - self._started
         record = finite_values({"step": step, **record,
                                       "elapsed_seconds": round(elapsed, 3)})
+        check_held()
         with open(self._metrics_path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         with self._writer.as_default(step=step):

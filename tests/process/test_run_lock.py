@@ -3,6 +3,7 @@ are real processes (what a run removes of a killed one's: test_model_dir.py)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, assert_ok, subprocess_env, train
+from conftest import REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, subprocess_env, train
 from distributed_mpt.process import run_lock
 from distributed_mpt.errors import ConfigError, ExitCode
 from distributed_mpt.process.run_lock import ModelDirBusyError, RunLock
@@ -202,3 +203,31 @@ def test_a_directory_that_gains_a_file_of_the_users_meanwhile_is_left(tmp_path, 
     monkeypatch.setattr(os, "remove", users_file_appears)
     lock.release(remove_model_dir_if_unused=True, own_files=(outputs.MARKER,))
     assert (model_dir / "notes.txt").read_text() == "mine"
+
+
+def _take_away(model_dir: Path, how: str) -> None:
+    if how == "rm -rf":
+        shutil.rmtree(model_dir)
+    elif how == "mv":
+        model_dir.rename(model_dir.with_name("moved"))
+    else:
+        (model_dir / run_lock.LOCK_NAME).unlink()
+
+
+@pytest.mark.parametrize("how", ["rm -rf", "mv", "rm .lock"])
+def test_a_model_dir_or_lock_taken_away_mid_run_stops_it_with_one_line(tmp_path, how):
+    """Before, a removed or moved directory ended the run with a traceback at
+    its next metrics line (or a save recreated it), and with its lock file
+    removed a second run took the directory and both trained in it."""
+    model_dir = tmp_path / "run"
+    flags = [*SMOKE_FLAGS, "--train_steps=2000", "--steps_per_loop=2", "--log_every_steps=2",
+             "--checkpoint_every_steps=20", "--noevaluate", f"--model_dir={model_dir}"]
+    run = WatchedProcess("distributed_mpt.train", flags)
+    run.wait_for(r"^step +30/", timeout=300)
+    _take_away(model_dir, how)
+    assert run.finish(timeout=120) == ExitCode.USAGE, run.output()[-2000:]
+    assert "Traceback" not in run.output()
+    assert run.output().splitlines()[-1].startswith(
+        f"error: --model_dir={model_dir} or its .lock file was removed or moved"), run.output()
+    if how == "rm -rf":
+        assert not model_dir.exists(), "not recreated by a later write"
