@@ -53,6 +53,8 @@ class TrainConfig:
         values = {**DEFAULTS, **flags}
         for name in ("model_dir", "data_dir"):
             values[name] = user_path(values[name])
+        if values["model_dir"]:  # TensorFlow's checkpoint index needs the working directory
+            values["model_dir"] = os.path.abspath(values["model_dir"])
         model = ModelOptions(**_of(ModelOptions, values))  # its defaults come first
         if values["learning_rate"] is not None and values["max_learning_rate"] is None:
             # The ceiling belongs to the model's own rate: a rate given

@@ -231,3 +231,24 @@ def test_a_model_dir_or_lock_taken_away_mid_run_stops_it_with_one_line(tmp_path,
         f"error: --model_dir={model_dir} or its .lock file was removed or moved"), run.output()
     if how == "rm -rf":
         assert not model_dir.exists(), "not recreated by a later write"
+
+
+def test_a_run_whose_working_directory_is_removed_goes_on(tmp_path):
+    """A relative --model_dir outside the working directory, which is then
+    removed: the run's first checkpoint after it ended with a traceback
+    (TensorFlow's index resolves paths against the working directory)."""
+    working = tmp_path / "work"
+    working.mkdir()
+    flags = [*SMOKE_FLAGS, "--train_steps=200", "--steps_per_loop=2", "--log_every_steps=2",
+             "--checkpoint_every_steps=20", "--noevaluate", "--model_dir=../run"]
+    run = subprocess.Popen([sys.executable, "-m", "distributed_mpt.train", *flags], cwd=working,
+                           env=subprocess_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    for line in run.stdout:
+        if line.startswith("step  10/"):
+            break
+    working.rmdir()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 0, output[-2000:]
+    assert "Traceback" not in output
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 200
