@@ -87,8 +87,9 @@ CASES = {
         _edit("config.json", _in_section("optimizer", learning_rate="0.1")), 8,
         "config.json is damaged (its 'learning_rate' is \"0.1\", where this program writes a "
         "number); it records the flags"),
-    "config.json: a choice as true": (_edit("config.json", _in_section("augmentation", flip=True)),
-                                      8, "(its 'flip' is true, where this program writes a string)"),
+    "config.json: a choice as true": (
+        _edit("config.json", _in_section("augmentation", flip=True)), 8,
+        "(its 'flip' is true, where this program writes a string)"),
     "config.json: a width of 64.5": (
         _edit("config.json", _in_section("model", model_width=64.5)), 8,
         "(its 'model_width' is 64.5, where this program writes a whole number)"),
