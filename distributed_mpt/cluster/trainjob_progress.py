@@ -20,7 +20,8 @@ run's memory, and never more than CLOSE_SECONDS of its end. The token goes
 only over verified HTTPS to the URL's host: `https` alone, with the injected
 CA alone, and no redirect followed (urllib carries the Authorization header
 across them, to any host and scheme). No message holds the token or a part
-of it, nor the URL's user name, password, query or fragment: a warning says
+of it (nor the token variable, which may hold the token, not its file's
+path), nor the URL's user name, password, query or fragment: a warning says
 what went wrong in this module's words, the C library's or OpenSSL's, never
 in the server's (its status line, headers and body may echo the header back)
 nor in http.client's, which quote them. Whatever fails in setting it up is
@@ -316,7 +317,8 @@ def _tls_trusting(ca_cert: str) -> ssl.SSLContext:
 
 def _bearer_token(path: str) -> str:
     """The token in the file at `path` (one trailing newline allowed)."""
-    where = f"{TOKEN_ENV}={quoted(path)}"
+    # Not the variable's value: set to the token itself, it was printed whole.
+    where = f"the file {TOKEN_ENV} names"
     data = _read_bounded(path, MAX_TOKEN_BYTES, where)
     token = data[:-1] if data.endswith(b"\n") else data
     if not token:

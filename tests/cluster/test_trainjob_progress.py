@@ -423,6 +423,16 @@ def test_a_token_file_that_holds_no_token(serve, capfd, tmp_path, kind, fragment
     assert_no_part_of_the_token(output)
 
 
+def test_a_token_given_in_place_of_its_file_is_never_printed(serve, capfd):
+    """KUBEFLOW_TRAINER_SERVER_TOKEN set to the token itself, not to its
+    file's path: the warning quoted the variable's value, the whole token."""
+    server = serve()
+    warnings, output = report({**server.env, "KUBEFLOW_TRAINER_SERVER_TOKEN": TOKEN}, capfd)
+    assert_no_part_of_the_token(output)
+    assert_one_warning(warnings, "the file KUBEFLOW_TRAINER_SERVER_TOKEN names cannot be read")
+    assert not server.requests
+
+
 @pytest.mark.parametrize("kind, fragment", [
     ("FIFO", "is a FIFO, not a regular file"),
     ("device", "is a device node, not a regular file"),
