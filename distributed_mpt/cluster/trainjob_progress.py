@@ -5,11 +5,11 @@ time left and the latest loss and accuracy.
 
 The controller injects KUBEFLOW_TRAINER_SERVER_URL (an HTTPS endpoint),
 KUBEFLOW_TRAINER_SERVER_CA_CERT (its CA certificate) and
-KUBEFLOW_TRAINER_SERVER_TOKEN (a bearer token file, rotated: read at every
-request) into the pods (kubeflow/trainer, docs/user-guides/trainjob-
-progress.md). The chief POSTs `{"trainerStatus": {"progressPercentage",
-"estimatedRemainingSeconds", "metrics": [{"name", "value"}],
-"lastUpdatedTime"}}` at most every MIN_SECONDS, from a thread of its own so
+KUBEFLOW_TRAINER_SERVER_TOKEN (a bearer token), two files that are rotated
+and read at every request, into the pods (kubeflow/trainer,
+docs/user-guides/trainjob-progress.md). The chief POSTs `{"trainerStatus":
+{"progressPercentage", "estimatedRemainingSeconds", "metrics": [{"name",
+"value"}], "lastUpdatedTime"}}` at most every MIN_SECONDS, from a thread of its own so
 that a slow server never slows training. A report that fails is one warning,
 never a failed run.
 
@@ -83,9 +83,9 @@ class TrainJobStatus:
     def __init__(self, url: str, ca_cert: str, token_file: str):
         """Raises _Refused, saying why, if `url` is not https or `ca_cert`
         holds no CA certificate."""
-        self._url, self._token_file = url, token_file
+        self._url, self._ca_cert, self._token_file = url, ca_cert, token_file
         self._host, self._port, self._path = _https_endpoint(url)
-        self._tls = _tls_trusting(ca_cert)
+        _tls_trusting(ca_cert)  # a file that holds no CA now: no reports at all
         self._latest: Optional[dict] = None
         self._changed = threading.Condition()
         self._close_by: Optional[float] = None  # time.monotonic(), once close() is called
@@ -166,8 +166,9 @@ class TrainJobStatus:
         """One report, over by `deadline` (time.monotonic())."""
         seconds = deadline - time.monotonic()
         try:
-            token = _bearer_token(self._token_file)  # rotated by Kubernetes: read every time
-            connection = _Connection(self._host, self._port, self._tls, deadline)
+            # Both rotated, the CA with the controller's certificate: read every time.
+            token, tls = _bearer_token(self._token_file), _tls_trusting(self._ca_cert)
+            connection = _Connection(self._host, self._port, tls, deadline)
             try:
                 connection.request("POST", self._path, body=json.dumps(payload).encode(),
                                    headers={"Authorization": f"Bearer {token}",
@@ -296,8 +297,8 @@ def _shown(url: str) -> str:
 
 def _tls_trusting(ca_cert: str) -> ssl.SSLContext:
     """A TLS context that trusts the CA certificates of `ca_cert` alone and
-    checks the server's name. The file is read here, once and bounded:
-    OpenSSL is given its text, never its path."""
+    checks the server's name. The file is read here, bounded: OpenSSL is
+    given its text, never its path."""
     where = f"{CA_CERT_ENV}={quoted(ca_cert)}"
     data = _read_bounded(ca_cert, MAX_CA_BYTES, where)
     # Not ssl.create_default_context(cadata=...): given an empty file, it

@@ -255,6 +255,28 @@ def test_a_slow_answer_leaves_the_final_report_its_turn(serve, capfd):
     assert "no time left" not in err
 
 
+def test_a_rotated_ca_certificate_is_trusted_from_the_next_report(serve, capfd, tmp_path):
+    """The controller's certificate and CA change mid-run (its webhook
+    certificate renewed; the kubelet updates the mounted ca.crt): the CA was
+    read once at the start, and every report after it failed, untrusted, to
+    the end of the run."""
+    server = serve()
+    status = TrainJobStatus.from_environment(server.env)
+    status.update(10, 90, {"loss": 2.0})
+    arrived_by = time.monotonic() + 60
+    while not server.requests and time.monotonic() < arrived_by:
+        time.sleep(0.05)
+    renewed = serve()  # a new CA, and a certificate it signed for the same address
+    server._http.socket.context.load_cert_chain(  # for its next connections
+        tmp_path / "controller-1" / "server.crt", tmp_path / "controller-1" / "server.key")
+    os.replace(renewed.env["KUBEFLOW_TRAINER_SERVER_CA_CERT"],
+               server.env["KUBEFLOW_TRAINER_SERVER_CA_CERT"])
+    status.update(100, 0, {"loss": 0.5})
+    _, err = close(status, capfd)
+    assert [line for line in err.splitlines() if "TrainJob" in line] == []
+    assert len(server.requests) == 2, "the final report was sent"
+
+
 @pytest.fixture
 def addresses_of(monkeypatch):
     """`addresses_of(name, ports)`: the name resolves to 127.0.0.1 at each of
