@@ -220,6 +220,10 @@ class _Connection(http.client.HTTPSConnection):
     aside, which the resolver's own timeouts bound). http.client follows no
     redirect, and reads no more of an answer than it is asked for."""
 
+    # Whatever http.client.HTTPConnection.debuglevel a module of the process
+    # set: above 0, each request's headers are printed, the token with them.
+    debuglevel = 0
+
     def __init__(self, host: str, port: int, tls: ssl.SSLContext, deadline: float):
         super().__init__(host, port, context=tls)
         self._deadline = deadline

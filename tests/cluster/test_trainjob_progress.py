@@ -11,6 +11,7 @@ controller mounts, and URLs that are not https. One run of the real entry
 point trains to its final checkpoint against a hostile server."""
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -103,6 +104,17 @@ def test_the_controller_gets_each_report_with_the_token(serve, capfd):
     assert (status["progressPercentage"], status["estimatedRemainingSeconds"]) == (50, 60)
     assert status["metrics"] == [{"name": "loss", "value": "1.5"},
                                  {"name": "accuracy", "value": "0.25"}]
+
+
+def test_http_debugging_turned_on_in_the_process_prints_no_token(serve, capfd, monkeypatch):
+    """The usual way to see a Python program's HTTP, turned on by a module
+    the run imports (a user's --model file, say): http.client printed each
+    request's headers, the Authorization header with them."""
+    monkeypatch.setattr(http.client.HTTPConnection, "debuglevel", 1)
+    server = serve()
+    warnings, output = report(server.env, capfd)
+    assert_no_part_of_the_token(output)
+    assert not warnings and len(server.requests) == 1
 
 
 class EndlessBody:
