@@ -126,7 +126,9 @@ def _from_tf_config(text: str) -> Cluster:
 
 def _short(value, limit: int = 40) -> str:
     """A value for an error line: its repr (a string's escaped, never its
-    newlines), cut to `limit` characters."""
+    newlines), cut to `limit` characters. Not errors.quoted, which shows a
+    value's text alone: TF_CONFIG is JSON, and its "index": "0" is refused
+    for being a string, which only the repr's quotes ('0') show."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
