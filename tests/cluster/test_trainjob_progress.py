@@ -267,11 +267,11 @@ def test_a_slow_answer_leaves_the_final_report_its_turn(serve, capfd):
     assert "no time left" not in err
 
 
-def test_a_rotated_ca_certificate_is_trusted_from_the_next_report(serve, capfd, tmp_path):
-    """The controller's certificate and CA change mid-run (its webhook
-    certificate renewed; the kubelet updates the mounted ca.crt): the CA was
-    read once at the start, and every report after it failed, untrusted, to
-    the end of the run."""
+def test_a_rotated_token_and_ca_certificate_are_used_from_the_next_report(serve, capfd,
+                                                                          tmp_path):
+    """The kubelet renews the token, and the CA when the controller's
+    certificate is renewed: the CA was read once at the start, and every
+    report after its renewal failed, untrusted, to the end of the run."""
     server = serve()
     status = TrainJobStatus.from_environment(server.env)
     status.update(10, 90, {"loss": 2.0})
@@ -283,10 +283,14 @@ def test_a_rotated_ca_certificate_is_trusted_from_the_next_report(serve, capfd, 
         tmp_path / "controller-1" / "server.crt", tmp_path / "controller-1" / "server.key")
     os.replace(renewed.env["KUBEFLOW_TRAINER_SERVER_CA_CERT"],
                server.env["KUBEFLOW_TRAINER_SERVER_CA_CERT"])
+    new_token = secrets.token_urlsafe(32)
+    (tmp_path / "new-token").write_text(new_token)
+    os.replace(tmp_path / "new-token", server.env["KUBEFLOW_TRAINER_SERVER_TOKEN"])
     status.update(100, 0, {"loss": 0.5})
     _, err = close(status, capfd)
     assert [line for line in err.splitlines() if "TrainJob" in line] == []
     assert len(server.requests) == 2, "the final report was sent"
+    assert server.requests[1][1]["Authorization"] == f"Bearer {new_token}"
 
 
 @pytest.fixture
