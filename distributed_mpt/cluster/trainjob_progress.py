@@ -117,8 +117,8 @@ class TrainJobStatus:
                               for name, value in metrics.items()],
                   "lastUpdatedTime": datetime.datetime.now(datetime.timezone.utc)
                   .isoformat(timespec="seconds").replace("+00:00", "Z")}
-        if eta_seconds is not None:
-            status["estimatedRemainingSeconds"] = int(round(eta_seconds))
+        if eta_seconds is not None:  # the CRD's field is an int32: the controller refuses more
+            status["estimatedRemainingSeconds"] = int(min(round(eta_seconds), 2**31 - 1))
         with self._changed:
             self._latest = {"trainerStatus": status}
             self._changed.notify()

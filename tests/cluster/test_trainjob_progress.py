@@ -106,6 +106,17 @@ def test_the_controller_gets_each_report_with_the_token(serve, capfd):
                                  {"name": "accuracy", "value": "0.25"}]
 
 
+def test_an_eta_beyond_the_status_field_is_sent_as_its_largest_value(serve, capfd):
+    # estimatedRemainingSeconds is an int32 in the TrainJob CRD: a larger ETA
+    # (a --train_steps of decades) was refused by the controller, every report.
+    server = serve()
+    status = TrainJobStatus.from_environment(server.env)
+    status.update(0, 1e12, {"loss": 2.0})
+    close(status, capfd)
+    ((_, _, body),) = server.requests
+    assert json.loads(body)["trainerStatus"]["estimatedRemainingSeconds"] == 2**31 - 1
+
+
 def test_http_debugging_turned_on_in_the_process_prints_no_token(serve, capfd, monkeypatch):
     """The usual way to see a Python program's HTTP, turned on by a module
     the run imports (a user's --model file, say): http.client printed each
