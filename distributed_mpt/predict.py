@@ -78,8 +78,8 @@ def _flag_values() -> flags.FlagValues:
     cli.define_float(fv, "tta_fraction", 1.0, "As training's --eval_tta_fraction: augment only "
                      "this fraction of the images, those whose plain view is least confident.",
                      upper=1.0)
-    cli.define_integer(fv, "top_k", 1, "Classes to print per image, most probable first.",
-                       lower=1, upper=10)
+    cli.define_integer(fv, "top_k", 1, "Classes to print per image, most probable first (at "
+                       "most the model's number of classes).", lower=1)
     flags.DEFINE_bool("json", False, "Print one JSON object instead of lines.", flag_values=fv)
     flags.DEFINE_string("model", None, "Your own model (file.py:function), for a checkpoint of "
                         "a run that trained it: predict imports no code that config.json "
@@ -148,6 +148,10 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         checked_config({"synthetic_examples": fv.synthetic_examples})
     _refuse_unreadable(paths)  # before the model loads (and read again after)
     classifier = load_classifier(fv.model_dir, fv.model)
+    classes = len(classifier.class_names)
+    if paths and fv.top_k > classes:  # else fewer printed than asked, without a word
+        raise ConfigError(f"--top_k={fv.top_k} is more than the {classes} classes "
+                          f"{quoted(classifier.source)} predicts: give at most {classes}")
     print(describe(classifier), file=sys.stderr)
     if paths and classifier.info.get("dataset") == "synthetic":
         print(SYNTHETIC_WARNING, file=sys.stderr)
