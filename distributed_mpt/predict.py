@@ -146,7 +146,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
         raise ConfigError(f"--tta_fraction={fv.tta_fraction} must be in (0, 1]")
     if fv.synthetic_examples is not None:  # bounded as in training, before the model loads
         checked_config({"synthetic_examples": fv.synthetic_examples})
-    _refuse_unreadable(paths)  # before the model loads (and read again after)
+    decoded = _refuse_unreadable(paths)  # before the model loads
     classifier = load_classifier(fv.model_dir, fv.model)
     classes = len(classifier.class_names)
     if paths and fv.top_k > classes:  # else fewer printed than asked, without a word
@@ -162,14 +162,11 @@ def _predict(fv: flags.FlagValues, argv) -> int:
     if fv.evaluate:
         result["evaluation"] = _evaluate_on_test_split(classifier, fv)
     if paths:
-        size = classifier.image_shape[:2]
-        batch = np.stack([images.read_image(path, size) for path in paths])
         names = classifier.class_names
         result["predictions"] = [
             {"file": path, "top": [{"class": names[i], "probability": float(p[i])}
                                    for i in np.argsort(-p)[:fv.top_k]]}
-            for path, p in zip(paths, _probabilities(classifier, batch, fv,
-                                                     lambda i: quoted(paths[i])))]
+            for path, p in zip(paths, _file_probabilities(classifier, paths, decoded, fv))]
     if fv.json:
         print(json.dumps(result, indent=2))
         return ExitCode.OK
@@ -186,22 +183,68 @@ def _predict(fv: flags.FlagValues, argv) -> int:
     return ExitCode.OK
 
 
-def _refuse_unreadable(paths) -> None:
-    """Raises the ImageError of the first of `paths` that is no readable
-    image, saying how many others are not either: one at a time, a folder of
-    3,000 with a few bad ones took a run to find each."""
-    failed = []
-    for path in paths:
+# The decoded pixels that the check before the model loads keeps for the
+# answers, so that the images are decoded once: those beyond it (100,000
+# photos would not fit in memory) are decoded again, a batch at a time.
+_KEPT_BYTES = 128 << 20
+# Images classified at a time, as eval_views.class_probabilities batches them.
+_BATCH = 500
+
+
+def _refuse_unreadable(paths) -> dict:
+    """The decoded pixels of the first of `paths` (by index), up to _KEPT_BYTES
+    of them. Raises the ImageError of the first that is no readable image,
+    saying how many others are not either: one at a time, a folder of 3,000
+    with a few bad ones took a run to find each."""
+    failed, decoded, kept_bytes = [], {}, 0
+    for index, path in enumerate(paths):
         try:
-            images.read_image(path)
+            pixels = images.read_image(path)
         except images.ImageError as e:
             failed.append((path, e))
+            continue
+        kept_bytes += pixels.nbytes
+        if kept_bytes <= _KEPT_BYTES and not failed:
+            decoded[index] = pixels
     if len(failed) > 1:
         raise images.ImageError(f"{failed[0][1]} ({len(failed) - 1:,} more of the "
                                 f"{len(paths):,} files given are not readable images either, "
                                 f"the next {quoted(failed[1][0])})")
     if failed:
         raise failed[0][1]
+    return decoded
+
+
+def _file_probabilities(classifier: Classifier, paths, decoded: dict,
+                        fv: flags.FlagValues) -> np.ndarray:
+    """`_probabilities` of the images of `paths`, read _BATCH at a time at the
+    model's size: `decoded` holds the pixels of some (by index), taken as used."""
+    size = classifier.image_shape[:2]
+
+    def at_size(index: int) -> np.ndarray:
+        pixels = decoded.pop(index, None)
+        if pixels is not None:
+            with contextlib.suppress(ValueError, MemoryError):  # read_image says why, by name
+                return images.resize(pixels, size)
+        return images.read_image(paths[index], size)
+
+    def answers(chosen: np.ndarray, views: str) -> np.ndarray:
+        return np.concatenate([_probabilities(
+            classifier, np.stack([at_size(i) for i in batch]), views, 1.0,
+            lambda i, batch=batch: quoted(paths[batch[i]]))
+            for batch in np.array_split(chosen, range(_BATCH, len(chosen), _BATCH))])
+
+    everything = np.arange(len(paths))
+    if fv.tta == "none" or fv.tta_fraction == 1:
+        return answers(everything, fv.tta)
+    from distributed_mpt.core.eval_views import least_confident
+
+    # The least confident of all the images, as --tta_fraction says: not of each batch.
+    p = answers(everything, "none")
+    chosen = least_confident(p.max(axis=1), fv.tta_fraction)
+    if len(chosen):
+        p[chosen] = answers(chosen, fv.tta)
+    return p
 
 
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:
@@ -225,22 +268,22 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     from distributed_mpt.core.eval_views import loss_and_accuracy
 
     test, names = loaded.test, loaded.info.class_names
-    p = _probabilities(classifier, test.images, fv, lambda i: (
+    p = _probabilities(classifier, test.images, fv.tta, fv.tta_fraction, lambda i: (
         f"test image {i + 1} of {len(test)} of --dataset={dataset} (of class "
         f"{quoted(names[test.labels[i]])})"))
     return {"dataset": dataset, "tta": fv.tta, "tta_fraction": fv.tta_fraction,
             **loss_and_accuracy(p, test.labels)}
 
 
-def _probabilities(classifier: Classifier, batch: np.ndarray, fv: flags.FlagValues,
+def _probabilities(classifier: Classifier, batch: np.ndarray, views: str, fraction: float,
                    name_of: Callable[[int], str]) -> np.ndarray:
-    """The classifier's probabilities for every image of `batch`, with the
-    flags' test-time views; ConfigError naming (`name_of` its index) the
-    first image it answers NaN or infinity for: printed as numbers, they
-    would read as answers."""
+    """The classifier's probabilities for every image of `batch`, with
+    test-time `views` of its least confident `fraction`; ConfigError naming
+    (`name_of` its index) the first image it answers NaN or infinity for:
+    printed as numbers, they would read as answers."""
     from distributed_mpt.core.eval_views import class_probabilities
 
-    p = class_probabilities(classifier.probabilities, batch, fv.tta, fv.tta_fraction)
+    p = class_probabilities(classifier.probabilities, batch, views, fraction)
     bad = np.flatnonzero(~np.isfinite(p).all(axis=1))
     if len(bad):
         value = "NaN" if np.isnan(p[bad[0]]).any() else "infinity"

@@ -10,7 +10,7 @@ from PIL import Image
 from conftest import assert_ok, assert_one_error_line, run_in_process
 from distributed_mpt import predict as predict_module
 from distributed_mpt.core import models
-from distributed_mpt.core.data import cifar10
+from distributed_mpt.core.data import cifar10, images
 from distributed_mpt.training import outputs
 
 
@@ -39,6 +39,44 @@ def _photos(directory, count: int, side: int = 40) -> list:
     for path in paths:
         Image.fromarray(rng.integers(0, 256, (side, side, 3), np.uint8)).save(path)
     return paths
+
+
+def test_each_image_is_decoded_once_and_classified_a_batch_at_a_time(export, tmp_path,
+                                                                      monkeypatch):
+    """Every image was decoded twice (checked before the model loads, then
+    read again), and all were stacked in memory at once to be classified."""
+    photos = _photos(tmp_path, 7)
+    decoded, batches = [], []
+    read_image, load = images.read_image, predict_module.load_classifier
+
+    def counted(path, size=None):
+        decoded.append(str(path))
+        return read_image(path, size)
+
+    def watched(*load_args):
+        classifier = load(*load_args)
+
+        def probabilities(x):
+            batches.append(len(x))
+            return classifier.probabilities(x)
+        return dataclasses.replace(classifier, probabilities=probabilities)
+
+    monkeypatch.setattr(images, "read_image", counted)
+    assert_ok(predict(f"--model_dir={export}", *photos))
+    assert sorted(decoded) == sorted(map(str, photos))
+
+    args = ["--tta=flip_translate", "--tta_fraction=0.5", "--top_k=3", f"--model_dir={export}"]
+    whole = predict(*args, *photos)  # in one batch
+    assert_ok(whole)
+    monkeypatch.setattr(predict_module, "load_classifier", watched)
+    monkeypatch.setattr(predict_module, "_BATCH", 2)
+    # Three images' pixels kept from the check (40 x 40 x 3 each), the others decoded again.
+    monkeypatch.setattr(predict_module, "_KEPT_BYTES", 3 * 40 * 40 * 3)
+    in_batches = predict(*args, *photos)
+    assert_ok(in_batches)
+    # The least confident half of all 7 augmented, not of each batch.
+    assert in_batches.stdout == whole.stdout and len(whole.stdout.splitlines()) == 7
+    assert max(batches) <= 2, batches
 
 
 def test_top_k_goes_up_to_the_models_classes_and_no_further(tmp_path):
