@@ -26,8 +26,10 @@ holds: use only exports you trust, as you would a script.
 import contextlib
 import dataclasses
 import gc
+import glob
 import json
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -199,7 +201,7 @@ def _refuse_unreadable(paths) -> dict:
     failed, decoded, kept_bytes = [], {}, 0
     for index, path in enumerate(paths):
         try:
-            pixels = images.read_image(path)
+            pixels = _read_named(path)
         except images.ImageError as e:
             failed.append((path, e))
             continue
@@ -213,6 +215,20 @@ def _refuse_unreadable(paths) -> dict:
     if failed:
         raise failed[0][1]
     return decoded
+
+
+def _read_named(path: str) -> np.ndarray:
+    """images.read_image, saying what a path that names no file was likely meant as."""
+    try:
+        return images.read_image(path)
+    except images.ImageError:
+        if os.path.lexists(path) or not (path in ("", "-") or glob.has_magic(path)):
+            raise
+    raise images.ImageError(
+        "a path given is empty (an unset shell variable?): give image files" if not path else
+        "- names no file: predict reads no standard input; give image files" if path == "-" else
+        f"{quoted(path)} names no file: a pattern that matched none, which the shell passes "
+        f"on as it is; give image files")
 
 
 def _file_probabilities(classifier: Classifier, paths, decoded: dict,

@@ -90,3 +90,20 @@ def test_top_k_goes_up_to_the_models_classes_and_no_further(tmp_path):
     assert_one_error_line(predict(f"--model_dir={export}", "--top_k=13", photo),
                           f"--top_k=13 is more than the 12 classes "
                           f"{export / 'export' / 'saved_model'} predicts: give at most 12")
+
+
+@pytest.mark.parametrize("path, said", [
+    ("", "a path given is empty (an unset shell variable?): give image files"),
+    ("-", "- names no file: predict reads no standard input; give image files"),
+    ("{}/*.jpg", "{}/*.jpg names no file: a pattern that matched none, which the shell passes "
+                 "on as it is; give image files"),
+], ids=["empty", "dash", "unmatched glob"])
+def test_a_path_that_names_no_file_says_what_it_was_likely_meant_as(export, tmp_path, path,
+                                                                    said):
+    """`predict "$PHOTO"` with PHOTO unset said "cannot read  (No such file
+    or directory)", naming nothing; a glob that matched nothing, or `-`,
+    was called a missing file."""
+    photo = _photos(tmp_path, 1)[0]
+    result = predict(f"--model_dir={export}", photo, path.format(tmp_path))
+    assert_one_error_line(result, said.format(tmp_path))
+    assert result.stdout == ""
