@@ -4,12 +4,12 @@ times every tensor size, and a model's gradients in packs of each
 `bytes_per_pack`, so that TensorFlow's start-up (5-10 s a worker) is paid
 once per set.
 
-`measure(AllReduce(...))` starts the workers on 127.0.0.1 (as the launcher
-does, through `cells.run_cell`) and returns the chief's timings; each worker
-is `python -m distributed_mpt.benchmark.allreduce AllReduce SPEC_JSON` with
-its TF_CONFIG, which is also how tests/benchmark/test_scaling.py starts them in
-network namespaces. `fit` turns timings into the ring's latency and
-bandwidth (docs/scaling.md, section 1).
+`cells.run_cell(AllReduce(...))` starts the workers on 127.0.0.1 (as the
+launcher does) and returns the chief's timings; each worker is `python -m
+distributed_mpt.benchmark.allreduce AllReduce SPEC_JSON` with its TF_CONFIG,
+which is also how tests/benchmark/test_scaling.py starts them in network
+namespaces. `fit` turns timings into the ring's latency and bandwidth
+(docs/scaling.md, section 1).
 """
 
 import dataclasses
@@ -69,11 +69,6 @@ def packs(tensor_bytes: Sequence[int], bytes_per_pack: int) -> int:
     return count
 
 
-def measure(spec: AllReduce) -> dict:
-    """Runs `spec` in fresh worker processes on 127.0.0.1; the chief's timings."""
-    return cells.run_cell(spec)
-
-
 def time_in_this_worker(spec: AllReduce) -> dict:
     """In a worker process with TF_CONFIG set: creates the strategy (before
     any other TensorFlow op), then times each size and each packing. Returns
@@ -131,9 +126,9 @@ def time_in_this_worker(spec: AllReduce) -> dict:
 
 
 def sweep(workers: Sequence[int], communications: Sequence[str], **spec) -> list:
-    """`measure` for each number of workers and communication (`spec`: the
-    rest of AllReduce), each result with its `workers` and `communication`."""
-    return [{**measure(AllReduce(n, communication=communication, **spec)),
+    """`cells.run_cell` for each number of workers and communication (`spec`:
+    the rest of AllReduce), each result with its `workers` and `communication`."""
+    return [{**cells.run_cell(AllReduce(n, communication=communication, **spec)),
              "communication": communication}
             for n in workers for communication in communications]
 

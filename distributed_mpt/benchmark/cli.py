@@ -36,16 +36,14 @@ from typing import Optional
 
 from absl import flags
 
-from distributed_mpt import cli
+from distributed_mpt import cli, files
 from distributed_mpt import config as config_lib
-from distributed_mpt.process import log_filter, stopping
-from distributed_mpt import files
 from distributed_mpt.benchmark.cells import MAX_REPEATS
-from distributed_mpt.core import models
 from distributed_mpt.benchmark.sections import (SECTIONS, BenchmarkOptions, format_report,
                                                 run_benchmark)
-from distributed_mpt.errors import (ConfigError, ExitCode, UserError, quoted,
-                                    too_long_to_open)
+from distributed_mpt.core import models
+from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted, too_long_to_open
+from distributed_mpt.process import log_filter
 
 # What --tiny sets, unless a flag says otherwise: a smoke run for tests.
 # Every section measured, the mixed policy included (emulated, but small).
@@ -115,9 +113,8 @@ def _regular_file_or_absent(path: Optional[str]) -> bool:
     return True
 
 
-def parse_options(argv) -> BenchmarkOptions:
+def parse_options(fv: flags.FlagValues, argv) -> BenchmarkOptions:
     """Flags (without the program name) into BenchmarkOptions; raises ConfigError."""
-    fv = _flag_values()
     cli.parse("distributed-mpt-benchmark", fv, argv)
     cli.check_path_flags(fv, "output")
     if not all(cli.is_decimal_integer(b) for b in fv.batch_sizes):  # not `0x10`, `1_000`
@@ -125,11 +122,10 @@ def parse_options(argv) -> BenchmarkOptions:
                           f"numbers in decimal digits")
     # Once each: a value given twice measured and reported its rows twice.
     batch_sizes = tuple(dict.fromkeys(int(b) for b in fv.batch_sizes))
-    given = {name: fv[name].value for name in ("model_width", "repeats")}
-    given["output"] = config_lib.user_path(fv.output)
-    given.update(sections=tuple(dict.fromkeys(fv.sections)), batch_sizes=batch_sizes,
-                 models=tuple(dict.fromkeys(fv.models)),
-                 precisions=tuple(dict.fromkeys(fv.precisions)))
+    given = dict(output=config_lib.user_path(fv.output), model_width=fv.model_width,
+                 repeats=fv.repeats, batch_sizes=batch_sizes,
+                 **{name: tuple(dict.fromkeys(fv[name].value))
+                    for name in ("sections", "models", "precisions")})
     if fv.tiny:
         given.update({k: v for k, v in _TINY.items() if k not in fv or not fv[k].present})
     options = BenchmarkOptions(**given)
@@ -155,23 +151,18 @@ def _help_text() -> str:
 
 def main(argv=None) -> int:
     """Runs the benchmark from command-line flags; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    if cli.wants_help(argv):
-        return cli.show_help(_help_text(), _flag_values())
-    cli.libraries_warnings_stay_warnings()  # the cells' processes inherit PYTHONWARNINGS
-    try:
-        options = parse_options(argv)
-        if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
-            files.check_writable(os.path.dirname(os.path.realpath(options.output)), "--output")
-            _check_name(options.output)
-        # TensorFlow's C++ start-up lines, off the report; SIGTERM ends the cells too.
-        with log_filter.filtering(), stopping.stops_interrupting():
-            results = run_benchmark(options)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except KeyboardInterrupt as e:
-        return cli.interrupted(e, "nothing written")
+    return cli.run_main(_help_text(), _flag_values(), _measure, argv,
+                        on_interrupt="nothing written")
+
+
+def _measure(fv: flags.FlagValues, argv) -> int:
+    """Parses `argv` into `fv`, measures, prints the report and writes --output."""
+    options = parse_options(fv, argv)
+    if options.output:  # now, not after minutes of measuring (it exists: a validator said so)
+        files.check_writable(os.path.dirname(os.path.realpath(options.output)), "--output")
+        _check_name(options.output)
+    with log_filter.filtering():  # TensorFlow's C++ start-up lines, off the report
+        results = run_benchmark(options)
     # The file first: the report's console may fail (console.py), the file must not.
     unwritten = options.output and _write(options.output, results)
     print(format_report(results), flush=True)

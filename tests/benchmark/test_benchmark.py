@@ -23,6 +23,9 @@ from distributed_mpt.benchmark.sections import SECTIONS
 from distributed_mpt.core import models
 from distributed_mpt.errors import ExitCode
 
+# What a cell measures, for tests in which none is measured.
+FIGURES = {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
+           "peak_memory_bytes": 2**20}
 
 def _assert_figures(report: dict, names) -> None:
     """Each named section has rows, and each row every figure SECTIONS gives
@@ -94,8 +97,7 @@ def test_a_failing_section_is_reported_failed_and_the_exit_status_is_1(tmp_path,
     def run_cell(cell):  # one replica trains, several break
         if cell.strategy != "default":
             raise RuntimeError(f"{cell.describe()}: exited 1: error: ValueError: boom")
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20}
+        return dict(FIGURES)
 
     monkeypatch.setattr(sections, "run_cell", run_cell)
     output = tmp_path / "bench.json"
@@ -116,8 +118,7 @@ def test_an_output_that_cannot_be_written_after_measuring_is_one_error_line(tmp_
     def run_cell(cell):  # measures, while the output's directory is removed
         if output.parent.exists():
             output.parent.rmdir()
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20}
+        return dict(FIGURES)
 
     monkeypatch.setattr(sections, "run_cell", run_cell)
     assert cli.main(["--tiny", "--sections=training", f"--output={output}"]) == ExitCode.USAGE
@@ -140,8 +141,7 @@ def test_by_default_float32_and_what_auto_picks_are_measured(tmp_path, monkeypat
 
     def run_cell(cell):
         precisions.append(cell.precision)
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20}
+        return dict(FIGURES)
 
     monkeypatch.setattr(sections, "run_cell", run_cell)
     monkeypatch.setattr(precision, "cpu_bfloat16_instructions", lambda: cpu_instructions)
@@ -254,8 +254,7 @@ def test_an_output_that_becomes_a_fifo_while_measuring_is_left_alone(tmp_path, m
     def run_cell(cell):  # measures, while someone puts a FIFO at --output
         if not output.exists():
             os.mkfifo(output)
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20}
+        return dict(FIGURES)
 
     monkeypatch.setattr(sections, "run_cell", run_cell)
     assert cli.main(["--tiny", "--sections=training", f"--output={output}"]) == ExitCode.USAGE
@@ -277,11 +276,7 @@ def test_an_output_through_a_symbolic_link_writes_the_file_it_names(tmp_path, mo
     link = tmp_path / "latest.json"
     link.symlink_to(target)
 
-    def run_cell(cell):
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20}
-
-    monkeypatch.setattr(sections, "run_cell", run_cell)
+    monkeypatch.setattr(sections, "run_cell", lambda cell: dict(FIGURES))
     assert cli.main(["--tiny", "--sections=training", f"--output={link}"]) == ExitCode.OK
     assert "error" not in capsys.readouterr().err
     assert link.is_symlink() and link.resolve() == target
@@ -321,8 +316,7 @@ def test_each_cell_is_set_against_the_roof_of_its_compute_dtype(tmp_path, monkey
             peak = {"float32": 4e11, "bfloat16": 8e11}[cell.dtype]
             return {"rows": [{"kernel": "matmul", "flops_per_second": peak / 2},
                              {"kernel": "conv", "flops_per_second": peak}]}
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20, "training_flops_per_example": 1e9}
+        return {**FIGURES, "training_flops_per_example": 1e9}
 
     monkeypatch.setattr(sections, "run_cell", run_cell)
     output = tmp_path / "bench.json"
@@ -422,8 +416,7 @@ def test_a_value_given_twice_is_measured_and_reported_once(tmp_path, monkeypatch
 
     def run_cell(cell):
         measured.append(cell)
-        return {"examples_per_second": 100.0, "runs": [100.0], "steps": 2, "replicas": 1,
-                "peak_memory_bytes": 2**20}
+        return dict(FIGURES)
 
     monkeypatch.setattr(sections, "run_cell", run_cell)
     output = tmp_path / "bench.json"

@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 
 from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, run_module, subprocess_env, train
-from distributed_mpt.benchmark import allreduce, scaling
+from distributed_mpt.benchmark import allreduce, cells, scaling
 from distributed_mpt.core.optim import schedules
 from support import netns
 
@@ -35,8 +35,8 @@ needs_tun = pytest.mark.skipif(netns.tun_unavailable() is not None, reason=str(n
 
 def test_the_ring_fitted_on_two_workers_predicts_three_at_a_size_it_did_not_see():
     cores = len(os.sched_getaffinity(0))
-    two = allreduce.measure(allreduce.AllReduce(2, FIT_SIZES, repeats=5))
-    three = allreduce.measure(allreduce.AllReduce(3, (HELD_OUT,), repeats=5))
+    two = cells.run_cell(allreduce.AllReduce(2, FIT_SIZES, repeats=5))
+    three = cells.run_cell(allreduce.AllReduce(3, (HELD_OUT,), repeats=5))
     latency, per_byte, errors = allreduce.fit([two], cores)
     predicted = allreduce.ring_seconds(latency, per_byte, 3, HELD_OUT, cores)
     measured = allreduce.median_seconds(three["sizes"][0])
@@ -191,7 +191,7 @@ DELAY_MS = 20
 
 def allreduce_in_pods(network, spec: allreduce.AllReduce) -> dict:
     """`spec` run as worker processes in the first `spec.workers` pods of
-    `network`, as allreduce.measure runs them on 127.0.0.1; the chief's timings."""
+    `network`, as cells.run_cell runs them on 127.0.0.1; the chief's timings."""
     from distributed_mpt.process.stopping import helper_command
 
     addresses = [f"{address}:2222" for address in network.addresses[:spec.workers]]
