@@ -242,9 +242,7 @@ def run_benchmark(options: BenchmarkOptions) -> dict:
                            # Which CPU kernels ran (distributed_mpt/__init__.py).
                            "tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")},
                "options": dataclasses.asdict(options), "sections": {}}
-    for name in SECTIONS:
-        if name not in options.sections:
-            continue
+    for name in (name for name in SECTIONS if name in options.sections):  # SECTIONS' order
         _progress(f"[{name}]")
         section_started = time.perf_counter()
         try:
