@@ -7,6 +7,11 @@ import os
 # cells' processes inherit it.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from distributed_mpt.benchmark.cli import main, run  # noqa: E402
 
-__all__ = ["main", "run"]
+def run() -> None:
+    """The console script (setup.py). The command line is imported here, not
+    with the package: `python -m distributed_mpt.benchmark.cells` (a cell's
+    process) found its module imported already, and Python warned of it."""
+    from distributed_mpt.benchmark import cli
+
+    cli.run()

@@ -163,6 +163,17 @@ def test_a_cell_that_fails_in_its_process_raises_its_last_error_line():
         cells.run_cell(too_large)
 
 
+def test_a_cell_run_by_hand_is_one_error_line_without_a_warning_of_python_s():
+    """docs/performance.md runs a cell by hand (`python -m
+    distributed_mpt.benchmark.cells Cell JSON`): the package imported the
+    module first, and Python warned of that (a RuntimeWarning) on every run."""
+    result = run_module("distributed_mpt.benchmark.cells", ["Cell", json.dumps(dict(
+        model="mlp", precision="float32", batch_size=64, model_width=8, examples=32, repeats=1))])
+    assert result.returncode == ExitCode.CRASHED, result.stderr[-3000:]
+    assert "RuntimeWarning" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith("error: ConfigError: the global batch of 64")
+
+
 @pytest.fixture
 def nothing_measured(monkeypatch):
     """Fails the test if anything is measured."""
