@@ -1,10 +1,12 @@
 """JSON-lines files (metrics.jsonl, the recipes' ledger), read one line at a
 time and without trusting them: a run logs a line per step as long as it
 runs, so a resume must read any length of log in bounded memory, and a
-damaged line costs that line only. And what makes a record writable as
-JSON at all (finite_values)."""
+damaged line costs that line only; added to a whole line at a time
+(add_lines). And what makes a record writable as JSON at all (finite_values)."""
 
+import errno
 import itertools
+import json
 import math
 import os
 from typing import Iterator, List, Optional, Tuple
@@ -91,3 +93,29 @@ def finite_values(record: dict) -> dict:
     `Infinity`, which standard readers refuse)."""
     return {key: None if isinstance(value, float) and not math.isfinite(value) else value
             for key, value in record.items()}
+
+
+def add_lines(fd: int, records: List[dict], path: str) -> None:
+    """Adds `records`, a line each, to the JSON-lines file `path` open at `fd`
+    for appending, in one write: whole or not at all. A write the disk cut
+    short is taken back and raised as ENOSPC naming `path`: a line cut short
+    is what a resume, or the next measurement, met instead."""
+    data = "".join(json.dumps(record, allow_nan=False) + "\n" for record in records).encode()
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = os.write(fd, data)
+    except OSError as e:  # nothing written; the error names the file
+        raise OSError(e.errno, e.strerror, path) from None
+    if written < len(data):
+        os.ftruncate(fd, end)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def append_records(path: str, records: List[dict]) -> None:
+    """Adds `records` to the JSON-lines file at `path` (made if missing), as
+    add_lines does."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        add_lines(fd, records, path)
+    finally:
+        os.close(fd)

@@ -12,7 +12,6 @@ evaluation, a checkpoint), says what is under way and for how long.
 """
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -31,7 +30,7 @@ from distributed_mpt.cluster.strategy import PEER_ERRORS
 from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
-from distributed_mpt.json_lines import JsonLines, finite_values
+from distributed_mpt.json_lines import JsonLines, append_records, finite_values
 from distributed_mpt.process.run_lock import check_held
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
@@ -316,8 +315,7 @@ class Reporter:
         record = finite_values({"step": step, **record,
                                       "elapsed_seconds": round(elapsed, 3)})
         check_held()
-        with open(self._metrics_path, "a") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
+        append_records(self._metrics_path, [record])
         with self._writer.as_default(step=step):
             for name, value in record.items():
                 if name != "step" and isinstance(value, (int, float)):
