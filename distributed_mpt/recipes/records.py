@@ -24,6 +24,7 @@ Three kinds of record (`kind`):
 A field not known is null: nothing here is estimated.
 """
 
+import fcntl
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from distributed_mpt import files
+from distributed_mpt import files, json_lines
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.json_lines import read_jsonl
 
@@ -220,22 +221,33 @@ def load(path: str = PATH) -> Ledger:
     return Ledger(records, path)
 
 
-def append(path: str, records: List[dict]) -> None:
-    """Adds `records` at the end of the ledger in `path` (written whole, as
-    every file of the package; a new ledger if there is none)."""
-    text = files.read_text(path, "the ledger is a text file of JSON lines") or ""
-    if text and not text.endswith("\n"):
-        raise files.DamagedFileError(f"{path}: its last line was cut short; mend it "
-                                     f"before appending")
-    Ledger(read_jsonl(path, {"kind": str}, _REMEDY)[0] + records, path)  # the result is consistent
+def append(path: str, records: List[dict]) -> List[dict]:
+    """Adds `records` at the end of the ledger in `path` (a new ledger if
+    there is none), whole or not at all, and returns those added: a machine
+    or a run the ledger holds by then is not added again. Under an exclusive
+    lock on the ledger: two measurements ending at once each read it and
+    wrote it back with their own records only, and one's were lost."""
     try:
-        files.write_text(path, text + "".join(json.dumps(r, sort_keys=False) + "\n"
-                                              for r in records))
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held, problems = read_jsonl(path, {"kind": str}, _REMEDY)
+            if problems:
+                raise files.DamagedFileError(f"{path}: {'; '.join(problems)}; mend it before "
+                                             f"appending")
+            keys = {r.get("id") or r.get("machine") for r in held if r["kind"] != "tests"}
+            records = [r for r in records
+                       if r["kind"] == "tests" or (r.get("id") or r["machine"]) not in keys]
+            Ledger(held + records, path)  # the result is consistent
+            json_lines.add_lines(fd, records, path)
+        finally:
+            os.close(fd)
     except OSError as e:  # a full disk, after hours of measuring, was a traceback
         if not files.why_unwritable(e):
             raise
         raise ConfigError(f"cannot add to the ledger {path} ({files.why_unwritable(e)}): it is "
                           f"left as it was; make room and run the same command again") from None
+    return records
 
 
 def code_commit() -> str:
@@ -304,10 +316,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
             "examples_per_second": summary.get("examples_per_second"),
             "peak_memory_bytes": summary.get("peak_memory_bytes"),
             "shared": shared or None, "conditions": conditions, "notes": None, "flags": run_flags})
-    if not any(r["kind"] == "run" for r in records):
-        return []
-    append(path, records)
-    return records
+    return append(path, records) if any(r["kind"] == "run" for r in records) else []
 
 
 def ledger_machine(known: List[dict], described: Optional[dict] = None) -> Tuple[dict, bool]:

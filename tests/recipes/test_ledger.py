@@ -7,10 +7,13 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import REPO, assert_ok, run_module
+from conftest import REPO, assert_ok, run_module, subprocess_env
 
 LEDGER = "distributed_mpt.recipes.ledger"
 RECIPES = REPO / "distributed_mpt" / "recipes"
@@ -327,7 +330,8 @@ def test_every_figure_the_readme_quotes_is_where_the_renderer_looks():
 
 def test_a_ledger_on_a_full_disk_is_one_error_and_left_as_it_was(tmpfs):
     """measure adds its runs after the last seed, hours in: a full disk then
-    ended it with a traceback."""
+    ended it with a traceback. A record longer than the room left is not
+    written in part."""
     from distributed_mpt.errors import ConfigError
     from distributed_mpt.recipes import records
 
@@ -342,6 +346,37 @@ def test_a_ledger_on_a_full_disk_is_one_error_and_left_as_it_was(tmpfs):
     os.close(filler)
     with pytest.raises(ConfigError, match=r"^cannot add to the ledger .* \(No space left on "
                                           r"device\): it is left as it was; make room"):
-        records.append(str(ledger), [{**machine, "machine": "n"}])
+        records.append(str(ledger), [{**machine, "machine": "n", "cpu": "c" * 8192}])
     assert ledger.read_text() == json.dumps(machine) + "\n"
     assert sorted(p.name for p in mount_point.iterdir()) == ["filler", "ledger.jsonl"]
+
+
+_RECORDING = """
+import os, sys, time
+from distributed_mpt.recipes import records
+directory, who = sys.argv[1], int(sys.argv[2])
+summary = os.path.join(directory, f"summary-{who}.json")
+open(summary, "w").write("{}")
+while not os.path.exists(os.path.join(directory, "go")):
+    time.sleep(0.001)
+for seed in range(100 * who, 100 * who + 8):
+    records.record_runs(os.path.join(directory, "ledger.jsonl"), "mlp",
+                        [(seed, {"eval_accuracy": 0.5}, summary)], [], "a test", None)
+"""
+
+
+def test_measurements_ending_at_once_each_add_their_runs_to_the_ledger(tmp_path):
+    """Each read the ledger and wrote it back with its own records: of 4
+    processes adding 8 runs each (what measure does after its last seed),
+    12 of the 32 runs were lost, and each added this machine's record."""
+    processes = [subprocess.Popen([sys.executable, "-c", _RECORDING, str(tmp_path), str(who)],
+                                  env=subprocess_env(), cwd=REPO) for who in range(4)]
+    time.sleep(2)  # started, and all waiting to go at once
+    (tmp_path / "go").touch()
+    assert [p.wait(timeout=300) for p in processes] == [0] * 4
+    from distributed_mpt.recipes import records
+
+    ledger = records.load(str(tmp_path / "ledger.jsonl"))
+    assert sorted(run["seed"] for run in ledger.runs) == [100 * who + i for who in range(4)
+                                                          for i in range(8)]
+    assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 1 + 32  # one machine
