@@ -17,6 +17,7 @@ README and the recipes state.
 """
 
 import os
+import signal
 import subprocess
 import sys
 from typing import List
@@ -111,7 +112,23 @@ def main(argv=None) -> int:
     fv = _flag_values()
     if cli.wants_help(own):
         return cli.show_help(__doc__, fv)
-    return cli.guarded(lambda: _measure(fv, own, train_flags))
+    return cli.guarded(lambda: _measure(fv, own, train_flags), on_interrupt=(
+        "the finished runs are kept, nothing half-written; the same command resumes"))
+
+
+def _finish(run: subprocess.Popen) -> int:
+    """The exit status of a seed's `run`, once it has ended. A stop that
+    measure receives (raised as KeyboardInterrupt: cli.guarded) is passed on
+    to it as stopping.passed_on says: a SIGTERM or SIGHUP of measure alone
+    left the run training on, orphaned, holding its --model_dir."""
+    received = []
+    while True:
+        try:
+            return run.wait()
+        except KeyboardInterrupt as stop:
+            received.append(signal.SIGTERM if isinstance(stop, stopping.Terminated)
+                            else signal.SIGINT)
+            run.send_signal(stopping.passed_on(received))
 
 
 def _measure(fv: flags.FlagValues, own, train_flags) -> int:
@@ -140,11 +157,7 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
                                           f"--seed={seed}", f"--model_dir={model_dir}",
                                           *train_flags)
         print(f"[measure] seed {seed}: {' '.join(command[3:])}", flush=True)
-        run = subprocess.Popen(command)
-        try:
-            code = run.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached the run too: it stops with a checkpoint
-            code = run.wait()
+        code = _finish(subprocess.Popen(command))
         if code != ExitCode.OK:
             # A refusal (bad flags, data) would only be met again.
             then = ("run the same command again to resume" if code < 0 or code >= 128 else

@@ -1,11 +1,15 @@
 """`python -m distributed_mpt.recipes.measure`: a recipe over several seeds,
 one command, resumable, and the table of what the runs reached."""
 
+import fcntl
 import json
+import os
+import signal
 
 import pytest
 
-from conftest import assert_ok, run_module
+from conftest import WatchedProcess, assert_ok, run_module
+from distributed_mpt.process.run_lock import LOCK_NAME
 from distributed_mpt.errors import ConfigError
 
 # The MLP recipe, shortened as a user would shorten it, on synthetic data.
@@ -52,6 +56,41 @@ def test_measures_each_seed_and_tabulates_the_runs_then_reads_them_back(tmp_path
     assert again.stdout.count("holds a finished run") == 3
     assert (runs / "results.md").read_text() == table
     assert [json.loads(line) for line in ledger.read_text().splitlines()] == records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_of_measure_alone_stops_its_run_with_a_checkpoint(tmp_path, stop):
+    """`kill` of measure's pid (or SIGHUP, its terminal gone) ended measure at
+    once, without a word, and its seed's run trained on, orphaned, holding
+    its --model_dir: the stop is passed on, and measure says how it ended."""
+    runs, ledger = tmp_path / "runs", tmp_path / "ledger.jsonl"
+    measure = WatchedProcess("distributed_mpt.recipes.measure", [
+        "--recipe=mlp", "--seeds=0,1", f"--runs_dir={runs}", f"--ledger={ledger}",
+        *SHORT[:3], "--train_steps=100000", "--per_replica_batch_size=32", "--noexport",
+        "--steps_per_loop=3", "--log_every_steps=3"])
+    child = None
+    try:
+        measure.wait_for(r"^step +\d+/100000", timeout=300)
+        pid = measure.process.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            child = int(f.read().split()[0])
+        measure.process.send_signal(stop)
+        assert measure.finish(timeout=120) == 143, measure.output()
+        assert measure.output().splitlines()[-1] == (
+            "[measure] seed 0 ended with 143; run the same command again to resume")
+        assert "checkpoint saved" in measure.output()
+        with pytest.raises(ProcessLookupError):  # ended, and measure reaped it
+            os.kill(child, 0)
+        with open(runs / "seed-0" / LOCK_NAME) as lock:  # the next run may take it
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert not ledger.exists() and not (runs / "seed-1").exists()
+    finally:
+        if child is not None:  # an orphan would train on after the test
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_a_damaged_ledger_is_refused_before_any_training(tmp_path):
