@@ -1,8 +1,9 @@
 """JSON-lines files (metrics.jsonl, the recipes' ledger), read one line at a
 time and without trusting them: a run logs a line per step as long as it
 runs, so a resume must read any length of log in bounded memory, and a
-damaged line costs that line only; added to a whole line at a time
-(add_lines). And what makes a record writable as JSON at all (finite_values)."""
+damaged line costs that line only; written whole lines at a time, or
+nothing (add_lines). And what makes a record writable as JSON at all
+(finite_values)."""
 
 import errno
 import itertools
