@@ -27,14 +27,14 @@ VERBOSE_ENV = "DMPT_VERBOSE"
 
 # A C++ (or absl) log line: severity, date, time, thread id, file:line].
 # Info and warning lines go; of the errors only the CUDA probe's on machines
-# without a GPU, and oneDNN's notice that it leaves bfloat16 to Eigen (the
-# model runs): the others (gRPC, the coordination service) explain a
+# without a GPU, and oneDNN's notice that it leaves bfloat16 or float16 to
+# Eigen (the model runs): the others (gRPC, the coordination service) explain a
 # failure, and fatal lines say why the process is about to die.
 _LOG_LINE = rb"\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+:\d+\]"
 _TENSORFLOW_LINE = re.compile(
     rb"^(?:[IW]" + _LOG_LINE + rb"|E" + _LOG_LINE + rb" .*cuInit"
-    # A bfloat16 model on a CPU without AVX-512: it runs, on Eigen's kernels.
-    rb"|E" + _LOG_LINE + rb" oneDNN supports DT_BFLOAT16 only on platforms with AVX-512\."
+    # A bfloat16 or float16 model on a CPU without AVX-512: it runs, on Eigen's kernels.
+    rb"|E" + _LOG_LINE + rb" oneDNN supports DT_(?:BFLOAT16|HALF) only on platforms with AVX-512\."
     rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
     rb"|To enable the following instructions: .* rebuild TensorFlow"
     rb"|This TensorFlow binary is optimized to use available CPU instructions"
