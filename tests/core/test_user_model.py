@@ -82,6 +82,13 @@ def zero_filters(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+def summarized(info):
+    """Says what it built, on stdout, as Keras' summary() does."""
+    model = small_cnn(info)
+    model.summary()
+    return model
+
+
 def two_outputs(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -247,6 +254,21 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
     assert sum(t["probability"] for t in top) == pytest.approx(1.0, abs=1e-4)
     assert len({t["probability"] for t in top}) > 1
     assert "--dataset=synthetic" in result.stderr and "small_cnn" in result.stderr
+
+
+def test_what_a_model_prints_leaves_predict_json_readable(model_file, tmp_path):
+    """model.summary() in the model function went to stdout, before the
+    object of predict --json from a checkpoint: stdout was no JSON."""
+    run, model = tmp_path / "run", f"--model={model_file}:summarized"
+    assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(photo)
+    from distributed_mpt.predict import main
+    result = run_in_process(main, [f"--model_dir={run}", model, "--json", str(photo)])
+    assert_ok(result)
+    import json
+    assert json.loads(result.stdout)["predictions"][0]["top"]
+    assert "Total params" in result.stderr
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):

@@ -60,7 +60,8 @@ def users_code(name: str, failure: str):
     the working directory, the stop signals' handlers, the descriptor
     signals wake, an alarm, sys.stdout and sys.stderr) is set back, with a
     warning; what cannot be is a ModelError, as the run would go on without
-    it. A process it forked that returns into the run ends there."""
+    it. A process it forked that returns into the run ends there. What it
+    prints goes to stderr: stdout is the run's own (predict --json's)."""
     kept, raised = process_state.read(), True
     try:
         with _left_usable(name):
@@ -125,7 +126,8 @@ def _left_usable(name: str):
     before what can be is set back."""
     before, pid = process_state.unrecoverable(), os.getpid()
     try:
-        yield
+        with process_state.prints_to_stderr():
+            yield
     finally:
         _end_if_forked(name, pid)
         broken = process_state.broken_since(before)

@@ -244,6 +244,43 @@ def broken_since(before: Unrecoverable) -> Optional[str]:
     return None
 
 
+class _PrintsToStderr:
+    """sys.stdout while a model's code runs: what it prints (a print,
+    model.summary()) goes to stderr, as stdout carries the run's own output
+    (predict --json's object, which a model's print made unreadable). The
+    rest (close, fileno) is stdout's, for broken_since to judge."""
+
+    def __init__(self, stdout, stderr):
+        self._stdout, self._stderr = stdout, stderr
+
+    def write(self, text):
+        return self._stderr.write(text)
+
+    def writelines(self, lines):
+        self._stderr.writelines(lines)
+
+    def flush(self):
+        self._stderr.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stdout, name)
+
+
+@contextlib.contextmanager
+def prints_to_stderr():
+    """Sends what the code run inside prints to stderr (_PrintsToStderr);
+    a stream it put in sys.stdout's place stays there, for set_back."""
+    stdout, stderr = sys.stdout, sys.stderr
+    usable = not (getattr(stdout, "closed", True) or getattr(stderr, "closed", True))
+    proxy = _PrintsToStderr(stdout, stderr) if usable else stdout
+    sys.stdout = proxy
+    try:
+        yield
+    finally:
+        if sys.stdout is proxy:
+            sys.stdout = stdout
+
+
 def _descriptor(stream) -> Optional[int]:
     try:
         return stream.fileno()
