@@ -241,6 +241,10 @@ def exits(info):
     sys.exit(0)
 
 
+def exits_at_once(info):
+    os._exit(0)
+
+
 def interrupts(info):
     raise KeyboardInterrupt
 
@@ -415,6 +419,9 @@ def test_a_model_whose_own_check_fails_is_not_said_to_refuse_uint8(model_file, t
 @pytest.mark.parametrize("function, fragment", [
     ("exits", "failed to build its model (it called sys.exit(0), which would end the run as if "
               "it had finished"),
+    # Exit 0, nothing trained nor said, before.
+    ("exits_at_once", "failed to build its model (it called os._exit(0), which would end the "
+                      "run as if it had finished"),
     ("interrupts", "failed to build its model (KeyboardInterrupt, raised by the model's own code"),
     # Its message's own code failed: a traceback, before.
     ("unsayable", "failed to build its model (Unsayable: Unsayable (whose message cannot be "

@@ -76,7 +76,8 @@ def users_code(name: str, failure: str):
                          f"model's own code: a run stops on Ctrl-C at a step boundary, with a "
                          f"checkpoint)") from None
     except SystemExit as e:
-        raise ModelError(f"--model={quoted(name)} {failure} (it called sys.exit({quoted(e.code)}), "
+        call = "os._exit" if isinstance(e, process_state.ExitAtOnce) else "sys.exit"
+        raise ModelError(f"--model={quoted(name)} {failure} (it called {call}({quoted(e.code)}), "
                          f"which would end the run as if it had finished: raise an error saying "
                          f"what is wrong instead)") from None
     except BaseException as e:  # noqa: BLE001 - whatever the user's code raises is one line
@@ -126,7 +127,7 @@ def _left_usable(name: str):
     before what can be is set back."""
     before, pid = process_state.unrecoverable(), os.getpid()
     try:
-        with process_state.prints_to_stderr():
+        with process_state.prints_to_stderr(), process_state.exit_at_once_refused():
             yield
     finally:
         _end_if_forked(name, pid)

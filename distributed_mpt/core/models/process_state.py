@@ -26,6 +26,9 @@ and with a traceback:
   the run opened took it, and the progress lines went into it, exit 0.
 The graph, the streams and the descriptors are made usable again first, so that the refusal
 is one line and the run's clean-up runs.
+
+While the code runs, what it prints goes to stderr, and os._exit raises,
+for users_code to refuse: it ended the run at once, exit 0 if it said 0.
 """
 
 import contextlib
@@ -279,6 +282,30 @@ def prints_to_stderr():
     finally:
         if sys.stdout is proxy:
             sys.stdout = stdout
+
+
+class ExitAtOnce(SystemExit):
+    """os._exit, called by a model's code in the run's own thread: the run
+    ended there, exit 0 if it said 0, with nothing trained or said."""
+
+
+@contextlib.contextmanager
+def exit_at_once_refused():
+    """os._exit raises ExitAtOnce while the code runs, in this thread of
+    this process: a process it forked, and the run's other threads (the
+    stop signals' watcher), still end at once."""
+    real, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def _exit(code):
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise ExitAtOnce(code)
+        real(code)
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def _descriptor(stream) -> Optional[int]:
