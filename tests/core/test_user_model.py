@@ -316,6 +316,18 @@ def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
     assert not run.exists(), "nothing written"
 
 
+def test_a_model_file_too_large_to_be_code_is_one_error_line_at_once(model_file, tmp_path):
+    """Python compiled a model file of 60 MB for minutes, holding the GIL:
+    Ctrl-C and SIGTERM went unanswered all that time."""
+    huge = tmp_path / "huge.py"
+    huge.write_text(f"{USER_MODEL}\n# {'0' * (9 << 20)}\n")
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={huge}:small_cnn", "--train_steps=2", f"--model_dir={run}"])
+    assert_one_error_line(result, "huge.py holds 9 MB, more than the 8 MB of Python a model file "
+                                  "may hold")
+    assert not run.exists()
+
+
 def test_the_model_says_which_variables_train_by_the_optimizers_rule(model_file, tmp_path):
     # By default Muon trains the 4-D filters only, and the run says so.
     default = train([*FLAGS, f"--model={model_file}:small_cnn", "--optimizer=muon",

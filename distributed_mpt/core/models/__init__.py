@@ -30,7 +30,6 @@ import re
 import sys
 from typing import List, Optional, Tuple
 
-from distributed_mpt import files
 from distributed_mpt.core.models import contract, softmax
 from distributed_mpt.core.models.contract import ModelError, users_code
 from distributed_mpt.errors import ConfigError, UserError, first_line, quoted
@@ -373,9 +372,7 @@ def _import_builder(builder: str):
     with users_code(builder, "does not import"):
         if _FILE_SOURCE.fullmatch(builder):
             path, _ = _locate(builder)
-            problem = files.why_unreadable_file(path)
-            if problem:
-                raise ModelError(f"--model={quoted(builder)}: {quoted(path)} {problem}")
+            contract.check_source(builder, path)
             # As for a script, the modules beside it are importable; after
             # the installed ones, which a file of the same name there must
             # not replace.

@@ -136,6 +136,28 @@ def _left_usable(name: str):
             raise ModelError(f"--model={quoted(name)} {broken}") from None
 
 
+# A model file larger is not code written by hand: Python's compiler holds
+# the GIL, and leaves Ctrl-C and SIGTERM unanswered, for the whole compile,
+# 1 to 3 s and 90 to 250 MB per MB of source (2 cores of an AVX2-only AMD
+# EPYC, Zen 3: one of 60 MB went on for minutes). The largest .py file of
+# the package's environment holds 4 MB, of generated data.
+_MAX_SOURCE_BYTES = 8 << 20
+
+
+def check_source(name: str, path: str) -> None:
+    """Raises ModelError unless the file of --model=`name` at `path` is a
+    regular file this user may read, of at most _MAX_SOURCE_BYTES."""
+    problem = files.why_unreadable_file(path)
+    if problem:
+        raise ModelError(f"--model={quoted(name)}: {quoted(path)} {problem}")
+    size = os.stat(path).st_size
+    if size > _MAX_SOURCE_BYTES:
+        raise ModelError(f"--model={quoted(name)}: {quoted(path)} holds {size / 2 ** 20:.0f} MB, "
+                         f"more than the {_MAX_SOURCE_BYTES >> 20} MB of Python a model file may "
+                         f"hold: load what makes it large (weights, tables) from a file of its "
+                         f"own beside it")
+
+
 # What TensorFlow says of a tensor used outside the graph it was made in:
 # Keras builds a subclassed model's layers by calling it on symbolic inputs
 # in a scratch graph, and a layer that makes tensors (not variables) as it
