@@ -159,6 +159,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import models
+    from distributed_mpt.core.models.process_state import prints_to_stderr
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
     from distributed_mpt.training import checkpoints
 
@@ -229,7 +230,8 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
                    f"({quoted(checkpoints.reasons(skipped))}); a resume of the run replaces them")
 
     def probabilities(x):
-        return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
+        with prints_to_stderr():  # a print in a layer's call(): stdout is predict's answers
+            return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
 
     return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained,
                       "predict from the checkpoint before it (move this one's files away), or "

@@ -82,9 +82,20 @@ def zero_filters(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+class Talkative(keras.layers.Layer):
+    """Says so on stdout each time it is called, as a debugging print does."""
+
+    def call(self, images):
+        print("called on a batch")
+        return images
+
+
 def summarized(info):
-    """Says what it built, on stdout, as Keras' summary() does."""
-    model = small_cnn(info)
+    """Says what it built, on stdout, as Keras' summary() does, and then at
+    each call."""
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(Talkative()(images)))
+    model = keras.Model(images, keras.layers.Dense(info.num_classes)(x))
     model.summary()
     return model
 
@@ -257,8 +268,9 @@ def test_its_export_serves_probabilities_and_predict_reads_it(model_file, tmp_pa
 
 
 def test_what_a_model_prints_leaves_predict_json_readable(model_file, tmp_path):
-    """model.summary() in the model function went to stdout, before the
-    object of predict --json from a checkpoint: stdout was no JSON."""
+    """model.summary() in the model function, and a print in a layer's
+    call() as predict ran it, went to stdout, before the object of predict
+    --json from a checkpoint: stdout was no JSON."""
     run, model = tmp_path / "run", f"--model={model_file}:summarized"
     assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
     photo = tmp_path / "photo.png"
@@ -268,7 +280,7 @@ def test_what_a_model_prints_leaves_predict_json_readable(model_file, tmp_path):
     assert_ok(result)
     import json
     assert json.loads(result.stdout)["predictions"][0]["top"]
-    assert "Total params" in result.stderr
+    assert "Total params" in result.stderr and "called on a batch" in result.stderr
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):
