@@ -46,8 +46,6 @@ LOCK_NAME = ".lock"
 _REMOVAL_ROUNDS = 5
 # A holder record is about 120 bytes; a longer file is not one.
 _RECORD_BYTES = 4096
-# The locks this process holds, which check_held() looks at.
-_HELD = []
 
 
 class ModelDirBusyError(UserError):
@@ -114,7 +112,6 @@ class RunLock:
                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tag": files.owner_tag()}
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(holder) + "\n").encode(), 0)
-        _HELD.append(self)
 
     def is_in_place(self) -> bool:
         """Whether `path` still names the file this process locked: `rm -rf`
@@ -127,6 +124,16 @@ class RunLock:
         held = os.fstat(self._fd)
         return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
 
+    def check_still_held(self) -> None:
+        """Raises ConfigError if the directory was removed or moved, or its
+        lock file removed, since it was locked (see is_in_place): a run that
+        went on writing would recreate it, or share it with the next run."""
+        if not self.is_in_place():
+            raise ConfigError(
+                f"--model_dir={quoted(os.path.dirname(self.path))} or its {LOCK_NAME} file was "
+                f"removed or moved while this run trained: stopping, as another run could take "
+                f"the directory; put it back (or start afresh) and run the same command again")
+
     def release(self, remove_model_dir_if_unused: bool = False, own_files=()) -> None:
         """Gives the directory up (closing the file drops the lock). With
         `remove_model_dir_if_unused`, for a directory this run created, the
@@ -137,10 +144,11 @@ class RunLock:
         can have taken it."""
         if self._fd is None:
             return
-        _HELD.remove(self)
-        # A directory no longer ours (removed, moved, another run's) stays as it is.
-        remove_model_dir_if_unused = remove_model_dir_if_unused and self.is_in_place()
-        if not (remove_model_dir_if_unused and self._remove_model_dir(own_files)):
+        # A directory no longer ours (removed, moved, another run's) stays as
+        # it is: moved back, its lock file's owner tag shows a run which of the
+        # temporary files this run left are debris.
+        if self.is_in_place() and not (remove_model_dir_if_unused and
+                                       self._remove_model_dir(own_files)):
             # Emptied while still held: the file names a holder only while
             # there is one, and a finished run run again leaves it as it was.
             os.ftruncate(self._fd, 0)
@@ -186,19 +194,6 @@ class RunLock:
 
     def __exit__(self, *exc_info):
         self.release()
-
-
-def check_held() -> None:
-    """Raises ConfigError if a --model_dir this process locked was removed
-    or moved, or its lock file removed, since: a run that went on writing
-    would recreate the directory, or share it with the next run."""
-    for lock in _HELD:
-        if not lock.is_in_place():
-            model_dir = os.path.dirname(lock.path)
-            raise ConfigError(
-                f"--model_dir={quoted(model_dir)} or its {LOCK_NAME} file was removed or moved "
-                f"while this run trained: stopping, as another run could take the directory; "
-                f"put it back (or start afresh) and run the same command again")
 
 
 def _read_record(fd: int):

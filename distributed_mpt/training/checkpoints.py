@@ -100,9 +100,12 @@ class Restored:
 class Checkpoints:
     """Saves and restores the training state of one worker."""
 
-    def __init__(self, model_dir: str, worker: Optional[str], identity: dict, **trackables):
+    def __init__(self, model_dir: str, worker: Optional[str], identity: dict,
+                 check_held=lambda: None, **trackables):
         """worker: None for the chief, else a name unique in the cluster
-        (e.g. 'worker-1'), which names its scratch directory."""
+        (e.g. 'worker-1'), which names its scratch directory. check_held():
+        raises if --model_dir is no longer this run's (a save would recreate it)."""
+        self._check_held = check_held
         self._shared_dir = os.path.join(model_dir, "checkpoints")
         self._identity = identity
         self._is_chief = worker is None
@@ -180,7 +183,7 @@ class Checkpoints:
                 continue
             problem = why_unreadable(prefix)
             if problem:
-                _refuse_what_a_save_cannot_replace(prefix)
+                _refuse_what_a_save_cannot_replace(step, prefix)
                 skipped.append((prefix, problem))
                 continue
             checkpoint = self._checkpoint  # or, saved before random layers' state was, without it
@@ -204,7 +207,7 @@ class Checkpoints:
                 skipped.append((prefix, f"it holds step {saved_at}, not the step its name says"))
                 continue
             if self._is_chief:
-                self._damaged = [(_number(p), p) for p, _ in skipped]
+                self._damaged = [(n, p) for n, p in found if p in dict(skipped)]
                 self._rewrite_index(step, [p for n, p in found if n < step])
             return Restored(prefix, step, tuple(skipped))
         if not found:
@@ -248,6 +251,7 @@ class Checkpoints:
         Raises DiskFullError, having removed the partial checkpoint, if it
         does not fit.
         """
+        self._check_held()
         try:
             if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
                 os.makedirs(self._shared_dir, exist_ok=True)
@@ -333,10 +337,6 @@ def _read_index(path: str) -> Optional[List[str]]:
     return names
 
 
-def _number(prefix: str) -> int:
-    return int(prefix.rsplit("-", 1)[1])
-
-
 def why_unreadable(prefix: str) -> Optional[str]:
     """Why the checkpoint at `prefix` cannot be read back whole, or None.
 
@@ -358,7 +358,7 @@ def why_unreadable(prefix: str) -> Optional[str]:
     return None
 
 
-def _refuse_what_a_save_cannot_replace(prefix: str) -> None:
+def _refuse_what_a_save_cannot_replace(step: int, prefix: str) -> None:
     """Raises CheckpointDamagedError if a file of the checkpoint at `prefix`
     is not a file (a directory, a FIFO): the run would resume from an older
     checkpoint, fail to save this one's step, and do so again at every
@@ -367,7 +367,7 @@ def _refuse_what_a_save_cannot_replace(prefix: str) -> None:
         if os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode):
             raise CheckpointDamagedError(
                 f"{quoted(path)} is {files.kind_of(path)}, not a checkpoint file, and this run "
-                f"would write one there at step {_number(prefix)}: move it away, and run the "
+                f"would write one there at step {step}: move it away, and run the "
                 f"same command again to resume")
 
 

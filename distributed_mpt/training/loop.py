@@ -31,7 +31,6 @@ from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.json_lines import JsonLines, append_records, finite_values
-from distributed_mpt.process.run_lock import check_held
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -147,7 +146,6 @@ class TrainingLoop:
             if current % run.checkpoint_every_steps == 0 or current == plan.total_steps:
                 save_started = time.perf_counter()
                 with self._reporter.doing(f"saving the checkpoint of step {current}"):
-                    check_held()  # a save would recreate a removed --model_dir
                     self._checkpoints.save(current)
                 self._last_saved = current
                 interval_start += time.perf_counter() - save_started  # not training time
@@ -160,7 +158,6 @@ class TrainingLoop:
         `call_start` short) and raises Preempted. The steps since the last
         progress line go unlogged; the resumed run logs from `reached` on."""
         self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
-        check_held()
         self._checkpoints.save(reached)
         self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
                            f"run the same command again to resume")
@@ -239,12 +236,13 @@ class Reporter:
     """Writes one record per logged step to every sink (chief only)."""
 
     def __init__(self, model_dir: str, enabled: bool, total_steps: int, resumed_from_step: int,
-                 started: float, evaluates_at_end: bool):
+                 started: float, evaluates_at_end: bool, check_held=lambda: None):
         """started: the run's start on the `time.monotonic()` clock; every
         record carries the seconds since, plus those of the earlier runs it
         resumes (as metrics.jsonl has them), for time-to-accuracy curves.
-        evaluates_at_end: whether the run logs a final evaluation."""
-        self._enabled = enabled
+        evaluates_at_end: whether the run logs a final evaluation.
+        check_held(): raises if --model_dir is no longer this run's."""
+        self._enabled, self._check_held = enabled, check_held
         self._total_steps = total_steps
         # On a terminal, a status line is rewritten after every loop call;
         # logs (Kubernetes, SLURM, a file) get whole lines only.
@@ -314,7 +312,7 @@ class Reporter:
         elapsed = self._earlier_seconds + time.monotonic() - self._started
         record = finite_values({"step": step, **record,
                                       "elapsed_seconds": round(elapsed, 3)})
-        check_held()
+        self._check_held()
         append_records(self._metrics_path, [record])
         with self._writer.as_default(step=step):
             for name, value in record.items():

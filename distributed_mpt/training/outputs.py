@@ -319,13 +319,13 @@ def export_is_whole(model_dir: str) -> bool:
 
 
 def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
-                 info=None) -> str:
+                 info=None, check_held=lambda: None) -> str:
     """Exports `model` (logits out) to `<model_dir>/export/`: `saved_model/`
     for TF Serving, `model.keras` for Keras (its output the probabilities,
     without this package's layers), `classes.txt` (line i names class i) and,
     given `info` (see model_info), `model_info.json`. The new export replaces
-    the old one only once it is complete, and never replaces what this
-    package did not write (see check_export_destination).
+    the old one only once it is complete, if `check_held()` finds --model_dir
+    still this run's, and never what this package did not write (check_export_destination).
 
     The SavedModel's serving signature takes `images` (uint8 [N, *image_shape],
     0-255) and returns `probabilities` (float32 [N, classes]); its
@@ -335,7 +335,7 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
     final = os.path.join(model_dir, EXPORT_DIR)
     staging = os.path.join(model_dir,
                            f"{STAGING_PREFIX}{files.owner_tag()}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(staging)
+    os.mkdir(staging)  # not makedirs: a --model_dir taken away is not made again
     try:
         _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,
                             image_shape)
@@ -346,11 +346,11 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
             files.write_json(os.path.join(staging, MODEL_INFO_NAME), info)
         for folder in [os.path.join(root, d) for root, ds, _ in os.walk(staging) for d in ds]:
             os.chmod(folder, 0o777 & ~files.umask())  # not TensorFlow's 755: a team's to replace
+        check_held()
         if os.path.exists(final):
-            retired = f"{staging}-old"
-            os.replace(final, retired)
+            os.replace(final, f"{staging}-old")
             os.replace(staging, final)
-            shutil.rmtree(retired)
+            shutil.rmtree(f"{staging}-old")
         else:
             os.replace(staging, final)
     finally:

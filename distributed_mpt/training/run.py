@@ -105,10 +105,14 @@ def _run(config: TrainConfig) -> int:
             except PEER_ERRORS as e:
                 return _lost_a_peer(e, cluster)
         stopping.enter(stopping.Phase.PREPARING)
+        check_held = lock.check_still_held if lock else lambda: None
         try:
-            train_and_evaluate(config, strategy, strategy_name, cluster)
+            train_and_evaluate(config, strategy, strategy_name, cluster, check_held)
         except PEER_ERRORS as e:
             return _lost_a_peer(e, cluster)
+        except Exception:  # a write that failed as --model_dir was taken away says so
+            check_held()
+            raise
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if isinstance(e, FirstStepError):  # nothing trained: a new --model_dir goes
@@ -162,9 +166,10 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     return ExitCode.PEER_LOST
 
 
-def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
-                       strategy_name: str, cluster: Optional[Cluster]) -> dict:
-    """Trains, evaluates and exports as `config` says; returns the summary."""
+def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, strategy_name: str,
+                       cluster: Optional[Cluster], check_held=lambda: None) -> dict:
+    """Trains, evaluates and exports as `config` says; returns the summary.
+    check_held() raises if --model_dir is no longer this run's (RunLock)."""
     import keras
 
     from distributed_mpt.cluster.strategy import peak_resident_bytes
@@ -187,10 +192,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
     trainer = built.trainer
 
     worker = None if is_chief else f"{cluster.task_type}-{cluster.task_index}"
-    spec = config.model.spec
-    identity = model_identity(trainer.model, plan.policy, spec.identity)
-    signature = model_signature(spec, trainer.model)
-    checkpoints = Checkpoints(config.run.model_dir, worker, identity, **built.checkpointables)
+    identity = model_identity(trainer.model, plan.policy, config.model.spec.identity)
+    signature = model_signature(config.model.spec, trainer.model)
+    checkpoints = Checkpoints(config.run.model_dir, worker, identity, check_held,
+                              **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
         refuse_other_data(checkpoints, config, dataset.fingerprint)
         if is_chief and checkpoints.on_disk():
@@ -203,12 +208,12 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         refuse_other_training(resumed, config, signature)  # finished or not: never silently
         if resumed.finished:
             if is_chief:
-                _finished_again(config, resumed, built, dataset.info)
+                _finished_again(config, resumed, built, dataset.info, check_held)
             if plan.num_workers > 1:
                 leave_together(strategy)
             return resumed.finished_summary
         reporter = Reporter(config.run.model_dir, is_chief, plan.total_steps, resumed.start_step,
-                            started, evaluates_at_end=config.evaluation.evaluate)
+                            started, config.evaluation.evaluate, check_held)
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
                 # (in a new --model_dir, a user's model refused in the first step takes it along)
@@ -239,7 +244,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
             # done with: evaluation and the export grow from what is left
             # (--data_on_device keeps its copy on the devices).
             dataset = dataclasses.replace(dataset, splits={"test": dataset.test})
-            _evaluate_and_export(built, config, dataset, reporter, summary, export_model=is_chief)
+            _evaluate_and_export(built, config, dataset, reporter, summary, is_chief, check_held)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             # This process's, from its start to the end of the export (this
             # segment only, where the run resumed; the chief's, of several workers).
@@ -255,7 +260,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy,
         checkpoints.close()
 
 
-def _finished_again(config: TrainConfig, resumed, built: Built, info: data.DatasetInfo) -> None:
+def _finished_again(config: TrainConfig, resumed, built: Built, info: data.DatasetInfo,
+                    check_held) -> None:
     """A finished run started again: its results stay exactly as they are,
     but an export that was lost is made again."""
     print(f"{config.run.model_dir} holds a finished run of {resumed.start_step} steps (see "
@@ -274,10 +280,9 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info: data.Datas
     if config.run.export and not outputs.export_is_whole(config.run.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
-        trained = {**config.flags(), **previous}
+        record = outputs.model_info({**config.flags(), **previous}, resumed.finished_summary)
         path = outputs.export_model(built.trainer.model, config.run.model_dir, info.class_names,
-                                    info.image_shape,
-                                    outputs.model_info(trained, resumed.finished_summary))
+                                    info.image_shape, record, check_held)
         print(f"its export was missing or incomplete: exported again to {path}", flush=True)
 
 
@@ -367,7 +372,7 @@ def _recalibrate_batch_norm(built: Built, config: TrainConfig, plan: RunPlan,
 
 
 def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Dataset,
-                         reporter: Reporter, summary: dict, export_model: bool) -> None:
+                         reporter: Reporter, summary: dict, export_model: bool, check_held) -> None:
     """Evaluates the trained model into `summary`, and exports it if
     `export_model` (the chief) and the config say so."""
     # What training freed back to the system first, and what evaluation
@@ -390,5 +395,6 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         info = outputs.model_info(config.flags(), summary)
         with reporter.doing("exporting the model"):
             path = outputs.export_model(built.trainer.model, config.run.model_dir,
-                                        dataset.info.class_names, dataset.info.image_shape, info)
+                                        dataset.info.class_names, dataset.info.image_shape, info,
+                                        check_held)
         reporter.say(f"exported to {path}")

@@ -252,3 +252,55 @@ def test_a_run_whose_working_directory_is_removed_goes_on(tmp_path):
     assert run.returncode == 0, output[-2000:]
     assert "Traceback" not in output
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 200
+
+
+# Runs the real entry point with the end of training held at `where` (the
+# export, the summary) until the test has taken --model_dir away, as a user
+# would while it runs there.
+_HELD_AT = """
+import os, sys, time
+from distributed_mpt import files
+from distributed_mpt.training import outputs
+from distributed_mpt.train import main
+
+def held(real, is_the_place):
+    def wait_then(*args, **kwargs):
+        if is_the_place(*args):
+            print("held", flush=True)
+            while not os.path.exists(sys.argv[1]):
+                time.sleep(0.05)
+        return real(*args, **kwargs)
+    return wait_then
+
+if sys.argv[2] == "export":
+    outputs._export_saved_model = held(outputs._export_saved_model, lambda *a: True)
+else:
+    files.write_json = held(files.write_json, lambda path, data: path.endswith("summary.json"))
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("where, how", [("export", "rm -rf"), ("export", "mv"),
+                                        ("export", "rm .lock"), ("summary", "rm -rf")])
+def test_a_model_dir_taken_away_as_the_run_ends_stops_it_with_one_line(tmp_path, where, how):
+    """Taken away while the model was exported, the run exited 0 with the
+    export (and summary.json) written into a directory it made again at the
+    old path, or into one another run could hold; before summary.json, with
+    a FileNotFoundError traceback."""
+    model_dir, go = tmp_path / "run", tmp_path / "go"
+    flags = [*SMOKE_FLAGS, "--train_steps=10", "--export", f"--model_dir={model_dir}"]
+    run = subprocess.Popen([sys.executable, "-c", _HELD_AT, str(go), where, *flags], cwd=REPO,
+                           env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    for line in run.stdout:
+        if line.strip() == "held":
+            break
+    _take_away(model_dir, how)
+    go.touch()
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == ExitCode.USAGE, out + err[-2000:]
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        next(line for line in err.splitlines() if "was removed or moved while" in line)], err
+    for directory in (model_dir, tmp_path / "moved"):  # nothing written after it went
+        assert not (directory / "export").exists() and not (directory / "summary.json").exists()
