@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, subprocess_env, train
+from distributed_mpt import files
 from distributed_mpt.process import run_lock
 from distributed_mpt.errors import ConfigError, ExitCode
 from distributed_mpt.process.run_lock import ModelDirBusyError, RunLock
@@ -304,3 +305,16 @@ def test_a_model_dir_taken_away_as_the_run_ends_stops_it_with_one_line(tmp_path,
         next(line for line in err.splitlines() if "was removed or moved while" in line)], err
     for directory in (model_dir, tmp_path / "moved"):  # nothing written after it went
         assert not (directory / "export").exists() and not (directory / "summary.json").exists()
+
+
+def test_a_lock_released_on_a_moved_directory_leaves_its_record_for_the_next_run(tmp_path):
+    """Emptied on release, the lock file of a directory moved mid-run lost
+    the owner tag that tells the run on it, moved back, which temporary files
+    (an export's staging folder) the stopped run left."""
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    lock = RunLock(str(model_dir))
+    model_dir.rename(tmp_path / "moved")
+    lock.release()
+    with RunLock(str(tmp_path / "moved")) as successor:
+        assert successor.previous_tags == [files.owner_tag()]
