@@ -36,6 +36,7 @@ import shutil
 import socket
 import stat
 import time
+from typing import Optional
 
 from distributed_mpt import files
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, quoted
@@ -194,6 +195,37 @@ class RunLock:
 
     def __exit__(self, *exc_info):
         self.release()
+
+
+class ReadOnly:
+    """In place of the lock on a --model_dir on a read-only mount that holds
+    a finished run: no process writes there through it, so there is nothing
+    to exclude. Run again, the run only looks, and says it is finished as on
+    a writable mount; anything else stops at its first write, where
+    `check_still_held` raises `refusal` (why the directory is not writable)."""
+
+    def __init__(self, refusal: ConfigError):
+        self.refusal = refusal
+
+    def check_still_held(self) -> None:
+        """Raises the refusal: this run may write nothing."""
+        raise self.refusal
+
+    def release(self, **unused) -> None:
+        """Nothing is held."""
+
+
+def finished_read_only(model_dir: str, finished: str) -> Optional[ReadOnly]:
+    """A ReadOnly for `model_dir` if it is on a read-only mount and holds the
+    file `finished` (the record a finished run leaves), else None."""
+    path = os.path.join(model_dir, finished)
+    if not (os.path.isfile(path) and os.statvfs(model_dir).f_flag & os.ST_RDONLY):
+        return None
+    try:
+        files.check_writable(model_dir)
+    except ConfigError as refusal:
+        return ReadOnly(refusal)
+    return None
 
 
 def _read_record(fd: int):

@@ -81,16 +81,17 @@ def _run(config: TrainConfig) -> int:
                 stopping.on_stop_before_training(lambda: os.rmdir(new_model_dir))
             # One run per model_dir, held until the end (the OS drops it if
             # the process dies); only the holder may mark it or clear debris.
-            files.check_writable(config.run.model_dir)
-            outputs.check_parts_writable(config.run.model_dir, export=config.run.export)
-            lock = run_lock.RunLock(config.run.model_dir)
-            if new_model_dir:  # a stop before training leaves nothing new
-                stopping.on_stop_before_training(lambda: lock.release(
-                    remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING))
-            removed = outputs.remove_debris(config.run.model_dir, lock.previous_tags)
-            if removed:
-                print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
-            outputs.mark(config.run.model_dir)
+            if not (lock := run_lock.finished_read_only(config.run.model_dir, "summary.json")):
+                files.check_writable(config.run.model_dir)
+                outputs.check_parts_writable(config.run.model_dir, export=config.run.export)
+                lock = run_lock.RunLock(config.run.model_dir)
+                if new_model_dir:  # a stop before training leaves nothing new
+                    stopping.on_stop_before_training(lambda: lock.release(
+                        remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING))
+                removed = outputs.remove_debris(config.run.model_dir, lock.previous_tags)
+                if removed:
+                    print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
+                outputs.mark(config.run.model_dir)
         # Only TensorFlow's start-up runs with the stop signals held: no
         # handler of ours could interrupt it, so the start-up watchdog acts on
         # a stop in its place, and bounds the wait for the peers.
@@ -212,6 +213,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             if plan.num_workers > 1:
                 leave_together(strategy)
             return resumed.finished_summary
+        check_held()  # before any write: a run on a read-only mount stops here (run_lock.ReadOnly)
         reporter = Reporter(config.run.model_dir, is_chief, plan.total_steps, resumed.start_step,
                             started, config.evaluation.evaluate, check_held)
         try:
@@ -336,11 +338,10 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
         "global_batch_size": plan.global_batch_size, "precision": plan.policy,
         "model": config.model.spec.name, "dataset": config.data.dataset, "steps": steps,
         "epochs": steps / plan.steps_per_epoch, "learning_rate": plan.learning_rate,
-        "reference_batch_size": REFERENCE_BATCH_SIZE,
+        "reference_batch_size": REFERENCE_BATCH_SIZE, "device": describe_devices(),
         "train_loss": train_metrics.get("loss"), "train_accuracy": train_metrics.get("accuracy"),
         "examples_per_second": throughput, "resumed_from_step": start_step,
         "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.evaluation.eval_tta,
-        "device": describe_devices(),
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
 
@@ -392,9 +393,8 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         memory.release_freed_memory()
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
-        info = outputs.model_info(config.flags(), summary)
         with reporter.doing("exporting the model"):
             path = outputs.export_model(built.trainer.model, config.run.model_dir,
-                                        dataset.info.class_names, dataset.info.image_shape, info,
-                                        check_held)
+                                        dataset.info.class_names, dataset.info.image_shape,
+                                        outputs.model_info(config.flags(), summary), check_held)
         reporter.say(f"exported to {path}")

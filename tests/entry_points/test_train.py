@@ -272,6 +272,24 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     assert "checkpoint is at step 20 and this run has 15 steps: nothing is left" in shorter.stdout
 
 
+def test_a_finished_run_on_a_read_only_mount_says_so_as_on_a_writable_one(model_dir):
+    """It was refused (`--model_dir is not writable`, exit 2) before TensorFlow
+    started, for want of the lock; run longer, it still is, before any write."""
+    flags = [*SMOKE_FLAGS, "--train_steps=10", "--noevaluate", f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    if subprocess.run(["mount", "--bind", str(model_dir), str(model_dir)]).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(model_dir)], check=True)
+        again, longer = train(flags), train([*flags, "--train_steps=20"])
+    finally:
+        subprocess.run(["umount", str(model_dir)], check=True)
+    assert_ok(again)
+    assert "holds a finished run of 10 steps" in again.stdout
+    assert_one_error_line(longer, f"{model_dir} is not writable (Read-only file system)")
+    assert len(longer.stderr.splitlines()) == 1, longer.stderr  # no TensorFlow complaint before it
+
+
 def test_a_new_batch_that_leaves_the_capped_rate_as_it_was_says_so(model_dir):
     common = ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp",
               "--warmup_epochs=0", "--noexport", "--noevaluate", f"--model_dir={model_dir}"]
