@@ -211,6 +211,10 @@ class ReadOnly:
         """Raises the refusal: this run may write nothing."""
         raise self.refusal
 
+    def is_in_place(self) -> bool:
+        """Nothing was taken away: a failure is not to be put down to that."""
+        return True
+
     def release(self, **unused) -> None:
         """Nothing is held."""
 

@@ -112,7 +112,8 @@ def _run(config: TrainConfig) -> int:
         except PEER_ERRORS as e:
             return _lost_a_peer(e, cluster)
         except Exception:  # a write that failed as --model_dir was taken away says so
-            check_held()
+            if lock is not None and not lock.is_in_place():
+                check_held()
             raise
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -262,8 +263,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
         checkpoints.close()
 
 
-def _finished_again(config: TrainConfig, resumed, built: Built, info: data.DatasetInfo,
-                    check_held) -> None:
+def _finished_again(config: TrainConfig, resumed, built: Built, info, check_held) -> None:
     """A finished run started again: its results stay exactly as they are,
     but an export that was lost is made again."""
     print(f"{config.run.model_dir} holds a finished run of {resumed.start_step} steps (see "
