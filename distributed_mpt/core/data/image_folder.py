@@ -97,25 +97,27 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
                    f"{_some(os.path.relpath(path, root) for path in sorted(skipped))}")
     fingerprint = _fingerprint(root, class_names, listed)
     size = (options.image_size, options.image_size)
-    # The statistics come from the training images, whichever splits are read.
-    train = _decode(train_files, size)
-    # In a fixed shuffled order, not by class: what is computed from the
+    # Train in a fixed shuffled order, not by class: what is computed from the
     # first images (airbench's whitening takes 5,000) must see every class.
-    order = np.random.default_rng(0).permutation(len(train))
-    shuffled = aligned_empty(train.images.shape, np.uint8)
-    train = ImageSplit(np.take(train.images, order, axis=0, out=shuffled), train.labels[order])
+    # Its statistics are the model's, whichever splits are read.
+    order = np.random.default_rng(0).permutation(sum(map(len, train_files.values())))
+    listed = {"train": _labelled(train_files, order)}
+    if "test" in splits:
+        listed["test"] = _labelled(test_files)
+    room = _room_for(root, listed, size)
+    decoded = {split: _decode(pairs, room[split], size) for split, pairs in listed.items()}
+    train = decoded["train"]
     mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
     variance = np.zeros(3)
-    for start in range(0, len(train), 4096):  # chunks: no float copy of every image
-        chunk = train.images[start:start + 4096].astype(np.float64) - mean
+    # Chunks of 4M values (32 MB as float64): 4,096 images a chunk took 26 GB at 512 x 512.
+    step = max(1, (1 << 22) // train.images[0].size)
+    for start in range(0, len(train), step):
+        chunk = train.images[start:start + step].astype(np.float64) - mean
         variance += (chunk * chunk).sum(axis=(0, 1, 2))
     std = np.sqrt(variance / (len(train) * size[0] * size[1]))
     info = DatasetInfo(image_shape=(*size, 3), class_names=tuple(class_names),
                        mean=tuple(round(float(m), 4) for m in mean),
                        std=tuple(round(float(max(s, 1.0)), 4) for s in std))
-    decoded = {"train": train}
-    if "test" in splits:
-        decoded["test"] = _decode(test_files, size)
     return Dataset(info, {split: decoded[split] for split in splits}, fingerprint)
 
 
@@ -331,17 +333,35 @@ def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int
     return train, test
 
 
-def _decode(files: Dict[int, List[str]], size: Tuple[int, int]) -> ImageSplit:
-    """Every file decoded into one uint8 array, with its label."""
-    count = sum(len(paths) for paths in files.values())
-    pixels = aligned_empty((count, *size, 3), np.uint8)
-    labels = np.empty(count, np.int32)
-    index = 0
-    for label, paths in files.items():
-        for path in paths:
-            # A damaged file, or one that is not an image, is ImageError
-            # (a UserError) naming it: one error line, before any training.
-            pixels[index] = images.read_image(path, size)
-            labels[index] = label
-            index += 1
-    return ImageSplit(pixels, labels)
+def _labelled(by_class: Dict[int, List[str]], order=None) -> List[Tuple[str, int]]:
+    """(path, label) of every file of `by_class`, by class, or taken in
+    `order` (indices into that)."""
+    pairs = [(path, label) for label, paths in by_class.items() for path in paths]
+    return pairs if order is None else [pairs[i] for i in order]
+
+
+def _room_for(root: str, listed: Dict[str, list], size: Tuple[int, int]) -> Dict[str, np.ndarray]:
+    """Uninitialized uint8 arrays for the images of every split of `listed`,
+    all taken before the first is decoded: a folder too large for the memory
+    is one error line at once, not a MemoryError's traceback, nor one after
+    hours of decoding."""
+    try:
+        return {split: aligned_empty((len(pairs), *size, 3), np.uint8)
+                for split, pairs in listed.items()}
+    except MemoryError:
+        count = sum(map(len, listed.values()))
+        raise DataUnavailableError(
+            f"the {count:,} images of {quoted(root)} take {count * size[0] * size[1] * 3 / 1e9:.1f}"
+            f" GB of memory at --image_size={size[0]}, more than this process could get: lower "
+            f"--image_size, or give the run more memory") from None
+
+
+def _decode(pairs: List[Tuple[str, int]], pixels: np.ndarray, size: Tuple[int, int]
+            ) -> ImageSplit:
+    """The files of `pairs` (path, label) decoded into `pixels`, in order,
+    with their labels."""
+    for index, (path, _) in enumerate(pairs):
+        # A damaged file, or one that is not an image, is ImageError (a
+        # UserError) naming it: one error line, before any training.
+        pixels[index] = images.read_image(path, size)
+    return ImageSplit(pixels, np.array([label for _, label in pairs], np.int32))
