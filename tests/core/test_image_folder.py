@@ -229,6 +229,19 @@ def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoi
     assert not run.exists(), "nothing written"
 
 
+@pytest.mark.parametrize("make, said", [
+    (lambda path: None, "does not exist"),
+    (lambda path: path.write_bytes(b"x"), "is a file, not a folder")])
+def test_a_data_dir_mistyped_or_a_file_is_named_so_not_as_without_train(tmp_path, make, said):
+    """Both were "--data_dir=DIR has no train/ folder": the user looked
+    for train/ in a folder that was not there."""
+    data_dir, run = tmp_path / "photos", tmp_path / "run"
+    make(data_dir)
+    assert_one_error_line(train([*FLAGS, f"--data_dir={data_dir}", f"--model_dir={run}"]),
+                          f"{data_dir} {said}")
+    assert not run.exists(), "nothing written"
+
+
 def test_test_fraction_beside_a_test_folder_is_an_error_not_ignored(tmp_path):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     run = tmp_path / "run"
@@ -363,6 +376,20 @@ def test_a_dot_named_link_to_nothing_is_skipped_as_an_editor_s_lock(tmp_path, ca
     dataset = load(DataOptions(dataset="image_folder", data_dir=str(folder), image_size=8), seed=0)
     assert dataset.info.class_names == CLASSES
     assert "skipped 1 entry" in capsys.readouterr().err
+
+
+def test_a_nas_s_thumbnail_folders_are_skipped_not_a_class_nor_refused(tmp_path, capsys):
+    """A Synology NAS makes @eaDir/ in every folder it indexes: it was a
+    class of its own beside the class folders, and refused among the images."""
+    from distributed_mpt.core.data import DataOptions
+
+    folder = write_folder(tmp_path / "photos", train_per_class=2, test_per_class=1)
+    for thumbnails in (folder / "train" / "@eaDir" / "cars", folder / "train" / "dogs" / "@eaDir"):
+        thumbnails.mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(thumbnails / "SYNOPHOTO_THUMB_S.jpg")
+    options = DataOptions(dataset="image_folder", data_dir=str(folder), image_size=8)
+    assert options.load(seed=0).info.class_names == CLASSES
+    assert "skipped 2 entries" in capsys.readouterr().err
 
 
 def test_a_name_not_in_utf_8_reads_the_same_in_training_s_errors_and_predict_s_answers(

@@ -16,10 +16,10 @@ into uint8 RGB of `image_size` x `image_size` in host memory
 (core/data/images.py: Pillow, its first frame, turned as its EXIF
 orientation says); entries whose name starts with a dot (.DS_Store,
 .ipynb_checkpoints/, editors' swap files), the files systems leave beside a
-user's (Thumbs.db, desktop.ini, an unzipped archive's __MACOSX/) and files
-beside the class folders are skipped, all named in one warning, and anything
-else that is not an intact image (a link among the class folders that leads
-nowhere too) is one error naming it. The mean and standard deviation the
+user's (Thumbs.db, desktop.ini, an unzipped archive's __MACOSX/, a NAS's
+@eaDir/) and files beside the class folders are skipped, all named in one
+warning, and anything else that is not an intact image (a link among the
+class folders that leads nowhere too) is one error naming it. The mean and standard deviation the
 model normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
@@ -51,10 +51,11 @@ NAME = "image_folder"
 _BAD_IN_NAMES = ("Cc", "Cs", "Zl", "Zp")
 _SHOWN = 5  # of the entries skipped, or the classes without test images, named in a warning
 # What operating systems leave beside a user's images, as macOS leaves
-# .DS_Store: Windows' thumbnail caches and folder settings, and the folder of
-# macOS's resource forks that another system's unzip makes. As a class
+# .DS_Store: Windows' thumbnail caches and folder settings, the folder of
+# macOS's resource forks that another system's unzip makes, and the folder
+# of thumbnails a Synology NAS makes in every folder it indexes. As a class
 # folder it trained a class of its own; among the images it was refused.
-_SYSTEMS_FILES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "__macosx")
+_SYSTEMS_FILES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "__macosx", "@eadir")
 
 
 def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
@@ -63,9 +64,10 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     raises DataUnavailableError naming what is missing."""
     root, fraction = options.data_dir, options.test_fraction
     train_dir, test_dir = os.path.join(root, "train"), os.path.join(root, "test")
-    if not _is_folder_at(train_dir):
-        raise DataUnavailableError(f"--data_dir={quoted(root)} has no train/ folder: an image "
-                                   f"folder is laid out as {LAYOUT}")
+    for folder, missing in ((root, "does not exist"), (train_dir, "has no train/ folder")):
+        if not _is_folder_at(folder):  # a file there: named as what it is
+            raise DataUnavailableError(f"--data_dir={quoted(root)} {missing}: an image folder "
+                                       f"is laid out as {LAYOUT}")
     has_test = _is_folder_at(test_dir)
     if has_test and fraction > 0:
         raise ConfigError(f"--test_fraction={fraction:g} holds out training images "
