@@ -119,6 +119,13 @@ def _class_with_a_newline(root):
     return "has a control character (U+000A) in its name"
 
 
+def _a_class_named_by_spaces_alone(root):
+    # It trained, and predict answered with a class that read as nothing.
+    (root / "train" / "dogs").rename(root / "train" / " \u200b ")
+    shutil.rmtree(root / "test" / "dogs")
+    return "has no visible character in its name"
+
+
 def _a_test_class_spelled_otherwise(root):
     # é as e and a combining accent (NFD, as macOS names files) in train/, as
     # one character in test/: "test has class folder(s) café that train does
@@ -212,7 +219,8 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
 
 
 @pytest.mark.parametrize("spoil", [_damaged, _not_an_image, _unknown_class, _class_not_utf_8,
-                                   _class_with_a_newline, _a_test_class_spelled_otherwise,
+                                   _class_with_a_newline, _a_class_named_by_spaces_alone,
+                                   _a_test_class_spelled_otherwise,
                                    _a_test_class_spelled_both_ways,
                                    _one_class, _a_link_to_nothing,
                                    _a_link_that_loops, _a_class_link_that_loops,

@@ -41,7 +41,7 @@ from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import (READ_AS_ONE_BY, SPLITS, Dataset, DatasetInfo,
                                                ImageSplit, aligned_empty,
-                                               first_pair_read_as_one)
+                                               first_pair_read_as_one, read_as)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
@@ -164,13 +164,17 @@ def _is_folder(entry: os.DirEntry) -> bool:
 
 def _check_class_names(directory: str, names: List[str]) -> None:
     """Raises DataUnavailableError, before any image is decoded, unless there
-    are two classes or more and each name is one line of UTF-8 text: the
-    export writes them into classes.txt, and predict answers with them."""
+    are two classes or more and each name is one line of UTF-8 text with a
+    visible character: the export writes them into classes.txt, and predict
+    answers with them."""
     for name in names:
         bad = next((c for c in name if unicodedata.category(c) in _BAD_IN_NAMES), None)
-        if bad is None:
+        if bad is None and read_as(name):
             continue
         folder = quoted(os.path.join(directory, name))
+        if bad is None:  # spaces or invisible characters alone
+            raise DataUnavailableError(f"class folder {folder} has no visible character in its "
+                                       f"name: rename it (predict answers with class names)")
         if unicodedata.category(bad) == "Cs":
             raise DataUnavailableError(f"class folder {folder} is named in bytes that are not "
                                        f"UTF-8: rename it (class names are written into the "
