@@ -19,8 +19,8 @@ orientation says); entries whose name starts with a dot (.DS_Store,
 user's (Thumbs.db, desktop.ini, an unzipped archive's __MACOSX/, a NAS's
 @eaDir/) and files beside the class folders are skipped, all named in one
 warning, and anything else that is not an intact image (a link among the
-class folders that leads nowhere too) is one error naming it. The mean and standard deviation the
-model normalizes with are the training images'.
+class folders that leads nowhere too) is one error naming it. The mean and
+standard deviation the model normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
 SHA-256 of its file list with their sizes: what a resumed run compares, so
@@ -103,11 +103,11 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     # first images (airbench's whitening takes 5,000) must see every class.
     # Its statistics are the model's, whichever splits are read.
     order = np.random.default_rng(0).permutation(sum(map(len, train_files.values())))
-    listed = {"train": _labelled(train_files, order)}
+    in_order = {"train": _labelled(train_files, order)}
     if "test" in splits:
-        listed["test"] = _labelled(test_files)
-    room = _room_for(root, listed, size)
-    decoded = {split: _decode(pairs, room[split], size) for split, pairs in listed.items()}
+        in_order["test"] = _labelled(test_files)
+    room = _room_for(root, in_order, size)
+    decoded = {split: _decode(pairs, room[split], size) for split, pairs in in_order.items()}
     train = decoded["train"]
     mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
     variance = np.zeros(3)
@@ -348,9 +348,9 @@ def _labelled(by_class: Dict[int, List[str]], order=None) -> List[Tuple[str, int
 
 def _room_for(root: str, listed: Dict[str, list], size: Tuple[int, int]) -> Dict[str, np.ndarray]:
     """Uninitialized uint8 arrays for the images of every split of `listed`,
-    all taken before the first is decoded: a folder too large for the memory
-    is one error line at once, not a MemoryError's traceback, nor one after
-    hours of decoding."""
+    all taken before the first is decoded: a folder larger than the memory
+    the system gives is one error line at once, not a MemoryError's
+    traceback (the test split's after the training images were decoded)."""
     try:
         return {split: aligned_empty((len(pairs), *size, 3), np.uint8)
                 for split, pairs in listed.items()}
