@@ -290,6 +290,17 @@ def test_every_changed_byte_of_a_png_s_pixel_data_is_refused(tmp_path):
         _refused(tmp_path, bytes(damaged), "begins as a PNG image does but does not decode")
 
 
+def test_a_png_of_many_colour_profiles_is_refused_before_pillow_inflates_them(tmp_path):
+    """Pillow inflates every iCCP chunk, 1 MB from 1 kB: a 10 MB file of
+    them took three minutes to read; a PNG holds one at most."""
+    photo = _encoded(Image.new("RGB", (8, 8)), "PNG", icc_profile=bytes(1_000_000))
+    start = photo.index(b"iCCP") - 4
+    end = start + 12 + struct.unpack(">I", photo[start:start + 4])[0]
+    assert _read(tmp_path, photo).shape == (8, 8, 3), "one profile is read"
+    _refused(tmp_path, photo[:end] + photo[start:end] * 99 + photo[end:],
+             "holds 100 colour profiles (iCCP chunks), where a PNG holds one at most")
+
+
 def test_a_png_that_pillow_reads_with_a_warning_is_refused_not_read(tmp_path, capfd):
     # An APNG control chunk that says 0 frames: Pillow prints a Python
     # warning (two lines on stderr) and reads the still image on.
