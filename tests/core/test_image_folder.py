@@ -178,6 +178,14 @@ def _a_class_link_to_nothing(root):
     return "test/birds is a symbolic link to nothing, among the class folders"
 
 
+def _a_folder_in_a_class_folder(root):
+    # Read by Keras and torchvision; here it was "is a directory, not a
+    # regular file: give an image file", which said nothing of what to do.
+    (root / "train" / "dogs" / "puppies").mkdir()
+    (root / "train" / "dogs" / "000.png").rename(root / "train" / "dogs" / "puppies" / "0.png")
+    return "train/dogs/puppies is a folder in class folder"
+
+
 def _a_test_file(root):
     # "has no test/ folder: add one", where the user saw one.
     shutil.rmtree(root / "test")
@@ -224,7 +232,8 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
                                    _a_test_class_spelled_both_ways,
                                    _one_class, _a_link_to_nothing,
                                    _a_link_that_loops, _a_class_link_that_loops,
-                                   _a_class_link_to_nothing, _a_test_file,
+                                   _a_class_link_to_nothing, _a_folder_in_a_class_folder,
+                                   _a_test_file,
                                    _an_empty_test_folder,
                                    _classes_that_read_as_one,
                                    _classes_apart_by_an_invisible_character])

@@ -150,16 +150,22 @@ def _is_folder(entry: os.DirEntry) -> bool:
     for a link that leads nowhere (to nothing, or in a loop): it stands
     where a class folder may have been, and skipped, the run would train
     without that class (as a link among the images is refused)."""
-    try:
-        if entry.is_dir():
-            return True
-    except OSError:  # ELOOP
-        pass
+    if _is_dir(entry):
+        return True
     if entry.is_symlink() and not os.path.exists(entry.path):
         raise DataUnavailableError(f"{quoted(entry.path)} is {files.kind_of(entry.path)}, "
                                    f"among the class folders: point it at its folder of "
                                    f"images, or move it away")
     return False
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a folder or a link to one; a link in a loop is not
+    (it is refused as the image it stands for)."""
+    try:
+        return entry.is_dir()
+    except OSError:  # ELOOP
+        return False
 
 
 def _check_class_names(directory: str, names: List[str]) -> None:
@@ -227,6 +233,13 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
         folder = os.path.join(directory, name)
         paths = []
         for entry in _entries(folder, missing_ok=bool(train_dir)):
+            if not _skipped_by_name(entry.name) and _is_dir(entry):
+                # Keras and torchvision read such folders: said as "not a regular file",
+                # the user who came from them did not see what to do.
+                raise DataUnavailableError(
+                    f"{quoted(entry.path)} is a folder in class folder {quoted(folder)}, whose "
+                    f"images are read from that folder alone ({LAYOUT}): move its images up "
+                    f"into {quoted(folder)}, or make it a class folder of its own")
             (skipped if _skipped_by_name(entry.name) else paths).append(entry.path)
         if not paths and not train_dir:
             raise DataUnavailableError(f"{quoted(folder)} holds no images: every class needs "
