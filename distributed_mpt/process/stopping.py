@@ -96,15 +96,12 @@ def pending_stop_signal(pid: int) -> Optional[signal.Signals]:
     """A stop signal (STOP_SIGNALS) pending (blocked) in process `pid`; None
     also where there is no /proc (not Linux)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/status") as f:  # the thread's pending ones, and the process's
             masks = [int(line.split()[1], 16) for line in f
                      if line.startswith(("SigPnd:", "ShdPnd:"))]
     except (OSError, ValueError, IndexError):
         return None
-    pending = 0
-    for mask in masks:
-        pending |= mask
-    return next((s for s in STOP_SIGNALS if pending & (1 << (s - 1))), None)
+    return next((s for s in STOP_SIGNALS if any(mask >> (s - 1) & 1 for mask in masks)), None)
 
 
 class _Owner:
@@ -155,11 +152,10 @@ class _Owner:
             # the lock, and the next run removes what is left.
             _say_now(stopped_before(sig, "before training started", ExitCode.PREEMPTED,
                                      "trained"))
-            if self.undo_start is not None:
-                try:
+            # What cannot be undone stays; the exit happens all the same.
+            with contextlib.suppress(Exception):
+                if self.undo_start is not None:
                     self.undo_start()
-                except Exception:  # noqa: BLE001 - what cannot be undone stays; the exit must not
-                    pass
             os._exit(ExitCode.PREEMPTED)
         if self.requested:
             if sig == signal.SIGINT:
@@ -286,9 +282,8 @@ def exit_now(code: int) -> None:
     op: 7.3-8.2 s to exit normally, 5.7-6.4 s this way) and up to a minute
     on a loaded machine."""
     for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # a descriptor closed when the process started
-            continue
-        stream.flush()  # a reader that went away is console.py's: no error here
+        if stream is not None:  # None: a descriptor closed when the process started
+            stream.flush()  # a reader that went away is console.py's: no error here
     os._exit(code)
 
 
@@ -298,10 +293,6 @@ def _say_now(message: str) -> None:
     line is (stdout, see training/loop.py's Reporter), clearing it first, so
     that the line starts at the left margin and not after `step 20/679`;
     elsewhere, to stderr."""
-    try:
-        if os.isatty(1):
-            os.write(1, b"\r\x1b[K" + message.encode() + b"\n")
-        else:
-            os.write(2, message.encode() + b"\n")
-    except OSError:
-        pass  # nobody reads any more: the stop still happens
+    with contextlib.suppress(OSError):  # nobody reads any more: the stop still happens
+        tty = os.isatty(1)
+        os.write(1 if tty else 2, (b"\r\x1b[K" if tty else b"") + message.encode() + b"\n")
