@@ -98,10 +98,8 @@ def tell(line: str, stream: TextIO) -> None:
     """Writes `line` to `stream` if it can be written. One that cannot
     (ConsoleError, said once) leads to /dev/null from then on: whoever
     should read it has nothing to read it with."""
-    try:
+    with contextlib.suppress(ConsoleError):
         print(line, file=stream, flush=True)
-    except ConsoleError:
-        pass
 
 
 def _survive_lost_readers() -> None:

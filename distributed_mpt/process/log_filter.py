@@ -97,12 +97,10 @@ def stop() -> None:
     sys.stderr.flush()
     os.dup2(_original_stderr, 2)
     os.close(_original_stderr)
-    try:
-        # Child processes that still hold the pipe (a watchdog about to
-        # exit) keep it open a little longer: do not wait for them.
+    # Child processes that still hold the pipe (a watchdog about to exit)
+    # keep it open a little longer: do not wait for them.
+    with contextlib.suppress(subprocess.TimeoutExpired):
         _filter_process.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        pass
     _filter_process = _original_stderr = None
 
 

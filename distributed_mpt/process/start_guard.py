@@ -96,7 +96,10 @@ def guard_the_start() -> None:
         return
     _ctrl_c_while_starting = _CTRL_C_WHILE_STARTING[command]
     if _ctrl_c_while_starting is None:
-        _ignore_stop_signals()
+        # A helper: a stop meant for the process group leaves it running, so
+        # that it can still serve the process that is stopping.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         return
     for sig in heeded_stop_signals():
         _inherited[sig] = signal.getsignal(sig)
@@ -131,10 +134,3 @@ def heeded_stop_signals() -> list[signal.Signals]:
     leaves the background job running). Whoever takes a stop signal over
     takes only these."""
     return [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
-
-
-def _ignore_stop_signals() -> None:
-    """For a helper process: a stop meant for the process group leaves it
-    running, so that it can still serve the process that is stopping."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
