@@ -265,17 +265,11 @@ def max_pool_2x2(images):
     return pool(images)
 
 
-def _window_corners(images):
-    """The four pixels of every 2x2 window, in row-major order, as four
-    [N, H // 2, W // 2, C] maps."""
-    height, width = tf.shape(images)[1] // 2 * 2, tf.shape(images)[2] // 2 * 2
-    even = images[:, :height, :width]
-    return [even[:, i::2, j::2] for i in (0, 1) for j in (0, 1)]
-
-
 @tf.function(jit_compile=True)
 def _pool_forward(images):
-    corners = _window_corners(images)
+    # The four pixels of every 2x2 window, in row-major order, as four maps.
+    height, width = tf.shape(images)[1] // 2 * 2, tf.shape(images)[2] // 2 * 2
+    corners = [images[:, i:height:2, j:width:2] for i in (0, 1) for j in (0, 1)]
     pooled = tf.reduce_max(tf.stack(corners), axis=0)
     # The first corner equal to the maximum, as Keras' gradient routes it.
     position = tf.fill(tf.shape(pooled), tf.constant(3, tf.uint8))
@@ -338,10 +332,9 @@ def activate(x, name: str):
 
     @tf.custom_gradient
     def compiled(x):
-        if x_again is None:
-            return _forward(x, name), lambda output_gradient: _backward(x, output_gradient, name)
-
         def gradient(output_gradient):
+            if x_again is None:
+                return _backward(x, output_gradient, name)
             # Not before the gradient arrives: computed in the forward pass,
             # the copy would be kept as long as x was.
             with tf.control_dependencies([output_gradient]):
@@ -350,9 +343,8 @@ def activate(x, name: str):
         return _forward(x, name), gradient
 
     activated = compiled(x)
-    if x_again is None:
-        return activated
-    return computable_again(activated, lambda: _forward(x_again(), name))
+    return activated if x_again is None else computable_again(
+        activated, lambda: _forward(x_again(), name))
 
 
 def computable_again(x, compute):
