@@ -128,6 +128,10 @@ def first_line(error, limit: int = 200) -> str:
 # TensorFlow 2.21's autograph/pyct/error_utils.py writes it.
 _AUTOGRAPH = "in user code:"
 _AUTOGRAPH_FRAME = re.compile(r'    File "(.+)", line (\d+), in ')
+# Installed code is in the interpreter's library or a folder named
+# site-packages or dist-packages (a venv's, the user site's, Debian's
+# /usr/lib/python3/dist-packages, which sysconfig does not name).
+_INSTALLED = {"site-packages", "dist-packages"}
 
 
 def inside_autograph(error) -> "tuple[str, str, str | None] | None":
@@ -146,9 +150,6 @@ def inside_autograph(error) -> "tuple[str, str, str | None] | None":
     name, _, message = "\n".join(line[4:] for line in lines[at:]).partition(": ")
     if not message or not name.isidentifier():
         return None
-    # Installed code is in the interpreter's library or a folder named
-    # site-packages or dist-packages (a venv's, the user site's, Debian's
-    # /usr/lib/python3/dist-packages, which sysconfig does not name).
     ours = [os.path.join(directory, "") for directory in (
         *(sysconfig.get_path(kind) for kind in ("stdlib", "platstdlib")),
         os.path.dirname(os.path.abspath(__file__)))]
@@ -156,9 +157,6 @@ def inside_autograph(error) -> "tuple[str, str, str | None] | None":
              if os.path.isabs(path) and not path.startswith(tuple(ours))
              and not _INSTALLED.intersection(path.split(os.sep))]
     return name, message, users[-1] if users else None
-
-
-_INSTALLED = {"site-packages", "dist-packages"}
 
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")

@@ -247,11 +247,10 @@ def why_no_access(path: str, mode: int) -> Optional[str]:
 
 def is_disk_full(error: Exception) -> bool:
     """True if `error` is a write that found no space (or quota) left."""
-    if isinstance(error, OSError):
-        return error.errno in _DISK_FULL
     # TensorFlow reports a failed write as ResourceExhaustedError with the
-    # C library's message; out-of-memory is ResourceExhaustedError too.
-    return any(os.strerror(code) in text_of(error) for code in _DISK_FULL)
+    # C library's message (out-of-memory is ResourceExhaustedError too), and
+    # _CANNOT_WRITE names the full disk first.
+    return why_unwritable(error) in map(os.strerror, _DISK_FULL)
 
 
 def why_unwritable(error: Exception) -> Optional[str]:

@@ -324,8 +324,7 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             code = exit_status(group.processes[failed].returncode)
             _say(f"[launch] worker {failed} exited with {code}; stopping the group")
             group.stop(grace_seconds)
-            busy_port_error = group.busy_port_error()
-            if busy_port_error:
+            if busy_port_error := group.busy_port_error():
                 _say(busy_port_error, sys.stderr)
             # The launcher chose that port and fresh ones cure it, whatever
             # code the worker turned the failure into.
