@@ -21,6 +21,7 @@ Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
 
 import bisect
+import contextlib
 import json
 import math
 import os
@@ -195,10 +196,8 @@ class _Group:
         for line in source:
             if _GRPC_BIND_FAILURE in line:
                 self.unbound_workers.add(index)
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a line the console cannot show
                 _say(f"[worker {index}] " + line.rstrip("\n"), sink)
-            except (OSError, ValueError):  # e.g. a line the console's encoding cannot show
-                pass
         source.close()  # two files a worker, not two for every worker ever started
 
     def first_failure(self) -> Optional[int]:

@@ -13,6 +13,7 @@ Linux only; elsewhere, or where nothing can be read, there is no figure and
 no check. `root` lets a test point the probe at a tree of its own.
 """
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -49,12 +50,10 @@ def _read(root: str, path: str) -> str:
 
 
 def _meminfo_available(root: str) -> Optional[int]:
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in _read(root, "proc/meminfo").splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     return None
 
 
@@ -129,13 +128,11 @@ def _limit_in(directory: str, version: int):
     except (OSError, ValueError):
         return None
     reclaimable = 0
-    try:
+    with contextlib.suppress(OSError, ValueError):
         for line in _read(directory, "memory.stat").splitlines():
             key, _, value = line.partition(" ")
             if key == cache:
                 reclaimable = int(value)
-    except (OSError, ValueError):
-        pass
     return int(text), max(0, usage - reclaimable), limit_file
 
 
