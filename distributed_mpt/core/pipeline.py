@@ -190,11 +190,10 @@ def train_input_fn(split: ImageSplit, global_batch_size: int, seed: int, start_s
                    .take(num_steps * local_replicas))
         if not images_on_device:
             images, labels = _host_tensors(split)
-            batches = batches.map(tf.autograph.experimental.do_not_convert(
-                lambda indices, offsets, flips, *jitter: (
-                    *gather_and_augment(images, labels, indices, offsets, flips, padding,
-                                        crop_size),
-                    *jitter)),
+            augment = lambda indices, offsets, flips, *jitter: (
+                *gather_and_augment(images, labels, indices, offsets, flips, padding, crop_size),
+                *jitter)
+            batches = batches.map(tf.autograph.experimental.do_not_convert(augment),
                                   num_parallel_calls=_PARALLEL_BATCHES)
         return batches.prefetch(_PARALLEL_BATCHES).with_options(_options())
 

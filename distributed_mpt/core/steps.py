@@ -111,19 +111,17 @@ class Trainer:
                                for steps, variables in rules.frozen)
         with strategy.scope():
             self._train_sums = sum_accumulator(LoopTotals.PER_STEP)
-            self._device_split = None
-            if on_device is not None:
-                # A copy per device, made once; the input pipeline then
-                # carries only indices and augmentation parameters.
-                self._device_split = (tf.Variable(on_device.split.images, trainable=False),
-                                      tf.Variable(on_device.split.labels, trainable=False))
+            # A copy per device, made once; the input pipeline then carries
+            # only indices and augmentation parameters.
+            self._device_split = None if on_device is None else (
+                tf.Variable(on_device.split.images, trainable=False),
+                tf.Variable(on_device.split.labels, trainable=False))
         self._train_loss = keras.losses.CategoricalCrossentropy(
             from_logits=True, label_smoothing=rules.label_smoothing, reduction=None)
-        self._gradients = self._compute_gradients
-        if rules.xla:
-            # Only the forward and backward pass: the gradient all-reduce and
-            # the update stay outside XLA, where every strategy supports them.
-            self._gradients = tf.function(self._compute_gradients, jit_compile=True)
+        # Only the forward and backward pass under XLA: the gradient all-reduce
+        # and the update stay outside it, where every strategy supports them.
+        self._gradients = (tf.function(self._compute_gradients, jit_compile=True) if rules.xla
+                           else self._compute_gradients)
         # Set from the stop-signal thread while a loop call runs (see
         # request_stop); outside the strategy's scope: one value per process.
         self._stop_requested = tf.Variable(False, trainable=False, name="stop_requested")
