@@ -124,14 +124,12 @@ def _filter(source, sink) -> None:
         for piece in _PIECE.findall(complete):
             dropped = bool(_TENSORFLOW_LINE.match(piece) or dropped and _NODE_LINE.match(piece))
             sink_open = sink_open and (dropped or _write(sink, piece))
-    if pending and sink_open:
+    if pending and sink_open and not _TENSORFLOW_LINE.match(pending):
         _write(sink, pending)
 
 
 def _write(sink, piece: bytes) -> bool:
-    """Writes `piece` unless it is TensorFlow's; False once `sink` is gone."""
-    if _TENSORFLOW_LINE.match(piece):
-        return True
+    """Writes `piece`; False once `sink` is gone."""
     try:
         sink.write(piece)
         sink.flush()

@@ -103,8 +103,7 @@ def _along(root: str, mount_root: str, mount_point: str, path: str, version: int
         directory = top
     found = []
     while True:
-        limit = _limit_in(directory, version)
-        if limit is not None:
+        if (limit := _limit_in(directory, version)) is not None:
             name = "/" + os.path.relpath(directory, top).lstrip(".")
             found.append(Headroom(limit[0] - limit[1], f"left under the memory limit of cgroup "
                                   f"{name} ({limit[0] / 1e9:.1f} GB, {limit[2]})"))
