@@ -47,7 +47,7 @@ def gather_and_augment(images, labels, indices, offsets, flips, crop_padding=CRO
                        tf.range(out_width)[None, :])
     columns = _reflect(offsets[:, 1:] - crop_padding + columns, width)                   # [B, W]
     pixel = (indices[:, None, None] * height + rows[:, :, None]) * width + columns[:, None, :]
-    augmented = tf.gather(tf.reshape(images, [-1, channels]), pixel)                     # [B, H, W, C]
+    augmented = tf.gather(tf.reshape(images, [-1, channels]), pixel)  # [B, H, W, C]
     return augmented, tf.gather(labels, indices)
 
 

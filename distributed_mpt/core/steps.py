@@ -235,7 +235,7 @@ class Trainer:
             nonfinite = 1.0 - tf.cast(tf.math.is_finite(loss), tf.float32)
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         count = tf.cast(tf.shape(labels)[0], tf.float32)
-        sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros([3]))
+        sums = tf.where(tf.math.is_finite(loss), tf.stack([loss_sum, correct, count]), tf.zeros(3))
         # Summed over replicas: one per global step that was not finite.
         skipped = nonfinite / context.num_replicas_in_sync
         self._train_sums.assign_add(tf.concat([sums, [skipped]], 0))

@@ -114,7 +114,7 @@ class SideBySideConv2D(keras.layers.Conv2D):
                   and self.groups == 1 and None not in inputs.shape[1:]
                   and width <= MAX_IMAGE_WIDTH and inputs.dtype == tf.bfloat16)
         if narrow and _cpu() == "amx":
-            return side_by_side(lambda rows: super(SideBySideConv2D, self).convolution_op(rows, kernel),
+            return side_by_side(functools.partial(super().convolution_op, kernel=kernel),
                                 inputs, ROW_WIDTH // (width + 1), gap=self.kernel_size[1] // 2)
         if narrow and _cpu() == "avx512_bf16":
             # A tensor of the inputs' dtype, not the (autocast) variable: the
@@ -227,7 +227,7 @@ def weight_gradient_by_taps(images, output_gradient, kernel_shape):
     gradient = tf.reshape(output_gradient, [parts, -1, filters])
     shifted = [tf.reshape(padded[:, i:i + height, j:j + width], [parts, -1, channels])
                for i in range(kernel_height) for j in range(kernel_width)]
-    taps = [tf.linalg.matmul(images_at_tap, gradient, transpose_a=True) for images_at_tap in shifted]
+    taps = [tf.linalg.matmul(tap, gradient, transpose_a=True) for tap in shifted]
     summed = tf.reduce_sum(tf.cast(tf.stack(taps), tf.float32), axis=1)  # [taps, in, out]
     return tf.cast(tf.reshape(summed, kernel_shape), images.dtype)
 
