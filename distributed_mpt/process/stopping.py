@@ -23,8 +23,8 @@ is in:
 - TRAINING: the first signal is a request; the training loop looks at it at
   every step boundary (`requested`, or the `on_request` callback that the
   trainer uses to set a flag inside its compiled loop), saves a checkpoint
-  and exits with ExitCode.PREEMPTED. A second Ctrl-C aborts at once
-  (ExitCode.ABORTED).
+  and exits with ExitCode.PREEMPTED, in FINISHING once it is saved. A
+  second Ctrl-C aborts at once (ExitCode.ABORTED).
 - FINISHING (final evaluation and export): what is left makes the run
   complete, so a request lets it finish (exit 0); a second Ctrl-C aborts.
 
@@ -159,7 +159,10 @@ class _Owner:
             os._exit(ExitCode.PREEMPTED)
         if self.requested:
             if sig == signal.SIGINT:
-                _say_now(f"second Ctrl-C: aborting without a checkpoint (exit {ExitCode.ABORTED:d})")
+                # FINISHING: the last checkpoint is saved (a stop's, or the final step's).
+                kept = ("without a checkpoint" if self.phase == Phase.TRAINING else
+                        "with the checkpoint saved, without the final evaluation and export")
+                _say_now(f"second Ctrl-C: aborting {kept} (exit {ExitCode.ABORTED:d})")
                 os._exit(ExitCode.ABORTED)
             return
         self.requested = True  # before anything that can fail

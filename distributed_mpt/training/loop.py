@@ -31,6 +31,7 @@ from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.json_lines import JsonLines, append_records, finite_values
+from distributed_mpt.process import stopping
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -159,6 +160,7 @@ class TrainingLoop:
         progress line go unlogged; the resumed run logs from `reached` on."""
         self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
         self._checkpoints.save(reached)
+        stopping.enter(stopping.Phase.FINISHING)  # a second Ctrl-C loses nothing now
         self._reporter.say(f"stopped by a signal at step {reached}; checkpoint saved: "
                            f"run the same command again to resume")
         raise Preempted(f"stopped at step {reached} after a checkpoint")

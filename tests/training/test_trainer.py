@@ -59,6 +59,20 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert "aborting without a checkpoint" in run.output()
 
 
+def test_a_second_ctrl_c_as_the_run_finishes_says_its_checkpoint_is_saved(tmp_path):
+    # It said "aborting without a checkpoint", the final step's saved already.
+    model_dir = tmp_path / "run"
+    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=40",
+                                                   f"--model_dir={model_dir}"])
+    run.wait_for(r"^evaluating on the", timeout=120)
+    run.process.send_signal(signal.SIGINT)
+    run.wait_for(r"^SIGINT: stopping once the run is complete", timeout=10)
+    run.process.send_signal(signal.SIGINT)
+    assert run.finish(timeout=30) == 130, run.output()
+    assert "second Ctrl-C: aborting with the checkpoint saved" in run.output()
+    assert (model_dir / "checkpoints" / "ckpt-40.index").exists()
+
+
 def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
     """The steps of each loop call, and the steps logged, on a worker whose
     own clock ticks `local_clock` seconds per clock reading, when the
