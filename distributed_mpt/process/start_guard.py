@@ -38,6 +38,7 @@ _CTRL_C_WHILE_STARTING = {
     "train": ExitCode.PREEMPTED, "launch": ExitCode.PREEMPTED,
     "benchmark": ExitCode.ABORTED, "benchmark.scaling": ExitCode.ABORTED,
     "predict": ExitCode.ABORTED, "prepare_data": ExitCode.ABORTED,
+    "recipes.measure": ExitCode.ABORTED,
     "process.log_filter": None, "process.startup_watchdog": None,
 }
 _COMMAND_PREFIXES = ("distributed-mpt-", "distributed_mpt.")

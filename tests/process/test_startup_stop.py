@@ -194,8 +194,8 @@ def test_the_peers_not_up_at_the_deadline_are_named_at_once():
 
 # Every command, run as a user runs it, with what it would do for seconds if
 # no stop came.
-_COMMANDS = ["train", "launch", "benchmark", "predict", "prepare_data", "distributed-mpt-train",
-             "-mdistributed_mpt.train"]
+_COMMANDS = ["train", "launch", "benchmark", "predict", "prepare_data", "recipes.measure",
+             "distributed-mpt-train", "-mdistributed_mpt.train"]
 
 
 def _command(name: str, tmp: Path) -> list:
@@ -208,7 +208,9 @@ def _command(name: str, tmp: Path) -> list:
     args = {"train": train, "launch": ["--num_workers=1", "--", *train],
             "benchmark": ["--tiny", f"--output={tmp / 'bench.json'}"],
             "predict": ["--evaluate", "--dataset=synthetic", model_dir],
-            "prepare_data": [f"--data_dir={tmp / 'data'}"]}[name]
+            "prepare_data": [f"--data_dir={tmp / 'data'}"],
+            "recipes.measure": ["--recipe=cpu_cnn94", "--seeds=0", f"--runs_dir={tmp / 'run'}",
+                                "--ledger="]}[name]
     return [sys.executable, "-m", f"distributed_mpt.{name}", *args]
 
 
@@ -328,7 +330,6 @@ _NOT_GUARDED = {
     "benchmark.cells": "a process of the benchmark, which ends it when it is stopped",
     "benchmark.allreduce": "a process of the benchmark, which ends it when it is stopped",
     "recipes.ledger": "a maintainer's tool, handling no stop of its own: Ctrl-C is Python's",
-    "recipes.measure": "a maintainer's tool, handling no stop of its own: Ctrl-C is Python's",
 }
 
 
