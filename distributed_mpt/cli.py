@@ -101,14 +101,16 @@ def check_flagfiles(args, seen=()) -> None:
     for i, arg in enumerate(args):
         if arg == "--":
             return
-        if arg in _FLAGFILE:
-            path = args[i + 1] if i + 1 < len(args) else ""
+        if arg in _FLAGFILE and i + 1 < len(args):  # with none, absl says so
+            path = args[i + 1]
         elif arg.startswith(tuple(f"{name}=" for name in _FLAGFILE)):
             path = arg.split("=", 1)[1]
         else:
             continue
+        if not path.strip():  # absl read no file and said nothing: the run took the defaults
+            raise _empty("flagfile", path)
         path = os.path.expanduser(path)
-        if not path or path in seen:  # absl warns of a cycle and goes on
+        if path in seen:  # absl warns of a cycle and goes on
             continue
         # A log or a data set given by mistake: absl took 6 s and 160 MB for a million
         # lines (2 cores of an AVX2-only AMD EPYC, Zen 3).
@@ -132,6 +134,12 @@ def check_flagfiles(args, seen=()) -> None:
             check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
 
 
+def _empty(name: str, value: str) -> ConfigError:
+    # Not "leave it out": --model_dir is required.
+    return ConfigError(f"--{name}={quoted(value)} is empty: give a path (an unset shell variable "
+                       f"gives an empty value)")
+
+
 # `$NAME` or `${NAME}`: what a shell would have expanded.
 _VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
 
@@ -146,9 +154,7 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
     for name in names:
         value = fv[name].value or ""
         if fv[name].present and not value.strip():
-            # Not "leave it out": --model_dir is required.
-            raise ConfigError(f"--{name}={quoted(value)} is empty: give a path (an unset shell "
-                              f"variable gives an empty value)")
+            raise _empty(name, value)
         if value == "-":  # elsewhere standard output or input; here it made a file named -
             raise ConfigError(f"--{name}=- would be a file or folder named '-' (this program "
                               f"writes and reads no standard stream there): give a path, ./- for "

@@ -82,12 +82,14 @@ def test_a_variable_no_shell_expanded_in_a_path_is_one_error_line(program, flag,
 
 @pytest.mark.parametrize("program, flag", [("train", "data_dir"), ("predict", "data_dir"),
                                            ("prepare-data", "data_dir"),
-                                           ("benchmark", "output")])
+                                           ("benchmark", "output"), ("train", "flagfile"),
+                                           ("predict", "flagfile"), ("benchmark", "flagfile")])
 @pytest.mark.parametrize("value", ["", "  "])
 def test_a_path_flag_given_empty_is_one_error_line(program, flag, value, tmp_path, monkeypatch,
                                                    capsys):
     # `--data_dir=$DATA` with DATA unset: prepare-data downloaded into
     # ~/tensorflow_datasets, the benchmark measured and wrote no file.
+    # `--flagfile=$FLAGS` was read as no flagfile: training ran on the defaults.
     from distributed_mpt.benchmark import sections
 
     monkeypatch.setattr(sections, "run_cell", lambda cell: pytest.fail("measured"))
