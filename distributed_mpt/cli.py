@@ -140,6 +140,17 @@ def _empty(name: str, value: str) -> ConfigError:
                        f"gives an empty value)")
 
 
+def _is_utf8(path: str) -> bool:
+    # A name's bytes that the locale's encoding (ASCII under LC_ALL=C with
+    # PYTHONUTF8=0, or UTF-8 for a Latin-1 name) could not decode arrive as
+    # surrogates (os.fsdecode), which no UTF-8 encoder takes.
+    try:
+        path.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 # `$NAME` or `${NAME}`: what a shell would have expanded.
 _VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
 
@@ -155,6 +166,10 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
         value = fv[name].value or ""
         if fv[name].present and not value.strip():
             raise _empty(name, value)
+        if not _is_utf8(value):  # TensorFlow's file system then raised with a traceback
+            raise ConfigError(f"--{name}={quoted(value)} is not UTF-8 text, the only paths "
+                              f"TensorFlow takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or "
+                              f"PYTHONUTF8=1 if the name is UTF-8, else rename it")
         if value == "-":  # elsewhere standard output or input; here it made a file named -
             raise ConfigError(f"--{name}=- would be a file or folder named '-' (this program "
                               f"writes and reads no standard stream there): give a path, ./- for "

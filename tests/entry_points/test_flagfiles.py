@@ -3,10 +3,14 @@ waits on it forever), a device, a folder, a binary file. Each is one
 `error:` line naming the file, exit 2, whichever program reads it."""
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import SMOKE_FLAGS, deadline, make_path, run_in_process
+from conftest import (REPO, SMOKE_FLAGS, deadline, make_path, run_in_process,
+                      subprocess_env)
 
 PROGRAMS = {"train": ("distributed_mpt.train", ["--model_dir=unused"]),
             "predict": ("distributed_mpt.predict", ["--model_dir=unused", "--evaluate"]),
@@ -138,3 +142,24 @@ def test_a_dollar_underscore_in_a_path_is_taken_as_written(monkeypatch):
     flags.DEFINE_string("model_dir", None, "", flag_values=fv)
     fv(["prog", "--model_dir=/data/exp$_/x"])
     cli.check_path_flags(fv, "model_dir")
+
+
+@pytest.mark.parametrize("locale, encoding", [("C", "utf-8"), ("C.UTF-8", "latin-1")])
+def test_a_path_flag_that_is_not_utf8_is_one_error_line(locale, encoding, tmp_path):
+    # Under LC_ALL=C (and PYTHONUTF8=0) the name café, and under any locale
+    # a Latin-1 name, reaches Python as surrogates, which TensorFlow's file
+    # system cannot take: training made the directory, then raised ValueError
+    # ("Error converting unicode string") with a traceback.
+    model_dir = os.fsencode(tmp_path) + b"/" + "café".encode(encoding)
+    result = subprocess.run(
+        [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS, "--train_steps=2",
+         b"--model_dir=" + model_dir], capture_output=True, timeout=300, cwd=REPO,
+        env=subprocess_env(LC_ALL=locale, PYTHONUTF8="0"))
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+        f"error: --model_dir={tmp_path}/caf\\udc{'c3' if encoding == 'utf-8' else 'e9'}"
+        + ("\\udca9" if encoding == "utf-8" else "") + " is not UTF-8 text, the only paths "
+        "TensorFlow takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 if the name is "
+        "UTF-8, else rename it"], stderr
+    assert list(tmp_path.iterdir()) == [], "nothing made"
