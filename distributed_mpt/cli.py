@@ -140,6 +140,15 @@ def _empty(name: str, value: str) -> ConfigError:
                        f"gives an empty value)")
 
 
+def _working_directory() -> Optional[str]:
+    # Deleted (by another shell, a `git worktree remove`): config's abspath
+    # raised FileNotFoundError with a traceback.
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return None
+
+
 def _is_utf8(path: str) -> bool:
     # A name's bytes that the locale's encoding (ASCII under LC_ALL=C with
     # PYTHONUTF8=0, or UTF-8 for a Latin-1 name) could not decode arrive as
@@ -170,6 +179,9 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
             raise ConfigError(f"--{name}={quoted(value)} is not UTF-8 text, the only paths "
                               f"TensorFlow takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or "
                               f"PYTHONUTF8=1 if the name is UTF-8, else rename it")
+        if value and not os.path.isabs(os.path.expanduser(value)) and not _working_directory():
+            raise ConfigError(f"--{name}={quoted(value)} is relative to the working directory, "
+                              f"which was deleted: cd to one that exists, or give a full path")
         if value == "-":  # elsewhere standard output or input; here it made a file named -
             raise ConfigError(f"--{name}=- would be a file or folder named '-' (this program "
                               f"writes and reads no standard stream there): give a path, ./- for "

@@ -163,3 +163,21 @@ def test_a_path_flag_that_is_not_utf8_is_one_error_line(locale, encoding, tmp_pa
         "TensorFlow takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 if the name is "
         "UTF-8, else rename it"], stderr
     assert list(tmp_path.iterdir()) == [], "nothing made"
+
+
+@pytest.mark.parametrize("program", ["train", "prepare-data"])
+def test_a_relative_path_in_a_deleted_working_directory_is_one_error_line(program, tmp_path):
+    # The shell's directory removed under it (rm -r in another terminal):
+    # train and prepare-data ended in FileNotFoundError with a traceback.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    flag = "model_dir" if program == "train" else "data_dir"
+    others = [*SMOKE_FLAGS, "--train_steps=2"] if program == "train" else []
+    script = (f"import os, runpy, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+              f"sys.argv = ['{program}', '--{flag}=runs/a', *{others!r}]; "
+              f"runpy.run_module({PROGRAMS[program][0]!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, env=subprocess_env(), cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (f"error: --{flag}=runs/a is relative to the working directory, "
+                             f"which was deleted: cd to one that exists, or give a full path\n")
