@@ -181,3 +181,26 @@ def test_a_relative_path_in_a_deleted_working_directory_is_one_error_line(progra
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr == (f"error: --{flag}=runs/a is relative to the working directory, "
                              f"which was deleted: cd to one that exists, or give a full path\n")
+
+
+@pytest.mark.parametrize("line, said", [
+    ('--model_dir="runs/a"', "is in quotes, which no shell removed (in a flagfile, or quoted "
+                             "twice): write the path without them"),
+    ("--model_dir='runs/a'", "is in quotes, which no shell removed (in a flagfile, or quoted "
+                             "twice): write the path without them"),
+    ("--model_dir=runs/a  # first try", "holds a comment, which a flagfile reads as part of the "
+                                        "path: put it on a line of its own, starting with #")])
+def test_a_path_in_a_flagfile_written_as_for_a_shell_is_one_error_line(line, said, tmp_path,
+                                                                       monkeypatch):
+    # A flagfile's line reaches the program whole: training made a folder
+    # named `"runs` (or `a  # first try`) in the working directory, and trained there.
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_text(line + "\n")
+    from distributed_mpt.train import main
+
+    result = run_in_process(main, [f"--flagfile={flagfile}", *SMOKE_FLAGS, "--train_steps=2"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == f"error: {line} {said}\n"
+    assert list((tmp_path / "work").iterdir()) == [], "nothing made"
