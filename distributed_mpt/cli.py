@@ -171,7 +171,7 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
     flagfile's lines (nor a quoted argument), and training made a folder
     named `$HOME` in the working directory. An unset name is taken as part
     of the path. Refused too: what a flagfile keeps and a shell takes away,
-    quotes around the path and a ` # comment` after it."""
+    quotes around the path, a ` # comment` or a `\\` after it."""
     for name in names:
         value = fv[name].value or ""
         if fv[name].present and not value.strip():
@@ -187,13 +187,16 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
             raise ConfigError(f"--{name}=- would be a file or folder named '-' (this program "
                               f"writes and reads no standard stream there): give a path, ./- for "
                               f"that name")
-        # Training made a folder `"runs` in the working directory, or `a  # first try`.
+        # Training made a folder `"runs` in the working directory, or `a  # first try`, `a \`.
         if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
             raise ConfigError(f"--{name}={quoted(value)} is in quotes, which no shell removed (in "
                               f"a flagfile, or quoted twice): write the path without them")
         if re.search(r"\s#", value):
             raise ConfigError(f"--{name}={quoted(value)} holds a comment, which a flagfile reads "
                               f"as part of the path: put it on a line of its own, starting with #")
+        if value.endswith("\\"):  # a shell's line continuation, which a flagfile has not
+            raise ConfigError(f"--{name}={quoted(value)} ends in a backslash, which a flagfile "
+                              f"reads as part of the path: end the line without one")
         for match in _VARIABLE.finditer(value):
             variable = match.group(1) or match.group(2)
             if variable != "_" and variable in os.environ:  # $_: what a shell sets for itself

@@ -189,7 +189,9 @@ def test_a_relative_path_in_a_deleted_working_directory_is_one_error_line(progra
     ("--model_dir='runs/a'", "is in quotes, which no shell removed (in a flagfile, or quoted "
                              "twice): write the path without them"),
     ("--model_dir=runs/a  # first try", "holds a comment, which a flagfile reads as part of the "
-                                        "path: put it on a line of its own, starting with #")])
+                                        "path: put it on a line of its own, starting with #"),
+    ("--model_dir=runs/a \\", "ends in a backslash, which a flagfile reads as part of the path: "
+                              "end the line without one")])
 def test_a_path_in_a_flagfile_written_as_for_a_shell_is_one_error_line(line, said, tmp_path,
                                                                        monkeypatch):
     # A flagfile's line reaches the program whole: training made a folder
