@@ -191,7 +191,7 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
         if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
             raise ConfigError(f"--{name}={quoted(value)} is in quotes, which no shell removed (in "
                               f"a flagfile, or quoted twice): write the path without them")
-        if re.search(r"\s#", value):
+        if re.search(r"\s#(\s|$)", value):  # not `try #2`, a name a person gives
             raise ConfigError(f"--{name}={quoted(value)} holds a comment, which a flagfile reads "
                               f"as part of the path: put it on a line of its own, starting with #")
         if value.endswith("\\"):  # a shell's line continuation, which a flagfile has not

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import (REPO, SMOKE_FLAGS, deadline, make_path, run_in_process,
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, deadline, make_path, run_in_process,
                       subprocess_env)
 
 PROGRAMS = {"train": ("distributed_mpt.train", ["--model_dir=unused"]),
@@ -181,6 +181,15 @@ def test_a_relative_path_in_a_deleted_working_directory_is_one_error_line(progra
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr == (f"error: --{flag}=runs/a is relative to the working directory, "
                              f"which was deleted: cd to one that exists, or give a full path\n")
+
+
+def test_a_path_with_a_hash_in_its_name_is_taken(tmp_path, monkeypatch):
+    # A name a person gives (`try #2`), not a flagfile's comment (`a  # first try`).
+    monkeypatch.chdir(tmp_path)
+    from distributed_mpt.train import main
+
+    assert_ok(run_in_process(main, ["--model_dir=runs/try #2", *SMOKE_FLAGS, "--train_steps=2"]))
+    assert (tmp_path / "runs" / "try #2" / "summary.json").exists()
 
 
 @pytest.mark.parametrize("line, said", [
