@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from absl import flags
 
@@ -130,8 +130,32 @@ def check_flagfiles(args, seen=()) -> None:
         if text is not None and text.startswith("\ufeff"):  # absl reads it as part of a flag
             raise ConfigError(f"--flagfile={quoted(path)} begins with a byte order mark (as some "
                               f"Windows editors save UTF-8): save it without one")
-        if text is not None:  # a missing file is absl's to report
-            check_flagfiles([line.strip() for line in text.splitlines()], (*seen, path))
+        if text is None:  # a missing file is absl's to report
+            continue
+        lines = [line.strip() for line in text.splitlines()]
+        for line in lines:
+            kept = _kept_from_a_shell(line)
+            if kept:  # training made a folder `"runs`, `a  # first try` or `a \`
+                raise ConfigError(f"{quoted(line)} in --flagfile={quoted(path)} {kept[0]}, which "
+                                  f"a flagfile keeps as part of the value (no shell reads it): "
+                                  f"{kept[1]}")
+        check_flagfiles(lines, (*seen, path))
+
+
+def _kept_from_a_shell(line: str) -> Optional[Tuple[str, str]]:
+    """What a flagfile's `line` holds that a shell would have taken away from
+    its value (quotes around it, a comment or a line's continuation after
+    it), and the fix."""
+    flag, _, value = line.partition("=")
+    if not (flag.startswith("-") and value):
+        return None
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        return "is in quotes", "write it without them"
+    if re.search(r"\s#", value):
+        return "holds a comment", "put it on a line of its own, starting with #"
+    if value.endswith("\\"):
+        return "ends in a backslash", "end the line without one"
+    return None
 
 
 def _empty(name: str, value: str) -> ConfigError:
@@ -170,15 +194,14 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
     holds a variable of the environment, as `$HOME/runs`: no shell expands a
     flagfile's lines (nor a quoted argument), and training made a folder
     named `$HOME` in the working directory. An unset name is taken as part
-    of the path. Refused too: what a flagfile keeps and a shell takes away,
-    quotes around the path, a ` # comment` or a `\\` after it."""
+    of the path."""
     for name in names:
         value = fv[name].value or ""
         if fv[name].present and not value.strip():
             raise _empty(name, value)
         if not _is_utf8(value):  # TensorFlow's file system then raised with a traceback
             raise ConfigError(f"--{name}={quoted(value)} is not UTF-8 text, the only paths "
-                              f"TensorFlow takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or "
+                              f"this program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or "
                               f"PYTHONUTF8=1 if the name is UTF-8, else rename it")
         if value and not os.path.isabs(os.path.expanduser(value)) and not _working_directory():
             raise ConfigError(f"--{name}={quoted(value)} is relative to the working directory, "
@@ -187,16 +210,6 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
             raise ConfigError(f"--{name}=- would be a file or folder named '-' (this program "
                               f"writes and reads no standard stream there): give a path, ./- for "
                               f"that name")
-        # Training made a folder `"runs` in the working directory, or `a  # first try`, `a \`.
-        if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
-            raise ConfigError(f"--{name}={quoted(value)} is in quotes, which no shell removed (in "
-                              f"a flagfile, or quoted twice): write the path without them")
-        if re.search(r"\s#(\s|$)", value):  # not `try #2`, a name a person gives
-            raise ConfigError(f"--{name}={quoted(value)} holds a comment, which a flagfile reads "
-                              f"as part of the path: put it on a line of its own, starting with #")
-        if value.endswith("\\"):  # a shell's line continuation, which a flagfile has not
-            raise ConfigError(f"--{name}={quoted(value)} ends in a backslash, which a flagfile "
-                              f"reads as part of the path: end the line without one")
         for match in _VARIABLE.finditer(value):
             variable = match.group(1) or match.group(2)
             if variable != "_" and variable in os.environ:  # $_: what a shell sets for itself

@@ -160,7 +160,7 @@ def test_a_path_flag_that_is_not_utf8_is_one_error_line(locale, encoding, tmp_pa
     assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
         f"error: --model_dir={tmp_path}/caf\\udc{'c3' if encoding == 'utf-8' else 'e9'}"
         + ("\\udca9" if encoding == "utf-8" else "") + " is not UTF-8 text, the only paths "
-        "TensorFlow takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 if the name is "
+        "this program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 if the name is "
         "UTF-8, else rename it"], stderr
     assert list(tmp_path.iterdir()) == [], "nothing made"
 
@@ -184,23 +184,26 @@ def test_a_relative_path_in_a_deleted_working_directory_is_one_error_line(progra
 
 
 def test_a_path_with_a_hash_in_its_name_is_taken(tmp_path, monkeypatch):
-    # A name a person gives (`try #2`), not a flagfile's comment (`a  # first try`).
+    # A name a person gives, on the command line: what reads as a comment
+    # in a flagfile (below) was refused here too, with words about flagfiles.
     monkeypatch.chdir(tmp_path)
     from distributed_mpt.train import main
 
-    assert_ok(run_in_process(main, ["--model_dir=runs/try #2", *SMOKE_FLAGS, "--train_steps=2"]))
-    assert (tmp_path / "runs" / "try #2" / "summary.json").exists()
+    assert_ok(run_in_process(main, ["--model_dir=runs/try # 2", *SMOKE_FLAGS, "--train_steps=2"]))
+    assert (tmp_path / "runs" / "try # 2" / "summary.json").exists()
+
+
+_QUOTES = "is in quotes, which a flagfile keeps as part of the value (no shell reads it): " \
+          "write it without them"
+_COMMENT = "holds a comment, which a flagfile keeps as part of the value (no shell reads it): " \
+           "put it on a line of its own, starting with #"
 
 
 @pytest.mark.parametrize("line, said", [
-    ('--model_dir="runs/a"', "is in quotes, which no shell removed (in a flagfile, or quoted "
-                             "twice): write the path without them"),
-    ("--model_dir='runs/a'", "is in quotes, which no shell removed (in a flagfile, or quoted "
-                             "twice): write the path without them"),
-    ("--model_dir=runs/a  # first try", "holds a comment, which a flagfile reads as part of the "
-                                        "path: put it on a line of its own, starting with #"),
-    ("--model_dir=runs/a \\", "ends in a backslash, which a flagfile reads as part of the path: "
-                              "end the line without one")])
+    ('--model_dir="runs/a"', _QUOTES), ("--data_dir='photos'", _QUOTES),
+    ("--model_dir=runs/a  # first try", _COMMENT), ("--model_dir=runs/a #first try", _COMMENT),
+    ("--model_dir=runs/a \\", "ends in a backslash, which a flagfile keeps as part of the value "
+                              "(no shell reads it): end the line without one")])
 def test_a_path_in_a_flagfile_written_as_for_a_shell_is_one_error_line(line, said, tmp_path,
                                                                        monkeypatch):
     # A flagfile's line reaches the program whole: training made a folder
@@ -213,5 +216,5 @@ def test_a_path_in_a_flagfile_written_as_for_a_shell_is_one_error_line(line, sai
 
     result = run_in_process(main, [f"--flagfile={flagfile}", *SMOKE_FLAGS, "--train_steps=2"])
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr == f"error: {line} {said}\n"
+    assert result.stderr == f"error: {line} in --flagfile={flagfile} {said}\n"
     assert list((tmp_path / "work").iterdir()) == [], "nothing made"
