@@ -371,7 +371,11 @@ def test_measurements_ending_at_once_each_add_their_runs_to_the_ledger(tmp_path)
     12 of the 32 runs were lost, and each added this machine's record."""
     processes = [subprocess.Popen([sys.executable, "-c", _RECORDING, str(tmp_path), str(who)],
                                   env=subprocess_env(), cwd=REPO) for who in range(4)]
-    time.sleep(2)  # started, and all waiting to go at once
+    # All four imported and waiting (each has written its summary), then all go at once.
+    ready_by = time.monotonic() + 300
+    while len(list(tmp_path.glob("summary-*.json"))) < 4:
+        assert time.monotonic() < ready_by, "the four processes were not ready within 300 s"
+        time.sleep(0.01)
     (tmp_path / "go").touch()
     assert [p.wait(timeout=300) for p in processes] == [0] * 4
     from distributed_mpt.recipes import records

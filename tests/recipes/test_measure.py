@@ -82,6 +82,7 @@ def test_a_stop_of_measure_alone_stops_its_run_with_a_checkpoint(tmp_path, stop)
         assert "checkpoint saved" in measure.output()
         with pytest.raises(ProcessLookupError):  # ended, and measure reaped it
             os.kill(child, 0)
+        child = None  # its pid may be another process's now
         with open(runs / "seed-0" / LOCK_NAME) as lock:  # the next run may take it
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert not ledger.exists() and not (runs / "seed-1").exists()
