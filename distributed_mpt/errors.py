@@ -54,8 +54,8 @@ class ExitCode(enum.IntEnum):
     DIVERGED = 3, ("the loss became NaN or infinite; the last good checkpoint is kept; "
                    "retrying at the same learning rate diverges again")
     ABORTED = status_of_signal(signal.SIGINT), (
-        "Ctrl-C pressed twice: aborted at once, without a checkpoint (a shell reports Ctrl-C "
-        "so); a restart resumes from the latest checkpoint")
+        "Ctrl-C pressed twice: aborted at once, saving no checkpoint of its own (a shell reports "
+        "Ctrl-C so); a restart resumes from the latest checkpoint")
     KILLED = status_of_signal(signal.SIGKILL), (
         "SIGKILL: a worker asked to stop while TensorFlow started (its import, the wait for its "
         "peers: the start-up watchdog ends it so, nothing was trained yet), or the OOM killer, "
