@@ -62,7 +62,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
 def test_a_second_ctrl_c_as_the_run_finishes_says_its_checkpoint_is_saved(tmp_path):
     # It said "aborting without a checkpoint", the final step's saved already.
     model_dir = tmp_path / "run"
-    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=40",
+    # The export after the evaluation keeps the run finishing for seconds more.
+    run = WatchedProcess("distributed_mpt.train", [*SMOKE_FLAGS, "--train_steps=40", "--export",
                                                    f"--model_dir={model_dir}"])
     run.wait_for(r"^evaluating on the", timeout=120)
     run.process.send_signal(signal.SIGINT)
