@@ -176,18 +176,18 @@ class Ledger:
         ids = [run["id"] for run in self.runs]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"{self.path}: run ids repeat: "
-                            f"{sorted({i for i in ids if ids.count(i) > 1})}")
+                              f"{sorted({i for i in ids if ids.count(i) > 1})}")
         for name, runs in self.sets.items():
             first = runs[0]
             for run in runs:
                 if run["machine"] not in self.machines:
                     raise ConfigError(f"{self.path}: run {run['id']} names machine "
-                                    f"{run['machine']!r}, which has no machine record")
+                                      f"{run['machine']!r}, which has no machine record")
                 for key in ("recipe", "machine", "flags", "against"):
                     if run.get(key) != first.get(key):
                         raise ConfigError(f"{self.path}: set {name!r} mixes runs of different "
-                                        f"{key} ({first['id']}, {run['id']}): a set is one "
-                                        f"recipe's flags on one machine")
+                                          f"{key} ({first['id']}, {run['id']}): a set is one "
+                                          f"recipe's flags on one machine")
 
     def column(self, run: dict) -> str:
         return self.machines[run["machine"]]["column"]
@@ -274,7 +274,6 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     measured twice), and this machine's record if it is new. Returns the
     records added."""
     import datetime
-    from distributed_mpt import recipes
     existing = read_jsonl(path, {"kind": str}, _REMEDY)[0]
     commit = code_commit()
     given = []
@@ -283,8 +282,7 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
             given[-1] += "=" + arg
         else:
             given.append(arg)
-    with open(recipes.path(recipe)) as f:
-        run_flags = flags_of_text(f.read() + "\n" + "\n".join(given))
+    run_flags = {**recipe_flags(recipe), **flags_of_text("\n".join(given))}
     label = variant(run_flags, recipe)
     if len(label.split()) > 3:  # a set's name, not a list (nor "another recipe's flags (5 differ)")
         import hashlib
