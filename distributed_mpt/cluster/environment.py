@@ -135,14 +135,13 @@ def _short(value, limit: int = 40) -> str:
 
 def _make_cluster(cluster: dict, task_type: str, task_index: int) -> Cluster:
     addresses = tuple(cluster.get("chief", []) + cluster.get("worker", []))
-    for address in addresses:
-        _check_address(address)
     # Counted in one pass: a quadratic check of 10,000 addresses takes minutes.
     # As the resolver reads them: host names in any case, ports with leading
     # zeros (localhost:2222 and LOCALHOST:02222 are one task's), IPv6
     # addresses however written ([::1] is [0:0::1]).
     spelled = collections.defaultdict(list)
     for address in addresses:
+        _check_address(address)
         host, _, port = address.rpartition(":")
         if host.startswith("["):
             host = str(ipaddress.IPv6Address(host[1:-1]))
@@ -170,16 +169,13 @@ def _check_address(address: str) -> None:
     if not 1 <= int(port) <= 65535:
         raise ClusterError(f"cluster address {_short(address)} has port {port}, outside 1-65535")
     if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
+        if _parses_as(ipaddress.IPv6Address, host[1:-1]):
             return
-        except ValueError:
-            pass
     elif len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):
         # A name's last label is never all digits (RFC 1123): 999.1.1.1 and
         # 10.0.0.010 are typos of addresses, which gRPC would look up as
         # names, its peers waiting out their deadline.
-        if not host.rpartition(".")[2].isdigit() or _is_ipv4(host):
+        if not host.rpartition(".")[2].isdigit() or _parses_as(ipaddress.IPv4Address, host):
             return
         raise ClusterError(f"cluster address {_short(address)} is not an IPv4 address "
                            "(four numbers 0-255, without leading zeros)")
@@ -187,9 +183,9 @@ def _check_address(address: str) -> None:
                        "address or a bracketed IPv6 address ([::1]:2222)")
 
 
-def _is_ipv4(host: str) -> bool:
+def _parses_as(address_type: type, host: str) -> bool:
     try:
-        ipaddress.IPv4Address(host)
+        address_type(host)
         return True
     except ValueError:
         return False
