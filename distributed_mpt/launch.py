@@ -305,8 +305,7 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
     end_start_guard()
     previous_handlers = {sig: signal.signal(sig, forward) for sig in heeded_stop_signals()}
     try:
-        used_ports = set()
-        restarts = 0
+        used_ports, restarts = set(), 0
         while True:
             ports = free_ports(num_workers, avoid=used_ports)
             used_ports.update(ports)
