@@ -20,13 +20,6 @@ from distributed_mpt.cluster.environment import Cluster
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                tf.errors.DeadlineExceededError, tf.errors.CancelledError)
 
-_COMMUNICATION = {
-    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-}
-
-
 def resolve_strategy_name(name: str, cluster: Optional[Cluster], cpu_replicas: int) -> str:
     """Turns `auto` into a concrete strategy for this process and its devices."""
     if name == "multi_worker" and cluster is None:
@@ -68,10 +61,9 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
                   flush=True)
             return tf.distribute.OneDeviceStrategy("/cpu:0")
         return tf.distribute.OneDeviceStrategy("/gpu:0")
-    if name == "mirrored":
-        if cpu_replicas:
-            return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(cpu_replicas)])
-        return tf.distribute.MirroredStrategy()
+    if name == "mirrored":  # devices None: every local GPU
+        return tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(cpu_replicas)] if cpu_replicas else None)
     assert name == "multi_worker", name  # resolve_strategy_name returns no other
     return _multi_worker(cluster, communication)
 
@@ -80,8 +72,8 @@ def _multi_worker(cluster: Cluster, communication: str):
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster.tf_config["cluster"]), task_type=cluster.task_type,
         task_id=cluster.task_index, rpc_layer="grpc")
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=_COMMUNICATION[communication])
+    options = tf.distribute.experimental.CommunicationOptions(implementation=getattr(
+        tf.distribute.experimental.CommunicationImplementation, communication.upper()))
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             resolver, communication_options=options)
