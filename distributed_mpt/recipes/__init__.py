@@ -42,8 +42,7 @@ def measured(name: str) -> str:
     start = next((i for i, line in enumerate(lines) if line.startswith("# Measured")), None)
     if start is None:
         return "not measured"
-    rest = [line[4:] for line in lines[start + 1:] if line.startswith("#   ")]
-    return " ".join(rest)
+    return " ".join(line[4:] for line in lines[start + 1:] if line.startswith("#   "))
 
 
 def flags(name: str) -> list:

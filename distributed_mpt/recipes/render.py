@@ -332,13 +332,10 @@ def quoting(path: Path) -> str:
 
 def rendered(ledger: Ledger, counts: Optional[dict]) -> dict:
     """{path: its text as the ledger has it} for every file that quotes it."""
-    out = {}
-    readme = quoting(REPO / "README.md")
-    text = render_marked(ledger, readme)
+    text = render_marked(ledger, quoting(REPO / "README.md"))
     for pattern, figure in _README_QUOTES:
         text = pattern.sub(lambda m: m.group(1) + figure(ledger) + m.group(3), text)
-    text = suite.render(ledger, text, counts)
-    out[REPO / "README.md"] = text
+    out = {REPO / "README.md": suite.render(ledger, text, counts)}
     for path in sorted((REPO / "docs").glob("*.md")):
         out[path] = render_marked(ledger, quoting(path))
     for name in recipes.names():
