@@ -156,10 +156,10 @@ def run_cell(cell) -> dict:
         # One that failed on its own, not one stopped here; none: its time ran out.
         failed = [(p.returncode, err) for p, (_, err) in zip(processes, logs)
                   if p.returncode and p not in stopped_here]
-        if failed or stopped_here:
-            if not failed:
-                raise RuntimeError(f"{cell.describe()}: stopped after {CHILD_TIMEOUT_SECONDS} s, "
-                                   f"its time limit")
+        if stopped_here and not failed:
+            raise RuntimeError(f"{cell.describe()}: stopped after {CHILD_TIMEOUT_SECONDS} s, "
+                               f"its time limit")
+        if failed:
             code, err = max(failed, key=lambda f: f[0])
             err.seek(0)
             lines = [line.strip() for line in err.read().splitlines() if line.strip()] or ["?"]
