@@ -150,6 +150,10 @@ def _measure(fv: flags.FlagValues, own, train_flags) -> int:
                               f"another with --ledger, or --ledger='' for none") from None
         if os.path.lexists(book):
             records.load(book)
+            closed = files.why_no_access(book, os.W_OK)  # appended to in place, not replaced
+            if closed:
+                raise ConfigError(f"--ledger={quoted(book)} is not writable ({closed}): make it "
+                                  f"writable for this user, or name another with --ledger")
     summaries, finished = [], []
     for seed in seeds_of(fv.seeds):
         model_dir = os.path.join(runs_dir, f"seed-{seed}")

@@ -189,3 +189,17 @@ def test_a_umask_that_closes_the_users_own_files_is_refused_before_anything_is_m
     # config.json of mode 000 that left the run unresumable.
     assert_one_error_line(result, "the umask 0777 denies this user the files it writes")
     assert not (scratch / "run").exists()
+
+
+def test_a_ledger_this_user_may_not_write_is_refused_before_any_training(scratch):
+    # Appended to in place since measurements may end at once: a ledger of
+    # mode 0444 in a writable folder was found only after every seed trained.
+    ledger = scratch / "ledger.jsonl"
+    ledger.write_text("")
+    chown_tree(scratch, NOBODY_UID)
+    ledger.chmod(0o444)
+    result = run_as_nobody("distributed_mpt.recipes.measure", [
+        "--recipe=mlp", "--seeds=0", f"--runs_dir={scratch / 'runs'}", f"--ledger={ledger}"],
+        scratch)
+    assert_one_error_line(result, f"--ledger={ledger} is not writable (Permission denied)")
+    assert not (scratch / "runs").exists(), "nothing trained"
