@@ -217,14 +217,13 @@ def parameter_groups(model, settings: Settings) -> List[ParameterGroup]:
     sgd = UPDATE_RULES["sgd"](options.momentum, s)
     decay, shift_rate = options.weight_decay, options.shift_lr_multiplier
     bias = _whitening_bias(model)
-    shifts = [layer.beta for layer in model._flatten_layers(include_self=False)
-              if isinstance(layer, keras.layers.BatchNormalization) and layer.center
-              and layer.beta.trainable]
-    shift_ids = {id(v) for v in shifts}
+    shift_ids = {id(layer.beta) for layer in model._flatten_layers(include_self=False)
+                 if isinstance(layer, keras.layers.BatchNormalization) and layer.center
+                 and layer.beta.trainable}
     chosen = chosen_groups(model)
     members = {name: [] for name in GROUPS}
     for variable in model.trainable_variables:
-        if bias is None or variable is not bias:
+        if variable is not bias:
             rank = len(variable.shape)
             default = ("shifts" if id(variable) in shift_ids else "filters" if rank == 4
                        else "kernels" if rank >= 2 else "others")
@@ -267,10 +266,10 @@ def chosen_groups(model) -> dict:
     chosen = {}
     for variable in model.trainable_variables:
         group = hook(variable)
-        if group is not None and (not isinstance(group, str) or group not in GROUPS):
-            raise ValueError(f"model.{HOOK}({variable.path}) returned {group!r}: name one of "
-                             f"{', '.join(GROUPS)}, or None for the default group")
         if group is not None:
+            if not isinstance(group, str) or group not in GROUPS:
+                raise ValueError(f"model.{HOOK}({variable.path}) returned {group!r}: name one of "
+                                 f"{', '.join(GROUPS)}, or None for the default group")
             chosen[id(variable)] = group
     return chosen
 
