@@ -347,31 +347,27 @@ def has_batch_norm(model) -> bool:
 
 
 def _locate(source: str) -> Tuple[str, str]:
-    """(the file, the function name) of a user's model source."""
+    """(the file, the function name) of a user's model source; ModelError
+    for a module that is not found."""
     where, _, function = source.rpartition(":")
     if _FILE_SOURCE.fullmatch(source):
         return os.path.abspath(os.path.expanduser(where)), function
-    spec = _find_module(where, source)
-    return spec.origin, function
-
-
-def _find_module(name: str, source: str):
     try:
-        spec = importlib.util.find_spec(name)
+        spec = importlib.util.find_spec(where)
     except (ImportError, ValueError) as e:
-        raise ModelError(f"--model={quoted(source)}: cannot find module {quoted(name)} "
+        raise ModelError(f"--model={quoted(source)}: cannot find module {quoted(where)} "
                          f"({quoted(first_line(e))})") from None
     if spec is None or not spec.origin:
-        raise ModelError(f"--model={quoted(source)}: no module {quoted(name)} on the Python path")
-    return spec
+        raise ModelError(f"--model={quoted(source)}: no module {quoted(where)} on the Python path")
+    return spec.origin, function
 
 
 def _import_builder(builder: str):
     """The function `builder` ("module:function" or "file.py:function")."""
     where, _, function = builder.rpartition(":")
     with users_code(builder, "does not import"):
+        path = _locate(builder)[0]
         if _FILE_SOURCE.fullmatch(builder):
-            path, _ = _locate(builder)
             contract.check_source(builder, path)
             # As for a script, the modules beside it are importable; after
             # the installed ones, which a file of the same name there must
@@ -383,7 +379,6 @@ def _import_builder(builder: str):
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
-            _find_module(where, builder)
             module = importlib.import_module(where)
         found = getattr(module, function, None)  # a module's __getattr__ is code too
     if not callable(found):
