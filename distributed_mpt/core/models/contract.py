@@ -251,11 +251,12 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
 
     probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
     shape = f"uint8 images {list(info.image_shape)}"
+    subclassed = not isinstance(getattr(model, "outputs", None), list)
     with users_code(name, f"failed when called on {shape}"):
         try:
             outputs = model(probe, training=False)
         except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
-            if _SCRATCH_TENSOR in str(e) and not isinstance(getattr(model, "outputs", None), list):
+            if _SCRATCH_TENSOR in str(e) and subclassed:
                 raise ModelError(
                     f"--model={quoted(name)}: a layer of this subclassed model kept a tensor of "
                     f"the symbolic call in which Keras first builds such a model "
@@ -275,8 +276,7 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
     values = np.asarray(outputs, np.float32)
     if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
         where = ("from its call(): a subclassed model's softmax is code, which cannot be dropped "
-                 "as a final softmax layer is" if not isinstance(getattr(model, "outputs", None),
-                                                                 list)
+                 "as a final softmax layer is" if subclassed
                  else "from something other than a final softmax")
         raise ModelError(f"--model={quoted(name)} returns probabilities (each row sums to 1) "
                          f"{where}: return logits, which the loss and test-time augmentation "
