@@ -56,6 +56,7 @@ _SHOWN = 5  # of the entries skipped, or the classes without test images, named 
 # of thumbnails a Synology NAS makes in every folder it indexes. As a class
 # folder it trained a class of its own; among the images it was refused.
 _SYSTEMS_FILES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "__macosx", "@eadir")
+_LAID_OUT = f"an image folder is laid out as {LAYOUT}"
 
 
 def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
@@ -66,8 +67,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     train_dir, test_dir = os.path.join(root, "train"), os.path.join(root, "test")
     for folder, missing in ((root, "does not exist"), (train_dir, "has no train/ folder")):
         if not _is_folder_at(folder):  # a file there: named as what it is
-            raise DataUnavailableError(f"--data_dir={quoted(root)} {missing}: an image folder "
-                                       f"is laid out as {LAYOUT}")
+            raise DataUnavailableError(f"--data_dir={quoted(root)} {missing}: {_LAID_OUT}")
     has_test = _is_folder_at(test_dir)
     if has_test and fraction > 0:
         raise ConfigError(f"--test_fraction={fraction:g} holds out training images "
@@ -133,8 +133,7 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
         else:
             skipped.append(entry.path)
     if not names:
-        raise DataUnavailableError(f"{quoted(directory)} holds no class folders: an image folder "
-                                   f"is laid out as {LAYOUT}")
+        raise DataUnavailableError(f"{quoted(directory)} holds no class folders: {_LAID_OUT}")
     return sorted(names)
 
 
@@ -271,8 +270,8 @@ def _is_folder_at(path: str) -> bool:
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise _unreadable(path, e) from None
-    raise DataUnavailableError(f"{quoted(path)} is {files.kind_of(path)}, not a folder: an "
-                               f"image folder is laid out as {LAYOUT}")
+    raise DataUnavailableError(f"{quoted(path)} is {files.kind_of(path)}, not a folder: "
+                               f"{_LAID_OUT}")
 
 
 def _entries(folder: str, missing_ok: bool = False) -> List[os.DirEntry]:
