@@ -2,6 +2,7 @@
 release or from tensorflow-datasets, with a diagnosis of damaged or missing
 files that says how to get them back."""
 
+import contextlib
 import logging
 import os
 import re
@@ -82,11 +83,10 @@ def load_cifar10_binary(directory: str, splits: Sequence[str] = SPLITS) -> Tuple
                     f"{os.path.dirname(os.path.abspath(directory))})")
             records.append(batch)
         records = np.concatenate(records)
-        # Planes [N, 3, 32, 32] -> NHWC, the layout of every other source.
+        # Planes [N, 3, 32, 32] -> NHWC, the layout of every other source
+        # (which ImageSplit copies into a buffer TensorFlow can share).
         images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-        aligned = aligned_empty(images.shape, np.uint8)
-        aligned[...] = images
-        return ImageSplit(aligned, records[:, 0].astype(np.int32))
+        return ImageSplit(images, records[:, 0].astype(np.int32))
 
     return tuple(read(_BINARY_FILES[split]) for split in splits)
 
@@ -274,19 +274,17 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
 
     Runs in a daemon thread because name resolution ignores socket timeouts.
     """
-    result = []
+    reached = []
 
     def connect():
-        try:
+        with contextlib.suppress(OSError):
             socket.create_connection((host, port), timeout=timeout).close()
-            result.append(True)
-        except OSError:
-            result.append(False)
+            reached.append(True)
 
     thread = threading.Thread(target=connect, daemon=True)
     thread.start()
     thread.join(timeout)
-    return bool(result and result[0])
+    return bool(reached)
 
 
 def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
@@ -295,8 +293,6 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     it (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets,
     downloaded if `options.download` allows."""
     binary_dir = find_binary_release(options.data_dir)
-    if binary_dir:
-        arrays = load_cifar10_binary(binary_dir, splits)
-    else:
-        arrays = load_cifar10(options.data_dir, options.download, splits)
+    arrays = (load_cifar10_binary(binary_dir, splits) if binary_dir
+              else load_cifar10(options.data_dir, options.download, splits))
     return Dataset(INFO, dict(zip(splits, arrays)))
