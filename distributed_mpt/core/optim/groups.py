@@ -169,7 +169,7 @@ class OptimizerOptions(Options):
 
     def describe_rate(self, global_batch_size: int, peak: float) -> str:
         """How `peak` follows from the flags, for the run's first line."""
-        scaled = self.learning_rate * global_batch_size / REFERENCE_BATCH_SIZE
+        scaled = scaled_learning_rate(self.learning_rate, global_batch_size)
         rule = f"{self.learning_rate:g} x {global_batch_size}/{REFERENCE_BATCH_SIZE}"
         if peak < scaled:
             rule += f" = {scaled:g}, capped at --max_learning_rate={self.max_learning_rate:g}"

@@ -27,7 +27,7 @@ class GroupedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, groups: List[ParameterGroup], schedule, step: tf.Variable,
                  name: str = "grouped"):
         super().__init__(learning_rate=lambda: schedule(step), name=name)
-        self.groups, self._schedule, self._step = list(groups), schedule, step
+        self.groups, self._step = list(groups), step
         self._slot_names = sorted({slot for g in self.groups for slot in g.rule.slots})
 
     @property
