@@ -18,7 +18,7 @@ def _export(directory, classes: int = 10):
     """An export of a tiny airbench that predicts `classes` classes."""
     info = dataclasses.replace(cifar10.INFO, class_names=tuple(f"c{i}" for i in range(classes)))
     model = models.build_model(models.model_spec("airbench"), info, width=4)
-    directory.mkdir(parents=True)  # a run's: the export makes no --model_dir taken away
+    directory.mkdir(parents=True, exist_ok=True)  # a run's: the export makes none
     outputs.export_model(model, str(directory), info.class_names, info.image_shape,
                          {"model": "airbench", "model_width": 4, "dataset": "cifar10", "seed": 0,
                           "steps": 1})
