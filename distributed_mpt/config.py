@@ -22,6 +22,7 @@ from distributed_mpt.core.optim.groups import MuonOptions, OptimizerOptions
 from distributed_mpt.core.optim.schedules import ScheduleOptions
 from distributed_mpt.errors import quoted
 from distributed_mpt.options import require
+from distributed_mpt.recipes.records import as_flag
 from distributed_mpt.training import EvaluationOptions, RunOptions
 
 
@@ -76,6 +77,24 @@ class TrainConfig:
                 f"mlp has none: use --optimizer=sgd")
         return config
 
+    def ignored_flags(self) -> str:
+        """The flags set to other than their default that this run has no use
+        for, in one line for a `warning:` ("" if none): airbench's for another
+        network (a recipe tuned for airbench, run with another --model, keeps
+        them), Muon's without --optimizer=muon."""
+        spec, flags = self.model.spec, self.flags()
+        by_model = [f.name for f in dataclasses.fields(AirbenchOptions)
+                    if f.name not in spec.options]
+        by_model += _NOTHING_TO_ACT_ON.get(spec.name, ("model_width",) * spec.is_users)
+        by_optimizer = [f.name for f in dataclasses.fields(MuonOptions)
+                        if self.optimizer.optimizer != "muon"]
+        said = [f"{', '.join(given)}: {why}" for given, why in (
+            ([as_flag(name, flags[name]) for name in names if flags[name] != DEFAULTS[name]], why)
+            for names, why in ((by_model, f"--model={quoted(self.model.model)} has no part they "
+                                          f"act on"),
+                               (by_optimizer, "they are --optimizer=muon's"))) if given]
+        return "this run ignores " + "; ".join(said) if said else ""
+
     def flags(self) -> dict:
         """Every field by flag name, as resolved (the per-model defaults and the
         dataset's flip filled in, `~` expanded): what runs compare, and what
@@ -83,6 +102,14 @@ class TrainConfig:
         return {name: value for section in SECTIONS for name, value in
                 dataclasses.asdict(getattr(self, section)).items()}
 
+
+# What each built-in network has no part for, besides airbench's own options
+# (which only its builder takes: ModelSpec.options): the mlp has no batch norm,
+# no whitening layer and a fixed width, resnet9 no whitening layer. A user's
+# function is given no width (its layers are its own: it may whiten).
+_NOTHING_TO_ACT_ON = {
+    "mlp": ("model_width", "shift_lr_multiplier", "whiten_bias_epochs", "whiten_bias_freeze"),
+    "resnet9": ("whiten_bias_epochs", "whiten_bias_freeze")}
 
 SECTIONS = {field.name: field.type for field in dataclasses.fields(TrainConfig)}
 # Every flag of distributed-mpt-train: the sections' fields, each name in one section.

@@ -18,8 +18,9 @@ import typing
 
 from absl import flags
 
-from distributed_mpt import cli, recipes
+from distributed_mpt import cli, files, recipes
 from distributed_mpt import config as config_lib
+from distributed_mpt.cluster.environment import resolve_cluster
 from distributed_mpt.core import models
 from distributed_mpt.errors import ConfigError
 
@@ -95,6 +96,9 @@ def main(argv=None) -> int:
 
     def train() -> int:
         config = parse_config(argv)
+        ignored = config.ignored_flags()
+        if ignored and getattr(resolve_cluster(), "is_chief", True):  # said once a job
+            files.warn(ignored)
         # Imported only now, so that bad flags are answered at once (the run
         # imports TensorFlow only once it holds --model_dir).
         from distributed_mpt.training import run as training

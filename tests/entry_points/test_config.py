@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import assert_ok, train
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.train import parse_config
 
@@ -39,6 +40,38 @@ def test_shipped_recipes_parse(tmp_path):
         text = (recipes / name).read_text()
         assert "accuracy" in text.lower(), f"{name} must say what accuracy it reaches"
         parse_config([f"--flagfile={recipes / name}", f"--model_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--recipe=cpu_cnn94", "--model=mlp"], "warning: this run ignores --shift_lr_multiplier=64.0, "
+     "--whiten_bias_epochs=3.0: --model=mlp has no part they act on"),
+    (["--model=resnet9", "--model_width=4", "--activation=silu"],
+     "warning: this run ignores --activation=silu: --model=resnet9 has no part they act on")])
+def test_flags_the_chosen_model_ignores_are_named_in_one_warning(model_dir, argv, said):
+    # A recipe tuned for airbench, run with another --model (an experiment),
+    # trained without a word, its airbench-only flags kept; so did a flag of
+    # airbench's given for another network.
+    result = train([*argv, "--dataset=synthetic", "--synthetic_examples=64",
+                    "--per_replica_batch_size=16", "--train_steps=1", "--noexport",
+                    f"--model_dir={model_dir}"])
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines() if "ignores" in line]
+    assert warnings == [said], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, ignored", [
+    (["--recipe=cpu_cnn94_muon", "--model=resnet9"],
+     "--bn_momentum=0.5566, --whiten_images=960, --whiten_bias_epochs=0.22, "
+     "--whiten_bias_freeze=stop: --model=resnet9"),
+    (["--recipe=cpu_cnn94_muon", "--model=mlp", "--optimizer=sgd"],
+     "--muon_newton_schulz=speedrun2025: they are --optimizer=muon's"),
+    (["--model=my_model.py:build", "--model_width=8", "--whiten_bias_epochs=2"],
+     "ignores --model_width=8: --model=my_model.py:build has"),  # its layers may whiten
+    *[([f"--recipe={name}"], "") for name in ("cpu_cnn", "cpu_cnn94", "cpu_cnn94_muon", "mlp",
+                                                "resnet9")]])
+def test_what_each_model_ignores(tmp_path, argv, ignored):
+    said = parse_config([*argv, f"--model_dir={tmp_path}"]).ignored_flags()
+    assert (ignored in said) if ignored else said == "", said
 
 
 @pytest.mark.parametrize("argv, fragment", [
