@@ -217,8 +217,9 @@ def check_writable(directory: str, flag: str = "--model_dir", create: bool = Tru
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             why = None
-        except OSError as e:
-            why = e.strerror
+        except OSError as e:  # /proc answers a new name with "No such file or directory"
+            why = e.strerror if e.errno in _CANNOT_WRITE else \
+                f"cannot make {'a file in it' if os.path.isdir(directory) else 'it'}: {e.strerror}"
     if why:
         raise ConfigError(f"{flag}={quoted(directory)} is not writable ({why}); "
                           f"choose a directory you can write to")
