@@ -9,9 +9,9 @@ Run it where there is network (or with cifar-10-binary.tar.gz in
 
 from absl import flags
 
-from distributed_mpt import cli
+from distributed_mpt import cli, files
 from distributed_mpt.config import user_path
-from distributed_mpt.errors import ExitCode
+from distributed_mpt.errors import ConfigError, ExitCode, UserError
 from distributed_mpt.process import log_filter
 
 
@@ -34,16 +34,26 @@ def _prepare(fv: flags.FlagValues, argv) -> int:
     cli.parse("distributed-mpt-prepare-data", fv, argv)
     cli.check_path_flags(fv, "data_dir")
     data_dir = user_path(fv.data_dir)
+    where = data_dir or "~/tensorflow_datasets"
     # TensorFlow's C++ start-up lines, off the console. What training reads:
     # the official binary release, where the directory holds it, is ready as
     # it is.
     with log_filter.filtering():
         from distributed_mpt.core import data  # imports TensorFlow
         from distributed_mpt.core.data import cifar10
-        dataset = data.DataOptions(cifar10.NAME, data_dir).load(seed=0)
+        try:
+            dataset = data.DataOptions(cifar10.NAME, data_dir).load(seed=0)
+        except Exception as e:  # noqa: BLE001 - tensorflow-datasets wraps what the OS said
+            # A full disk was a traceback; the package's own errors say it all.
+            why = None if isinstance(e, UserError) else files.why_unwritable(e)
+            if why is None:
+                raise
+            fix = "free space there" if files.is_disk_full(e) else "make it writable"
+            raise ConfigError(f"cannot prepare CIFAR-10 in {where} ({why}), nothing prepared: "
+                              f"{fix}, or choose another --data_dir") from None
     source = "the official binary release" if cifar10.find_binary_release(data_dir) else \
         "tensorflow-datasets"
-    print(f"CIFAR-10 ready in {data_dir or '~/tensorflow_datasets'} ({source}): "
+    print(f"CIFAR-10 ready in {where} ({source}): "
           f"{len(dataset.train)} train and {len(dataset.test)} test images")
     return ExitCode.OK
 

@@ -30,3 +30,40 @@ def test_a_directory_in_a_pseudo_file_system_is_refused_for_what_fails(run, args
     # a directory that exists: the C library's reason for the file or folder
     # that could not be made there, given as the directory's.
     assert_one_error_line(run(args), said)
+
+
+@pytest.fixture
+def downloaded(tmp_path, monkeypatch):
+    """tensorflow-datasets' download, as if there were network: the archive
+    extracted, its release of 100 random images a file."""
+    import numpy as np
+    import tensorflow_datasets as tfds
+    from unittest import mock
+
+    from distributed_mpt.core.data import cifar10
+
+    extracted = tmp_path / "extracted" / cifar10.CIFAR10_BINARY_DIR
+    extracted.mkdir(parents=True)
+    records = np.random.default_rng(0).integers(0, 256, (100, 1 + 3072), dtype=np.uint8)
+    records[:, 0] %= 10
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        records.tofile(extracted / name)
+    (extracted / "batches.meta.txt").write_text("\n".join(cifar10.INFO.class_names))
+    monkeypatch.setattr(cifar10, "_reachable", lambda *args, **kwargs: True)
+    with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
+                           return_value=str(extracted.parent)):
+        yield
+
+
+def test_a_full_disk_is_one_error_line_and_leaves_no_file(downloaded, tmpfs):
+    mount_point, _ = tmpfs
+    filler = mount_point / "filler"
+    free = os.statvfs(mount_point)
+    filler.write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 256 * 1024))
+    data_dir = mount_point / "data"
+    result = _prepare([f"--data_dir={data_dir}"])
+    # Was a traceback ending in tensorflow-datasets' RuntimeError.
+    assert_one_error_line(result, f"cannot prepare CIFAR-10 in {data_dir} (No space left on "
+                                  f"device), nothing prepared: free space there, or choose "
+                                  f"another --data_dir")
+    assert not [p for p in data_dir.rglob("*") if not p.is_dir()], "no half-written file"
