@@ -48,6 +48,8 @@ def _prepare(fv: flags.FlagValues, argv) -> int:
             why = None if isinstance(e, UserError) else files.why_unwritable(e)
             if why is None:
                 raise
+            if getattr(e, "filename", None):  # a folder tensorflow-datasets makes, say
+                why += f": {e.filename}"
             fix = "free space there" if files.is_disk_full(e) else "make it writable"
             raise ConfigError(f"cannot prepare CIFAR-10 in {where} ({why}), nothing prepared: "
                               f"{fix}, or choose another --data_dir") from None

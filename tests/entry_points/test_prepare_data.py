@@ -3,6 +3,7 @@ write, and what it leaves behind (no network here: tensorflow-datasets'
 download is replaced by a tiny binary release, as tests/core does)."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -67,3 +68,17 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_file(downloaded, tmpfs):
                                   f"device), nothing prepared: free space there, or choose "
                                   f"another --data_dir")
     assert not [p for p in data_dir.rglob("*") if not p.is_dir()], "no half-written file"
+
+
+def test_a_folder_it_cannot_write_is_named_in_one_error_line(downloaded, tmpfs, tmp_path):
+    mount_point, _ = tmpfs
+    subprocess.run(["mount", "-o", "remount,ro", str(mount_point)], check=True)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "downloads").symlink_to(mount_point)  # a read-only mount, where it downloads
+    result = _prepare([f"--data_dir={data_dir}"])
+    # Was a traceback ending in OSError; as was a folder there of another user.
+    assert_one_error_line(result, f"cannot prepare CIFAR-10 in {data_dir} (Read-only file "
+                                  f"system: {data_dir}/downloads/extracted), nothing prepared: "
+                                  f"make it writable")
+    assert sorted(p.name for p in data_dir.iterdir()) == ["downloads"]
