@@ -7,6 +7,8 @@ Run it where there is network (or with cifar-10-binary.tar.gz in
 --data_dir with --nodownload.
 """
 
+import errno
+
 from absl import flags
 
 from distributed_mpt import cli, files
@@ -44,13 +46,17 @@ def _prepare(fv: flags.FlagValues, argv) -> int:
         try:
             dataset = data.DataOptions(cifar10.NAME, data_dir).load(seed=0)
         except Exception as e:  # noqa: BLE001 - tensorflow-datasets wraps what the OS said
-            # A full disk was a traceback; the package's own errors say it all.
-            why = None if isinstance(e, UserError) else files.why_unwritable(e)
+            # A full disk, or a folder it could not make, was a traceback; the
+            # package's own errors say it all.
+            in_the_way = isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTDIR)
+            why = None if isinstance(e, UserError) else \
+                e.strerror if in_the_way else files.why_unwritable(e)
             if why is None:
                 raise
             if getattr(e, "filename", None):  # a folder tensorflow-datasets makes, say
                 why += f": {e.filename}"
-            fix = "free space there" if files.is_disk_full(e) else "make it writable"
+            fix = "move it away" if in_the_way else \
+                "free space there" if files.is_disk_full(e) else "make it writable"
             raise ConfigError(f"cannot prepare CIFAR-10 in {where} ({why}), nothing prepared: "
                               f"{fix}, or choose another --data_dir") from None
     source = "the official binary release" if cifar10.find_binary_release(data_dir) else \

@@ -82,3 +82,14 @@ def test_a_folder_it_cannot_write_is_named_in_one_error_line(downloaded, tmpfs, 
                                   f"system: {data_dir}/downloads/extracted), nothing prepared: "
                                   f"make it writable")
     assert sorted(p.name for p in data_dir.iterdir()) == ["downloads"]
+
+
+def test_a_file_where_it_makes_a_folder_is_named_in_one_error_line(downloaded, tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "downloads").write_text("notes\n")
+    result = _prepare([f"--data_dir={data_dir}"])
+    # Was a traceback ending in FileExistsError.
+    assert_one_error_line(result, f"cannot prepare CIFAR-10 in {data_dir} (File exists: "
+                                  f"{data_dir}/downloads), nothing prepared: move it away")
+    assert (data_dir / "downloads").read_text() == "notes\n"
