@@ -60,6 +60,9 @@ def load_cifar10_binary(directory: str, splits: Sequence[str] = SPLITS) -> Tuple
     size and labels, so that a truncated, missing or foreign file is one
     clear error instead of a wrong dataset."""
 
+    extract = (f"extract the archive again (tar xzf {CIFAR10_ARCHIVE} -C "
+               f"{os.path.dirname(os.path.abspath(directory))})")
+
     def read(names) -> ImageSplit:
         records = []
         for name in names:
@@ -74,13 +77,17 @@ def load_cifar10_binary(directory: str, splits: Sequence[str] = SPLITS) -> Tuple
                         batch = np.frombuffer(f.read(), np.uint8).reshape(-1, _BINARY_RECORD_BYTES)
                     if batch[:, 0].max() >= INFO.num_classes:
                         problem = f"has labels above {INFO.num_classes - 1}"
+            except FileNotFoundError:  # a folder of that name holding something else
+                every = ", ".join(n for split in _BINARY_FILES.values() for n in split)
+                raise DataUnavailableError(
+                    f"{path} is missing: {directory} holds no complete CIFAR-10 binary release "
+                    f"({every}), and is read as one by its name; {extract}, or move that "
+                    f"folder away") from None
             except OSError as e:
                 problem = f"cannot be read ({e.strerror})"
             if problem:
-                raise DataUnavailableError(
-                    f"{path} {problem}: it is not a file of the CIFAR-10 binary release; "
-                    f"extract the archive again (tar xzf {CIFAR10_ARCHIVE} -C "
-                    f"{os.path.dirname(os.path.abspath(directory))})")
+                raise DataUnavailableError(f"{path} {problem}: it is not a file of the CIFAR-10 "
+                                           f"binary release; {extract}")
             records.append(batch)
         records = np.concatenate(records)
         # Planes [N, 3, 32, 32] -> NHWC, the layout of every other source
