@@ -124,25 +124,16 @@ class Checkpoints:
         """Whether the shared directory holds any checkpoint file."""
         return bool(checkpoints_on_disk(self._shared_dir))
 
-    @property
-    def bytes_needed(self) -> int:
-        """Space a run needs for its checkpoints: the ones kept and one being
-        written (the oldest is deleted only after the new one is complete)."""
-        return (MAX_TO_KEEP + 1) * self._bytes
-
     def check_identity(self) -> None:
-        """Raises CheckpointMismatchError if the checkpoints hold another model.
-
-        Call before anything is written into the model directory.
-        """
+        """Raises CheckpointMismatchError if the checkpoints hold another model;
+        call before anything is written into the model directory."""
         path = os.path.join(self._shared_dir, "model.json")
         remedy = ("it says which model the checkpoints beside it hold: restore an intact copy, "
                   "or start again in an empty --model_dir")
         stored = files.read_json(path, {"model": str, "precision": str, "variable_shapes": list},
                                  remedy=remedy)
-        shapes = stored.get("variable_shapes", [])
         if not all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-                   for shape in shapes):
+                   for shape in stored.get("variable_shapes", [])):
             raise files.DamagedFileError(f"{quoted(path)} is damaged (its variable_shapes are not "
                                          f"lists of sizes); {remedy}")
         if not stored:
@@ -152,20 +143,18 @@ class Checkpoints:
                     f"use an empty --model_dir")
             return
         if stored.get("precision") != self._identity["precision"] and \
-                {k: v for k, v in stored.items() if k != "precision"} == \
-                {k: v for k, v in self._identity.items() if k != "precision"}:
+                {**stored, "precision": None} == {**self._identity, "precision": None}:
             raise CheckpointMismatchError(
                 f"{self._shared_dir} holds checkpoints trained with --precision="
                 f"{stored.get('precision')}, not {self._identity['precision']}: pass "
                 f"--precision={stored.get('precision')} (auto differs between GPU and CPU hosts), "
                 f"or use another --model_dir")
         if stored != self._identity:
-            ours = self._identity["model"]
             raise CheckpointMismatchError(
                 f"{self._shared_dir} holds checkpoints of a different model "
                 f"('{stored.get('model')}', {_parameters(stored)} parameters) than this run's "
-                f"('{ours}', {_parameters(self._identity)}): use another --model_dir, or the "
-                f"model flags of the run that wrote it")
+                f"('{self._identity['model']}', {_parameters(self._identity)}): use another "
+                f"--model_dir, or the model flags of the run that wrote it")
 
     def restore_latest(self) -> Optional[Restored]:
         """Restores the newest checkpoint that reads back whole; None if there
@@ -211,27 +200,23 @@ class Checkpoints:
                 self._rewrite_index(step, [p for n, p in found if n < step])
             return Restored(prefix, step, tuple(skipped))
         if not found:
-            if self._is_chief:
-                self._rewrite_index(None, [])  # an index naming nothing goes
+            index = os.path.join(self._shared_dir, _INDEX_FILE)
+            if self._is_chief and os.path.lexists(index):  # an index naming nothing goes
+                files.warn(f"removed {index}: it names checkpoints that are not there")
+                os.remove(index)
             return None
         raise CheckpointDamagedError(
             f"{self._shared_dir} holds {len(found)} checkpoint(s) and none can be read "
             f"({reasons(skipped)}); nothing was changed: put back intact copies, or move "
             f"{self._shared_dir} away to start again from step 0")
 
-    def _rewrite_index(self, step: Optional[int], older: List[str]) -> None:
+    def _rewrite_index(self, step: int, older: List[str]) -> None:
         """Makes the index file name the restored checkpoint as the latest and
-        the older ones beside it, so that they are rotated out as usual; with
-        no step, removes it. Unchanged if it says so already (a finished run
-        run again changes no file)."""
+        the older ones beside it, so that they are rotated out as usual.
+        Unchanged if it says so already (a finished run run again changes no file)."""
         path = os.path.join(self._shared_dir, _INDEX_FILE)
         names = [os.path.basename(p) for p in reversed(older)] + [f"ckpt-{step}"]
         listed = _read_index(path)
-        if step is None:
-            if os.path.lexists(path):
-                files.warn(f"removed {path}: it names checkpoints that are not there")
-                os.remove(path)
-            return
         if listed == names:
             return
         if listed is None and os.path.lexists(path):
@@ -246,11 +231,8 @@ class Checkpoints:
             [f"last_preserved_timestamp: {now - 1!r}\n"]))
 
     def save(self, step: int) -> None:
-        """Saves the state at `step` (every worker must call this together).
-
-        Raises DiskFullError, having removed the partial checkpoint, if it
-        does not fit.
-        """
+        """Saves the state at `step` (every worker must call this together);
+        raises DiskFullError, having removed the partial checkpoint, if it does not fit."""
         self._check_held()
         try:
             if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
@@ -274,8 +256,9 @@ class Checkpoints:
                                 f"to resume") from None
             raise DiskFullError(
                 f"no space left in {self._own_dir} for the checkpoint of step {step}: a run "
-                f"needs {_megabytes(self.bytes_needed)} there ({MAX_TO_KEEP + 1} checkpoints of "
-                f"{_megabytes(self._bytes)}: {MAX_TO_KEEP} kept, one being written); free space "
+                f"needs {_megabytes((MAX_TO_KEEP + 1) * self._bytes)} there ({MAX_TO_KEEP + 1} "
+                f"checkpoints of {_megabytes(self._bytes)}: {MAX_TO_KEEP} kept, one being "
+                f"written); free space "
                 f"and run the same command again to resume") from None
         # A damaged checkpoint skipped at restore is now either overwritten
         # (same step) or superseded by an intact newer one: drop it.
@@ -321,20 +304,12 @@ def _read_index(path: str) -> Optional[List[str]]:
     """The checkpoints the index file at `path` lists, oldest first; None if
     there is none, or if it is not what CheckpointManager writes (then it is
     rebuilt, never trusted)."""
-    try:
+    with contextlib.suppress(files.DamagedFileError):
         text = files.read_text(path, remedy="")
-    except files.DamagedFileError:
-        return None
-    if text is None:
-        return None
-    names = []
-    for line in text.splitlines():
-        match = _INDEX_LINE.fullmatch(line.strip())
-        if not match:
-            return None
-        if match.group(1) == "all_model_checkpoint_paths":
-            names.append(match.group(2))
-    return names
+        lines = [_INDEX_LINE.fullmatch(line.strip()) for line in (text or "").splitlines()]
+        if text is not None and all(lines):
+            return [m.group(2) for m in lines if m.group(1) == "all_model_checkpoint_paths"]
+    return None
 
 
 def why_unreadable(prefix: str) -> Optional[str]:
@@ -344,11 +319,10 @@ def why_unreadable(prefix: str) -> Optional[str]:
     checksum stored beside it, so a truncated, emptied or bit-flipped file
     shows here rather than half-way through a restore.
     """
-    for path in sorted(glob.glob(glob.escape(prefix) + ".*")):
-        # Checked before TensorFlow opens them: a FIFO would block the read
-        # forever, a link to /dev/zero never end it.
-        if os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode):
-            return f"{os.path.basename(path)} is {files.kind_of(path)}, not a file"
+    # Checked before TensorFlow opens them: a FIFO would block the read
+    # forever, a link to /dev/zero never end it.
+    if path := _not_a_file(prefix):
+        return f"{os.path.basename(path)} is {files.kind_of(path)}, not a file"
     try:
         reader = tf.train.load_checkpoint(prefix)
         for name in reader.get_variable_to_shape_map():
@@ -363,12 +337,17 @@ def _refuse_what_a_save_cannot_replace(step: int, prefix: str) -> None:
     is not a file (a directory, a FIFO): the run would resume from an older
     checkpoint, fail to save this one's step, and do so again at every
     restart, a crash loop that restart policies feed. Once, before training."""
-    for path in sorted(glob.glob(glob.escape(prefix) + ".*")):
-        if os.path.islink(path) or not stat.S_ISREG(os.lstat(path).st_mode):
-            raise CheckpointDamagedError(
-                f"{quoted(path)} is {files.kind_of(path)}, not a checkpoint file, and this run "
-                f"would write one there at step {step}: move it away, and run the "
-                f"same command again to resume")
+    if path := _not_a_file(prefix):
+        raise CheckpointDamagedError(
+            f"{quoted(path)} is {files.kind_of(path)}, not a checkpoint file, and this run "
+            f"would write one there at step {step}: move it away, and run the "
+            f"same command again to resume")
+
+
+def _not_a_file(prefix: str) -> Optional[str]:
+    """The first of the checkpoint's files that is not a regular file, or None."""
+    return next((p for p in sorted(glob.glob(glob.escape(prefix) + ".*"))
+                 if not stat.S_ISREG(os.lstat(p).st_mode)), None)
 
 
 def _megabytes(size: int) -> str:
@@ -387,12 +366,10 @@ def _scratch_dir(model_dir: str, worker: str) -> str:
     """
     run_id = hashlib.sha1(os.path.abspath(model_dir).encode()).hexdigest()[:10]
     fixed = os.path.join(tempfile.gettempdir(), f"dmpt-{os.getuid()}-{run_id}-{worker}")
-    try:
+    with contextlib.suppress(FileNotFoundError):
         info = os.lstat(fixed)
-    except FileNotFoundError:
-        info = None
-    if info is not None and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
-        shutil.rmtree(fixed)  # a killed predecessor's; rmtree does not follow symlinks
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(fixed)  # a killed predecessor's; rmtree does not follow symlinks
     try:
         os.mkdir(fixed, 0o700)
     except FileExistsError:  # a symlink, a file, another user's directory
