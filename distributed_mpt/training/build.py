@@ -1,6 +1,7 @@
 """Where a run's config meets the core: the model, its parameter groups, the
 optimizer, the lookahead and the compiled steps, built from the flags in the
-strategy's scope, and the input pipeline that feeds them."""
+strategy's scope, the input pipeline that feeds them, and batch norm's
+recalibration after the last step."""
 
 import contextlib
 import dataclasses
@@ -9,15 +10,15 @@ from typing import Optional
 import tensorflow as tf
 
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.core import models, pipeline
+from distributed_mpt.core import batch_norm, models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import Dataset, ImageSplit
 from distributed_mpt.core.eval_views import EvalViews
-from distributed_mpt.core.models.contract import check_servable, users_code
+from distributed_mpt.core.models.contract import ModelError, check_servable, users_code
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
-from distributed_mpt.errors import ConfigError
+from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.process import memory
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import RANDOM_STATE
@@ -81,7 +82,7 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                 f"{spec.name}'s batch norm synchronized over {plan.num_replicas} replicas: "
                 f"drop --xla, or use it with one replica")
         if run.export:
-            outputs.check_exportable(model, spec.name)
+            check_exportable(model, spec.name)
             if spec.is_users:  # its call() is code
                 check_servable(spec.name, model, dataset.info.image_shape)
         if spec.is_users:  # all of them now, against the memory there was before
@@ -119,6 +120,25 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
     trainer = Trainer(model, optimizer, strategy, step, rules, on_device=on_device,
                       eval_views=EvalViews(evaluation.eval_tta, evaluation.eval_tta_fraction))
     return Built(trainer, trained_global_batch, lookahead, tuple(notes))
+
+
+def check_exportable(model, name: str) -> None:
+    """Raises ModelError if `model` (--model=`name`) cannot be written as the
+    export's `.keras` file: a subclassed model, or a layer whose `__init__`
+    took a value Keras cannot serialize, without a `get_config()`. Said
+    before training, not after it."""
+    import keras
+
+    try:
+        keras.saving.serialize_keras_object(model)
+    except Exception as e:  # noqa: BLE001 - the user's get_config() may raise anything
+        # Keras' message is a paragraph, then an example of get_config().
+        said = " ".join(str(e).split("Example:")[0].split()) or type(e).__name__
+        raise ModelError(
+            f"--model={quoted(name)} cannot be saved as the export's {outputs.KERAS_FILE} "
+            f"({type(e).__name__}: {quoted(said, limit=400)}): implement get_config(), returning "
+            f"the arguments of its __init__ as numbers, strings and lists (docs/extending.md, "
+            f"\"A subclassed model\"); or pass --noexport") from None
 
 
 # Copies of every weight a run holds at its peak, the export: the weights,
@@ -212,10 +232,28 @@ def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: Ima
         crop_size=crop_size))
 
 
-def recalibration_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: ImageSplit,
-                        batches: int):
-    """`batches` global batches of unaugmented training images and labels,
-    from the first, for batch norm's recalibration (core/batch_norm.py)."""
-    return trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
-        split, plan.global_batch_size, config.run.seed, 0, batches,
-        augmentation=Augmentation(crop_padding=0, flip="none")))
+def recalibrate_batch_norm(trainer: Trainer, config: TrainConfig, plan: RunPlan,
+                           train_split: ImageSplit, checkpoints, reporter) -> Optional[dict]:
+    """Recalibrates batch norm's moving statistics if --bn_recalibration
+    says so (core/batch_norm.py), over the first batches of `train_split`
+    unaugmented, and saves them into the last checkpoint: a finished run
+    exported again, and predict reading the checkpoint, get them too.
+    Returns what summary.json says of it (None: not done)."""
+    steps = int(trainer.step.numpy())
+    layers, why = batch_norm.to_recalibrate(trainer.model, steps,
+                                            config.evaluation.bn_recalibration)
+    if not layers:
+        return None
+    batches = batch_norm.recalibration_batches(len(train_split), plan.global_batch_size)
+    images = batches * plan.global_batch_size
+    activity = (f"recalibrating the moving statistics of {len(layers)} of "
+                f"{len(batch_norm.batch_norm_layers(trainer.model))} batch-norm layers over "
+                f"{images:,} unaugmented training images")
+    reporter.say(f"{activity} ({why})")
+    iterator = iter(trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
+        train_split, plan.global_batch_size, config.run.seed, 0, batches,
+        augmentation=Augmentation(crop_padding=0, flip="none"))))
+    with reporter.doing(activity):
+        batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
+        checkpoints.save(steps)
+    return {"layers": len(layers), "images": images}

@@ -27,7 +27,6 @@ import uuid
 from typing import List, Sequence
 
 from distributed_mpt import files
-from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.json_lines import JsonLines
 from distributed_mpt.process.run_lock import LOCK_NAME
@@ -290,24 +289,6 @@ def check_export_destination(model_dir: str) -> None:
         raise ConfigError(f"{quoted(path)} holds files that are not an export of this program "
                           f"({quoted(', '.join(others[:3]))}), and a new export would replace "
                           f"them: move it away, pass --noexport, or choose another --model_dir")
-
-
-def check_exportable(model, name: str) -> None:
-    """Raises ModelError if `model` cannot be written as the export's
-    `.keras` file: a subclassed model, or a layer whose `__init__` took a
-    value Keras cannot serialize, without a `get_config()`. Said before training, not after it (--model=`name`)."""
-    import keras
-
-    try:
-        keras.saving.serialize_keras_object(model)
-    except Exception as e:  # noqa: BLE001 - the user's get_config() may raise anything
-        # Keras' message is a paragraph, then an example of get_config().
-        said = " ".join(str(e).split("Example:")[0].split()) or type(e).__name__
-        raise ModelError(
-            f"--model={quoted(name)} cannot be saved as the export's {KERAS_FILE} "
-            f"({type(e).__name__}: {quoted(said, limit=400)}): implement get_config(), returning "
-            f"the arguments of its __init__ as numbers, strings and lists (docs/extending.md, "
-            f"\"A subclassed model\"); or pass --noexport") from None
 
 
 def export_is_whole(model_dir: str) -> bool:

@@ -29,7 +29,7 @@ from distributed_mpt import config as config_lib
 from distributed_mpt import files
 from distributed_mpt.cluster.environment import Cluster, resolve_cluster
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.core import batch_norm, data, precision
+from distributed_mpt.core import data, precision
 from distributed_mpt.core.models.contract import FirstStepError
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # for the annotations only: at run time, imported where they 
     import tensorflow as tf
 
     from distributed_mpt.training.build import Built
-    from distributed_mpt.training.checkpoints import Checkpoints
     from distributed_mpt.training.loop import Reporter
     from distributed_mpt.training.plan import RunPlan
 
@@ -175,7 +174,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
     import keras
 
     from distributed_mpt.cluster.strategy import peak_resident_bytes
-    from distributed_mpt.training.build import build, train_input
+    from distributed_mpt.training.build import build, recalibrate_batch_norm, train_input
     from distributed_mpt.training.checkpoints import Checkpoints, model_identity
     from distributed_mpt.training.loop import Reporter, TrainingLoop
     from distributed_mpt.training.plan import (check_workers_agree, continue_with, leave_together,
@@ -226,9 +225,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             if is_chief:
                 for warning in start_warnings(config, plan, len(dataset.train)):
                     files.warn(warning)
-            for note in built.notes:
-                reporter.say(note)
-            for note in continue_with(resumed, plan, built.trained_global_batch):
+            for note in (*built.notes, *continue_with(resumed, plan, built.trained_global_batch)):
                 reporter.say(note)
 
             stopping.enter(stopping.Phase.TRAINING, on_request=trainer.request_stop)
@@ -238,8 +235,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
-            recalibrated = _recalibrate_batch_norm(built, config, plan, dataset.train, checkpoints,
-                                                   reporter)
+            recalibrated = recalibrate_batch_norm(trainer, config, plan, dataset.train,
+                                                  checkpoints, reporter)
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
                                train_metrics, throughput)
             summary["bn_recalibration"] = recalibrated
@@ -269,16 +266,15 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info, check_held
     print(f"{config.run.model_dir} holds a finished run of {resumed.start_step} steps (see "
           f"summary.json); nothing to train. To train longer, pass a larger --epochs or "
           f"--train_steps.", flush=True)
-    previous = config_lib.flat_record(resumed.previous_config)
-    scored = {name: previous.get(name, config_lib.DEFAULTS[name])
-              for name in ("eval_tta", "eval_tta_fraction")}
-    if config.evaluation.evaluate and scored != {name: getattr(config.evaluation, name)
-                                                 for name in scored}:
+    previous, asked = config_lib.flat_record(resumed.previous_config), config.evaluation
+    tta, fraction = (previous.get(name, config_lib.DEFAULTS[name])
+                     for name in ("eval_tta", "eval_tta_fraction"))
+    if asked.evaluate and (tta, fraction) != (asked.eval_tta, asked.eval_tta_fraction):
         # Other test-time views asked of a finished run: say what does it.
-        print(f"Its test results are with --eval_tta={scored['eval_tta']} "
-              f"--eval_tta_fraction={scored['eval_tta_fraction']}; to score it with others: "
-              f"distributed-mpt-predict --model_dir={config.run.model_dir} --evaluate "
-              f"--tta={config.evaluation.eval_tta} --tta_fraction={config.evaluation.eval_tta_fraction}", flush=True)
+        print(f"Its test results are with --eval_tta={tta} --eval_tta_fraction={fraction}; to "
+              f"score it with others: distributed-mpt-predict --model_dir={config.run.model_dir} "
+              f"--evaluate --tta={asked.eval_tta} --tta_fraction={asked.eval_tta_fraction}",
+              flush=True)
     if config.run.export and not outputs.export_is_whole(config.run.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
@@ -344,32 +340,6 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
         "eval_loss": None, "eval_accuracy": None, "eval_examples": 0, "eval_tta": config.evaluation.eval_tta,
         "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
     }
-
-
-def _recalibrate_batch_norm(built: Built, config: TrainConfig, plan: RunPlan,
-                            train_split: data.ImageSplit, checkpoints: Checkpoints,
-                            reporter: Reporter) -> Optional[dict]:
-    """Recalibrates batch norm's moving statistics if --bn_recalibration
-    says so (core/batch_norm.py), and saves them into the last checkpoint:
-    a finished run exported again, and predict reading the checkpoint, get
-    them too. Returns what summary.json says of it (None: not done)."""
-    from distributed_mpt.training.build import recalibration_input
-    trainer = built.trainer
-    steps = int(trainer.step.numpy())
-    layers, why = batch_norm.to_recalibrate(trainer.model, steps, config.evaluation.bn_recalibration)
-    if not layers:
-        return None
-    batches = batch_norm.recalibration_batches(len(train_split), plan.global_batch_size)
-    images = batches * plan.global_batch_size
-    activity = (f"recalibrating the moving statistics of {len(layers)} of "
-                f"{len(batch_norm.batch_norm_layers(trainer.model))} batch-norm layers over "
-                f"{images:,} unaugmented training images")
-    reporter.say(f"{activity} ({why})")
-    iterator = iter(recalibration_input(trainer, config, plan, train_split, batches))
-    with reporter.doing(activity):
-        batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
-        checkpoints.save(steps)
-    return {"layers": len(layers), "images": images}
 
 
 def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Dataset,

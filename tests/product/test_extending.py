@@ -134,14 +134,14 @@ def test_each_model_file_of_the_page_meets_the_contract(model, file, besides, tm
     one the export can save."""
     from distributed_mpt.core import models
     from distributed_mpt.core.data.dataset import DatasetInfo
-    from distributed_mpt.training import outputs
+    from distributed_mpt.training import build
 
     (tmp_path / file).write_text(page_files()[file])
     size = int(next((f for f in besides if f.startswith("--image_size=")), "=16").partition("=")[2])
     info = DatasetInfo((size, size, 3), ("0", "1", "2", "3"), (40.0,) * 3, (60.0,) * 3)
     source = f"{tmp_path / file}:{model.partition(':')[2]}"
     built = models.build_model(models.model_spec(source), info)
-    outputs.check_exportable(built, source)
+    build.check_exportable(built, source)
     logits = np.asarray(built(np.zeros((2, size, size, 3), np.uint8), training=False))
     assert logits.shape == (2, 4) and np.all(np.isfinite(logits))
 
