@@ -98,7 +98,7 @@ class TrainingLoop:
                 iterator = iter(self._train_input(train_split, current, phase_end, crop_size))
             num_steps = min(phase_end, current + _steps_per_call(agreed_seconds_per_step,
                                                                  run.steps_per_loop),
-                            *(_next_multiple(current, b) for b in boundaries)) - current
+                            *((current // b + 1) * b for b in boundaries)) - current
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
                                                      agreed_seconds_per_step)), \
@@ -226,11 +226,11 @@ def _steps_per_call(seconds_per_step: float, steps_per_loop: int) -> int:
     return max(1, min(steps_per_loop, int(_CALL_SECONDS / seconds_per_step)))
 
 
-def _next_multiple(value: int, multiple: int) -> int:
-    return (value // multiple + 1) * multiple
-
-
-# What the TrainJob's status shows of a record, as the console does.
+# What the console shows of a record, in this order and format; and the
+# TrainJob's status, as the console does.
+_SHOWN = {"epoch": ".2f", "loss": ".4f", "accuracy": ".4f", "eval_loss": ".4f",
+          "eval_accuracy": ".4f", "eval_accuracy_without_tta": ".4f", "learning_rate": ".4g",
+          "loss_scale": ".0f", "examples_per_second": ".0f"}
 _STATUS_METRICS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "learning_rate")
 
 
@@ -244,16 +244,13 @@ class Reporter:
         resumes (as metrics.jsonl has them), for time-to-accuracy curves.
         evaluates_at_end: whether the run logs a final evaluation.
         check_held(): raises if --model_dir is no longer this run's."""
-        self._enabled, self._check_held = enabled, check_held
-        self._total_steps = total_steps
+        self._enabled, self._check_held, self._total_steps = enabled, check_held, total_steps
         # On a terminal, a status line is rewritten after every loop call;
         # logs (Kubernetes, SLURM, a file) get whole lines only.
         self._terminal = enabled and sys.stdout.isatty()
-        self._live_line_shown = False
-        self._started = started
+        self._live_line_shown, self._started = False, started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
-        self._earlier_seconds = 0.0
-        self._status = None
+        self._earlier_seconds, self._status = 0.0, None
         self._printing = threading.Lock()
         self._last_line = time.monotonic()
         self._activity: Optional[str] = None
@@ -312,8 +309,7 @@ class Reporter:
         if not self._enabled:
             return
         elapsed = self._earlier_seconds + time.monotonic() - self._started
-        record = finite_values({"step": step, **record,
-                                      "elapsed_seconds": round(elapsed, 3)})
+        record = finite_values({"step": step, **record, "elapsed_seconds": round(elapsed, 3)})
         self._check_held()
         append_records(self._metrics_path, [record])
         with self._writer.as_default(step=step):
@@ -327,13 +323,8 @@ class Reporter:
                                  if record.get(k) is not None})
         width = len(str(self._total_steps))
         parts = [f"step {step:>{width}}/{self._total_steps}"]
-        for name, fmt in (("epoch", ".2f"), ("loss", ".4f"), ("accuracy", ".4f"),
-                          ("eval_loss", ".4f"), ("eval_accuracy", ".4f"),
-                          ("eval_accuracy_without_tta", ".4f"),
-                          ("learning_rate", ".4g"), ("loss_scale", ".0f"),
-                          ("examples_per_second", ".0f")):
-            if record.get(name) is not None:
-                parts.append(f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}")
+        parts += [f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}"
+                  for name, fmt in _SHOWN.items() if record.get(name) is not None]
         if eta_seconds is not None:
             parts.append(f"ETA {format_seconds(eta_seconds)}")
         self._print("  ".join(parts))

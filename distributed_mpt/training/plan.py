@@ -166,13 +166,10 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     restored = checkpoints.restore_latest()
     if not restored:
         return Resumption(start_step=0)
-    start_step = int(step.numpy())
-    previous_config = _previous_config(model_dir)
-    finished = {}
-    if start_step >= total_steps:  # else summary.json is rewritten at the end
-        finished = files.read_json(
-            os.path.join(model_dir, "summary.json"), {"steps": int},
-            remedy="remove it, and the run evaluates again and writes a new one")
+    start_step, previous_config = int(step.numpy()), _previous_config(model_dir)
+    finished = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
+        os.path.join(model_dir, "summary.json"), {"steps": int},
+        remedy="remove it, and the run evaluates again and writes a new one")
     return Resumption(start_step, restored, previous_config, finished)
 
 
