@@ -313,6 +313,7 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
     `class_names` attribute holds the class names too.
     """
     check_export_destination(model_dir)
+    check_held()  # a finished run on a read-only mount, its export missing: that is said
     final = os.path.join(model_dir, EXPORT_DIR)
     staging = os.path.join(model_dir,
                            f"{STAGING_PREFIX}{files.owner_tag()}-{uuid.uuid4().hex[:8]}")

@@ -283,6 +283,7 @@ def test_a_finished_run_on_a_read_only_mount_says_so_as_on_a_writable_one(model_
         subprocess.run(["mount", "-o", "remount,bind,ro", str(model_dir)], check=True)
         again, longer = train(flags), train([*flags, "--train_steps=20"])
         other = train([*flags, "--seed=7"])
+        exported = train([*flags, "--export"])  # its export missing: one to write
     finally:
         subprocess.run(["umount", str(model_dir)], check=True)
     assert_ok(again)
@@ -291,6 +292,8 @@ def test_a_finished_run_on_a_read_only_mount_says_so_as_on_a_writable_one(model_
     assert len(longer.stderr.splitlines()) == 1, longer.stderr  # no TensorFlow complaint before it
     # What is refused for another reason says that reason, not the mount.
     assert_one_error_line(other, "holds a run trained otherwise: this run changes --seed=0 to 7")
+    # Was "cannot write .../.export-...: make it writable ... to resume", an inner folder's name.
+    assert_one_error_line(exported, f"{model_dir} is not writable (Read-only file system)")
 
 
 def test_a_new_batch_that_leaves_the_capped_rate_as_it_was_says_so(model_dir):
