@@ -92,4 +92,7 @@ def test_a_file_where_it_makes_a_folder_is_named_in_one_error_line(downloaded, t
     # Was a traceback ending in FileExistsError.
     assert_one_error_line(result, f"cannot prepare CIFAR-10 in {data_dir} (File exists: "
                                   f"{data_dir}/downloads), nothing prepared: move it away")
+    # tensorflow-datasets' progress bars, off the terminal: their cursor moves
+    # came before the error line, which then began with one (not `error:`).
+    assert "\x1b[" not in result.stderr and "\r" not in result.stderr, result.stderr
     assert (data_dir / "downloads").read_text() == "notes\n"

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 from typing import Optional, Sequence, Tuple
 
@@ -162,6 +163,9 @@ def _prepare_cifar10(builder, download: bool) -> None:
                 f"`distributed-mpt-prepare-data --data_dir=DIR` on a machine with network and "
                 f"copy DIR here (then pass --data_dir=DIR), or put {CIFAR10_ARCHIVE} into "
                 f"{manual_dir}, or train on --dataset=synthetic.")
+    # Its progress bars, drawn in a log (a Job's, a file's), are lines of
+    # spaces and cursor moves, and an error line after them began with one.
+    tfds.display_progress_bar(sys.stderr.isatty())
     try:
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
