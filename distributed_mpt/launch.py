@@ -73,26 +73,9 @@ _FILES_PER_WORKER, _FILES_OF_THE_LAUNCHER = 3, 64
 _THREADS_PER_WORKER, _BYTES_PER_WORKER = 128, 256 * 2**20
 
 
-class PortError(UserError):
-    """This host has no free TCP port left for a worker."""
-
-
-class WorkerStartError(UserError):
-    """This host could not start one more worker (no process, file or thread left)."""
-
-
-def _define_flags(fv: flags.FlagValues) -> None:
-    # Decimal digits only, as training's flags (cli.py).
-    cli.define_integer(fv, "num_workers", 2, "Worker processes to start (at most what this host "
-                       "can hold: see max_workers).", lower=1)
-    cli.define_integer(fv, "max_restarts", 3, "Times the whole group is restarted after a worker "
-                       "dies.", lower=0, upper=_MAX_RESTARTS)
-    cli.define_float(fv, "grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
-                     "exit before it is killed.")
-    # Not absl's bounds, which let nan through: nan fails every comparison.
-    flags.register_validator("grace_seconds", lambda seconds: 0 <= seconds <= MAX_GRACE_SECONDS,
-                             f"must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g}",
-                             flag_values=fv)
+class HostLimitError(UserError):
+    """This host has no free TCP port, or cannot start one more worker (no
+    process, file or thread left)."""
 
 
 def max_workers() -> Tuple[int, str]:
@@ -127,8 +110,8 @@ def _most_in_one_environment_string() -> int:
 def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
     """`count` distinct TCP ports that are free on every address of this host
     right now, none of them in `avoid` (the ports of earlier groups: one of
-    them may be what made the group fail). Raises PortError when the host has
-    no free port left."""
+    them may be what made the group fail). Raises HostLimitError when the host
+    has no free port left."""
     held = []  # kept bound until all are chosen, so that the kernel offers each port once
     ports = []
     try:
@@ -140,8 +123,8 @@ def free_ports(count: int, avoid: Collection[int] = ()) -> List[int]:
             if port not in avoid:
                 ports.append(port)
     except OSError as e:
-        raise PortError(f"no free TCP port for worker {len(ports)} of {count} on this host "
-                        f"({e.strerror}); free some, or start fewer workers") from None
+        raise HostLimitError(f"no free TCP port for worker {len(ports)} of {count} on this "
+                             f"host ({e.strerror}); free some, or start fewer workers") from None
     finally:
         for probe in held:
             probe.close()
@@ -159,6 +142,26 @@ def worker_tf_configs(ports: List[int]) -> List[str]:
     return [worker_tf_config(ports, index) for index in range(len(ports))]
 
 
+# Each worker runs this (`python -I -c`), then execs the trainer. It asks the
+# kernel for SIGTERM when the launcher dies: a launcher killed by SIGKILL
+# stops nobody, and its workers, each in a session of its own, ran on holding
+# the --model_dir lock (the next launch got exit 144). A process group would
+# not do: SIGKILL to the launcher's pid reaches it alone. SIGTERM, not
+# SIGKILL: the workers save a checkpoint and stop, as on Ctrl-C. The request
+# survives exec, and fires when the *thread* that started the worker ends:
+# only the main thread starts workers. A launcher gone before the request
+# shows as another parent.
+_DIE_WITH_LAUNCHER = f"""\
+import ctypes, os, signal, sys
+launcher, command = int(sys.argv[1]), sys.argv[2:]
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM.value) != 0:  # PR_SET_PDEATHSIG
+    sys.exit(f"error: prctl(PR_SET_PDEATHSIG): {{os.strerror(ctypes.get_errno())}}")
+if os.getppid() != launcher:
+    sys.exit({int(ExitCode.PREEMPTED)})
+os.execv(command[0], command)
+"""
+
+
 class _Group:
     """One generation of worker processes, worker i listening on ports[i]."""
 
@@ -170,13 +173,17 @@ class _Group:
 
     def start(self, train_flags: List[str]) -> None:
         """Starts worker i on ports[i], two threads relaying its output. From
-        the main thread only (see _DIE_WITH_LAUNCHER). Raises WorkerStartError
+        the main thread only (see _DIE_WITH_LAUNCHER). Raises HostLimitError
         when this host cannot start one more; the caller stops the others."""
+        command = helper_command("distributed_mpt.train", *train_flags)
+        if sys.platform.startswith("linux"):  # prctl is Linux's: the trainer dies with us
+            command = [sys.executable, "-I", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
         for index, port in enumerate(self.ports):
-            env = dict(os.environ, TF_CONFIG=worker_tf_config(self.ports, index), PYTHONUNBUFFERED="1")
+            tf_config = worker_tf_config(self.ports, index)
+            env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
             try:
                 process = subprocess.Popen(
-                    worker_command(train_flags), env=env,
+                    command, env=env,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                     start_new_session=True)  # our Ctrl-C is forwarded, not broadcast by the tty
                 self.processes.append(process)
@@ -185,9 +192,9 @@ class _Group:
                                                         args=(source, sink, index)))
                     self._pumps[-1].start()
             except (OSError, RuntimeError) as e:  # RuntimeError: "can't start new thread"
-                raise WorkerStartError(f"cannot start worker {index} of {len(self.ports)} "
-                                       f"({first_line(e)}): start fewer, or raise this host's "
-                                       "limits") from None
+                raise HostLimitError(f"cannot start worker {index} of {len(self.ports)} "
+                                     f"({first_line(e)}): start fewer, or raise this host's "
+                                     "limits") from None
             _say(f"[launch] started worker {index} (pid {process.pid}) on port {port}")
 
     def _relay(self, source, sink, index: int) -> None:
@@ -237,42 +244,6 @@ class _Group:
             if pump.is_alive():  # one that failed to start never ran
                 pump.join(timeout=5)
 
-    def busy_port_error(self) -> Optional[str]:
-        """One line naming the ports workers could not listen on, if any did."""
-        if not self.unbound_workers:
-            return None
-        busy = "; ".join(f"worker {i} could not start its gRPC server: port {self.ports[i]} is "
-                         f"taken on some address of this host" for i in sorted(self.unbound_workers))
-        return f"error: {busy} (see `ss -ltnp`)"
-
-
-# Each worker runs this (`python -I -c`), then execs the trainer. It asks the
-# kernel for SIGTERM when the launcher dies: a launcher killed by SIGKILL
-# stops nobody, and its workers, each in a session of its own, ran on holding
-# the --model_dir lock (the next launch got exit 144). A process group would
-# not do: SIGKILL to the launcher's pid reaches it alone. SIGTERM, not
-# SIGKILL: the workers save a checkpoint and stop, as on Ctrl-C. The request
-# survives exec, and fires when the *thread* that started the worker ends:
-# only the main thread starts workers. A launcher gone before the request
-# shows as another parent.
-_DIE_WITH_LAUNCHER = f"""\
-import ctypes, os, signal, sys
-launcher, command = int(sys.argv[1]), sys.argv[2:]
-if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM.value) != 0:  # PR_SET_PDEATHSIG
-    sys.exit(f"error: prctl(PR_SET_PDEATHSIG): {{os.strerror(ctypes.get_errno())}}")
-if os.getppid() != launcher:
-    sys.exit({int(ExitCode.PREEMPTED)})
-os.execv(command[0], command)
-"""
-
-
-def worker_command(train_flags: List[str]) -> List[str]:
-    """The command of a worker: the trainer, which dies with this process."""
-    command = helper_command("distributed_mpt.train", *train_flags)
-    if not sys.platform.startswith("linux"):  # prctl is Linux's
-        return command
-    return [sys.executable, "-I", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
-
 
 def _say(line: str, stream=None) -> None:
     """Writes one line to stdout (or `stream`) at once. When nobody reads it
@@ -291,9 +262,9 @@ def exit_status(returncode: int) -> int:
 
 def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flags: List[str]) -> int:
     """Runs the group to completion, restarting it on fresh ports after a
-    retryable failure; returns the chief's exit code. Raises PortError or
-    WorkerStartError when this host has no free port or process left, having
-    stopped every worker it started."""
+    retryable failure; returns the chief's exit code. Raises HostLimitError
+    when this host has no free port or process left, having stopped every
+    worker it started."""
     forwarded = []  # signals received, newest last
     groups = []  # every generation started, the running one last
 
@@ -322,11 +293,13 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
             code = exit_status(group.processes[failed].returncode)
             _say(f"[launch] worker {failed} exited with {code}; stopping the group")
             group.stop(grace_seconds)
-            if busy_port_error := group.busy_port_error():
-                _say(busy_port_error, sys.stderr)
+            busy = [f"worker {i} could not start its gRPC server: port {group.ports[i]} is taken "
+                    f"on some address of this host" for i in sorted(group.unbound_workers)]
+            if busy:
+                _say(f"error: {'; '.join(busy)} (see `ss -ltnp`)", sys.stderr)
             # The launcher chose that port and fresh ones cure it, whatever
             # code the worker turned the failure into.
-            if code in _NOT_RESTARTED and not busy_port_error:
+            if code in _NOT_RESTARTED and not busy:
                 _say(f"[launch] exit code {code} {_NOT_RESTARTED[code]}: not restarting")
                 return code
             if restarts >= max_restarts or forwarded:
@@ -359,10 +332,20 @@ def _finish(group: _Group, grace_seconds: float) -> int:
 def main(argv=None) -> int:
     """Parses launcher flags (train flags follow `--`) and launches."""
     argv = sys.argv[1:] if argv is None else argv
-    own, train_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
-        else (argv, [])
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, train_flags = argv[:split], argv[split + 1:]
     fv = flags.FlagValues()
-    _define_flags(fv)
+    # Decimal digits only, as training's flags (cli.py).
+    cli.define_integer(fv, "num_workers", 2, "Worker processes to start (at most what this host "
+                       "can hold: see max_workers).", lower=1)
+    cli.define_integer(fv, "max_restarts", 3, "Times the whole group is restarted after a worker "
+                       "dies.", lower=0, upper=_MAX_RESTARTS)
+    cli.define_float(fv, "grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "
+                     "exit before it is killed.")
+    # Not absl's bounds, which let nan through: nan fails every comparison.
+    flags.register_validator("grace_seconds", lambda seconds: 0 <= seconds <= MAX_GRACE_SECONDS,
+                             f"must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g}",
+                             flag_values=fv)
     if cli.wants_help(own):
         return cli.show_help(__doc__, fv)
     try:
@@ -382,7 +365,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--num_workers={fv.num_workers}: this host holds at most {most} "
                               f"({why})")
         return launch(fv.num_workers, fv.max_restarts, fv.grace_seconds, train_flags)
-    except UserError as e:  # ConfigError, PortError, WorkerStartError
+    except UserError as e:  # ConfigError, HostLimitError
         _say(f"error: {e}", sys.stderr)
         return e.exit_code
 
