@@ -57,9 +57,23 @@ _original_stderr = None
 
 @contextlib.contextmanager
 def filtering():
-    """Filters this process's stderr for the block (see `start`), and flushes
-    and restores it however the block ends."""
-    start()
+    """Routes this process's stderr through the filter for the block, unless
+    DMPT_VERBOSE is set or it is already routed, and flushes and restores it
+    however the block ends; at the end, waits (briefly) until the filter has
+    passed on every line written. Enter before TensorFlow is imported."""
+    global _filter_process, _original_stderr
+    if _filter_process is None and os.environ.get(VERBOSE_ENV, "") in ("", "0"):
+        sys.stderr.flush()
+        try:
+            _filter_process = subprocess.Popen(
+                stopping.helper_command("distributed_mpt.process.log_filter"),
+                stdin=subprocess.PIPE, stdout=2, stderr=subprocess.DEVNULL)
+        except OSError:
+            pass  # no filter: the lines are noise, never a reason to fail
+        else:
+            _original_stderr = os.dup(2)
+            os.dup2(_filter_process.stdin.fileno(), 2)
+            _filter_process.stdin.close()
     try:
         yield
     finally:
@@ -67,41 +81,15 @@ def filtering():
             sys.stdout.flush()
             sys.stderr.flush()
         finally:  # stderr put back even if stdout cannot be written (console.py)
-            stop()
-
-
-def start() -> None:
-    """Routes this process's stderr through the filter, unless DMPT_VERBOSE
-    is set or it is already routed. Call before TensorFlow is imported."""
-    global _filter_process, _original_stderr
-    if _filter_process is not None or os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
-        return
-    sys.stderr.flush()
-    try:
-        _filter_process = subprocess.Popen(
-            stopping.helper_command("distributed_mpt.process.log_filter"), stdin=subprocess.PIPE,
-            stdout=2, stderr=subprocess.DEVNULL)
-    except OSError:
-        return  # no filter: the lines are noise, never a reason to fail
-    _original_stderr = os.dup(2)
-    os.dup2(_filter_process.stdin.fileno(), 2)
-    _filter_process.stdin.close()
-
-
-def stop() -> None:
-    """Puts stderr back and waits (briefly) until the filter has passed on
-    every line written so far."""
-    global _filter_process, _original_stderr
-    if _filter_process is None:
-        return
-    sys.stderr.flush()
-    os.dup2(_original_stderr, 2)
-    os.close(_original_stderr)
-    # Child processes that still hold the pipe (a watchdog about to exit)
-    # keep it open a little longer: do not wait for them.
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        _filter_process.wait(timeout=2)
-    _filter_process = _original_stderr = None
+            if _filter_process is not None:
+                sys.stderr.flush()
+                os.dup2(_original_stderr, 2)
+                os.close(_original_stderr)
+                # Child processes that still hold the pipe (a watchdog about to
+                # exit) keep it open a little longer: do not wait for them.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    _filter_process.wait(timeout=2)
+                _filter_process = _original_stderr = None
 
 
 # A piece of output: a line, or a progress bar's update (ended by \r).
