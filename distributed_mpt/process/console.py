@@ -37,11 +37,10 @@ class _DroppedWhenUnread:
     """A text stream whose writes succeed after its reader has gone, and
     that raises ConsoleError once when it cannot be written."""
 
-    closed_at_start = False  # the process began with it closed (`>&-`): /dev/null now
-
-    def __init__(self, stream, name: str):
+    def __init__(self, stream, name: str, closed_at_start: bool):
         self._stream = stream
         self._name = name
+        self.closed_at_start = closed_at_start  # `>&-` as the process began: /dev/null now
 
     def write(self, text: str) -> int:
         try:
@@ -114,8 +113,7 @@ def _survive_lost_readers() -> None:
         closed = getattr(sys, name) is None
         stream = getattr(sys, name) or open(_occupy(fd), "w", closefd=False)
         if not isinstance(stream, _DroppedWhenUnread):
-            stream = _DroppedWhenUnread(stream, said_as)
-            stream.closed_at_start = closed
+            stream = _DroppedWhenUnread(stream, said_as, closed)
         setattr(sys, name, stream)
 
 

@@ -253,7 +253,7 @@ def _read_record(fd: int):
 def _read_holder(fd: int) -> str:
     """'pid P on host H since T' from the lock file, as far as it says."""
     try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode())
+        holder = json.loads(os.pread(fd, _RECORD_BYTES, 0).decode())
         return f"pid {holder['pid']} on host {holder['host']} since {holder['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not yet written its name"

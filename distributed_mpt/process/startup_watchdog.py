@@ -23,7 +23,7 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-from distributed_mpt.errors import status_of_signal
+from distributed_mpt.errors import UserError, status_of_signal
 from distributed_mpt.process import stopping
 
 POLL_SECONDS = 0.2
@@ -117,7 +117,6 @@ def _remove_new_model_dir(parent: int, model_dir: str, own_files: Sequence[str])
     `model_dir` it created, under the lock, if it holds nothing but the
     lock file and `own_files`; a run that took the directory meanwhile
     keeps it."""
-    from distributed_mpt.errors import UserError
     from distributed_mpt.process.run_lock import RunLock
 
     gone_by = time.monotonic() + 60

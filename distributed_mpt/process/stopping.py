@@ -110,7 +110,7 @@ class _Owner:
     def __init__(self):
         self.phase = Phase.STARTING
         self.requested = False
-        self._on_request: Optional[Callable[[], None]] = None
+        self.on_request: Optional[Callable[[], None]] = None  # see `enter`
         self.undo_start: Optional[Callable[[], None]] = None  # see `on_stop_before_training`
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
@@ -129,11 +129,6 @@ class _Owner:
             threading.Thread(target=self._watch, daemon=True, name="stop-signals").start()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-    def enter(self, phase: Phase, on_request: Optional[Callable[[], None]]) -> None:
-        self.phase = phase
-        if on_request is not None:
-            self._on_request = on_request
 
     def _watch(self) -> None:
         while True:
@@ -166,8 +161,8 @@ class _Owner:
                 os._exit(ExitCode.ABORTED)
             return
         self.requested = True  # before anything that can fail
-        if self._on_request is not None:
-            self._on_request()
+        if self.on_request is not None:
+            self.on_request()
         what = ("after the steps under way, with a checkpoint"
                 if self.phase == Phase.TRAINING else
                 "once the run is complete: evaluating and exporting first")
@@ -252,7 +247,9 @@ def enter(phase: Phase, on_request: Optional[Callable[[], None]] = None) -> None
     called (from another thread) when a stop is requested. Without an owner
     (a library caller, a test) there is nothing to do."""
     if _owner is not None:
-        _owner.enter(phase, on_request)
+        _owner.phase = phase
+        if on_request is not None:
+            _owner.on_request = on_request
 
 
 def on_stop_before_training(undo: Optional[Callable[[], None]]) -> None:
