@@ -165,16 +165,21 @@ def _measure(fv: flags.FlagValues, argv) -> int:
         results = run_benchmark(options)
     # The file first: the report's console may fail (console.py), the file must not.
     unwritten = options.output and _write(options.output, results)
-    print(format_report(results), flush=True)
-    if unwritten:
-        print(f"error: {unwritten}", file=sys.stderr, flush=True)
-        return ExitCode.USAGE
-    if options.output:
-        print(f"wrote {options.output}", flush=True)
-    failed = {name: s["failed"] for name, s in results["sections"].items() if "failed" in s}
-    for name, reason in failed.items():
-        print(f"error: section {name} FAILED: {reason}", file=sys.stderr)
-    return ExitCode.CRASHED if failed else ExitCode.OK
+    try:
+        print(format_report(results), flush=True)
+        if unwritten:
+            print(f"error: {unwritten}", file=sys.stderr, flush=True)
+            return ExitCode.USAGE
+        if options.output:
+            print(f"wrote {options.output}", flush=True)
+        failed = {name: s["failed"] for name, s in results["sections"].items() if "failed" in s}
+        for name, reason in failed.items():
+            print(f"error: section {name} FAILED: {reason}", file=sys.stderr)
+        return ExitCode.CRASHED if failed else ExitCode.OK
+    except KeyboardInterrupt as stop:  # a stop now: main's "nothing written" is no longer so
+        if not options.output or unwritten:
+            raise
+        return cli.interrupted(stop, f"wrote {options.output}")
 
 
 def _check_name(output: str) -> None:

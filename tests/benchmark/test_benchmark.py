@@ -92,6 +92,24 @@ def test_a_stopped_benchmark_leaves_no_cell_running(tmp_path):
     assert not left and not output.exists()
 
 
+def test_a_stop_after_the_output_is_written_says_it_was_written(tmp_path, monkeypatch, capsys):
+    """A stop while the report is printed (a paused console, say), after
+    --output is written, said `interrupted: nothing written`: the file was there."""
+    report = cli.format_report
+
+    def format_report(results):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises here
+        return report(results)
+
+    monkeypatch.setattr(sections, "run_cell", lambda cell: dict(FIGURES))
+    monkeypatch.setattr(cli, "format_report", format_report)
+    output = tmp_path / "bench.json"
+    assert cli.main(["--tiny", "--sections=training", f"--output={output}"]) == ExitCode.PREEMPTED
+    assert json.loads(output.read_text())["sections"]["training"]["rows"]
+    assert capsys.readouterr().err.splitlines()[-1] == f"interrupted: wrote {output}"
+
+
 def test_a_failing_section_is_reported_failed_and_the_exit_status_is_1(tmp_path, monkeypatch,
                                                                        capsys):
     def run_cell(cell):  # one replica trains, several break
