@@ -9,9 +9,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def run() -> None:
-    """The console script (setup.py). The command line is imported here, not
+    """The console script (setup.py), ended at once when done, every output
+    written (see `stopping.exit_now`). The command line is imported here, not
     with the package: `python -m distributed_mpt.benchmark.cells` (a cell's
     process) found its module imported already, and Python warned of it."""
-    from distributed_mpt.benchmark import cli
+    from distributed_mpt import cli
+    from distributed_mpt.benchmark.cli import main
 
-    cli.run()
+    cli.console_script(main)

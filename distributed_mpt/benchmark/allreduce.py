@@ -107,15 +107,14 @@ def time_in_this_worker(spec: AllReduce) -> dict:
             seconds.append((time.perf_counter() - started) / calls)
         return seconds
 
-    sizes = []
-    for size in spec.sizes:
-        values = tf.ones([max(size // 4, 1)], tf.float32)
-        sizes.append({"bytes": size, "calls": calls_per_block(size),
-                      "seconds": timed(values, calls_per_block(size))})
-        del values
+    def ones(size: int):
+        return tf.ones([max(size // 4, 1)], tf.float32)
+
+    sizes = [{"bytes": size, "calls": calls_per_block(size),
+              "seconds": timed(ones(size), calls_per_block(size))} for size in spec.sizes]
     packed = []
     if spec.gradients:
-        values = [tf.ones([max(size // 4, 1)], tf.float32) for size in spec.gradients]
+        values = [ones(size) for size in spec.gradients]
         calls = calls_per_block(sum(spec.gradients))
         # TensorFlow reduces the gradients last first (so that those the
         # backward pass makes first go first): count the packs that way.
@@ -192,4 +191,4 @@ def measure_and_fit(workers=(2, 3), repeats: int = 3) -> Tuple[float, float, str
 
 if __name__ == "__main__":
     from distributed_mpt.process import stopping
-    stopping.exit_now(cells.main({AllReduce.__name__: (AllReduce, time_in_this_worker)}))
+    stopping.exit_now(cells.main([(AllReduce, time_in_this_worker)]))

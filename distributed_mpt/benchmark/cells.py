@@ -118,10 +118,6 @@ def measure(cell: Cell) -> dict:
             * roof.forward_flops(loop.model)}
 
 
-# What the cell process measures, by the name of what it is given.
-_MEASURES = {Cell.__name__: (Cell, measure), roof.Roof.__name__: (roof.Roof, roof.measure)}
-
-
 def run_cell(cell) -> dict:
     """Measures `cell` in fresh processes: one, or its `workers` as a job on
     127.0.0.1. Returns the (chief's) figures; raises RuntimeError naming the
@@ -180,11 +176,11 @@ def _killed_by(number: int) -> str:
     return f"killed by {name}" + (" (out of memory?)" if number == signal.SIGKILL else "")
 
 
-def main(measures=None) -> int:
-    """The cell process: measures the cell given as its kind and JSON (with
-    the function `measures`, by default the cells' and roofs', has for its
-    kind), prints its figures; returns the exit status."""
-    kind, measure_cell = (measures or _MEASURES)[sys.argv[1]]
+def main(measures=((Cell, measure), (roof.Roof, roof.measure))) -> int:
+    """The cell process: measures the cell given as its kind's name and JSON
+    (with the function `measures` pairs with its kind), prints its figures;
+    returns the exit status."""
+    kind, measure_cell = {kind.__name__: (kind, f) for kind, f in measures}[sys.argv[1]]
     cli.libraries_warnings_stay_warnings()
     try:
         figures = measure_cell(kind(**json.loads(sys.argv[2])))

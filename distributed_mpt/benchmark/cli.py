@@ -142,16 +142,11 @@ def parse_options(fv: flags.FlagValues, argv) -> BenchmarkOptions:
     return options
 
 
-def _help_text() -> str:
-    """This module's docstring and each section's description."""
-    about = "\n".join(textwrap.fill(f"{name}: {s.about}.", 79, initial_indent="  ",
-                                    subsequent_indent="      ") for name, s in SECTIONS.items())
-    return f"{__doc__}\nSections:\n{about}\n"
-
-
 def main(argv=None) -> int:
     """Runs the benchmark from command-line flags; returns the exit status."""
-    return cli.run_main(_help_text(), _flag_values(), _measure, argv,
+    about = "\n".join(textwrap.fill(f"{name}: {s.about}.", 79, initial_indent="  ",
+                                    subsequent_indent="      ") for name, s in SECTIONS.items())
+    return cli.run_main(f"{__doc__}\nSections:\n{about}\n", _flag_values(), _measure, argv,
                         on_interrupt="nothing written")
 
 
@@ -208,9 +203,3 @@ def _write(output: str, results: dict) -> Optional[str]:
     except UserError as e:  # it became a link to a link that is no file, meanwhile
         return f"{e}; the report above is all there is"
     return None
-
-
-def run() -> None:
-    """Console-script entry point. Ends the process at once when done,
-    every output written (see `stopping.exit_now`)."""
-    cli.console_script(main)

@@ -119,8 +119,7 @@ class Benchmark:
     def _measured(self, cell) -> dict:
         if cell not in self._cells:
             try:
-                self._cells[cell] = run_cell(cell)
-                figures = self._cells[cell]
+                figures = self._cells[cell] = run_cell(cell)
                 _progress(f"{cell.describe()}: " + (
                     f"{figures['examples_per_second']:,.1f} ex/s" if "rows" not in figures else
                     f"{max(r['flops_per_second'] for r in figures['rows']) / 1e9:,.1f} GFLOP/s"))
@@ -134,9 +133,8 @@ class Benchmark:
         """(model, precision, batch) of every single-replica cell; the
         precisions of a model and batch one after another, so that the load
         of a shared machine changes little between the two of a speedup."""
-        for model, batch, policy in itertools.product(
-                self.options.models, self.options.batch_sizes, self.precisions):
-            yield model, policy, batch
+        return ((model, policy, batch) for model, batch, policy in itertools.product(
+            self.options.models, self.options.batch_sizes, self.precisions))
 
     def roof(self) -> list:
         """Every kernel in the compute dtype of each precision."""
