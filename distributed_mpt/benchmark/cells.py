@@ -67,9 +67,7 @@ class Cell:
 def measure(cell: Cell) -> dict:
     """Trains `cell` in this process with `trainer.Trainer` on its own input
     pipeline: a warm-up call, then `repeats` timed calls of the loop. Returns
-    the best examples/s, every call's rate, the steps per call, the number
-    of replicas, the peak memory (of GPU:0 on GPUs, else of this process),
-    and the FLOPs one example's training step takes."""
+    its figures; the peak memory is GPU:0's on GPUs, else this process's."""
     import tensorflow as tf
 
     from distributed_mpt import config
