@@ -108,7 +108,8 @@ BATCHES = {"airbench": 1024, "resnet9": 512}
 # The development machine's step at the same batches in float32, measured
 # there with the benchmark while 7 other jobs shared its 2 cores (AMD EPYC
 # Zen 1, AVX2; docs/scaling.md): the best of 3 calls.
-CPU_STEPS = {name: (BATCHES[name] / rate, f"{rate} ex/s measured on a shared 2-core AMD EPYC (Zen 1)")
+CPU_STEPS = {name: (BATCHES[name] / rate,
+                    f"{rate} ex/s measured on a shared 2-core AMD EPYC (Zen 1)")
              for name, rate in (("airbench", 34.6), ("resnet9", 16.0))}
 
 # The gRPC ring (--communication=ring), fitted on the loopback sweep of
