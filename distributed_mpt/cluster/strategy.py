@@ -65,10 +65,6 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
         return tf.distribute.MirroredStrategy(
             [f"/cpu:{i}" for i in range(cpu_replicas)] if cpu_replicas else None)
     assert name == "multi_worker", name  # resolve_strategy_name returns no other
-    return _multi_worker(cluster, communication)
-
-
-def _multi_worker(cluster: Cluster, communication: str):
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster.tf_config["cluster"]), task_type=cluster.task_type,
         task_id=cluster.task_index, rpc_layer="grpc")
@@ -85,7 +81,6 @@ def _multi_worker(cluster: Cluster, communication: str):
             f"Could not start gRPC server on port {cluster.own_address.rpartition(':')[2]} "
             f"({cluster.own_address}): the port is taken on some address of this host "
             f"(see `ss -ltnp`)") from None
-
     barrier(strategy)()  # every peer has joined
     return strategy
 
