@@ -28,6 +28,7 @@ nor in http.client's, which quote them. Whatever fails in setting it up is
 a warning too: reporting never stops a run.
 """
 
+import contextlib
 import datetime
 import http.client
 import json
@@ -35,7 +36,6 @@ import os
 import re
 import socket
 import ssl
-import sys
 import threading
 import time
 import urllib.parse
@@ -290,9 +290,7 @@ def _https_endpoint(url: str) -> Tuple[str, int, str]:
 def _shown(url: str) -> str:
     """`url` for a message, without its user name and password or its query
     and fragment: each may hold a credential (https://user:pw@..., ?token=...)."""
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        scheme, rest = "", url
+    scheme, separator, rest = url.partition("://") if "://" in url else ("", "", url)
     if "@" in rest:  # up to the last: a password may hold / ? # unencoded
         rest = "...@" + rest.rpartition("@")[2]
     address, query = re.match(r"([^?#]*)(.*)", rest, re.DOTALL).groups()
@@ -365,7 +363,5 @@ def _why(error: Exception, seconds: float) -> str:
 
 
 def _warn(message: str) -> None:
-    try:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - a console that went away (process/console.py)
-        pass
+    with contextlib.suppress(Exception):  # a console that went away (process/console.py)
+        files.warn(message)
