@@ -345,12 +345,12 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster:
         raise ClusterError(f"TensorFlow's SlurmClusterResolver cannot place SLURM task {rank} of "
                            f"{num_tasks} (it answers task {task_type} {task_index} of {len(workers)} "
                            "workers): check SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE")
-    _check_placement(environ, workers[rank], port)
+    _check_placement(environ, rank, workers[rank], port)
     return _make_cluster({"worker": workers}, "worker", rank)
 
 
-def _check_placement(environ: Mapping[str, str], address: str, port: int) -> None:
-    """Refuses an address for this task that is not where SLURM started it.
+def _check_placement(environ: Mapping[str, str], rank: int, address: str, port: int) -> None:
+    """Refuses the `address` of task `rank` if it is not where SLURM started it.
 
     The resolver sorts the step's nodes by name (node10 before node2) and
     fills each with consecutive ranks; SLURM numbers nodes in its own order
@@ -363,9 +363,8 @@ def _check_placement(environ: Mapping[str, str], address: str, port: int) -> Non
     expected = f"{node}:{port + local}"
     if address != expected:
         raise ClusterError(
-            f"TensorFlow's SlurmClusterResolver places SLURM task "
-            f"{_int_env(environ, 'SLURM_PROCID')} at "
-            f"{_short(address)}, but SLURM started it on {_short(node)} as local task {local} "
+            f"TensorFlow's SlurmClusterResolver places SLURM task {rank} at {_short(address)}, "
+            f"but SLURM started it on {_short(node)} as local task {local} "
             f"({_short(expected)}): the resolver orders nodes by name and fills them in turn; use "
             "node names that sort in SLURM's order (node01, not node1) and srun's block distribution, "
             "or set TF_CONFIG")
