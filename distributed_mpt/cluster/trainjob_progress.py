@@ -29,7 +29,6 @@ a warning too: reporting never stops a run.
 """
 
 import contextlib
-import datetime
 import http.client
 import json
 import os
@@ -90,7 +89,6 @@ class TrainJobStatus:
         self._changed = threading.Condition()
         self._close_by: Optional[float] = None  # time.monotonic(), once close() is called
         self._warned = False
-        self._warning = threading.Lock()  # close() warns too, of a thread it gave up on
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                         name="trainjob-status")
         self._thread.start()
@@ -115,8 +113,7 @@ class TrainJobStatus:
         status = {"progressPercentage": int(max(0, min(100, progress_percent))),
                   "metrics": [{"name": name, "value": f"{value:.6g}"}
                               for name, value in metrics.items()],
-                  "lastUpdatedTime": datetime.datetime.now(datetime.timezone.utc)
-                  .isoformat(timespec="seconds").replace("+00:00", "Z")}
+                  "lastUpdatedTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if eta_seconds is not None:  # the CRD's field is an int32: the controller refuses more
             status["estimatedRemainingSeconds"] = int(min(round(eta_seconds), 2**31 - 1))
         with self._changed:
@@ -189,7 +186,7 @@ class TrainJobStatus:
     def _failed(self, why: str) -> None:
         """A warning for the first report that failed: a server that is down
         stays down."""
-        with self._warning:
+        with self._changed:  # close() warns too, of a thread it gave up on
             warned, self._warned = self._warned, True
         if not warned:
             _warn(f"TrainJob progress not reported to {_shown(self._url)} "
