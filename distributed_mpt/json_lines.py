@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import stat
 from typing import Iterator, List, Optional, Tuple
 
 from distributed_mpt import files
@@ -112,10 +113,30 @@ def add_lines(fd: int, records: List[dict], path: str) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
+def open_appending(path: str, remedy: str = _REMEDY) -> int:
+    """A descriptor of the JSON-lines file at `path` (made if missing), open
+    for appending; files.DamagedFileError, naming `remedy`, if it is not a
+    regular file. Opened without blocking: a FIFO put in its place after the
+    start's checks blocked the open, and the run hung instead of ending."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
+                     | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: a FIFO that no one reads, or a socket
+            raise
+    else:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+    with files.reading_ours(path, remedy):  # its words for what is not a regular file
+        raise files.NotRegularFileError(files.kind_of(path))
+
+
 def append_records(path: str, records: List[dict]) -> None:
     """Adds `records` to the JSON-lines file at `path` (made if missing), as
     add_lines does."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fd = open_appending(path)
     try:
         add_lines(fd, records, path)
     finally:

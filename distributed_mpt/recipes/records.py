@@ -228,7 +228,7 @@ def append(path: str, records: List[dict]) -> List[dict]:
     lock on the ledger: two measurements ending at once each read it and
     wrote it back with their own records only, and one's were lost."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = json_lines.open_appending(path, _REMEDY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             held, problems = read_jsonl(path, {"kind": str}, _REMEDY)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import deadline
 from distributed_mpt import files
-from distributed_mpt.json_lines import MAX_LINE_BYTES, JsonLines, read_jsonl
+from distributed_mpt.json_lines import MAX_LINE_BYTES, JsonLines, append_records, read_jsonl
 
 
 @pytest.mark.parametrize("tail, damage, after", [
@@ -112,3 +112,21 @@ def test_a_file_read_whole_is_still_bounded(tmp_path, monkeypatch):
     with pytest.raises(files.DamagedFileError, match="is larger than any file this program "):
         read_jsonl(str(path))
     assert len(list(JsonLines(str(path)))) == 100, "read a line at a time, it has no bound"
+
+
+@pytest.mark.parametrize("reader", [False, True], ids=["no reader", "a reader"])
+def test_a_fifo_put_in_place_of_a_log_is_refused_not_waited_on(tmp_path, reader):
+    """metrics.jsonl replaced by a FIFO after the start's checks: the open
+    to append a record waited for a reader, and the run hung (with one, the
+    record went down the pipe). Now one error names it."""
+    path = tmp_path / "metrics.jsonl"
+    os.mkfifo(path)
+    held = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if reader else None
+    try:
+        with deadline(30), pytest.raises(files.DamagedFileError) as raised:
+            append_records(str(path), [{"step": 1}])
+    finally:
+        if held is not None:
+            os.close(held)
+    assert str(raised.value) == (f"{path} is a FIFO, not a regular file; move it away, or "
+                                 f"choose another --model_dir")

@@ -351,6 +351,23 @@ def test_a_ledger_on_a_full_disk_is_one_error_and_left_as_it_was(tmpfs):
     assert sorted(p.name for p in mount_point.iterdir()) == ["filler", "ledger.jsonl"]
 
 
+def test_a_fifo_put_in_place_of_the_ledger_is_one_error_not_a_hang(tmp_path):
+    """measure checks its ledger before the first seed and adds to it after
+    the last, hours later: a FIFO put there meanwhile blocked the open that
+    appends, and measure hung instead of ending with one error."""
+    from conftest import deadline
+    from distributed_mpt import files
+    from distributed_mpt.recipes import records
+
+    ledger = tmp_path / "ledger.jsonl"
+    os.mkfifo(ledger)
+    machine = {"kind": "machine", "machine": "m", "cpu": "c", "column": "c"}
+    with deadline(30), pytest.raises(files.DamagedFileError) as raised:
+        records.append(str(ledger), [machine])
+    assert str(raised.value) == (f"{ledger} is a FIFO, not a regular file; mend it, or restore "
+                                 f"it from version control")
+
+
 _RECORDING = """
 import os, sys, time
 from distributed_mpt.recipes import records
