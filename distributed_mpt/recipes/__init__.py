@@ -28,38 +28,24 @@ def path(name: str) -> str:
     return str(_DIRECTORY / f"{name}.flags")
 
 
-def summary(name: str) -> str:
-    """Recipe `name` in one line: the first line of its header."""
-    with open(path(name)) as f:
-        return f.readline().lstrip("# ").strip()
-
-
-def measured(name: str) -> str:
-    """What recipe `name` reached: its header's "# Measured" lines, which the
-    results ledger renders (render.py), in one paragraph."""
-    with open(path(name)) as f:
-        lines = f.read().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("# Measured")), None)
-    if start is None:
-        return "not measured"
-    return " ".join(line[4:] for line in lines[start + 1:] if line.startswith("#   "))
-
-
-def flags(name: str) -> list:
-    """The flags recipe `name` sets, as its file gives them."""
-    with open(path(name)) as f:
-        return [line.strip() for line in f if line.startswith("--")]
-
-
 def describe_all() -> str:
-    """Every recipe: what it is, what it reached and what it sets (for --help)."""
+    """Every recipe: what it is (its header's first line), what it reached
+    (its "# Measured" lines, which the results ledger renders: render.py)
+    and what it sets (for --help)."""
     import textwrap
 
     parts = ["Recipes (--recipe=NAME; flags given explicitly override the recipe's):"]
     for name in names():
-        parts.append(f"  {name}: {summary(name)}")
-        parts += textwrap.wrap("Measured: " + measured(name), 80, initial_indent="    ",
+        with open(path(name)) as f:
+            lines = f.read().splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("# Measured")), None)
+        measured = "not measured" if start is None else \
+            " ".join(line[4:] for line in lines[start + 1:] if line.startswith("#   "))
+        parts.append(f"  {name}: {lines[0].lstrip('# ').strip()}")
+        parts += textwrap.wrap("Measured: " + measured, 80, initial_indent="    ",
                                subsequent_indent="      ")
-        parts += textwrap.wrap("Sets: " + " ".join(flags(name)), 80, initial_indent="    ",
-                               subsequent_indent="      ", break_on_hyphens=False)
+        parts += textwrap.wrap("Sets: " + " ".join(line.strip() for line in lines
+                                                   if line.startswith("--")),
+                               80, initial_indent="    ", subsequent_indent="      ",
+                               break_on_hyphens=False)
     return "\n".join(parts)

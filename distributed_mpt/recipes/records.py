@@ -24,6 +24,7 @@ Three kinds of record (`kind`):
 A field not known is null: nothing here is estimated.
 """
 
+import contextlib
 import fcntl
 import json
 import math
@@ -114,8 +115,7 @@ def wall_seconds(run: dict) -> Optional[float]:
 
 
 def recorded_unit(run: dict) -> str:
-    """The unit the run's wall time was recorded in: "s", or "min" where
-    only minutes were."""
+    """The unit its wall time was recorded in: "s", or "min" where only minutes were."""
     return "s" if run.get("wall_seconds") is not None else "min"
 
 
@@ -291,13 +291,10 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
     machine, is_new = ledger_machine([r for r in existing if r.get("kind") == "machine"])
     records = [machine] if is_new else []
     ids = {r.get("id") for r in existing}
-
-    def end_of(summary_path):
-        return datetime.datetime.fromtimestamp(os.path.getmtime(summary_path),
-                                               datetime.timezone.utc)
-    first_end = end_of(finished[0][2]).strftime("%Y-%m-%d %H:%M UTC") if finished else None
-    for seed, summary, summary_path in finished:
-        ended = end_of(summary_path)
+    ends = [datetime.datetime.fromtimestamp(os.path.getmtime(summary_path), datetime.timezone.utc)
+            for *_, summary_path in finished]
+    first_end = ends[0].strftime("%Y-%m-%d %H:%M UTC") if ends else None
+    for (seed, summary, _), ended in zip(finished, ends):
         run_id = f"{recipe}/{ended.strftime('%Y-%m-%dT%H:%M:%SZ')}/seed-{seed}"
         if run_id in ids:
             continue
@@ -305,14 +302,12 @@ def record_runs(path: str, recipe: str, finished: List[tuple], train_flags: List
             "kind": "run", "id": run_id, "recipe": recipe,
             "set": f"{recipe}@{commit} on {machine['machine']}" + (f" {label}" if label else ""),
             "session": f"{recipe} measured by measure.py, {first_end}", "against": None,
-            "command": command,
-            "commit": commit, "recorded_in": None, "date": ended.date().isoformat(),
-            "machine": machine["machine"], "precision": summary.get("precision"), "seed": seed,
-            "eval_accuracy": summary.get("eval_accuracy"),
-            "eval_accuracy_without_tta": summary.get("eval_accuracy_without_tta"),
-            "wall_seconds": summary.get("wall_seconds"),
-            "examples_per_second": summary.get("examples_per_second"),
-            "peak_memory_bytes": summary.get("peak_memory_bytes"),
+            "command": command, "commit": commit, "recorded_in": None,
+            "date": ended.date().isoformat(), "machine": machine["machine"],
+            "precision": summary.get("precision"), "seed": seed,
+            **{key: summary.get(key) for key in ("eval_accuracy", "eval_accuracy_without_tta",
+                                                 "wall_seconds", "examples_per_second",
+                                                 "peak_memory_bytes")},
             "shared": shared or None, "conditions": conditions, "notes": None, "flags": run_flags})
     return append(path, records) if any(r["kind"] == "run" for r in records) else []
 
@@ -343,13 +338,10 @@ def describe_machine(cpuinfo: str = "/proc/cpuinfo",
     family 6, model 167, at 2.0 and at 2.6 GHz): the highest frequency cpufreq
     states, else /proc/cpuinfo's "cpu MHz" (fixed in a virtual machine)."""
     fields = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(cpuinfo) as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
     isa = ", ".join(i.upper() for i in ("avx512_bf16", "amx_bf16", "avx512f", "avx2")
                     if i in flags) or "no AVX2"

@@ -16,6 +16,7 @@ Where the figures go:
                   joined by "+", optionally " seeds=A-B")
 """
 
+import itertools
 import re
 import sys
 import textwrap
@@ -233,10 +234,8 @@ def session_table(ledger: Ledger, session: str) -> str:
     if not runs:
         raise ConfigError(f"the ledger has no session {session!r}")
     rows, order = [], 1
-    while runs:
-        group = [runs.pop(0)]
-        while runs and runs[0]["set"] == group[0]["set"]:
-            group.append(runs.pop(0))
+    for _, consecutive in itertools.groupby(runs, key=lambda run: run["set"]):
+        group = list(consecutive)
         differs = variant(group[0]["flags"], group[0]["recipe"])
         label = f"`{group[0]['recipe']}` " + (f"`{differs}`, " if differs else "")
         label += ("seed " if len(group) == 1 else "seeds ") + ", ".join(str(r["seed"])

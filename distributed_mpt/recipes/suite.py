@@ -64,11 +64,10 @@ def lines(ledger: Ledger, suite: str, count: int) -> str:
 
 def render(ledger: Ledger, readme: str, counts: Optional[dict]) -> str:
     """`readme` with its suite lines rendered; `counts` None: as it states them."""
-    if counts is None:
-        counts = {suite: int(re.search(r"(\d+) tests", pattern.search(readme).group(0)).group(1))
-                  for suite, (pattern, _) in _SUITES.items()}
     for suite, (pattern, _) in _SUITES.items():
-        readme = pattern.sub(lambda m: lines(ledger, suite, counts[suite]), readme)
+        count = counts[suite] if counts is not None else \
+            int(re.search(r"(\d+) tests", pattern.search(readme).group(0)).group(1))
+        readme = pattern.sub(lambda m: lines(ledger, suite, count), readme)
     return readme
 
 
