@@ -312,9 +312,9 @@ _README_QUOTES: List[tuple] = [
      lambda ledger: "{:.2f}".format(
          1 / time_ratio(ledger, headline_set(ledger, "cpu_cnn94_muon")))),
     # Below the table: cpu_cnn94's run on the Xeon, in whole minutes.
-    (re.compile(r"(The 2\.0 GHz Xeon's )([0-9]+)( min)"), lambda ledger: wall_time(statistics_of(_walls(
-        headline_set(ledger, "cpu_cnn94", ledger.machines[XEON]["column"])))["mean"], digits=0,
-        with_unit=False)),
+    (re.compile(r"(The 2\.0 GHz Xeon's )([0-9]+)( min)"), lambda ledger: wall_time(
+        statistics_of(_walls(headline_set(ledger, "cpu_cnn94", ledger.machines[XEON]["column"])))
+        ["mean"], digits=0, with_unit=False)),
 ]
 
 
