@@ -184,7 +184,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
     is_chief = cluster is None or cluster.is_chief
     reading = f"reading --dataset={config.data.dataset}"  # 100,000 images: minutes
     with console.lines_while(reading, PROGRESS_SECONDS, say=is_chief):
-        dataset = config.data.load(config.run.seed)
+        dataset = config.data.load(config.run.seed, headroom=memory.headroom())
     plan = plan_run(config, strategy.num_replicas_in_sync,
                     cluster.num_workers if cluster else 1, len(dataset.train))
     precision.set_precision(plan.policy)

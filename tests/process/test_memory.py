@@ -293,3 +293,23 @@ def test_without_malloc_trim_nothing_is_released(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", WithoutTrim)
     assert memory.release_freed_memory() is False
+
+
+def test_a_real_cgroup_limit_refuses_an_image_folder_before_it_is_decoded(tmp_path):
+    """2,002 images at 512 x 512 (1.6 GB decoded) in a cgroup limited to
+    1.5 GB: the bound before decoding was the host's memory, and the
+    OOM killer ended the run as it decoded (exit 137, no word)."""
+    from PIL import Image
+
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8), (90, 20, 200)).save(photo)
+    for split, count in (("train", 1000), ("test", 1)):
+        for name in ("cats", "dogs"):
+            (tmp_path / "photos" / split / name).mkdir(parents=True)
+            for i in range(count):
+                (tmp_path / "photos" / split / name / f"{i}.png").symlink_to(photo)
+    result = _train_in_cgroup(tmp_path, 1_500_000_000, [
+        *SMOKE_FLAGS, "--dataset=image_folder", f"--data_dir={tmp_path / 'photos'}",
+        "--image_size=512", "--train_steps=2"])
+    assert_one_error_line(result, f"the 2,002 images of {tmp_path / 'photos'} take 1.6 GB of "
+                                  f"memory at --image_size=512, more than the ")

@@ -62,11 +62,12 @@ class DataOptions(Options):
         require_positive(self, "synthetic_examples")
         require_at_most(self, MAX_EXAMPLES, "synthetic_examples")
 
-    def load(self, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+    def load(self, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> Dataset:
         """The `splits` of this dataset, read as these options say (`seed`:
         the run's, which synthetic data and a held-out test split are drawn
-        with); only those splits are read."""
-        return DATASETS[self.dataset].load(self, seed, splits)
+        with); only those splits are read, refused if they would take more
+        memory than `headroom` (process/memory.py's; None: unknown)."""
+        return DATASETS[self.dataset].load(self, seed, splits, headroom)
 
 
 __all__ = ["DATASETS", "DataOptions", "SPLITS", "Dataset", "DatasetInfo", "DatasetSpec",

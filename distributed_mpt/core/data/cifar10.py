@@ -298,11 +298,11 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
     return bool(reached)
 
 
-def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
-    """The `splits` of CIFAR-10 (`options`: a DataOptions; the seed is not
-    used): from the official binary release when `options.data_dir` holds
-    it (`<data_dir>/cifar-10-batches-bin/`), else from tensorflow-datasets,
-    downloaded if `options.download` allows."""
+def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> Dataset:
+    """The `splits` of CIFAR-10 (`options`: a DataOptions; the seed and the
+    headroom are not used: it takes 184 MB): from the official binary
+    release when `options.data_dir` holds it (`<data_dir>/cifar-10-batches-bin/`),
+    else from tensorflow-datasets, downloaded if `options.download` allows."""
     binary_dir = find_binary_release(options.data_dir)
     arrays = (load_cifar10_binary(binary_dir, splits) if binary_dir
               else load_cifar10(options.data_dir, options.download, splits))

@@ -171,9 +171,11 @@ class DatasetSpec:
     """A dataset the package can train on: its name (the --dataset value),
     one line saying what it is, and its loader as "module:function" (imported
     only to load: flags are checked, and a stop obeyed, before NumPy or
-    TensorFlow start a thread), a `(DataOptions, seed, splits) -> Dataset`
-    that returns the `splits` asked for (reading only those) or raises
-    DataUnavailableError saying what is missing and how to get it. `flip`
+    TensorFlow start a thread), a `(DataOptions, seed, splits, headroom)
+    -> Dataset` that returns the `splits` asked for (reading only those) or
+    raises DataUnavailableError saying what is missing and how to get it, or
+    that they take more memory than `headroom` (process/memory.py's, or
+    None: unknown). `flip`
     is its default of --flip: random where a mirror image is the same class
     (CIFAR-10's photos), none where it may not be (digits, text)."""
 
@@ -185,6 +187,7 @@ class DatasetSpec:
     needs_data_dir: str = ""
     flip: str = "random"
 
-    def load(self, options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+    def load(self, options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> Dataset:
         module, _, function = self.loader.partition(":")
-        return getattr(importlib.import_module(module), function)(options, seed, tuple(splits))
+        return getattr(importlib.import_module(module), function)(options, seed, tuple(splits),
+                                                                  headroom)

@@ -59,10 +59,12 @@ _SYSTEMS_FILES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "__macosx", "@eadir
 _LAID_OUT = f"an image folder is laid out as {LAYOUT}"
 
 
-def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> Dataset:
     """The `splits` of the image folder `options.data_dir` (a DataOptions;
     see the module's docstring), a held-out test split drawn with `seed`;
-    raises DataUnavailableError naming what is missing."""
+    raises DataUnavailableError naming what is missing, or naming
+    `headroom` (process/memory.py's: the memory left to this process) if
+    the decoded images would take more."""
     root, fraction = options.data_dir, options.test_fraction
     train_dir, test_dir = os.path.join(root, "train"), os.path.join(root, "test")
     for folder, missing in ((root, "does not exist"), (train_dir, "has no train/ folder")):
@@ -106,7 +108,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
     in_order = {"train": _labelled(train_files, order)}
     if "test" in splits:
         in_order["test"] = _labelled(test_files)
-    room = _room_for(root, in_order, size)
+    room = _room_for(root, in_order, size, headroom)
     decoded = {split: _decode(pairs, room[split], size) for split, pairs in in_order.items()}
     train = decoded["train"]
     mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
@@ -358,20 +360,27 @@ def _labelled(by_class: Dict[int, List[str]], order=None) -> List[Tuple[str, int
     return pairs if order is None else [pairs[i] for i in order]
 
 
-def _room_for(root: str, listed: Dict[str, list], size: Tuple[int, int]) -> Dict[str, np.ndarray]:
+def _room_for(root: str, listed: Dict[str, list], size: Tuple[int, int], headroom
+              ) -> Dict[str, np.ndarray]:
     """Uninitialized uint8 arrays for the images of every split of `listed`,
-    all taken before the first is decoded: a folder larger than the memory
-    the system gives is one error line at once, not a MemoryError's
-    traceback (the test split's after the training images were decoded)."""
+    all taken before the first is decoded: a folder larger than `headroom`
+    or the memory the system gives is one error line at once. A container's
+    limit does not refuse the arrays (pages are taken as they are written):
+    the OOM killer ended the run as it decoded (exit 137, no word); past the
+    host's memory it was a MemoryError's traceback."""
+    count = sum(map(len, listed.values()))
+    needed = count * size[0] * size[1] * 3
     try:
-        return {split: aligned_empty((len(pairs), *size, 3), np.uint8)
-                for split, pairs in listed.items()}
+        if headroom is None or needed <= headroom.bytes:
+            return {split: aligned_empty((len(pairs), *size, 3), np.uint8)
+                    for split, pairs in listed.items()}
+        than = f"the {headroom.describe()}"
     except MemoryError:
-        count = sum(map(len, listed.values()))
-        raise DataUnavailableError(
-            f"the {count:,} images of {quoted(root)} take {count * size[0] * size[1] * 3 / 1e9:.1f}"
-            f" GB of memory at --image_size={size[0]}, more than this process could get: lower "
-            f"--image_size, or give the run more memory") from None
+        than = "this process could get"
+    raise DataUnavailableError(
+        f"the {count:,} images of {quoted(root)} take {needed / 1e9:.1f} GB of memory at "
+        f"--image_size={size[0]}, more than {than}: lower --image_size, or give the run more "
+        f"memory")
 
 
 def _decode(pairs: List[Tuple[str, int]], pixels: np.ndarray, size: Tuple[int, int]

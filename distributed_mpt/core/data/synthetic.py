@@ -14,7 +14,7 @@ NAME = "synthetic"
 INFO = cifar10.INFO
 
 
-def load(options, seed: int, splits: Sequence[str] = SPLITS) -> Dataset:
+def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> Dataset:
     """`options.synthetic_examples` (a DataOptions) training examples and a
     fifth as many test examples, made from `seed` (see `make_synthetic`)."""
     examples = options.synthetic_examples
