@@ -130,8 +130,16 @@ def _class_folders(directory: str, skipped: List[str]) -> List[str]:
     `skipped`, by its path."""
     names = []
     for entry in _entries(directory):
-        if not _skipped_by_name(entry.name) and _is_folder(entry):
+        if _skipped_by_name(entry.name):
+            skipped.append(entry.path)
+        elif _is_folder(entry):
             names.append(entry.name)
+        elif entry.is_symlink() and not os.path.exists(entry.path):
+            # It stands where a class folder may have been: skipped, the run
+            # would train without that class (as a link among the images is refused).
+            raise DataUnavailableError(f"{quoted(entry.path)} is {files.kind_of(entry.path)}, "
+                                       f"among the class folders: point it at its folder of "
+                                       f"images, or move it away")
         else:
             skipped.append(entry.path)
     if not names:
@@ -147,22 +155,7 @@ def _skipped_by_name(name: str) -> bool:
 
 
 def _is_folder(entry: os.DirEntry) -> bool:
-    """Whether `entry` is a folder, or a link to one. DataUnavailableError
-    for a link that leads nowhere (to nothing, or in a loop): it stands
-    where a class folder may have been, and skipped, the run would train
-    without that class (as a link among the images is refused)."""
-    if _is_dir(entry):
-        return True
-    if entry.is_symlink() and not os.path.exists(entry.path):
-        raise DataUnavailableError(f"{quoted(entry.path)} is {files.kind_of(entry.path)}, "
-                                   f"among the class folders: point it at its folder of "
-                                   f"images, or move it away")
-    return False
-
-
-def _is_dir(entry: os.DirEntry) -> bool:
-    """Whether `entry` is a folder or a link to one; a link in a loop is not
-    (it is refused as the image it stands for)."""
+    """Whether `entry` is a folder or a link to one; a link in a loop is not."""
     try:
         return entry.is_dir()
     except OSError:  # ELOOP
@@ -234,7 +227,7 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
         folder = os.path.join(directory, name)
         paths = []
         for entry in _entries(folder, missing_ok=bool(train_dir)):
-            if not _skipped_by_name(entry.name) and _is_dir(entry):
+            if not _skipped_by_name(entry.name) and _is_folder(entry):
                 # Keras and torchvision read such folders: said as "not a regular file",
                 # the user who came from them did not see what to do.
                 raise DataUnavailableError(
