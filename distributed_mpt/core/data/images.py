@@ -233,7 +233,8 @@ def _header_reads_as(name: str, encoded: bytes) -> bool:
 def _png_profiles(encoded: bytes) -> int:
     """How many colour profiles (iCCP chunks) the PNG `encoded` holds.
     Pillow inflates each, up to 1 MB from 1 kB: a 10 MB file of them took
-    three minutes to read (2 cores of an AMD EPYC, shared)."""
+    three minutes to read (2 shared cores of an AMD EPYC family 25 model 1,
+    Zen 3, AVX2 only)."""
     count, at = 0, 8  # after the signature: length, type, data, CRC
     while at + 8 <= len(encoded):
         count += encoded[at + 4:at + 8] == b"iCCP"
