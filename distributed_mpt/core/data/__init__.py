@@ -6,6 +6,7 @@ predict take it from here. The loaders are imported only to load.
 """
 
 import dataclasses
+import importlib
 from typing import Optional, Sequence
 
 from distributed_mpt.core.data.dataset import (SPLITS, Dataset, DatasetInfo, DatasetSpec,
@@ -67,7 +68,9 @@ class DataOptions(Options):
         the run's, which synthetic data and a held-out test split are drawn
         with); only those splits are read, refused if they would take more
         memory than `headroom` (process/memory.py's; None: unknown)."""
-        return DATASETS[self.dataset].load(self, seed, splits, headroom)
+        module, _, function = DATASETS[self.dataset].loader.partition(":")
+        return getattr(importlib.import_module(module), function)(self, seed, tuple(splits),
+                                                                  headroom)
 
 
 __all__ = ["DATASETS", "DataOptions", "SPLITS", "Dataset", "DatasetInfo", "DatasetSpec",

@@ -7,9 +7,8 @@ registry; its loader returns a `Dataset`.
 """
 
 import dataclasses
-import importlib
 import re
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 from distributed_mpt.errors import quoted
 
@@ -186,8 +185,3 @@ class DatasetSpec:
     # (the check's error says so); "": it can.
     needs_data_dir: str = ""
     flip: str = "random"
-
-    def load(self, options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> Dataset:
-        module, _, function = self.loader.partition(":")
-        return getattr(importlib.import_module(module), function)(options, seed, tuple(splits),
-                                                                  headroom)
