@@ -164,9 +164,9 @@ def _is_folder(entry: os.DirEntry) -> bool:
 
 def _check_class_names(directory: str, names: List[str]) -> None:
     """Raises DataUnavailableError, before any image is decoded, unless there
-    are two classes or more and each name is one line of UTF-8 text with a
-    visible character: the export writes them into classes.txt, and predict
-    answers with them."""
+    are two classes or more, no two read as one (dataset.read_as), and each
+    name is one line of UTF-8 text with a visible character: the export
+    writes them into classes.txt, and predict answers with them."""
     for name in names:
         bad = next((c for c in name if unicodedata.category(c) in _BAD_IN_NAMES), None)
         if bad is None and read_as(name):
@@ -182,23 +182,17 @@ def _check_class_names(directory: str, names: List[str]) -> None:
         raise DataUnavailableError(f"class folder {folder} has a control character (U+"
                                    f"{ord(bad):04X}) in its name: rename it (class names are "
                                    f"the lines of the export's classes.txt)")
-    _refuse_names_that_read_the_same(directory, names)
-    if len(names) < 2:
-        raise DataUnavailableError(f"{quoted(directory)} holds one class folder "
-                                   f"({quoted(names[0])}): a classifier needs two classes or "
-                                   f"more, a folder of images of each")
-
-
-def _refuse_names_that_read_the_same(directory: str, names: List[str]) -> None:
-    """DataUnavailableError if two class names read as one (dataset.read_as):
-    two classes that a person reads, and predict prints, as one, each with
-    part of its images."""
+    # Two classes that a person reads, and predict prints, as one, each with part of its images.
     pair = first_pair_read_as_one(names)
     if pair:
         raise DataUnavailableError(
             f"class folders {quoted(os.path.join(directory, pair[0]))} and {quoted(pair[1])} "
             f"read as one name (they differ only in {READ_AS_ONE_BY}) but are two classes: "
             f"merge them, or rename one")
+    if len(names) < 2:
+        raise DataUnavailableError(f"{quoted(directory)} holds one class folder "
+                                   f"({quoted(names[0])}): a classifier needs two classes or "
+                                   f"more, a folder of images of each")
 
 
 def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
