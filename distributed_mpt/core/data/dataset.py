@@ -23,10 +23,18 @@ class ImageSplit:
     labels: "np.ndarray"  # noqa: F821
 
     def __post_init__(self):
+        import numpy as np
+
         # 64-byte aligned, so that the input pipeline shares these buffers
-        # with TensorFlow instead of copying them (pipeline._host_tensors).
+        # with TensorFlow instead of copying them (pipeline._host_tensors):
+        # copied once, if TensorFlow cannot share them as they are.
         for name in ("images", "labels"):
-            object.__setattr__(self, name, _aligned(getattr(self, name)))
+            array = np.asarray(getattr(self, name))
+            if array.size and not shareable(array):
+                aligned = aligned_empty(array.shape, array.dtype)
+                aligned[...] = array
+                array = aligned
+            object.__setattr__(self, name, array)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -55,18 +63,6 @@ def aligned_empty(shape, dtype):
     buffer = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -buffer.ctypes.data % ALIGNMENT
     return buffer[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def _aligned(array):
-    """`array` itself if TensorFlow can share it, else such a copy of it."""
-    import numpy as np
-
-    array = np.asarray(array)
-    if shareable(array) or not array.size:
-        return array
-    aligned = aligned_empty(array.shape, array.dtype)
-    aligned[...] = array
-    return aligned
 
 
 @dataclasses.dataclass(frozen=True)
