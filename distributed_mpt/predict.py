@@ -189,7 +189,7 @@ def _predict(fv: flags.FlagValues, argv) -> int:
 # answers, so that the images are decoded once: those beyond it (100,000
 # photos would not fit in memory) are decoded again, a batch at a time.
 _KEPT_BYTES = 128 << 20
-# Images classified at a time, as eval_views.class_probabilities batches them.
+# Images classified at a time (which bounds memory, not the answer).
 _BATCH = 500
 
 
@@ -299,7 +299,7 @@ def _probabilities(classifier: Classifier, batch: np.ndarray, views: str, fracti
     printed as numbers, they would read as answers."""
     from distributed_mpt.core.eval_views import class_probabilities
 
-    p = class_probabilities(classifier.probabilities, batch, views, fraction)
+    p = class_probabilities(classifier.probabilities, batch, views, fraction, batch_size=_BATCH)
     bad = np.flatnonzero(~np.isfinite(p).all(axis=1))
     if len(bad):
         value = "NaN" if np.isnan(p[bad[0]]).any() else "infinity"

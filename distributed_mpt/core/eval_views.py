@@ -173,7 +173,7 @@ class Evaluator:
 
 
 def class_probabilities(probabilities, some_images: np.ndarray, views: str = "none",
-                        fraction: float = 1.0, batch_size: int = 500) -> np.ndarray:
+                        fraction: float = 1.0, *, batch_size: int) -> np.ndarray:
     """`probabilities` (uint8 images -> float32 [N, classes]) of all
     `some_images`, `batch_size` at a time (which bounds memory, not the
     answer). With test-time `views` (augmentation.TTA_VIEWS), the
