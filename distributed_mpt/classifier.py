@@ -96,12 +96,9 @@ def _load_export(export_dir: str) -> Classifier:
                           f"{MAX_INPUT_SIDE} a side) to float `probabilities` [N, classes]")
     try:
         names = [n.decode() for n in loaded.class_names[0].numpy()]
-    except AttributeError:
-        raise ConfigError(f"{quoted(saved_model)} cannot be loaded (it holds no class names): "
-                          f"{_REEXPORT}") from None
     except Exception as e:  # noqa: BLE001  (not strings: TypeError, UnicodeDecodeError...)
-        raise ConfigError(f"{quoted(saved_model)} cannot be loaded ({quoted(first_line(e))}): "
-                          f"{_REEXPORT}") from None
+        why = "it holds no class names" if isinstance(e, AttributeError) else quoted(first_line(e))
+        raise ConfigError(f"{quoted(saved_model)} cannot be loaded ({why}): {_REEXPORT}") from None
     problem = class_names_problem(names)  # as a run's config.json is checked
     if problem:
         raise ConfigError(f"{quoted(saved_model)} is damaged ({problem}): {_REEXPORT}")
