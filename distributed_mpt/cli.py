@@ -124,14 +124,14 @@ def check_flagfiles(args, seen=()) -> None:
                                          "in UTF-8")
         except files.DamagedFileError as e:
             raise ConfigError(str(e)) from None
-        if text is not None and "\x00" in text:  # /proc/self/environ: not a flagfile
-            raise ConfigError(f"--flagfile={quoted(path)} holds NUL bytes: a flagfile is a text "
-                              f"file of flags, one a line")
-        if text is not None and text.startswith("\ufeff"):  # absl reads it as part of a flag
-            raise ConfigError(f"--flagfile={quoted(path)} begins with a byte order mark (as some "
-                              f"Windows editors save UTF-8): save it without one")
         if text is None:  # a missing file is absl's to report
             continue
+        if "\x00" in text:  # /proc/self/environ: not a flagfile
+            raise ConfigError(f"--flagfile={quoted(path)} holds NUL bytes: a flagfile is a text "
+                              f"file of flags, one a line")
+        if text.startswith("\ufeff"):  # absl reads it as part of a flag
+            raise ConfigError(f"--flagfile={quoted(path)} begins with a byte order mark (as some "
+                              f"Windows editors save UTF-8): save it without one")
         lines = [line.strip() for line in text.splitlines()]
         for line in lines:
             kept = _kept_from_a_shell(line)
@@ -173,17 +173,10 @@ def _working_directory() -> Optional[str]:
         return None
 
 
-def _is_utf8(path: str) -> bool:
-    # A name's bytes that the locale's encoding (ASCII under LC_ALL=C with
-    # PYTHONUTF8=0, or UTF-8 for a Latin-1 name) could not decode arrive as
-    # surrogates (os.fsdecode), which no UTF-8 encoder takes.
-    try:
-        path.encode()
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
+# A name's bytes that the locale's encoding (ASCII under LC_ALL=C with
+# PYTHONUTF8=0, or UTF-8 for a Latin-1 name) could not decode arrive as
+# surrogates (os.fsdecode), which no UTF-8 encoder takes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # `$NAME` or `${NAME}`: what a shell would have expanded.
 _VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
 
@@ -199,7 +192,7 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
         value = fv[name].value or ""
         if fv[name].present and not value.strip():
             raise _empty(name, value)
-        if not _is_utf8(value):  # TensorFlow's file system then raised with a traceback
+        if _SURROGATE.search(value):  # TensorFlow's file system then raised with a traceback
             raise ConfigError(f"--{name}={quoted(value)} is not UTF-8 text, the only paths "
                               f"this program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or "
                               f"PYTHONUTF8=1 if the name is UTF-8, else rename it")
@@ -258,7 +251,8 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     """`main()`'s exit code; a UserError it raises becomes one `error:`
     line on stderr and that error's exit code. With `on_interrupt` (what a
     stop leaves behind, e.g. "nothing written"), Ctrl-C or a stop signal
-    raised as one ends it as `interrupted` says."""
+    raised as one ends it with one line saying so and what it left: ABORTED
+    for Ctrl-C, PREEMPTED for SIGTERM and the other stop signals."""
     libraries_warnings_stay_warnings()
     # Every stop signal then raises as Ctrl-C does, caught below: SIGTERM and
     # SIGHUP had their default, and ended predict without a word (and SIGHUP
@@ -276,7 +270,9 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     except KeyboardInterrupt as e:
         if on_interrupt is None:
             raise
-        return interrupted(e, on_interrupt)
+        print(f"interrupted: {on_interrupt}", file=sys.stderr, flush=True)
+        # stopping.stops_interrupting raises SIGTERM and the other stop signals as Terminated.
+        return ExitCode.PREEMPTED if isinstance(e, stopping.Terminated) else ExitCode.ABORTED
 
 
 # The libraries' own warnings, which neither the user nor the package can fix:
@@ -297,15 +293,6 @@ def libraries_warnings_stay_warnings() -> None:
     if "error" in actions:
         warnings.filterwarnings("default", module=_LIBRARIES)  # goes first: moved
         warnings.filters.insert(actions.index("error"), warnings.filters.pop(0))
-
-
-def interrupted(stop: KeyboardInterrupt, left: str) -> int:
-    """The exit code of an entry point that a stop ended, after one line
-    saying so and what it left: ABORTED for Ctrl-C, PREEMPTED for SIGTERM
-    and the other stop signals (stopping.stops_interrupting raises them as
-    Terminated)."""
-    print(f"interrupted: {left}", file=sys.stderr, flush=True)
-    return ExitCode.PREEMPTED if isinstance(stop, stopping.Terminated) else ExitCode.ABORTED
 
 
 def console_script(main: Callable[[], int], exit_at_once: bool = True) -> None:

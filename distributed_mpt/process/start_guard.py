@@ -32,7 +32,7 @@ from distributed_mpt.errors import STOP_SIGNALS, ExitCode
 # it starts, or None for a helper, which ignores the stop signals from its
 # start on (here, and nowhere else). Ctrl-C is a stop like the others for
 # training and for the launcher (whose workers train); it aborts the others,
-# as `cli.interrupted` says. tests/process/test_startup_stop.py checks that
+# as `cli.guarded` says. tests/process/test_startup_stop.py checks that
 # every command is here.
 _CTRL_C_WHILE_STARTING = {
     "train": ExitCode.PREEMPTED, "launch": ExitCode.PREEMPTED,
