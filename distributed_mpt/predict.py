@@ -43,7 +43,7 @@ from distributed_mpt.core.augmentation import TTA_VIEWS
 from distributed_mpt.core.data import DATASETS, DatasetInfo, images
 from distributed_mpt.core.data.dataset import READ_AS_ONE_BY, read_as
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
-from distributed_mpt.process import log_filter
+from distributed_mpt.process import log_filter, memory
 
 SYNTHETIC_WARNING = (
     "warning: this model was trained on synthetic data, not CIFAR-10: its answers about "
@@ -278,7 +278,7 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     # The data_dir as given here (or None), and the model's own image size.
     chosen_data = dataclasses.replace(split.data, data_dir=fv.data_dir, download=fv.download,
                                       image_size=classifier.image_shape[0])
-    loaded = chosen_data.load(split.run.seed, splits=("test",))
+    loaded = chosen_data.load(split.run.seed, splits=("test",), headroom=memory.headroom())
     dataset = chosen_data.dataset
     _refuse_other_classes(classifier, dataset, loaded.info)  # else its accuracy means nothing
     from distributed_mpt.core.eval_views import loss_and_accuracy

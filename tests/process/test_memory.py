@@ -139,15 +139,16 @@ def _memory_cgroup():
     pytest.skip("no cgroup with a memory controller can be made here")
 
 
-def _train_in_cgroup(tmp_path, limit: int, flags):
-    """distributed-mpt-train with `flags` in a new cgroup limited to `limit`
-    bytes, as a pod or a SLURM job runs at its limit; its result."""
+def _train_in_cgroup(tmp_path, limit: int, flags, entry_point="train"):
+    """distributed-mpt-train (or another `entry_point`) with `flags` in a new
+    cgroup limited to `limit` bytes, as a pod or a SLURM job runs at its
+    limit; its result."""
     cgroup, limit_file = _memory_cgroup()
     try:
         (cgroup / limit_file).write_text(str(limit))
         procs = cgroup / "cgroup.procs"
         result = subprocess.run(
-            [sys.executable, "-m", "distributed_mpt.train", *flags,
+            [sys.executable, "-m", f"distributed_mpt.{entry_point}", *flags,
              f"--model_dir={tmp_path / 'run'}"],
             preexec_fn=lambda: procs.write_text(str(os.getpid())), capture_output=True,
             text=True, timeout=600, env=subprocess_env(), cwd=REPO)
@@ -162,7 +163,8 @@ def _train_in_cgroup(tmp_path, limit: int, flags):
     print(result.stderr[-500:])
     assert "left under the memory limit of cgroup /" in result.stderr, result.stderr[-2000:]
     assert f"({limit / 1e9:.1f} GB, {limit_file})" in result.stderr
-    assert not (tmp_path / "run").exists(), "a new --model_dir refused leaves nothing"
+    if entry_point == "train":
+        assert not (tmp_path / "run").exists(), "a new --model_dir refused leaves nothing"
     return result
 
 
@@ -312,4 +314,29 @@ def test_a_real_cgroup_limit_refuses_an_image_folder_before_it_is_decoded(tmp_pa
         *SMOKE_FLAGS, "--dataset=image_folder", f"--data_dir={tmp_path / 'photos'}",
         "--image_size=512", "--train_steps=2"])
     assert_one_error_line(result, f"the 2,002 images of {tmp_path / 'photos'} take 1.6 GB of "
+                                  f"memory at --image_size=512, more than the ")
+
+
+def test_a_real_cgroup_limit_refuses_an_image_folder_to_evaluate_before_it_is_decoded(tmp_path):
+    """predict --evaluate on 2,000 test images (and 2 to train) at the model's 512 x 512 in a
+    cgroup limited to 1.5 GB: the bound was the host's memory there too, and
+    the OOM killer ended the evaluation as it decoded (exit 137, no word)."""
+    from PIL import Image
+
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8), (90, 20, 200)).save(photo)
+    for folder, test_count in (("few", 1), ("many", 1000)):
+        for split, count in (("train", 1), ("test", test_count)):
+            for name in ("cats", "dogs"):
+                (tmp_path / folder / split / name).mkdir(parents=True)
+                for i in range(count):
+                    (tmp_path / folder / split / name / f"{i}.png").symlink_to(photo)
+    trained = train([*SMOKE_FLAGS, "--dataset=image_folder", f"--data_dir={tmp_path / 'few'}",
+                     "--image_size=512", "--model=resnet9", "--model_width=4",
+                     "--per_replica_batch_size=2", "--train_steps=1", "--export",
+                     f"--model_dir={tmp_path / 'run'}"])
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    result = _train_in_cgroup(tmp_path, 1_500_000_000, [
+        "--evaluate", f"--data_dir={tmp_path / 'many'}"], entry_point="predict")
+    assert_one_error_line(result, f"the 2,002 images of {tmp_path / 'many'} take 1.6 GB of "
                                   f"memory at --image_size=512, more than the ")
