@@ -31,6 +31,7 @@ class LoopTotals:
     examples: float
     nonfinite_steps: float   # fractional when only some replicas saw one
     stop_requests: float     # > 0: the call stopped early, on every worker alike
+    model_dir_lost: float    # > 0: the stop was the chief's, which lost its --model_dir
     seconds_per_step: float  # the previous call's, averaged over the replicas
 
     PER_STEP = 4
@@ -48,10 +49,10 @@ class LoopTotals:
         return LoopTotals(self.loss_sum + other.loss_sum, self.correct + other.correct,
                           self.examples + other.examples,
                           self.nonfinite_steps + other.nonfinite_steps,
-                          other.stop_requests, other.seconds_per_step)
+                          other.stop_requests, other.model_dir_lost, other.seconds_per_step)
 
 
-NO_TOTALS = LoopTotals(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+NO_TOTALS = LoopTotals(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,7 @@ class Trainer:
         # Set from the stop-signal thread while a loop call runs (see
         # request_stop); outside the strategy's scope: one value per process.
         self._stop_requested = tf.Variable(False, trainable=False, name="stop_requested")
+        self._model_dir_lost = tf.Variable(False, trainable=False, name="model_dir_lost")
         # Autograph rewrites each Python function a traced loop calls, in every
         # process, at 0.1-0.5 s of CPU each: about 1.5 CPU-s of a run's start on
         # 2 cores of an AMD EPYC (Zen 3, AVX2 only).
@@ -139,9 +141,13 @@ class Trainer:
         """Whether the training input is indices into the device's copy."""
         return self._device_split is not None
 
-    def request_stop(self) -> None:
+    def request_stop(self, model_dir_lost: bool = False) -> None:
         """Makes the loop call under way, or the next, stop at the next step
-        boundary (every worker at the same one). Safe from any thread."""
+        boundary (every worker at the same one). Safe from any thread.
+        `model_dir_lost`: the chief's reason, which every worker learns with
+        the stop (`LoopTotals.model_dir_lost`)."""
+        if model_dir_lost:
+            self._model_dir_lost.assign(True)
         self._stop_requested.assign(True)
 
     def evaluate(self, split: ImageSplit) -> dict:
@@ -176,12 +182,12 @@ class Trainer:
             yield last - first, frozen
 
     def _train_loop_fn(self, iterator, num_steps, seconds_per_step, frozen=(), crop_size=None):
-        stop = tf.constant(False)
+        stop = tf.zeros([2])
         for _ in tf.range(num_steps):
             # Looked at before every step, so that a stop waits for the step
             # under way only, however slow a step is.
             stop = self._stop_agreed()
-            if stop:
+            if stop[0] > 0:
                 break
             self.strategy.run(self._train_step, args=next(iterator),
                               kwargs={"frozen": frozen, "crop_size": crop_size})
@@ -190,21 +196,24 @@ class Trainer:
             self.step.assign_add(1)
             if self._rules.lookahead:
                 self._rules.lookahead.after_step(self.step)
-        stop_and_pace = tf.stack([tf.cast(stop, tf.float32), seconds_per_step])
+        stop_and_pace = tf.concat([stop, [seconds_per_step]], 0)
         totals = self.strategy.run(drain, args=(self._train_sums, stop_and_pace))
         return self.strategy.reduce("SUM", totals, axis=None)
 
     @tf.autograph.experimental.do_not_convert
     def _stop_agreed(self):
-        """Whether any worker was asked to stop. Workers are signalled at
-        different moments (or only one is), but must leave the loop at the
-        same step: the next collective would wait forever for the one that
-        left. Within one process a variable read is enough; across workers
-        it costs one all-reduce of a scalar per step."""
+        """(workers asked to stop, of them the chief that lost --model_dir).
+        Workers are signalled at different moments (or only one is), but must
+        leave the loop at the same step, knowing why: the next collective
+        would wait for the one that left, or fail on a lost peer. Within one
+        process a variable read is enough; across workers it costs one
+        all-reduce of two numbers per step."""
+        def requests():
+            return tf.cast(tf.stack([self._stop_requested, self._model_dir_lost]), tf.float32)
+
         if self._rules.num_workers == 1:
-            return self._stop_requested.read_value()
-        requests = self.strategy.run(lambda: tf.cast(self._stop_requested, tf.float32))
-        return self.strategy.reduce("SUM", requests, axis=None) > 0
+            return requests()
+        return self.strategy.reduce("SUM", self.strategy.run(requests), axis=None)
 
     @tf.autograph.experimental.do_not_convert
     def _train_step(self, *batch, frozen=(), crop_size=None):

@@ -55,6 +55,17 @@ class ModelDirBusyError(UserError):
     exit_code = ExitCode.MODEL_DIR_BUSY
 
 
+class ModelDirLostError(ConfigError):
+    """--model_dir, or its lock file, was removed or moved under the run."""
+
+    @classmethod
+    def of_the_chief(cls, model_dir: str) -> "ModelDirLostError":
+        """The error of a worker whose chief lost `model_dir` (check_still_held)."""
+        return cls(f"the chief found --model_dir={quoted(model_dir)} or its {LOCK_NAME} file "
+                   f"removed or moved while this run trained: every worker stops; put it back "
+                   f"(or start afresh) and run the same command again")
+
+
 class RunLock:
     """The exclusive right of one process to write into a model directory.
 
@@ -126,11 +137,11 @@ class RunLock:
         return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
 
     def check_still_held(self) -> None:
-        """Raises ConfigError if the directory was removed or moved, or its
+        """Raises ModelDirLostError if the directory was removed or moved, or its
         lock file removed, since it was locked (see is_in_place): a run that
         went on writing would recreate it, or share it with the next run."""
         if not self.is_in_place():
-            raise ConfigError(
+            raise ModelDirLostError(
                 f"--model_dir={quoted(os.path.dirname(self.path))} or its {LOCK_NAME} file was "
                 f"removed or moved while this run trained: stopping, as another run could take "
                 f"the directory; put it back (or start afresh) and run the same command again")

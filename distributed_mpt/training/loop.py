@@ -32,6 +32,7 @@ from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.json_lines import JsonLines, append_records, finite_values
 from distributed_mpt.process import stopping
+from distributed_mpt.process.run_lock import ModelDirLostError
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -61,6 +62,7 @@ class TrainingLoop:
         distributed input of one of the plan's input phases."""
         self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
         self._config, self._plan, self._train_input = config, plan, train_input
+        self._lost: Optional[ModelDirLostError] = None  # the chief's, once found (_write)
 
     def run(self, train_split, test_split, start_step: int):
         """Returns the last interval's metrics and the throughput in examples
@@ -141,23 +143,40 @@ class TrainingLoop:
                 self._reporter.say(activity)
                 with self._reporter.doing(activity):
                     result = trainer.evaluate(test_split)
-                self._reporter.log(current, {"epoch": current / plan.steps_per_epoch, **result})
+                self._write(self._reporter.log, current,
+                            {"epoch": current / plan.steps_per_epoch, **result})
                 interval_start += time.perf_counter() - eval_started  # not training time
 
             if current % run.checkpoint_every_steps == 0 or current == plan.total_steps:
                 save_started = time.perf_counter()
                 with self._reporter.doing(f"saving the checkpoint of step {current}"):
-                    self._checkpoints.save(current)
+                    self._write(self._checkpoints.save, current)
                 self._last_saved = current
                 interval_start += time.perf_counter() - save_started  # not training time
+        if self._lost:  # in the last step's writes: no step boundary is left to agree at
+            raise self._lost
         if not timed_seconds:
             timed_examples, timed_seconds = first_call
         return metrics, timed_examples / timed_seconds
 
+    def _write(self, write, *args, **kwargs) -> None:
+        """A progress line or a checkpoint; none once the chief lost --model_dir:
+        it asks for a stop that every worker takes at the next step boundary
+        (_stop). Had it left at once, its peers failed as if a node was lost."""
+        if self._lost is None:
+            try:
+                write(*args, **kwargs)
+            except ModelDirLostError as e:
+                self._lost = e
+                self._trainer.request_stop(model_dir_lost=True)
+
     def _stop(self, totals: LoopTotals, reached: int, call_start: int) -> None:
         """Saves the step `reached` (a stop cut the call that began at
-        `call_start` short) and raises Preempted. The steps since the last
-        progress line go unlogged; the resumed run logs from `reached` on."""
+        `call_start` short) and raises Preempted (if the chief lost --model_dir:
+        ModelDirLostError, on every worker, saving nothing). The steps since the
+        last progress line go unlogged; the resumed run logs from `reached` on."""
+        if totals.model_dir_lost:
+            raise self._lost or ModelDirLostError.of_the_chief(self._config.run.model_dir)
         self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
         self._checkpoints.save(reached)
         stopping.enter(stopping.Phase.FINISHING)  # a second Ctrl-C loses nothing now
@@ -199,10 +218,9 @@ class TrainingLoop:
                    "skipped_steps": round(interval.nonfinite_steps)}
         if plan.loss_scaling:  # float32 and bfloat16 have no scale to show
             metrics["loss_scale"] = precision.loss_scale(optimizer)
-        eta = None
-        if with_eta and examples and seconds:
-            eta = (plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]
-        self._reporter.log(step, metrics, eta_seconds=eta)
+        eta = ((plan.total_steps - step) * plan.global_batch_size / metrics["examples_per_second"]
+               if with_eta and examples and seconds else None)
+        self._write(self._reporter.log, step, metrics, eta_seconds=eta)
         return metrics
 
 
@@ -251,10 +269,8 @@ class Reporter:
         self._live_line_shown, self._started = False, started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
         self._earlier_seconds, self._status = 0.0, None
-        self._printing = threading.Lock()
-        self._last_line = time.monotonic()
-        self._activity: Optional[str] = None
-        self._activity_since = 0.0
+        self._printing, self._last_line = threading.Lock(), time.monotonic()
+        self._activity, self._activity_since = None, 0.0  # see doing()
         if not enabled:
             self._writer = tf.summary.create_noop_writer()
             return
@@ -299,8 +315,7 @@ class Reporter:
         """Shows the step reached on the status line (terminals only)."""
         if self._terminal:
             with self._printing:
-                sys.stdout.write(f"\r\x1b[Kstep {step}/{self._total_steps}")
-                sys.stdout.flush()
+                print(f"\r\x1b[Kstep {step}/{self._total_steps}", end="", flush=True)
                 self._live_line_shown = True
 
     def log(self, step: int, record: dict, eta_seconds: float = None) -> None:

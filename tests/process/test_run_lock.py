@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, subprocess_env, train
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, subprocess_env,
+                      train)
 from distributed_mpt import files
 from distributed_mpt.process import run_lock
 from distributed_mpt.errors import ConfigError, ExitCode
@@ -232,6 +233,45 @@ def test_a_model_dir_or_lock_taken_away_mid_run_stops_it_with_one_line(tmp_path,
         f"error: --model_dir={model_dir} or its .lock file was removed or moved"), run.output()
     if how == "rm -rf":
         assert not model_dir.exists(), "not recreated by a later write"
+
+
+@pytest.mark.slow  # two workers
+def test_a_lock_taken_from_the_chief_of_two_workers_stops_both_with_one_line(tmp_path):
+    """The chief that lost its lock exited, and its peer failed in the
+    collective under way as if a node had been lost: `lost a peer`, exit
+    141, which a launcher or Kubernetes retries (and the restarted chief
+    takes the directory again). Both now stop at the same step boundary,
+    saving nothing, each with one line and the chief's exit code."""
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    model_dir = tmp_path / "run"
+    (tmp_path / "tmp").mkdir()
+    flags = [*SMOKE_FLAGS, *SMALL_MODEL, "--communication=ring", "--per_replica_batch_size=16",
+             "--peer_timeout_seconds=300", "--train_steps=2000", "--steps_per_loop=2",
+             "--log_every_steps=2", "--checkpoint_every_steps=1000", "--noevaluate",
+             f"--model_dir={model_dir}"]
+    workers = [WatchedProcess("distributed_mpt.train", flags, env=subprocess_env(
+        TF_CONFIG=tf_config, TMPDIR=str(tmp_path / "tmp")))
+               for tf_config in worker_tf_configs(free_ports(2))]
+    workers[0].wait_for(r"^step +6/", timeout=300)
+    (model_dir / run_lock.LOCK_NAME).unlink()
+    taken = time.monotonic()
+    # A responsiveness bound: TensorFlow's teardown at exit is most of it.
+    assert [worker.finish(timeout=120) for worker in workers] == [ExitCode.USAGE] * 2, \
+        "\n---\n".join(worker.output()[-3000:] for worker in workers)
+    print(f"both workers ended {time.monotonic() - taken:.1f} s after the lock was taken")
+    said = [[line for line in worker.output().splitlines() if line.startswith("error:")]
+            for worker in workers]
+    assert said[0] == [f"error: --model_dir={model_dir} or its .lock file was removed or moved "
+                       f"while this run trained: stopping, as another run could take the "
+                       f"directory; put it back (or start afresh) and run the same command "
+                       f"again"], workers[0].output()[-3000:]
+    assert len(said[1]) == 1 and said[1][0].startswith(
+        f"error: the chief found --model_dir={model_dir} or its .lock file removed"), said[1]
+    assert not any("Traceback" in worker.output() for worker in workers)
+    assert sorted(os.listdir(model_dir)) == [outputs.MARKER, "config.json", "metrics.jsonl",
+                                             "tensorboard"], "no checkpoint, no lock file again"
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "the peer's scratch directory went"
 
 
 def test_a_run_whose_working_directory_is_removed_goes_on(tmp_path):

@@ -95,7 +95,7 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
 
     def train(iterator, num_steps, seconds_per_step, crop_size):
         sizes.append(num_steps)
-        return LoopTotals(1.0, 1.0, 1.0, 0.0, 0.0, next(paces))
+        return LoopTotals(1.0, 1.0, 1.0, 0.0, 0.0, 0.0, next(paces))
 
     fake = SimpleNamespace(train=train, optimizer=SimpleNamespace(learning_rate=0.1))
     ticks = iter(range(0, 10**6, local_clock))
