@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Tuple
 from absl import flags
 
 from distributed_mpt import files
+from distributed_mpt.core.models.process_state import working_directory
 from distributed_mpt.errors import ConfigError, ExitCode, UserError, first_line, quoted
 from distributed_mpt.process import stopping
 
@@ -164,15 +165,6 @@ def _empty(name: str, value: str) -> ConfigError:
                        f"gives an empty value)")
 
 
-def _working_directory() -> Optional[str]:
-    # Deleted (by another shell, a `git worktree remove`): config's abspath
-    # raised FileNotFoundError with a traceback.
-    try:
-        return os.getcwd()
-    except FileNotFoundError:
-        return None
-
-
 # A name's bytes that the locale's encoding (ASCII under LC_ALL=C with
 # PYTHONUTF8=0, or UTF-8 for a Latin-1 name) could not decode arrive as
 # surrogates (os.fsdecode), which no UTF-8 encoder takes.
@@ -196,7 +188,7 @@ def check_path_flags(fv: flags.FlagValues, *names: str) -> None:
             raise ConfigError(f"--{name}={quoted(value)} is not UTF-8 text, the only paths "
                               f"this program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or "
                               f"PYTHONUTF8=1 if the name is UTF-8, else rename it")
-        if value and not os.path.isabs(os.path.expanduser(value)) and not _working_directory():
+        if value and not os.path.isabs(os.path.expanduser(value)) and not working_directory():
             raise ConfigError(f"--{name}={quoted(value)} is relative to the working directory, "
                               f"which was deleted: cd to one that exists, or give a full path")
         if value == "-":  # elsewhere standard output or input; here it made a file named -

@@ -57,7 +57,7 @@ def read() -> dict:
     import keras
 
     # Whether the timer is armed, not what it has left, which runs down.
-    state = {_CWD: _cwd(), POLICY: keras.mixed_precision.global_policy().name,
+    state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
              _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
@@ -86,10 +86,13 @@ def _wakeup_fd() -> int:
     return fd
 
 
-def _cwd() -> Optional[str]:
+def working_directory() -> Optional[str]:
+    """The process's working directory; None if it was removed under the
+    process (by another shell, a `git worktree remove`): os.getcwd() then
+    raises, and a relative path made absolute failed with a traceback."""
     try:
         return os.getcwd()
-    except OSError:  # removed under the process
+    except OSError:
         return None
 
 
