@@ -85,52 +85,47 @@ def users_code(name: str, failure: str):
     finally:
         now = process_state.read()
         changed = process_state.changed(kept, now)
-        if changed:
-            failed = process_state.set_back(kept, changed)
-            if _POLICY in changed and not raised:  # its layers have it now
-                flag = (f"--precision={now[_POLICY]}" if now[_POLICY] in precision.PRECISIONS
-                        else f"--precision ({', '.join(precision.PRECISIONS)})")
-                raise ModelError(
-                    f"--model={quoted(name)} sets the mixed-precision policy itself "
-                    f"({now[_POLICY]}), which the run sets from --precision, with loss scaling "
-                    f"where float16 needs it: remove that line, and pass {flag}")
-            if failed:
-                line = (f"--model={quoted(name)} changed {' and '.join(failed)}, which the run "
-                        f"relies on, and it cannot be set back ({'; '.join(failed.values())})")
-                if not raised:
-                    without = dict.fromkeys(process_state.WITHOUT[what] for what in failed)
-                    raise ModelError(f"{line}: {', and '.join(without)}; the model's code must "
-                                     f"put back what it changes")
-                files.warn(f"{line}; the run ends with the model's error")
-            restored = [what for what in changed if what not in failed]
-            if restored:
-                files.warn(f"--model={quoted(name)} changed {' and '.join(restored)}, which the "
-                           f"run relies on: set back")
-
-
-def _end_if_forked(name: str, pid: int) -> None:
-    """Ends, at once, a process the model's code forked that returned from
-    it into the run: it trained too, as an orphan that hung for ever and
-    held the --model_dir lock (shared through fork), so that every later
-    run was refused. Its parent owns the run's files: nothing is cleaned up."""
-    if os.getpid() != pid:
-        with contextlib.suppress(OSError):  # on descriptor 2: sys.stderr is the model's to break
-            os.write(2, f"error: a process that --model={quoted(name)} forked returned from it "
-                        f"into the run: it ends here; the run goes on in the process that "
-                        f"forked it\n".encode(errors="backslashreplace"))
-        os._exit(ExitCode.USAGE)
+        failed = process_state.set_back(kept, changed)
+        if _POLICY in changed and not raised:  # its layers have it now
+            flag = (f"--precision={now[_POLICY]}" if now[_POLICY] in precision.PRECISIONS
+                    else f"--precision ({', '.join(precision.PRECISIONS)})")
+            raise ModelError(
+                f"--model={quoted(name)} sets the mixed-precision policy itself "
+                f"({now[_POLICY]}), which the run sets from --precision, with loss scaling "
+                f"where float16 needs it: remove that line, and pass {flag}")
+        if failed:
+            line = (f"--model={quoted(name)} changed {' and '.join(failed)}, which the run "
+                    f"relies on, and it cannot be set back ({'; '.join(failed.values())})")
+            if not raised:
+                without = dict.fromkeys(process_state.WITHOUT[what] for what in failed)
+                raise ModelError(f"{line}: {', and '.join(without)}; the model's code must put "
+                                 f"back what it changes")
+            files.warn(f"{line}; the run ends with the model's error")
+        restored = [what for what in changed if what not in failed]
+        if restored:
+            files.warn(f"--model={quoted(name)} changed {' and '.join(restored)}, which the "
+                       f"run relies on: set back")
 
 
 @contextlib.contextmanager
 def _left_usable(name: str):
     """Refuses what the code did that cannot be set back (process_state.py),
-    before what can be is set back."""
+    before what can be is set back. A process the code forked that returned
+    from it into the run ends there, at once: it trained too, as an orphan
+    that hung for ever and held the --model_dir lock (shared through fork),
+    so that every later run was refused. Its parent owns the run's files:
+    nothing is cleaned up."""
     before, pid = process_state.unrecoverable(), os.getpid()
     try:
         with process_state.prints_to_stderr(), process_state.exit_at_once_refused():
             yield
     finally:
-        _end_if_forked(name, pid)
+        if os.getpid() != pid:
+            with contextlib.suppress(OSError):  # on descriptor 2: sys.stderr is the model's
+                os.write(2, f"error: a process that --model={quoted(name)} forked returned from "
+                            f"it into the run: it ends here; the run goes on in the process "
+                            f"that forked it\n".encode(errors="backslashreplace"))
+            os._exit(ExitCode.USAGE)
         broken = process_state.broken_since(before)
         if broken:
             raise ModelError(f"--model={quoted(name)} {broken}") from None
@@ -157,12 +152,6 @@ def check_source(name: str, path: str) -> None:
                          f"hold: load what makes it large (weights, tables) from a file of its "
                          f"own beside it")
 
-
-# What TensorFlow says of a tensor used outside the graph it was made in:
-# Keras builds a subclassed model's layers by calling it on symbolic inputs
-# in a scratch graph, and a layer that makes tensors (not variables) as it
-# is built keeps that graph's (keras.layers.Normalization given its mean).
-_SCRATCH_TENSOR = "is out of scope and cannot be used here"
 
 # Keras wraps an error raised inside a layer's call in a header naming the
 # layer, and the error's own message in bold (keras/src/utils/traceback_utils.py).
@@ -220,18 +209,15 @@ def check_servable(name: str, model, image_shape) -> None:
                          f"--noexport")
 
 
-# Keras' own training (fit) calls these, and uses what compile() was given;
-# the run has its own step, loss and optimizer, from the flags.
-_KERAS_TRAINING = ("train_step", "compute_loss")
-
-
 def ignored_by_the_run(model, name: str) -> Optional[str]:
     """A note naming what of `model` only Keras' fit() uses (an overridden
     train_step or compute_loss, a compile()), which this run does not: it
     trained without a word, as if the user's step ran. None if nothing."""
     import keras
 
-    what = [f"its {method}()" for method in _KERAS_TRAINING
+    # Keras' own training (fit) calls these, and uses what compile() was
+    # given; the run has its own step, loss and optimizer, from the flags.
+    what = [f"its {method}()" for method in ("train_step", "compute_loss")
             if getattr(type(model), method) is not getattr(keras.Model, method)]
     what += ["the compile() it was given"] if getattr(model, "compiled", False) else []
     if not what:
@@ -256,7 +242,12 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
         try:
             outputs = model(probe, training=False)
         except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
-            if _SCRATCH_TENSOR in str(e) and subclassed:
+            # What TensorFlow says of a tensor used outside the graph it was
+            # made in: Keras builds a subclassed model's layers by calling it
+            # on symbolic inputs in a scratch graph, and a layer that makes
+            # tensors (not variables) as it is built keeps that graph's
+            # (keras.layers.Normalization given its mean).
+            if "is out of scope and cannot be used here" in str(e) and subclassed:
                 raise ModelError(
                     f"--model={quoted(name)}: a layer of this subclassed model kept a tensor of "
                     f"the symbolic call in which Keras first builds such a model "
@@ -339,15 +330,13 @@ def _check_training_step(name: str, model, info, batch: int) -> None:
         reached.extend(g is not None for g in gradients)
         return logits
 
-    def replicas_step(images):
-        # As the step runs: in each replica (the variables of a strategy's
-        # scope are read there, not in the scope's cross-replica context).
-        return tf.distribute.get_strategy().run(step, args=(images,))
-
-    spec = tf.TensorSpec((batch, *info.image_shape), tf.uint8)
+    # As the step runs: in each replica (the variables of a strategy's scope
+    # are read there, not in the scope's cross-replica context).
+    replicas_step = tf.function(lambda images: tf.distribute.get_strategy().run(step, (images,)),
+                                autograph=False)
     with users_code(name, f"failed when compiled into a training step on {batch} uint8 images "
                           f"{list(info.image_shape)}, as a graph (a tf.function)"):
-        tf.function(replicas_step, autograph=False).get_concrete_function(spec)
+        replicas_step.get_concrete_function(tf.TensorSpec((batch, *info.image_shape), tf.uint8))
     if not any(reached):
         raise ModelError(f"--model={quoted(name)}: no gradient reaches its weights from its "
                          f"logits (computed through a stop_gradient, or a round trip "
@@ -356,9 +345,8 @@ def _check_training_step(name: str, model, info, batch: int) -> None:
 
 # What the user rescales pixels with: these layers, and arithmetic on the
 # input tensor (keras.ops; `images / 255` in a functional model).
-_RESCALING_LAYERS = ("Rescaling", "Normalization", "BatchNormalization", "LayerNormalization",
-                     "Lambda")
-_ARITHMETIC = ("Add", "Subtract", "Multiply", "Divide", "TrueDivide")
+_RESCALING = ("Rescaling", "Normalization", "BatchNormalization", "LayerNormalization", "Lambda",
+              "Add", "Subtract", "Multiply", "Divide", "TrueDivide")
 
 
 def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
@@ -384,8 +372,7 @@ def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
     while frontier:
         tensor = frontier.pop()
         for operation, node in consumers.get(id(tensor), []):
-            kind = type(operation).__name__
-            if kind in _RESCALING_LAYERS or kind in _ARITHMETIC:
+            if type(operation).__name__ in _RESCALING:
                 continue
             if isinstance(operation, keras.Model):
                 inner = _unscaled_float_input(operation)
