@@ -207,20 +207,16 @@ def _imported_modules(statements: List[ast.stmt], package: Optional[str]) -> lis
     return [sys.modules[name] for name in sorted(names) if name in sys.modules]
 
 
-def _installed_roots() -> List[str]:
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix,
-             _PACKAGE, site.getusersitepackages()}
-    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
-    return [os.path.realpath(root) for root in roots if root]
-
-
 def _is_users(file: str, folder: str) -> bool:
     """Whether `file` is the user's: in the model file's folder or below,
     and neither installed (a virtualenv in that folder) nor this package."""
+    installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, _PACKAGE, site.getusersitepackages()}
+    installed.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+
     def within(root):
         return os.path.commonpath([file, root]) == root
 
-    return within(folder) and not any(within(r) for r in _installed_roots())
+    return within(folder) and not any(within(os.path.realpath(r)) for r in installed if r)
 
 
 def _file_digest(path: str) -> str:
