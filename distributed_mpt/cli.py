@@ -262,9 +262,15 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
     except KeyboardInterrupt as e:
         if on_interrupt is None:
             raise
-        print(f"interrupted: {on_interrupt}", file=sys.stderr, flush=True)
-        # stopping.stops_interrupting raises SIGTERM and the other stop signals as Terminated.
-        return ExitCode.PREEMPTED if isinstance(e, stopping.Terminated) else ExitCode.ABORTED
+        return interrupted(e, on_interrupt)
+
+
+def interrupted(stop: KeyboardInterrupt, left: str) -> int:
+    """One line saying the run was stopped and what it `left`; the exit code
+    of the stop: ABORTED for Ctrl-C, PREEMPTED for SIGTERM and the others."""
+    print(f"interrupted: {left}", file=sys.stderr, flush=True)
+    # stopping.stops_interrupting raises SIGTERM and the other stop signals as Terminated.
+    return ExitCode.PREEMPTED if isinstance(stop, stopping.Terminated) else ExitCode.ABORTED
 
 
 # The libraries' own warnings, which neither the user nor the package can fix:

@@ -324,7 +324,7 @@ def test_evaluation_starts_without_the_train_split(tmp_path, monkeypatch):
     from distributed_mpt.training.run import train_and_evaluate
 
     train_splits, alive_at_evaluation = [], []
-    load, evaluate = data.DatasetSpec.load, steps.Trainer.evaluate
+    load, evaluate = data.DataOptions.load, steps.Trainer.evaluate
 
     def loading(*args, **kwargs):
         dataset = load(*args, **kwargs)
@@ -335,7 +335,7 @@ def test_evaluation_starts_without_the_train_split(tmp_path, monkeypatch):
         alive_at_evaluation.append(train_splits[0]() is not None)
         return evaluate(trainer, split)
 
-    monkeypatch.setattr(data.DatasetSpec, "load", loading)
+    monkeypatch.setattr(data.DataOptions, "load", loading)
     monkeypatch.setattr(steps.Trainer, "evaluate", evaluating)
     config = TrainConfig.from_flags(
         model_dir=str(tmp_path), dataset="synthetic", synthetic_examples=512, model="mlp",
