@@ -24,7 +24,7 @@ from distributed_mpt.core.optim.lookahead import Lookahead
 class LoopTotals:
     """What one call of the training loop all-reduces, in the order of the
     vector it travels in: the first PER_STEP fields are summed at every step
-    (`Trainer._train_sums`); the last two are added once per call."""
+    (`Trainer._train_sums`); the last three are added once per call."""
 
     loss_sum: float
     correct: float
