@@ -5,11 +5,13 @@ damaged line costs that line only; written whole lines at a time, or
 nothing (add_lines). And what makes a record writable as JSON at all
 (finite_values)."""
 
+import contextlib
 import errno
 import itertools
 import json
 import math
 import os
+import shutil
 import stat
 from typing import Iterator, List, Optional, Tuple
 
@@ -117,7 +119,18 @@ def open_appending(path: str, remedy: str = _REMEDY) -> int:
     """A descriptor of the JSON-lines file at `path` (made if missing), open
     for appending; files.DamagedFileError, naming `remedy`, if it is not a
     regular file. Opened without blocking: a FIFO put in its place after the
-    start's checks blocked the open, and the run hung instead of ending."""
+    start's checks blocked the open, and the run hung instead of ending.
+
+    A file with other names (a run copied by `cp -al`, a backup tool's
+    hard-linked snapshot) is first replaced by a copy of its own: appended
+    in place, the lines went into the original run's log too. A snapshot is
+    legitimate, so the copy resumes rather than being refused, and the
+    other names keep their file as it was."""
+    with contextlib.suppress(FileNotFoundError):
+        found = os.lstat(path)
+        if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
+            with files.replacing(path) as own, open(path, "rb") as shared:
+                shutil.copyfileobj(shared, own)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
                      | os.O_CLOEXEC, 0o666)

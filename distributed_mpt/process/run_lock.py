@@ -113,7 +113,13 @@ class RunLock:
         # owner tag proves which temporary files it left (training/outputs.py).
         found = _read_record(self._fd)
         if found is None:
+            links = os.fstat(self._fd).st_nlink
             os.close(self._fd)
+            if links > 1:  # a copy by `cp -al` or a backup tool's snapshot: empty, yet shared
+                raise ConfigError(f"{quoted(self.path)} is a hard link ({links} names share the "
+                                  f"file, as in a copy made by `cp -al` or a backup tool's "
+                                  f"snapshot), and a run writes its lock there: remove this "
+                                  f"name (the other names keep the file), and run again")
             raise ConfigError(f"{quoted(self.path)} holds something this program did not write "
                               f"there (a lock file is empty or names the run holding it): move "
                               f"it away, and run again")

@@ -130,3 +130,14 @@ def test_a_fifo_put_in_place_of_a_log_is_refused_not_waited_on(tmp_path, reader)
             os.close(held)
     assert str(raised.value) == (f"{path} is a FIFO, not a regular file; move it away, or "
                                  f"choose another --model_dir")
+
+
+def test_a_hard_linked_log_is_appended_to_under_its_own_name_only(tmp_path):
+    """A log shared by hard links (a run copied by `cp -al`; the recipes'
+    ledger in a snapshot) took each line under every name."""
+    shared, other = tmp_path / "metrics.jsonl", tmp_path / "snapshot.jsonl"
+    shared.write_bytes(b'{"step": 1}\n')
+    os.link(shared, other)
+    append_records(str(shared), [{"step": 2}])
+    assert other.read_bytes() == b'{"step": 1}\n' and os.stat(other).st_nlink == 1
+    assert shared.read_bytes() == b'{"step": 1}\n{"step": 2}\n'

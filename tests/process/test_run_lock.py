@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok, subprocess_env,
-                      train)
+from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok,
+                      assert_one_error_line, subprocess_env, train)
 from distributed_mpt import files
 from distributed_mpt.process import run_lock
 from distributed_mpt.errors import ConfigError, ExitCode
@@ -81,9 +81,28 @@ def test_a_hard_link_at_the_lock_file_is_refused(tmp_path):
     theirs.write_text("")
     (tmp_path / "run").mkdir()
     os.link(theirs, tmp_path / "run" / run_lock.LOCK_NAME)
-    with pytest.raises(ConfigError, match="holds something this program did not write"):
+    with pytest.raises(ConfigError, match="is a hard link .2 names share the file"):
         RunLock(str(tmp_path / "run"))
     assert theirs.read_text() == ""
+
+
+def test_a_hard_linked_copy_of_a_run_resumes_apart_from_the_original(tmp_path):
+    """`cp -al` (a backup tool's snapshot alike): the copy's lock file, empty
+    and shared, was refused as "something this program did not write"; once
+    it was removed, the resume appended its steps to the original's log."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    flags = [*E2E, "--log_every_steps=2"]
+    assert_ok(train([*flags, "--train_steps=4", f"--model_dir={original}"]))
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = {p.relative_to(original): p.read_bytes() for p in original.rglob("*") if p.is_file()}
+    assert_one_error_line(train([*flags, "--train_steps=8", f"--model_dir={copy}"]),
+                          f"{copy / run_lock.LOCK_NAME} is a hard link (2 names share")
+    (copy / run_lock.LOCK_NAME).unlink()  # as the line says
+    assert_ok(train([*flags, "--train_steps=8", f"--model_dir={copy}"]))
+    assert {p.relative_to(original): p.read_bytes() for p in original.rglob("*")
+            if p.is_file()} == before
+    steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 8 and 4 in steps
 
 
 def test_a_run_over_a_users_lock_file_is_one_error_line(model_dir):
