@@ -12,7 +12,8 @@ import os
 from typing import Callable, Optional
 
 from distributed_mpt import files
-from distributed_mpt.config import DEFAULTS, TrainConfig, flat_record, section_problem
+from distributed_mpt.config import (DEFAULTS, TrainConfig, flat_record, section_problem,
+                                    unknown_settings)
 from distributed_mpt.core.data.dataset import DatasetInfo, class_names_problem
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, first_line, quoted
 from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
@@ -187,6 +188,8 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     if problem:
         raise ConfigError(f"{quoted(config_path)} is damaged ({problem}): write it again, or "
                           f"move it away")
+    if unknown_settings(recorded):  # predict trains nothing: a new model option fails the restore
+        files.warn(f"{quoted(config_path)} {unknown_settings(recorded)}; predicting without them")
     config = checked_config(flat_record(recorded), config_path)
     resolved = recorded.get("resolved") if isinstance(recorded.get("resolved"), dict) else {}
     info = _dataset_info(config, resolved, config_path)

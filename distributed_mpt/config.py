@@ -146,6 +146,22 @@ def section_problem(record: dict) -> Optional[str]:
     return None
 
 
+# What config.json records besides the flags (training/run.py's _config_record).
+_RECORDED = ("from_step", "earlier", "resolved")
+
+
+def unknown_settings(record: dict) -> str:
+    """The keys of `record`, a config.json read back, that are neither a flag
+    of this version nor what it records beside them, as 'section.key' in a
+    section ("" if none): a newer version's settings, which a run of this one
+    would silently do without (a resume trained on without its clipping)."""
+    unknown = [key for key in record if key not in (*SECTIONS, *DEFAULTS, *_RECORDED)]
+    unknown += [f"{name}.{key}" for name in SECTIONS if isinstance(record.get(name), dict)
+                for key in record[name] if key not in DEFAULTS]  # a flag moved across sections
+    return (f"records settings this version does not know ({quoted(', '.join(unknown), 120)}"
+            f"): it was likely written by a newer distributed_mpt" if unknown else "")
+
+
 def user_path(path: Optional[str]) -> Optional[str]:
     """A path flag's value with a leading ~ made the home directory, as for
     every entry point's path flags: no shell expands the ~ of

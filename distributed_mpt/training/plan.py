@@ -26,7 +26,7 @@ import tensorflow as tf
 from distributed_mpt import files
 from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
-                                    section_problem, training_flags)
+                                    section_problem, training_flags, unknown_settings)
 from distributed_mpt.core import models, pipeline, precision
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
@@ -187,6 +187,9 @@ def _previous_config(model_dir: str) -> dict:
                files.missing_fields(flags, {"dataset": str, "seed": int, "resolved": dict}))
     if problem:
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ({problem}); {remedy}")
+    if unknown_settings(previous_config):  # resumed without them, it would train otherwise
+        raise ConfigError(f"{quoted(config_path)} {unknown_settings(previous_config)}; resume "
+                          f"with that version, or choose another --model_dir")
     earlier = previous_config.get("earlier", [])  # absent in runs from before it was kept
     if not (isinstance(earlier, list) and all(isinstance(e, dict) for e in earlier)):
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ('earlier' is not a list "

@@ -1,8 +1,10 @@
 """Flags become a validated config; bad values are one clear ConfigError."""
 
+import json
+
 import pytest
 
-from conftest import assert_ok, train
+from conftest import SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary, train
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.train import parse_config
 
@@ -239,3 +241,28 @@ def test_a_dataset_that_needs_a_data_dir_says_what_it_must_hold():
     assert str(error.value) == ("--dataset=image_folder needs --data_dir: the folder of class "
                                 "folders (DATA_DIR/train/<class>/<images>)")
     parse_config(["--dataset=synthetic", "--model_dir=unused"])  # made from --seed: none needed
+
+
+def _newer(section: dict, top: dict):
+    """config.json as a newer version would write it: settings this one lacks."""
+    def edit(record):
+        return {**record, **top, "optimizer": {**record["optimizer"], **section}}
+    return edit
+
+
+@pytest.mark.parametrize("edit, said", [
+    (_newer({"gradient_clip_norm": 0.5}, {"mixup_alpha": 0.4}),
+     "(mixup_alpha, optimizer.gradient_clip_norm): it was likely written by a newer"),
+    (_newer({}, {"mixup_alpha": 0.4}), "(mixup_alpha)"),
+], ids=["in a section and at the top", "at the top"])
+def test_a_resume_of_a_newer_versions_run_is_refused_naming_what_it_lacks(model_dir, edit, said):
+    """Resumed without them, the run trained on without its clipping, and
+    only the 'earlier' record of the new config.json kept a trace."""
+    flags = [*SMOKE_FLAGS, "--noevaluate", "--checkpoint_every_steps=2", f"--model_dir={model_dir}"]
+    assert_ok(train([*flags, "--train_steps=2"]))
+    config = model_dir / "config.json"
+    config.write_text(json.dumps(edit(json.loads(config.read_text()))))
+    written = config.read_bytes()
+    result = train([*flags, "--train_steps=4"])
+    assert_one_error_line(result, f"{config} records settings this version does not know {said}")
+    assert config.read_bytes() == written and read_summary(model_dir)["steps"] == 2

@@ -212,6 +212,23 @@ def test_a_run_without_export_is_evaluated_from_its_checkpoint_on_its_own_data(
     assert answer["evaluation"]["accuracy"] > 0.5, "synthetic labels are learnable"
 
 
+def test_a_checkpoint_of_a_newer_version_predicts_with_a_warning_naming_what_it_lacks(
+        synthetic_run, tmp_path):
+    """Predict trains nothing: a newer version's training settings do not
+    change its answers (a model option would fail the restore), but are said."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(synthetic_run / "checkpoints")
+    config = json.loads((synthetic_run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "mixup_alpha": 0.4}))
+    result = predict(f"--model_dir={run}", "--evaluate", "--json")
+    assert_ok(result)
+    assert (f"warning: {run}/config.json records settings this version does not know "
+            f"(mixup_alpha): it was likely written by a newer distributed_mpt; predicting "
+            f"without them") in result.stderr.splitlines()
+    assert json.loads(result.stdout)["evaluation"]["accuracy"] > 0.5
+
+
 def test_a_half_written_newer_checkpoint_is_named_in_a_warning_and_none_whole_is_refused(
         synthetic_run, photo, tmp_path):
     """A run killed while it saved step 30: predict answered with step 20's
