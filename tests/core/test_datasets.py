@@ -296,3 +296,28 @@ def test_prepare_data_with_no_file_where_the_archive_goes_is_one_error_line(tmp_
     assert errors == [f"error: {archive} is {kind}, not the CIFAR-10 archive: put the file "
                       f"downloaded from https://www.cs.toronto.edu/~kriz/cifar.html there, or "
                       f"remove it"], errors
+
+
+def test_workers_reading_different_copies_of_cifar10_refuse_together(tmp_path):
+    """Worker 1's copy had other labels: both trained to the end and exited
+    0, without a word (CIFAR-10's loader gave no fingerprint to compare)."""
+    from conftest import SMOKE_FLAGS, WatchedProcess, write_cifar10_binary
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    write_cifar10_binary(tmp_path / "a")
+    for batch in write_cifar10_binary(tmp_path / "b").iterdir():  # a stale or damaged copy
+        records = np.fromfile(batch, np.uint8).reshape(-1, 3073)
+        records[:, 0] = (records[:, 0] + 3) % 10
+        records.tofile(batch)
+    flags = [*SMOKE_FLAGS, "--dataset=cifar10", "--nodownload", "--noevaluate",
+             "--communication=ring", "--per_replica_batch_size=16", "--peer_timeout_seconds=300",
+             "--train_steps=4", "--precision=float32", f"--model_dir={tmp_path / 'run'}"]
+    workers = [WatchedProcess("distributed_mpt.train", [*flags, f"--data_dir={tmp_path / copy}"],
+                              env=subprocess_env(TF_CONFIG=tf_config))
+               for copy, tf_config in zip("ab", worker_tf_configs(free_ports(2)))]
+    for worker in workers:
+        assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
+        errors = [line for line in worker.output().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in worker.output(), worker.output()[-3000:]
+        assert "the images differ between the workers of this job" in errors[0], errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"

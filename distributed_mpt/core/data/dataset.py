@@ -143,10 +143,11 @@ def class_names_problem(names) -> Optional[str]:
 class Dataset:
     """A loaded dataset: its `info`, the splits that were asked for, and its
     `fingerprint`: what a resumed run compares to tell whether it continues
-    on the same data (a JSON-able dict: an image folder's classes, number of
-    files and a digest of its file list). None where the flags say what the
-    data is: CIFAR-10 is one fixed release, synthetic data is made from the
-    seed and the size, and those flags are compared already."""
+    on the same data, and the workers of a job whether they read the same (a
+    JSON-able dict: an image folder's classes, number of files and a digest
+    of its file list; a digest of CIFAR-10's contents). None where the flags
+    say what the data is: synthetic data is made from the seed and the size,
+    and those flags are compared already."""
 
     info: DatasetInfo
     splits: Dict[str, ImageSplit]
