@@ -6,6 +6,7 @@ the runtime starts.
 """
 
 import os
+import re
 import resource
 import sys
 from typing import Optional
@@ -19,6 +20,15 @@ from distributed_mpt.cluster.environment import Cluster
 # is lost.
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+# What TensorFlow raises, at start-up, when the workers' TF_CONFIGs list
+# other clusters: a collective group of another size, or a task the
+# coordination service (the first task's) does not list. Matched by type and
+# words, so that a lost peer keeps its retryable exit.
+_CLUSTER_MISMATCHES = (
+    (tf.errors.InternalError, re.compile(r"joining a group with size ?(\d+), but that group "
+                                         r"has size ?(\d+)"), "one lists {} tasks, another {}"),
+    (tf.errors.InvalidArgumentError, re.compile(r"Unexpected task registered with task_name="
+                                                r"(\S+)"), "the first task's does not list {}"))
 
 def resolve_strategy_name(name: str, cluster: Optional[Cluster], cpu_replicas: int) -> str:
     """Turns `auto` into a concrete strategy for this process and its devices."""
@@ -73,6 +83,7 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             resolver, communication_options=options)
+        barrier(strategy)()  # every peer has joined
     except tf.errors.UnknownError as e:
         if "Could not start gRPC server" not in str(e):
             raise
@@ -81,7 +92,16 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
             f"Could not start gRPC server on port {cluster.own_address.rpartition(':')[2]} "
             f"({cluster.own_address}): the port is taken on some address of this host "
             f"(see `ss -ltnp`)") from None
-    barrier(strategy)()  # every peer has joined
+    except (tf.errors.InternalError, tf.errors.InvalidArgumentError) as e:
+        found = [what.format(*match.groups()) for kind, pattern, what in _CLUSTER_MISMATCHES
+                 for match in [pattern.search(e.message)] if isinstance(e, kind) and match]
+        if not found:
+            raise
+        raise ClusterError(
+            f"the workers were started with different cluster descriptions (TF_CONFIG): "
+            f"{found[0]} (this worker's: {cluster.num_workers} tasks, it is "
+            f"{cluster.task_type} {cluster.task_index}): give every worker the same cluster, "
+            f"each its own task") from None
     return strategy
 
 

@@ -189,3 +189,46 @@ def test_workers_that_would_resume_from_different_steps_refuse_together(tmp_path
         assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
         assert "the workers of this job see different runs" in worker.output()
         assert "Traceback" not in worker.output()
+
+
+def _worker_pair(tf_configs, model_dir):
+    return [WatchedProcess("distributed_mpt.train", [*MW_FLAGS, f"--model_dir={model_dir}"],
+                           env=subprocess_env(TF_CONFIG=json.dumps(config)))
+            for config in tf_configs]
+
+
+def _assert_refused_for_their_cluster(worker):
+    assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
+    errors = [line for line in worker.output().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in worker.output(), worker.output()[-3000:]
+    assert "were started with different cluster descriptions (TF_CONFIG)" in errors[0], errors[0]
+    return errors[0]
+
+
+def test_workers_given_clusters_of_different_sizes_refuse_together(tmp_path):
+    """Worker 1's TF_CONFIG listed a third worker: both ended in a
+    TensorFlow traceback, exit 1 ("joining a group with size3")."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]  # nobody at the third
+    workers = _worker_pair([{"cluster": {"worker": addresses[:2 + index]},
+                             "task": {"type": "worker", "index": index}} for index in (0, 1)],
+                           tmp_path / "run")
+    for worker, mine in zip(workers, ["this worker's: 2 tasks", "this worker's: 3 tasks"]):
+        error = _assert_refused_for_their_cluster(worker)
+        assert "one lists 3 tasks, another 2" in error and mine in error, error
+
+
+def test_a_worker_unknown_to_the_chiefs_cluster_refuses_in_one_line(tmp_path):
+    """The chief's TF_CONFIG says chief + worker, the other's two workers:
+    the other ended in a 55-line traceback, exit 1."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    chief, worker = _worker_pair(
+        [{"cluster": {"chief": addresses[:1], "worker": addresses[1:]},
+          "task": {"type": "chief", "index": 0}},
+         {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 1}}],
+        tmp_path / "run")
+    try:
+        error = _assert_refused_for_their_cluster(worker)
+        assert "the first task's does not list /job:worker/replica:0/task:1" in error, error
+    finally:
+        chief.process.kill()  # it waits for a peer that left: the peer timeout's case
+        chief.finish(timeout=30)
