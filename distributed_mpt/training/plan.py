@@ -201,11 +201,11 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
                       fingerprint: Optional[dict]) -> None:
     """Raises ConfigError if the checkpoints in --model_dir were trained on
     other data than this run's `fingerprint` (core/data's Dataset), naming
-    what differs: the classes, the number of files, or only the file list.
-    Call before the checkpoints' model is compared: other classes make
-    another model, but the data is what to name. A run that recorded none
-    (CIFAR-10, synthetic data, a run older than fingerprints) is not
-    compared."""
+    what differs: the classes, the number of files, or only the file list
+    (CIFAR-10's: its labels and pixels). Call before the checkpoints' model
+    is compared: other classes make another model, but the data is what to
+    name. A run that recorded none (synthetic data, a run older than
+    fingerprints) is not compared."""
     if fingerprint is None or not checkpoints.on_disk():
         return
     model_dir = config.run.model_dir
@@ -242,8 +242,12 @@ def _data_difference(before: dict, now: dict, shown: int = 5) -> str:
         if counted_before.get(split) != counted.get(split):
             parts.append(f"{split}/ holds {counted.get(split, 0)} files (was "
                          f"{counted_before.get(split, 0)})")
-    return "; ".join(parts) or ("the same classes and numbers of files, but other file names "
-                                "or sizes (the SHA-256 of the list of files and sizes differs)")
+    if parts or "files" in before:
+        return "; ".join(parts) or ("the same classes and numbers of files, but other file "
+                                    "names or sizes (the SHA-256 of the list of files and sizes "
+                                    "differs)")
+    return ("other labels or pixels, or the same in another order (the SHA-256 of the labels "
+            "and pixels, in order, differs)")  # CIFAR-10's: no files to count
 
 
 def refuse_other_training(resumption: Resumption, config: TrainConfig, signature: dict) -> None:

@@ -321,3 +321,23 @@ def test_workers_reading_different_copies_of_cifar10_refuse_together(tmp_path):
         assert len(errors) == 1 and "Traceback" not in worker.output(), worker.output()[-3000:]
         assert "the images differ between the workers of this job" in errors[0], errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
+
+
+def test_a_run_resumed_on_another_copy_of_cifar10_is_refused_naming_what_differs(tmp_path):
+    """A run on one copy of CIFAR-10 resumed on a copy with other labels (a
+    stale or damaged one): refused in one line that says what a CIFAR-10
+    fingerprint compares, not an image folder's 'file names or sizes'."""
+    from conftest import SMOKE_FLAGS, assert_one_error_line, train, write_cifar10_binary
+
+    write_cifar10_binary(tmp_path / "a")
+    for batch in write_cifar10_binary(tmp_path / "b").iterdir():
+        records = np.fromfile(batch, np.uint8).reshape(-1, 3073)
+        records[:, 0] = (records[:, 0] + 3) % 10
+        records.tofile(batch)
+    flags = [*SMOKE_FLAGS, "--dataset=cifar10", "--nodownload", "--noevaluate",
+             "--precision=float32", f"--model_dir={tmp_path / 'run'}"]
+    first = train([*flags, "--train_steps=2", f"--data_dir={tmp_path / 'a'}"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    result = train([*flags, "--train_steps=4", f"--data_dir={tmp_path / 'b'}"])
+    assert_one_error_line(result, "holds a run trained on other images than --data_dir=")
+    assert "other labels or pixels, or the same in another order" in result.stderr, result.stderr
