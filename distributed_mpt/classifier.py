@@ -17,7 +17,8 @@ from distributed_mpt.config import (DEFAULTS, TrainConfig, flat_record, section_
 from distributed_mpt.core.data.dataset import DatasetInfo, class_names_problem
 from distributed_mpt.errors import CheckpointMismatchError, ConfigError, first_line, quoted
 from distributed_mpt.training.outputs import (EXPORT_DIR, MODEL_INFO_CONFIG_KEYS, MODEL_INFO_NAME,
-                                              SAVED_MODEL_DIR, model_info)
+                                              SAVED_MODEL_DIR, fingerprint_is_damaged,
+                                              model_info)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +49,17 @@ def load_classifier(model_dir: str, users_model: Optional[str] = None) -> Classi
         raise ConfigError(f"--model_dir={quoted(model_dir)} is not a directory: give a training "
                           f"run's directory or its export/")
     for export_dir in (model_dir, os.path.join(model_dir, EXPORT_DIR)):
+        saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
+        for path in (export_dir, saved_model):
+            # An emptied file, a link in a loop: a damaged export, which was
+            # passed over for the checkpoint without a word.
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, not an export's "
+                                  f"folder: {_REEXPORT}")
         # One this user may not enter looks empty: it would be called no
         # export. Entering is all it takes to find saved_model/ (0711 will do).
         if os.path.isdir(export_dir):
             _refuse_closed(export_dir, os.X_OK)
-        saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
         if os.path.isdir(saved_model):
             if users_model is not None:  # the export holds the network: that code would not run
                 raise ConfigError(f"--model={quoted(users_model)} builds the network of a run's "
@@ -76,6 +83,9 @@ def _load_export(export_dir: str) -> Classifier:
 
     saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
     _refuse_what_tensorflow_cannot_read(saved_model)
+    if fingerprint_is_damaged(saved_model):  # loaded past, under a traceback
+        raise ConfigError(f"{quoted(saved_model)} is damaged (its fingerprint.pb does not read "
+                          f"back): {_REEXPORT}")
     try:
         loaded = tf.saved_model.load(saved_model)
     # A damaged SavedModel raises OSError, ValueError, KeyError, OpError...

@@ -292,11 +292,28 @@ def check_export_destination(model_dir: str) -> None:
 
 
 def export_is_whole(model_dir: str) -> bool:
-    """Whether `<model_dir>/export` holds every entry an export has (not
-    whether each reads back: predict finds that out)."""
+    """Whether `<model_dir>/export` holds every entry an export has, and a
+    fingerprint that reads back (whether the rest does, predict finds out)."""
     path = os.path.join(model_dir, EXPORT_DIR)
+    saved_model = os.path.join(path, SAVED_MODEL_DIR)
     return (all(os.path.lexists(os.path.join(path, name)) for name in EXPORT_ENTRIES)
-            and os.path.isfile(os.path.join(path, SAVED_MODEL_DIR, "saved_model.pb")))
+            and os.path.isfile(os.path.join(saved_model, "saved_model.pb"))
+            and not fingerprint_is_damaged(saved_model))
+
+
+def fingerprint_is_damaged(saved_model: str) -> bool:
+    """Whether the SavedModel folder `saved_model` holds a fingerprint.pb
+    that does not read back or holds no checksum (none, as TensorFlow before
+    2.12 wrote, is no damage): TensorFlow loads past it, under a traceback."""
+    import tensorflow as tf
+
+    path = os.path.join(saved_model, "fingerprint.pb")
+    if not files.is_regular_file(path):  # a FIFO would hang the read
+        return os.path.lexists(path)
+    try:
+        return not tf.saved_model.experimental.read_fingerprint(saved_model).saved_model_checksum
+    except (RuntimeError, FileNotFoundError):
+        return True
 
 
 def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,

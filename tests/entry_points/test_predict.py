@@ -298,6 +298,21 @@ def _damaged_export(damage):
     return make
 
 
+def _damaged_run_export(damage):
+    """The trained run's checkpoint beside a damaged export: the export is
+    refused, not passed over for the checkpoint without a word."""
+    def make(tmp_path, untrained, trained, photo):
+        run, args = _checkpoint_run()(tmp_path, untrained, trained, photo)
+        _damaged_export(damage)(tmp_path, untrained, trained, photo)
+        return run, args
+    return make
+
+
+def _replaced(saved_model, make):
+    shutil.rmtree(saved_model)
+    make(saved_model)
+
+
 def _weightless_export(class_names=True):
     """The right signature (and, as an export has them, the class names)
     and no weights: 0.1 for every class, as an untrained model would
@@ -417,6 +432,18 @@ HOSTILE_INPUTS = {
         lambda d: (d / "saved_model.pb").write_bytes(os.urandom(1000))), "cannot be loaded"),
     "SavedModel without variables": (_damaged_export(
         lambda d: shutil.rmtree(d / "variables")), "cannot be loaded"),
+    # TensorFlow loads past a damaged fingerprint.pb, under a traceback.
+    "garbage fingerprint.pb": (_damaged_run_export(
+        lambda d: (d / "fingerprint.pb").write_bytes(b"\xff" * 100)),
+        "saved_model is damaged (its fingerprint.pb does not read back)"),
+    "empty fingerprint.pb": (_damaged_run_export(lambda d: (d / "fingerprint.pb").write_bytes(b"")),
+                             "saved_model is damaged (its fingerprint.pb does not read back)"),
+    "an empty file for saved_model/": (_damaged_run_export(
+        lambda d: _replaced(d, lambda p: p.write_bytes(b""))),
+        "export/saved_model is a file, not an export's folder"),
+    "a link in a loop for saved_model/": (_damaged_run_export(
+        lambda d: _replaced(d, lambda p: p.symlink_to(p.name))),
+        "export/saved_model is a symbolic link in a loop, not an export's folder"),
     "export without weights": (_weightless_export(), "holds no trained variables"),
     "export without class names": (_weightless_export(class_names=False), "cannot be loaded"),
     "checkpoint without weights": (_checkpoint_run(weightless=True), "does not hold the weights"),

@@ -2,14 +2,15 @@
 file or directory named `export` in --model_dir (or a user's file inside
 it) is refused, and kept as it was; a full disk leaves the old state."""
 
+import shutil
 import subprocess
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
-                      subprocess_env, train)
+from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
+                      run_in_process, subprocess_env, train)
 from distributed_mpt.core import models
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.errors import ConfigError
@@ -126,6 +127,26 @@ def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
     assert_ok(train([*flags, "--export"]))
     assert (model_dir / "export" / "model.keras").exists()
     assert read_summary(model_dir)["train_loss"] is not None, "the training figures, from the log"
+
+
+def test_a_finished_run_started_again_exports_anew_over_a_damaged_export(tmp_path):
+    """An export whose fingerprint.pb was damaged (which predict refuses) was
+    left as it was: only missing files were looked for."""
+    from distributed_mpt.predict import main as predict
+
+    model_dir = tmp_path / "run"
+    flags = [*SMOKE_FLAGS, "--noevaluate", "--model=resnet9", "--model_width=4",
+             "--train_steps=2", "--steps_per_loop=2", "--export", f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    saved_model = model_dir / "export" / "saved_model"
+    for damage in (lambda: (saved_model / "fingerprint.pb").write_bytes(b"\xff" * 100),
+                   lambda: shutil.rmtree(saved_model) or saved_model.write_bytes(b"")):
+        damage()
+        again = train(flags)
+        assert_ok(again)
+        assert "its export was missing or incomplete: exported again" in again.stdout
+    assert_ok(run_in_process(predict, [f"--model_dir={model_dir}",
+                                       str(REPO / "docs" / "automobile.png")]))
 
 
 def test_a_run_under_pythonwarnings_error_exports_with_the_libraries_warnings_shown(tmp_path):
