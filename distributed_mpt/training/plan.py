@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
-from distributed_mpt import files
+from distributed_mpt import __version__, files
 from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
                                     section_problem, training_flags, unknown_settings)
@@ -328,25 +328,39 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
 def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: dict,
                         contents: dict) -> None:
     """Raises ClusterError on every worker unless all of them passed the
-    same `facts` (numbers), `flags` (flag name: value) and `contents` (what
-    each node's own files hold, by what they are: the model's signature,
-    the images' fingerprint), naming what differs."""
-    # Workers exchange only numbers: each flag or content travels as 32 bits
-    # of its value's hash, which a float64 holds, and the sum over workers too.
-    digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:4], "big")
-               for v in [*flags.values(), *contents.values()]]
-    values = tf.constant([float(v) for v in [*facts.values(), *digests]], tf.float64)
+    same `facts` (name: a number, or a str such as a digest of the weights
+    it restored), `flags` (flag name: value) and `contents` (what each
+    node's own files hold, by what they are: the model's signature, the
+    images' fingerprint), naming what differs. Called with the flags before
+    anything builds variables (which calls the collectives: other models or
+    precisions fail there with a traceback), and with what is found later."""
+    # Workers exchange only numbers: anything else travels as 32 bits of its
+    # value's hash, which a float64 holds, and the sum over workers too.
+    def number(value) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:4], "big"))
 
-    @tf.function(autograph=False)
-    def workers_differing():
-        # Per entry: if all are equal, each equals the mean; if not, some
-        # do not. The sum counts the workers that differ from the mean.
-        mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(values)), axis=None)
-        differs = strategy.run(lambda: tf.cast(values != mean, tf.float64))
-        return strategy.reduce("SUM", differs, axis=None)
+    def differ(*values) -> List[bool]:
+        mine = tf.constant([number(v) for v in values], tf.float64)
+
+        @tf.function(autograph=False)
+        def workers_differing():
+            # Per entry: if all are equal, each equals the mean; if not, some
+            # do not. The sum counts the workers that differ from the mean.
+            mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(mine)), axis=None)
+            differs = strategy.run(lambda: tf.cast(mine != mean, tf.float64))
+            return strategy.reduce("SUM", differs, axis=None)
+        return [count > 0 for count in workers_differing().numpy()]
 
     names = [*facts, *(f"--{name}" for name in flags), *contents]
-    differing = {name for name, count in zip(names, workers_differing().numpy()) if count > 0}
+    # First one number whatever the version: a worker with one flag more
+    # would meet the others' values in a collective of another length.
+    if differ((__version__, names))[0]:
+        raise ClusterError("the workers of this job run different versions of distributed_mpt "
+                           "(or different flag sets): give every worker the same image")
+    differing = {name for name, differs in zip(names, differ(
+        *facts.values(), *flags.values(), *contents.values())) if differs}
     differing_flags = [f"--{name}" for name in flags if f"--{name}" in differing]
     if differing_flags:
         mine = " ".join(f"{name}={quoted(flags[name[2:]], 80)}" for name in differing_flags)
@@ -359,12 +373,14 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
             f"the {' and the '.join(differing_contents)} differ between the workers of this "
             f"job: give every node the same copy")
     if differing:
-        mine = ", ".join(f"{name} {value:g}" for name, value in facts.items())
+        mine = ", ".join(f"{name} {value:g}" if isinstance(value, (int, float)) else
+                         f"{name} {value}" for name, value in facts.items())
+        index = ("; precision is an index into " + "/".join(precision.PRECISIONS)
+                 if "precision" in facts else "")
         raise ClusterError(
             f"the workers of this job see different runs ({', '.join(n for n in facts if n in differing)} "
-            f"differ; this worker: {mine}; precision is an index into {'/'.join(precision.PRECISIONS)}): "
-            f"give every worker the same --model_dir on one shared file system, the same data "
-            f"and flags, and an explicit --precision")
+            f"differ; this worker: {mine}{index}): give every worker the same --model_dir on one "
+            f"shared file system, the same data and flags, and an explicit --precision")
 
 
 def leave_together(strategy: tf.distribute.Strategy) -> None:

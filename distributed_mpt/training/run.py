@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import os
 import sys
 import time
@@ -182,6 +183,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
                                                resume, start_warnings)
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
+    if cluster and cluster.num_workers > 1:  # before building, which calls the collectives
+        check_workers_agree(strategy, {"resolved precision": precision.resolve_precision(
+            config.run.precision)}, config_lib.shared_flags(config), {})
     reading = f"reading --dataset={config.data.dataset}"  # 100,000 images: minutes
     with console.lines_while(reading, PROGRESS_SECONDS, say=is_chief):
         dataset = config.data.load(config.run.seed, headroom=memory.headroom())
@@ -203,7 +207,12 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             print(f"restoring the newest intact checkpoint of {config.run.model_dir}", flush=True)
         resumed = resume(checkpoints, trainer.step, config.run.model_dir, plan.total_steps)
         if plan.num_workers > 1:  # before any of them acts on what it found
-            check_workers_agree(strategy, resumed.agreement(plan), config_lib.shared_flags(config),
+            # Each worker restores its own --model_dir: one that is not the
+            # chief's may hold another checkpoint of the same step.
+            weights = resumed.restored and hashlib.sha256(b"".join(
+                w.numpy().tobytes() for w in trainer.model.weights)).hexdigest()[:8]
+            check_workers_agree(strategy, {**resumed.agreement(plan),
+                                           "restored weights": weights or "none"}, {},
                                 {"model file (and the modules it imports)": fingerprint(signature),
                                  "images": dataset.fingerprint})
         refuse_other_training(resumed, config, signature)  # finished or not: never silently

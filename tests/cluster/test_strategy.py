@@ -6,6 +6,7 @@ start-up that always ends."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,20 +176,77 @@ def test_sigterm_to_the_group_ends_a_worker_waiting_for_its_peers(tmp_path):
     assert "SIGTERM while TensorFlow started: stopping (nothing trained yet" in stderr
 
 
+def _refused_together(workers, *says):
+    """Every worker exits 2 with one error: line that `says` all of it, no traceback."""
+    for worker in workers:
+        started = time.monotonic()
+        assert worker.finish(timeout=240) == 2, worker.output()[-3000:]
+        errors = [line for line in worker.output().splitlines() if line.startswith("error:")]
+        print(f"ended {time.monotonic() - started:.0f} s after the worker before: {errors}")
+        assert len(errors) == 1 and all(s in errors[0] for s in says), worker.output()[-3000:]
+        assert "Traceback" not in worker.output(), worker.output()[-3000:]
+    return errors[0]
+
+
+def _two_workers(differing, env=({}, {})):
+    """Two workers of one job, each with the flags MW_FLAGS, `differing` its own."""
+    configs = worker_tf_configs(free_ports(2))
+    return [WatchedProcess("distributed_mpt.train", [*MW_FLAGS, "--train_steps=16", *flags],
+                           env=subprocess_env(TF_CONFIG=config, **extra))
+            for flags, config, extra in zip(differing, configs, env)]
+
+
 def test_workers_that_would_resume_from_different_steps_refuse_together(tmp_path):
     """Without one shared --model_dir, the chief resumes and the other worker
     does not: both say so, instead of calling the collectives differently."""
-    flags = [*MW_FLAGS, "--precision=float32", "--train_steps=16"]
-    assert_ok(train([*flags, "--train_steps=8", "--per_replica_batch_size=32",
-                     f"--model_dir={tmp_path / 'shared'}"]))
-    configs = worker_tf_configs(free_ports(2))
-    workers = [WatchedProcess("distributed_mpt.train", [*flags, f"--model_dir={tmp_path / name}"],
-                              env=subprocess_env(TF_CONFIG=config))
-               for name, config in zip(["shared", "elsewhere"], configs)]
-    for worker in workers:
-        assert worker.finish(timeout=180) == 2, worker.output()[-3000:]
-        assert "the workers of this job see different runs" in worker.output()
-        assert "Traceback" not in worker.output()
+    assert_ok(train([*MW_FLAGS, "--precision=float32", "--train_steps=8",
+                     "--per_replica_batch_size=32", f"--model_dir={tmp_path / 'shared'}"]))
+    _refused_together(_two_workers([
+        ["--precision=float32", f"--model_dir={tmp_path / name}"]
+        for name in ["shared", "elsewhere"]]), "the workers of this job see different runs")
+
+
+def test_workers_that_restore_other_checkpoints_of_the_same_step_refuse_together(tmp_path):
+    """Each worker restored its own --model_dir, both at step 8, with other
+    weights: both trained on, exit 0, a model that no run of one state made."""
+    for name, batch in [("a", 32), ("b", 16)]:
+        assert_ok(train([*MW_FLAGS, "--precision=float32", "--train_steps=8",
+                         f"--per_replica_batch_size={batch}", f"--model_dir={tmp_path / name}"]))
+    said = _refused_together(_two_workers([
+        ["--precision=float32", f"--model_dir={tmp_path / name}"] for name in "ab"]),
+        "the workers of this job see different runs (restored weights differ")
+    assert "start step 8" in said and "--model_dir on one shared file system" in said
+
+
+@pytest.mark.parametrize("differing, says", [
+    # Were: a line blaming the model, and a traceback with 'lost a peer' (141: restarted).
+    ([["--model=airbench", "--model_width=4", "--lookahead"], []],
+     ["were started with different --", "--model_width", "--lookahead", "--model="]),
+    # Were: tracebacks on both (docs/clusters.md promised this line).
+    ([["--precision=float32"], ["--precision=mixed_float16"]],
+     ["see different runs (resolved precision differ"]),
+])
+def test_workers_whose_flags_build_other_variables_refuse_together(tmp_path, differing, says):
+    _refused_together(_two_workers([[*flags, f"--model_dir={tmp_path / 'run'}"]
+                                              for flags in differing]), *says)
+    assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
+
+
+def test_a_worker_of_a_newer_version_with_another_flag_refuses_with_the_others(tmp_path):
+    """A worker whose image has one flag more made the agreement itself fail:
+    'Shape mismatch ... [57] ... [56]', tracebacks on both. (PYTHONSAFEPATH:
+    not the repository's package from the working directory.)"""
+    newer = tmp_path / "newer"
+    shutil.copytree(REPO / "distributed_mpt", newer / "distributed_mpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    groups = newer / "distributed_mpt" / "core" / "optim" / "groups.py"
+    text = groups.read_text()
+    assert "    lookahead: bool = option(" in text
+    groups.write_text(text.replace("    lookahead: bool = option(", "    gradient_clip: float = "
+                                   "option(0.0, 'a newer flag')\n    lookahead: bool = option(", 1))
+    _refused_together(_two_workers([[f"--model_dir={tmp_path / 'run'}"]] * 2,
+                                   env=({}, {"PYTHONPATH": str(newer), "PYTHONSAFEPATH": "1"})),
+                      "the workers of this job run different versions of distributed_mpt")
 
 
 def _worker_pair(tf_configs, model_dir):
