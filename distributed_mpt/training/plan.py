@@ -373,8 +373,7 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
             f"the {' and the '.join(differing_contents)} differ between the workers of this "
             f"job: give every node the same copy")
     if differing:
-        mine = ", ".join(f"{name} {value:g}" if isinstance(value, (int, float)) else
-                         f"{name} {value}" for name, value in facts.items())
+        mine = ", ".join(f"{name} {value}" for name, value in facts.items())  # ints, strs
         index = ("; precision is an index into " + "/".join(precision.PRECISIONS)
                  if "precision" in facts else "")
         raise ClusterError(
