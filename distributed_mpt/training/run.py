@@ -34,7 +34,8 @@ from distributed_mpt.core import data, precision
 from distributed_mpt.core.models.contract import FirstStepError
 from distributed_mpt.core.models.signature import fingerprint, model_signature
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
-from distributed_mpt.errors import ExitCode, Preempted, UserError, first_line, quoted
+from distributed_mpt.errors import (ClusterError, ExitCode, Preempted, UserError, first_line,
+                                    quoted)
 from distributed_mpt.json_lines import finite_values
 from distributed_mpt.process import console, log_filter, memory, run_lock, stopping
 from distributed_mpt.process.startup_watchdog import StartupWatchdog
@@ -178,9 +179,9 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
     from distributed_mpt.training.build import build, recalibrate_batch_norm, train_input
     from distributed_mpt.training.checkpoints import Checkpoints, model_identity
     from distributed_mpt.training.loop import Reporter, TrainingLoop
-    from distributed_mpt.training.plan import (check_workers_agree, continue_with, leave_together,
-                                               plan_run, refuse_other_data, refuse_other_training,
-                                               resume, start_warnings)
+    from distributed_mpt.training.plan import (Resumption, check_workers_agree, continue_with,
+                                               leave_together, plan_run, refuse_other_data,
+                                               refuse_other_training, resume, start_warnings)
     started = time.monotonic()
     is_chief = cluster is None or cluster.is_chief
     if cluster and cluster.num_workers > 1:  # before building, which calls the collectives
@@ -202,19 +203,33 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
     checkpoints = Checkpoints(config.run.model_dir, worker, identity, check_held,
                               **built.checkpointables)
     try:  # a non-chief's scratch directory goes, however the run ends
-        refuse_other_data(checkpoints, config, dataset.fingerprint)
-        if is_chief and checkpoints.on_disk():
-            print(f"restoring the newest intact checkpoint of {config.run.model_dir}", flush=True)
-        resumed = resume(checkpoints, trainer.step, config.run.model_dir, plan.total_steps)
+        # This worker's refusal of its --model_dir is said after the agreement:
+        # the others would wait there for it, and exit 141 as if it were lost.
+        refusal = None
+        try:
+            refuse_other_data(checkpoints, config, dataset.fingerprint)
+            if is_chief and checkpoints.on_disk():
+                print(f"restoring the newest intact checkpoint of {config.run.model_dir}",
+                      flush=True)
+            resumed = resume(checkpoints, trainer.step, config.run.model_dir, plan.total_steps)
+        except UserError as e:
+            if plan.num_workers == 1:
+                raise
+            refusal, resumed = e, Resumption(start_step=0)
         if plan.num_workers > 1:  # before any of them acts on what it found
             # Each worker restores its own --model_dir: one that is not the
             # chief's may hold another checkpoint of the same step.
             weights = resumed.restored and hashlib.sha256(b"".join(
                 w.numpy().tobytes() for w in trainer.model.weights)).hexdigest()[:8]
-            check_workers_agree(strategy, {**resumed.agreement(plan),
-                                           "restored weights": weights or "none"}, {},
-                                {"model file (and the modules it imports)": fingerprint(signature),
-                                 "images": dataset.fingerprint})
+            facts = {**resumed.agreement(plan), "restored weights": weights or "none",
+                     "refused --model_dir": refusal is not None}
+            try:
+                check_workers_agree(strategy, facts, {}, {"model file (and the modules it imports)":
+                                    fingerprint(signature), "images": dataset.fingerprint})
+            except ClusterError as disagreement:
+                raise refusal or disagreement
+        if refusal:
+            raise refusal
         refuse_other_training(resumed, config, signature)  # finished or not: never silently
         if resumed.finished:
             if is_chief:

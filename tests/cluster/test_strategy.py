@@ -218,6 +218,17 @@ def test_workers_that_restore_other_checkpoints_of_the_same_step_refuse_together
     assert "start step 8" in said and "--model_dir on one shared file system" in said
 
 
+def test_a_worker_that_refuses_its_model_dir_stops_the_others_with_it(tmp_path):
+    """The chief refused its --model_dir (a run of another precision): the
+    other worker exited 141, 'lost a peer', which a launcher restarts."""
+    assert_ok(train([*MW_FLAGS, "--precision=float32", "--train_steps=8",
+                     f"--model_dir={tmp_path / 'a'}"]))
+    workers = _two_workers([["--precision=mixed_float16", f"--model_dir={tmp_path / name}"]
+                            for name in "ab"])
+    _refused_together(workers[:1], "holds checkpoints trained with --precision=float32")
+    _refused_together(workers[1:], "see different runs (refused --model_dir differ")
+
+
 @pytest.mark.parametrize("differing, says", [
     # Were: a line blaming the model, and a traceback with 'lost a peer' (141: restarted).
     ([["--model=airbench", "--model_width=4", "--lookahead"], []],
