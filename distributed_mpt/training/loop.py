@@ -22,7 +22,6 @@ from typing import Optional
 import tensorflow as tf
 
 from distributed_mpt.config import TrainConfig
-from distributed_mpt.training import PROGRESS_SECONDS
 from distributed_mpt.core import precision
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
@@ -33,17 +32,13 @@ from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.json_lines import JsonLines, append_records, finite_values
 from distributed_mpt.process import stopping
 from distributed_mpt.process.run_lock import ModelDirLostError
-from distributed_mpt.training import outputs
+from distributed_mpt.training import PROGRESS_SECONDS, outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
 
 # With dynamic loss scaling, overflowing steps are skipped and the scale
 # halves; this many in a row means the loss itself is not finite.
 _NONFINITE_STEPS_WITH_LOSS_SCALING = 100
-
-# TensorFlow's errors that say nothing of the model: a device's or the
-# runtime's (a restart may go on where they struck).
-_TRANSIENT_ERRORS = (tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError)
 
 # A loop call's target length: a progress line waits for the call under way
 # (a stop request only for the step under way), so calls are kept this short
@@ -74,7 +69,7 @@ class TrainingLoop:
             # (SIGKILL during the export): the log has the training figures.
             last = self._reporter.last_logged("loss")
             return last, last.get("examples_per_second")
-        iterator, phase_end, crop_size = None, start_step, None
+        iterator, phase_end, crop_size, current = None, start_step, None, start_step
         self._nonfinite_run, self._last_saved = 0, start_step
         interval, interval_start = NO_TOTALS, time.perf_counter()
         timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
@@ -84,15 +79,13 @@ class TrainingLoop:
         # This worker's pace in the last call, sent with the next one; and
         # every worker's mean, which comes back the same to all of them.
         seconds_per_step = agreed_seconds_per_step = 0.0
-        current = start_step
         # Evaluation at the end is train_and_evaluate's; this is for the curve.
         eval_every_steps = (self._config.evaluation.eval_every_epochs * plan.steps_per_epoch
                             or plan.total_steps)
         boundaries = (run.log_every_steps, run.checkpoint_every_steps, eval_every_steps,
                       plan.steps_per_epoch)
-        first_call = None
         # A user's model failing in a new run's first call is named (below).
-        names_failure = start_step == 0 and self._config.model.spec.is_users
+        first_call, names_failure = None, start_step == 0 and self._config.model.spec.is_users
         while current < plan.total_steps:
             if current == phase_end:  # the first call, or the images change size (early crops)
                 iterator = None  # the last phase's pipeline stops before the next starts
@@ -120,8 +113,6 @@ class TrainingLoop:
             current += num_steps
             interval += totals
             self._check_finite(totals, num_steps, current)
-
-            interval_seconds = time.perf_counter() - interval_start
             # A line now if the next call, about as long as this one, would
             # end past the promised interval.
             due = time.perf_counter() - last_line + call_seconds >= PROGRESS_SECONDS
@@ -130,18 +121,17 @@ class TrainingLoop:
                 # The first line comes after the first call, so that a slow
                 # start (tracing) shows; it has no ETA, as tracing is in it.
                 # The second, after the first call timed alone, has one.
-                metrics = self._log(current, interval, interval_seconds, with_eta=lines > 0)
-                lines += 1
-                interval, interval_start = NO_TOTALS, time.perf_counter()
+                metrics = self._log(current, interval, time.perf_counter() - interval_start,
+                                    with_eta=lines > 0)
+                interval, interval_start, lines = NO_TOTALS, time.perf_counter(), lines + 1
                 last_line = interval_start
             else:
                 self._reporter.live(current)
 
             if current % eval_every_steps == 0 and current < plan.total_steps:
                 eval_started = time.perf_counter()
-                activity = f"evaluating on the {len(test_split)} test images"
-                self._reporter.say(activity)
-                with self._reporter.doing(activity):
+                with self._reporter.doing(f"evaluating on the {len(test_split)} test images",
+                                          say=True):
                     result = trainer.evaluate(test_split)
                 self._write(self._reporter.log, current,
                             {"epoch": current / plan.steps_per_epoch, **result})
@@ -230,18 +220,16 @@ def _call_activity(current: int, num_steps: int, total_steps: int,
     if current == 0 or not seconds_per_step:
         return f"compiling the training step and taking step {current + 1} of {total_steps}"
     steps = f"{current + 1}-{current + num_steps}" if num_steps > 1 else str(current + 1)
-    expected = (total_steps - current) * seconds_per_step
+    eta = format_seconds((total_steps - current) * seconds_per_step)
     return (f"training step {steps} of {total_steps} (a step took {seconds_per_step:.1f} s "
-            f"before; ETA {format_seconds(expected)} at that pace)")
+            f"before; ETA {eta} at that pace)")
 
 
-def _steps_per_call(seconds_per_step: float, steps_per_loop: int) -> int:
-    """Steps for a call of about _CALL_SECONDS at `seconds_per_step` (the
+def _steps_per_call(step_seconds: float, steps_per_loop: int) -> int:
+    """Steps for a call of about _CALL_SECONDS at `step_seconds` a step (the
     same on every worker, so that they all call the loop alike); one while
-    the pace is not known yet."""
-    if seconds_per_step <= 0:
-        return 1
-    return max(1, min(steps_per_loop, int(_CALL_SECONDS / seconds_per_step)))
+    the pace is not known yet (0)."""
+    return max(1, min(steps_per_loop, int(_CALL_SECONDS / step_seconds) if step_seconds else 1))
 
 
 # What the console shows of a record, in this order and format; and the
@@ -291,10 +279,8 @@ class Reporter:
     def last_logged(self, key: str) -> dict:
         """The newest record of metrics.jsonl that has a number at `key`; {}
         if none (a record edited to hold anything else is passed over)."""
-        last = {}
-        for record, _ in JsonLines(self._metrics_path) if self._enabled else ():
-            last = record if isinstance(record.get(key), (int, float)) else last
-        return last
+        records = list(JsonLines(self._metrics_path)) if self._enabled else []
+        return next((r for r, _ in reversed(records) if isinstance(r.get(key), (int, float))), {})
 
     def say(self, message: str) -> None:
         """Prints a line on the chief."""
@@ -302,9 +288,12 @@ class Reporter:
             self._print(message)
 
     @contextlib.contextmanager
-    def doing(self, activity: str):
+    def doing(self, activity: str, say: bool = False):
         """Says `activity` (e.g. "evaluating") is under way in the block: if
-        it holds the run past PROGRESS_SECONDS without a line, a line says so."""
+        it holds the run past PROGRESS_SECONDS without a line, a line says so;
+        `say`: a line says it at once too."""
+        if say:
+            self.say(activity)
         self._activity, self._activity_since = activity, time.monotonic()
         try:
             yield
@@ -336,8 +325,7 @@ class Reporter:
             self._status.update(100 * step / self._total_steps, eta_seconds,
                                 {k: record[k] for k in _STATUS_METRICS
                                  if record.get(k) is not None})
-        width = len(str(self._total_steps))
-        parts = [f"step {step:>{width}}/{self._total_steps}"]
+        parts = [f"step {step:>{len(str(self._total_steps))}}/{self._total_steps}"]
         parts += [f"{name.replace('_per_second', '/s')} {record[name]:{fmt}}"
                   for name, fmt in _SHOWN.items() if record.get(name) is not None]
         if eta_seconds is not None:
@@ -393,7 +381,9 @@ def _users_model_named(name: str):
         e.add_note(f"in the run's first training step, where a peer's --model={quoted(name)} "
                    f"may have failed (its own log would say so)")
         raise
-    except (UserError, *_TRANSIENT_ERRORS):
+    # TensorFlow's errors that say nothing of the model: a device's or the
+    # runtime's (a restart may go on where they struck).
+    except (UserError, tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's code, in the first step only
         raise FirstStepError(f"--model={quoted(name)} failed in the run's first training step "

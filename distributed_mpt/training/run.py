@@ -375,9 +375,7 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     # phase before's peak (process/memory.py).
     memory.release_freed_memory()
     if config.evaluation.evaluate:
-        activity = f"evaluating on the {len(dataset.test)} test images"
-        reporter.say(activity)
-        with reporter.doing(activity):
+        with reporter.doing(f"evaluating on the {len(dataset.test)} test images", say=True):
             result = built.trainer.evaluate(dataset.test)
         summary.update(result)
         # Logged like the evaluations during training, so that the accuracy
