@@ -163,6 +163,8 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     `checkpoints` holds; `step` is the step variable among them) and reads
     what the run before wrote beside it."""
     checkpoints.check_identity()  # before anything is written into model_dir
+    if not checkpoints.on_disk():  # before restore_latest removes an index naming none
+        _refuse_a_run_without_checkpoints(model_dir)
     restored = checkpoints.restore_latest()
     if not restored:
         return Resumption(start_step=0)
@@ -171,6 +173,22 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
         os.path.join(model_dir, "summary.json"), {"steps": int},
         remedy="remove it, and the run evaluates again and writes a new one")
     return Resumption(start_step, restored, previous_config, finished)
+
+
+def _refuse_a_run_without_checkpoints(model_dir: str) -> None:
+    """Raises ConfigError if `model_dir` holds no checkpoint but the record
+    of a run that trained (its summary.json, or a config.json of a segment
+    that resumed): a run from step 0 would replace its files."""
+    if os.path.lexists(os.path.join(model_dir, "summary.json")):
+        what = "a finished run (see summary.json)"
+    elif (previous := _previous_config(model_dir)).get("from_step") or previous.get("earlier"):
+        what = f"a run resumed at step {previous.get('from_step')} (see config.json)"
+    else:  # a run stopped before its first checkpoint: nothing trained is lost
+        return
+    raise ConfigError(
+        f"--model_dir={quoted(model_dir)} holds {what} but its checkpoints are gone from "
+        f"{quoted(os.path.join(model_dir, 'checkpoints'))}: a run from step 0 would replace its "
+        f"files. Restore its checkpoints to resume or extend it, or choose another --model_dir")
 
 
 def _previous_config(model_dir: str) -> dict:

@@ -272,6 +272,32 @@ def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     assert "checkpoint is at step 20 and this run has 15 steps: nothing is left" in shorter.stdout
 
 
+def test_a_finished_run_whose_checkpoints_are_gone_is_refused_not_trained_again(model_dir):
+    """Checkpoints removed to free space, or left out of a copy: it trained
+    again from step 0 (exit 0) over the finished run's summary.json,
+    metrics.jsonl and config.json; with only the ckpt-* files gone, after a
+    warning that it removed the index naming them."""
+    flags = [*SMOKE_FLAGS, "--train_steps=10", f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+
+    def refused(lost):
+        def files():
+            return {path: path.read_bytes() for path in model_dir.rglob("*")
+                    if path.is_file() and path.name != ".lock"}
+        before = files()
+        again = train(flags)
+        assert_one_error_line(again, "holds a finished run (see summary.json) but its checkpoints "
+                                     "are gone from")
+        assert "Restore its checkpoints to resume or extend it" in again.stderr
+        assert files() == before, f"{lost}: nothing is written"
+
+    for checkpoint in (model_dir / "checkpoints").glob("ckpt-*"):
+        checkpoint.unlink()
+    refused("ckpt-* gone, the index and model.json kept")
+    shutil.rmtree(model_dir / "checkpoints")
+    refused("checkpoints/ gone")
+
+
 def test_a_finished_run_on_a_read_only_mount_says_so_as_on_a_writable_one(model_dir):
     """It was refused (`--model_dir is not writable`, exit 2) before TensorFlow
     started, for want of the lock; run longer, it still is, before any write."""
