@@ -179,9 +179,13 @@ def _refuse_a_run_without_checkpoints(model_dir: str) -> None:
     """Raises ConfigError if `model_dir` holds no checkpoint but the record
     of a run that trained (its summary.json, or a config.json of a segment
     that resumed): a run from step 0 would replace its files."""
+    try:  # read, not checked: an adopted directory's own config.json is no run's
+        previous = files.read_json(os.path.join(model_dir, "config.json"))
+    except files.DamagedFileError:
+        previous = {}
     if os.path.lexists(os.path.join(model_dir, "summary.json")):
         what = "a finished run (see summary.json)"
-    elif (previous := _previous_config(model_dir)).get("from_step") or previous.get("earlier"):
+    elif previous.get("from_step") or previous.get("earlier"):
         what = f"a run resumed at step {previous.get('from_step')} (see config.json)"
     else:  # a run stopped before its first checkpoint: nothing trained is lost
         return
