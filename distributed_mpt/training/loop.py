@@ -263,12 +263,12 @@ class Reporter:
             self._writer = tf.summary.create_noop_writer()
             return
         # Records past the resumed step describe steps that will be redone,
-        # and so does the final evaluation of a run resumed at its last step
-        # (stopped while it exported), if it evaluates: keep the log
-        # consistent with the checkpoint, one record per step and kind.
+        # and so does the final evaluation of a run resumed at or past its
+        # end (stopped while it exported; not an earlier end's), if it
+        # evaluates: keep the log consistent with the checkpoint, one per step and kind.
+        redone = resumed_from_step if evaluates_at_end and resumed_from_step >= total_steps else -1
         self._earlier_seconds = outputs.keep_metrics(self._metrics_path, lambda r: (
-            r["step"] <= resumed_from_step and not (
-                evaluates_at_end and r["step"] == total_steps and "eval_loss" in r)))
+            r["step"] <= resumed_from_step and not (r["step"] == redone and "eval_loss" in r)))
         # Made here, as the umask says: TensorFlow's mode 755 shut a team (umask 002) out of it.
         os.makedirs(os.path.join(model_dir, "tensorboard"), exist_ok=True)
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))

@@ -169,9 +169,12 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     if not restored:
         return Resumption(start_step=0)
     start_step, previous_config = int(step.numpy()), _previous_config(model_dir)
-    finished = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
+    summary = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
         os.path.join(model_dir, "summary.json"), {"steps": int},
         remedy="remove it, and the run evaluates again and writes a new one")
+    # A summary of another step is an earlier end's (a longer run stopped
+    # since): the checkpoint's model is still to be evaluated and exported.
+    finished = summary if summary.get("steps") == start_step else {}
     return Resumption(start_step, restored, previous_config, finished)
 
 

@@ -322,6 +322,35 @@ def test_a_finished_run_on_a_read_only_mount_says_so_as_on_a_writable_one(model_
     assert_one_error_line(exported, f"{model_dir} is not writable (Read-only file system)")
 
 
+def test_an_extension_stopped_after_its_last_checkpoint_is_evaluated_by_the_first_command(
+        model_dir):
+    """Finished at 10 steps, extended to 20 and stopped after the checkpoint
+    of step 20, before its summary: the first command again said 'holds a
+    finished run of 20 steps' and left summary.json and the export of step
+    10 as the run's, the model of step 20 never evaluated or exported."""
+    flags = [*(f for f in SMOKE_FLAGS if f != "--noexport"), "--train_steps=10",
+             f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    summary_of_10 = (model_dir / "summary.json").read_bytes()
+    assert_ok(train([*flags, "--train_steps=20"]))
+    (model_dir / "summary.json").write_bytes(summary_of_10)  # as the stop left it
+    again = train(flags)
+    assert_ok(again)
+    assert "holds a finished run" not in again.stdout
+    assert ("the checkpoint is at step 20 and this run has 10 steps: nothing is left to train; "
+            "the model of step 20 is evaluated and exported") in again.stdout
+    assert read_summary(model_dir)["steps"] == 20
+    assert json.loads((model_dir / "export" / "model_info.json").read_text())["steps"] == 20
+    # Each end's evaluation once: the one of step 10 was dropped, that of step 20 logged twice.
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [10, 20]
+    # Its checkpoints gone too, config.json still says it resumed: refused, not trained from 0.
+    shutil.rmtree(model_dir / "checkpoints")
+    (model_dir / "summary.json").unlink()
+    assert_one_error_line(train(flags), "holds a run resumed at step 20 (see config.json) but "
+                                        "its checkpoints are gone")
+
+
 def test_a_new_batch_that_leaves_the_capped_rate_as_it_was_says_so(model_dir):
     common = ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp",
               "--warmup_epochs=0", "--noexport", "--noevaluate", f"--model_dir={model_dir}"]
