@@ -2,8 +2,10 @@
 
 Every worker saves (MultiWorkerMirroredStrategy needs all of them to take
 part), but only the chief writes into `<model_dir>/checkpoints`; the others
-write into a private scratch directory that they delete. All workers restore
-from the chief's directory, so a restarted group starts from one state.
+write into a private scratch directory that they delete. Each worker restores
+from its --model_dir, the chief's on a shared file system; the workers agree
+on the weights they restored (plan.check_workers_agree), so a restarted group
+starts from one state.
 
 A run restores the newest checkpoint that reads back whole, found by listing
 the files (a crash, a full disk or a user can leave the `checkpoint` index

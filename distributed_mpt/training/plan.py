@@ -28,6 +28,7 @@ from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
                                     section_problem, training_flags, unknown_settings)
 from distributed_mpt.core import models, pipeline, precision
+from distributed_mpt.core.data.dataset import fingerprint_difference
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
@@ -172,9 +173,11 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     summary = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
         os.path.join(model_dir, "summary.json"), {"steps": int},
         remedy="remove it, and the run evaluates again and writes a new one")
-    # A summary of another step is an earlier end's (a longer run stopped
+    # A summary of an earlier step is an earlier end's (a longer run stopped
     # since): the checkpoint's model is still to be evaluated and exported.
-    finished = summary if summary.get("steps") == start_step else {}
+    # One of a later step stays (its newest checkpoint was damaged, skipped):
+    # its export is of a model no checkpoint holds now.
+    finished = summary if summary.get("steps", -1) >= start_step else {}
     return Resumption(start_step, restored, previous_config, finished)
 
 
@@ -239,40 +242,8 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
         return
     raise ConfigError(
         f"--model_dir={quoted(model_dir)} holds a run trained on other images than "
-        f"--data_dir={quoted(config.data.data_dir)} holds: {_data_difference(recorded, fingerprint)}. "
+        f"--data_dir={quoted(config.data.data_dir)} holds: {fingerprint_difference(recorded, fingerprint)}. "
         f"Resume it on the images it was trained on, or choose another --model_dir")
-
-
-def _data_difference(before: dict, now: dict, shown: int = 5) -> str:
-    """What differs between two fingerprints, in words."""
-    def names(classes):
-        more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
-        return quoted(", ".join(map(str, classes[:shown]))) + more
-
-    def field(fingerprint, name, kind):  # config.json is read, not trusted: any shape
-        value = fingerprint.get(name)
-        return value if isinstance(value, kind) else kind()
-
-    old, new = field(before, "classes", list), field(now, "classes", list)
-    removed, added = [c for c in old if c not in new], [c for c in new if c not in old]
-    parts = []
-    if removed:
-        parts.append(f"class(es) {names(removed)} gone")
-    if added:
-        parts.append(f"class(es) {names(added)} new")
-    if old != new and not parts:
-        parts.append(f"the classes in another order ({names(new)}, was {names(old)})")
-    counted_before, counted = field(before, "files", dict), field(now, "files", dict)
-    for split in sorted(set(counted_before) | set(counted)):
-        if counted_before.get(split) != counted.get(split):
-            parts.append(f"{split}/ holds {counted.get(split, 0)} files (was "
-                         f"{counted_before.get(split, 0)})")
-    if parts or "files" in before:
-        return "; ".join(parts) or ("the same classes and numbers of files, but other file "
-                                    "names or sizes (the SHA-256 of the list of files and sizes "
-                                    "differs)")
-    return ("other labels or pixels, or the same in another order (the SHA-256 of the labels "
-            "and pixels, in order, differs)")  # CIFAR-10's: no files to count
 
 
 def refuse_other_training(resumption: Resumption, config: TrainConfig, signature: dict) -> None:

@@ -182,3 +182,36 @@ class DatasetSpec:
     # (the check's error says so); "": it can.
     needs_data_dir: str = ""
     flip: str = "random"
+
+
+def fingerprint_difference(before: dict, now: dict, shown: int = 5) -> str:
+    """What differs between two of `Dataset.fingerprint`, in words: `before`
+    as a config.json recorded it (read, not trusted), `now` as loaded."""
+    def names(classes):
+        more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
+        return quoted(", ".join(map(str, classes[:shown]))) + more
+
+    def field(fingerprint, name, kind):  # config.json is read, not trusted: any shape
+        value = fingerprint.get(name)
+        return value if isinstance(value, kind) else kind()
+
+    old, new = field(before, "classes", list), field(now, "classes", list)
+    removed, added = [c for c in old if c not in new], [c for c in new if c not in old]
+    parts = []
+    if removed:
+        parts.append(f"class(es) {names(removed)} gone")
+    if added:
+        parts.append(f"class(es) {names(added)} new")
+    if old != new and not parts:
+        parts.append(f"the classes in another order ({names(new)}, was {names(old)})")
+    counted_before, counted = field(before, "files", dict), field(now, "files", dict)
+    for split in sorted(set(counted_before) | set(counted)):
+        if counted_before.get(split) != counted.get(split):
+            parts.append(f"{split}/ holds {counted.get(split, 0)} files (was "
+                         f"{counted_before.get(split, 0)})")
+    if parts or "files" in before:
+        return "; ".join(parts) or ("the same classes and numbers of files, but other file "
+                                    "names or sizes (the SHA-256 of the list of files and sizes "
+                                    "differs)")
+    return ("other labels or pixels, or the same in another order (the SHA-256 of the labels "
+            "and pixels, in order, differs)")  # CIFAR-10's: no files to count
