@@ -245,7 +245,11 @@ def _connected(host: str, port: int, deadline: float) -> socket.socket:
     error = OSError(0, "the host name has no address")
     addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     for tried, (family, kind, protocol, _, address) in enumerate(addresses):
-        plain = socket.socket(family, kind, protocol)
+        try:  # an address of a kind this kernel lacks (IPv6 turned off): the next
+            plain = socket.socket(family, kind, protocol)
+        except OSError as e:
+            error = e
+            continue
         try:
             # A share of what is left: a dead first address (IPv6 on a
             # network of IPv4) must leave the next one time to answer.

@@ -367,6 +367,25 @@ def test_a_report_reaches_the_address_that_answers_after_one_that_never_does(ser
     assert warnings == [] and len(server.requests) == 1, warnings
 
 
+def test_an_address_this_kernel_cannot_open_a_socket_for_is_passed_over(serve, capfd,
+                                                                         monkeypatch):
+    """A name's first address of a kind this kernel has no socket for (an
+    IPv6 address where IPv6 is turned off; here a protocol it lacks) ended
+    the report there: the address that answers was never tried."""
+    server, real = serve(), socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host != server.NAME:
+            return real(host, *args, **kwargs)
+        address = ("127.0.0.1", server.port)
+        return [(socket.AF_INET, socket.SOCK_STREAM, protocol, "", address)
+                for protocol in (253, socket.IPPROTO_TCP)]  # 253: no such protocol here
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    warnings, _ = report({**server.env, "KUBEFLOW_TRAINER_SERVER_URL":
+                          f"https://{server.NAME}:{server.port}/apis/status"}, capfd)
+    assert warnings == [] and len(server.requests) == 1, warnings
+
+
 def test_a_name_that_never_resolves_is_a_warning_at_the_end(serve, capfd, addresses_of,
                                                              monkeypatch):
     """No deadline reaches a name's resolution: close() returns in its bound
