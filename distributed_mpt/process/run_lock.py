@@ -59,11 +59,46 @@ class ModelDirLostError(ConfigError):
     """--model_dir, or its lock file, was removed or moved under the run."""
 
     @classmethod
-    def of_the_chief(cls, model_dir: str) -> "ModelDirLostError":
-        """The error of a worker whose chief lost `model_dir` (check_still_held)."""
-        return cls(f"the chief found --model_dir={quoted(model_dir)} or its {LOCK_NAME} file "
-                   f"removed or moved while this run trained: every worker stops; put it back "
-                   f"(or start afresh) and run the same command again")
+    def of_the_chief(cls) -> "ModelDirLostError":
+        """The error of a worker whose chief lost its lock (check_still_held).
+        Its --model_dir is not named: this worker's flag may name the shared
+        directory otherwise (another mount point), or a directory of its own."""
+        return cls(f"the chief lost its lock: its --model_dir or the {LOCK_NAME} file in it was "
+                   f"removed or moved while this run trained (the chief's own line names the "
+                   f"directory): every worker stops; put it back (or start afresh) and run the "
+                   f"same command again")
+
+
+class Writes:
+    """The run's writes into --model_dir once the lock may be lost. A worker
+    alone raises the loss where a write finds it. One of several keeps it
+    (`lost`), writes nothing more, and goes on with its peers to where they
+    all learn it (the stop agreement of the next step, the agreement at the
+    run's end): had it left at once, its peers would fail in their next
+    collective as if a node was lost (exit 141, which is retried)."""
+
+    def __init__(self, check_held, alone: bool, on_loss=lambda: None):
+        """check_held(): raises ModelDirLostError if the lock is lost
+        (RunLock.check_still_held); on_loss(): called when a write found it."""
+        self.check_held, self._alone, self._on_loss = check_held, alone, on_loss
+        self.lost: Optional[ModelDirLostError] = None
+
+    def __call__(self, write, *args, **kwargs):
+        """write(*args, **kwargs)'s result; None, not written, once the lock is lost."""
+        if self.lost is None:
+            try:
+                return write(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a write that failed as the directory went is its loss
+                try:
+                    self.check_held()
+                except ModelDirLostError as lost:
+                    if self._alone:
+                        raise
+                    self.lost = lost
+                    self._on_loss()
+                    return None
+                raise
+        return None
 
 
 class RunLock:

@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
 
 import tensorflow as tf
 
@@ -31,7 +30,7 @@ from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
 from distributed_mpt.json_lines import JsonLines, append_records, finite_values
 from distributed_mpt.process import stopping
-from distributed_mpt.process.run_lock import ModelDirLostError
+from distributed_mpt.process.run_lock import ModelDirLostError, Writes
 from distributed_mpt.training import PROGRESS_SECONDS, outputs
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
@@ -52,12 +51,14 @@ class TrainingLoop:
     stop requests."""
 
     def __init__(self, trainer: Trainer, config: TrainConfig, plan: RunPlan,
-                 checkpoints: Checkpoints, reporter: "Reporter", train_input):
+                 checkpoints: Checkpoints, reporter: "Reporter", train_input, writes: Writes):
         """train_input(split, start_step, end_step, crop_size): the
-        distributed input of one of the plan's input phases."""
+        distributed input of one of the plan's input phases. writes: the
+        progress lines and checkpoints go through it; a loss of the lock it
+        keeps asks for a stop (the trainer's request_stop(model_dir_lost=True))."""
         self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
         self._config, self._plan, self._train_input = config, plan, train_input
-        self._lost: Optional[ModelDirLostError] = None  # the chief's, once found (_write)
+        self._write = writes
 
     def run(self, train_split, test_split, start_step: int):
         """Returns the last interval's metrics and the throughput in examples
@@ -143,22 +144,11 @@ class TrainingLoop:
                     self._write(self._checkpoints.save, current)
                 self._last_saved = current
                 interval_start += time.perf_counter() - save_started  # not training time
-        if self._lost:  # in the last step's writes: no step boundary is left to agree at
-            raise self._lost
+        # A loss in the last step's writes, where no step is left to agree
+        # at, is agreed where the workers leave together (plan.leave_together).
         if not timed_seconds:
             timed_examples, timed_seconds = first_call
         return metrics, timed_examples / timed_seconds
-
-    def _write(self, write, *args, **kwargs) -> None:
-        """A progress line or a checkpoint; none once the chief lost --model_dir:
-        it asks for a stop that every worker takes at the next step boundary
-        (_stop). Had it left at once, its peers failed as if a node was lost."""
-        if self._lost is None:
-            try:
-                write(*args, **kwargs)
-            except ModelDirLostError as e:
-                self._lost = e
-                self._trainer.request_stop(model_dir_lost=True)
 
     def _stop(self, totals: LoopTotals, reached: int, call_start: int) -> None:
         """Saves the step `reached` (a stop cut the call that began at
@@ -166,7 +156,7 @@ class TrainingLoop:
         ModelDirLostError, on every worker, saving nothing). The steps since the
         last progress line go unlogged; the resumed run logs from `reached` on."""
         if totals.model_dir_lost:
-            raise self._lost or ModelDirLostError.of_the_chief(self._config.run.model_dir)
+            raise self._write.lost or ModelDirLostError.of_the_chief()
         self._check_finite(totals, reached - call_start, reached)  # never a NaN checkpoint
         self._checkpoints.save(reached)
         stopping.enter(stopping.Phase.FINISHING)  # a second Ctrl-C loses nothing now

@@ -24,7 +24,6 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import __version__, files
-from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
                                     section_problem, training_flags, unknown_settings)
 from distributed_mpt.core import models, pipeline, precision
@@ -33,6 +32,7 @@ from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
 from distributed_mpt.errors import ClusterError, ConfigError, quoted
+from distributed_mpt.process.run_lock import ModelDirLostError
 from distributed_mpt.training.checkpoints import Checkpoints, Restored
 
 @dataclasses.dataclass(frozen=True)
@@ -378,10 +378,21 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
             f"shared file system, the same data and flags, and an explicit --precision")
 
 
-def leave_together(strategy: tf.distribute.Strategy) -> None:
-    """Returns once every worker got here: the others wait for the chief's
-    export. A worker that left first would have gone while the chief's
-    coordination service still watched it, which logs it as crashed
-    (`StartAbort UNAVAILABLE: ... The tasks have crashed`, as in
-    tensorflow/tensorflow#58434) at the end of a run that succeeded."""
-    barrier(strategy)()
+def leave_together(strategy: tf.distribute.Strategy, num_workers: int,
+                   lost: Optional[ModelDirLostError]) -> None:
+    """Returns once every worker got here (the others wait for the chief's
+    export) and none lost its lock (`lost`: run_lock.Writes); else raises on
+    every worker, the chief's own loss on the chief. A worker that left first
+    would have gone while the chief's coordination service still watched it,
+    which logs it as crashed (`StartAbort UNAVAILABLE: ... The tasks have
+    crashed`, tensorflow/tensorflow#58434) at the end of a run that succeeded."""
+    if num_workers > 1:
+        @tf.function(autograph=False)  # a SUM: the collectives reduce no MAX
+        def losses():
+            return strategy.reduce("SUM", strategy.run(lambda: tf.constant(float(bool(lost)))),
+                                   axis=None)
+
+        if losses() > 0 and not lost:
+            raise ModelDirLostError.of_the_chief()
+    if lost:
+        raise lost

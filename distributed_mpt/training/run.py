@@ -231,11 +231,12 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
         if refusal:
             raise refusal
         refuse_other_training(resumed, config, signature)  # finished or not: never silently
+        writes = run_lock.Writes(check_held, plan.num_workers == 1,
+                                 lambda: trainer.request_stop(model_dir_lost=True))
         if resumed.finished:
             if is_chief:
-                _finished_again(config, resumed, built, dataset.info, check_held)
-            if plan.num_workers > 1:
-                leave_together(strategy)
+                _finished_again(config, resumed, built, dataset.info, writes)
+            leave_together(strategy, plan.num_workers, writes.lost)
             return resumed.finished_summary
         check_held()  # before any write: a run on a read-only mount stops here (run_lock.ReadOnly)
         reporter = Reporter(config.run.model_dir, is_chief, plan.total_steps, resumed.start_step,
@@ -254,13 +255,14 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
 
             stopping.enter(stopping.Phase.TRAINING, on_request=trainer.request_stop)
             loop = TrainingLoop(trainer, config, plan, checkpoints, reporter,
-                                lambda *phase: train_input(trainer, config, plan, *phase))
+                                lambda *phase: train_input(trainer, config, plan, *phase), writes)
             train_metrics, throughput = loop.run(dataset.train, dataset.test, resumed.start_step)
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
             recalibrated = recalibrate_batch_norm(trainer, config, plan, dataset.train,
-                                                  checkpoints, reporter)
+                                                  lambda step: writes(checkpoints.save, step),
+                                                  reporter)
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
                                train_metrics, throughput)
             summary["bn_recalibration"] = recalibrated
@@ -268,15 +270,15 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             # done with: evaluation and the export grow from what is left
             # (--data_on_device keeps its copy on the devices).
             dataset = dataclasses.replace(dataset, splits={"test": dataset.test})
-            _evaluate_and_export(built, config, dataset, reporter, summary, is_chief, check_held)
+            _evaluate_and_export(built, config, dataset, reporter, summary, is_chief, writes)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             # This process's, from its start to the end of the export (this
             # segment only, where the run resumed; the chief's, of several workers).
             summary["peak_memory_bytes"] = peak_resident_bytes()
             if is_chief:  # a loss that overflowed is null, not a file no reader takes
-                files.write_json(f"{config.run.model_dir}/summary.json", finite_values(summary))
-            if plan.num_workers > 1:
-                leave_together(strategy)
+                writes(files.write_json, f"{config.run.model_dir}/summary.json",
+                       finite_values(summary))
+            leave_together(strategy, plan.num_workers, writes.lost)
             return summary
         finally:
             reporter.close()
@@ -284,7 +286,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
         checkpoints.close()
 
 
-def _finished_again(config: TrainConfig, resumed, built: Built, info, check_held) -> None:
+def _finished_again(config: TrainConfig, resumed, built: Built, info, writes) -> None:
     """A finished run started again: its results stay exactly as they are,
     but an export that was lost is made again."""
     print(f"{config.run.model_dir} holds a finished run of {resumed.start_step} steps (see "
@@ -303,9 +305,10 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info, check_held
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
         # What the run trained on, not what this command line says.
         record = outputs.model_info({**config.flags(), **previous}, resumed.finished_summary)
-        path = outputs.export_model(built.trainer.model, config.run.model_dir, info.class_names,
-                                    info.image_shape, record, check_held)
-        print(f"its export was missing or incomplete: exported again to {path}", flush=True)
+        path = writes(outputs.export_model, built.trainer.model, config.run.model_dir,
+                      info.class_names, info.image_shape, record, writes.check_held)
+        if path:  # not if the chief lost its lock (run_lock.Writes)
+            print(f"its export was missing or incomplete: exported again to {path}", flush=True)
 
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
@@ -367,9 +370,10 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
 
 
 def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Dataset,
-                         reporter: Reporter, summary: dict, export_model: bool, check_held) -> None:
+                         reporter: Reporter, summary: dict, export_model: bool, writes) -> None:
     """Evaluates the trained model into `summary`, and exports it if
-    `export_model` (the chief) and the config say so."""
+    `export_model` (the chief) and the config say so; both write through
+    `writes` (run_lock.Writes), the evaluation's collectives whatever they find."""
     # What training freed back to the system first, and what evaluation
     # freed before the export: each grows from what is in use, not from the
     # phase before's peak (process/memory.py).
@@ -380,13 +384,14 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         summary.update(result)
         # Logged like the evaluations during training, so that the accuracy
         # curve ends where the run ends.
-        reporter.log(summary["steps"], {"epoch": summary["epochs"], **result})
+        writes(reporter.log, summary["steps"], {"epoch": summary["epochs"], **result})
     if export_model and config.run.export:
         memory.release_freed_memory()
         # The export says what it learned, so that its users can tell a
         # smoke test's model from a real one (distributed-mpt-predict does).
         with reporter.doing("exporting the model"):
-            path = outputs.export_model(built.trainer.model, config.run.model_dir,
-                                        dataset.info.class_names, dataset.info.image_shape,
-                                        outputs.model_info(config.flags(), summary), check_held)
-        reporter.say(f"exported to {path}")
+            path = writes(outputs.export_model, built.trainer.model, config.run.model_dir,
+                          dataset.info.class_names, dataset.info.image_shape,
+                          outputs.model_info(config.flags(), summary), writes.check_held)
+        if path:
+            reporter.say(f"exported to {path}")

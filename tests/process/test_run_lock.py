@@ -21,6 +21,12 @@ from distributed_mpt.process.run_lock import ModelDirBusyError, RunLock
 from distributed_mpt.training import outputs
 
 E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
+# The line of a worker whose chief lost its lock: the chief's --model_dir,
+# which this worker's flag need not name as the chief's does, is not named.
+_PEERS_LINE = ("error: the chief lost its lock: its --model_dir or the .lock file in it was "
+               "removed or moved while this run trained (the chief's own line names the "
+               "directory): every worker stops; put it back (or start afresh) and run the same "
+               "command again")
 
 
 _HOLDER = """
@@ -285,11 +291,82 @@ def test_a_lock_taken_from_the_chief_of_two_workers_stops_both_with_one_line(tmp
                        f"while this run trained: stopping, as another run could take the "
                        f"directory; put it back (or start afresh) and run the same command "
                        f"again"], workers[0].output()[-3000:]
-    assert len(said[1]) == 1 and said[1][0].startswith(
-        f"error: the chief found --model_dir={model_dir} or its .lock file removed"), said[1]
+    assert said[1] == [_PEERS_LINE], said[1]
     assert not any("Traceback" in worker.output() for worker in workers)
     assert sorted(os.listdir(model_dir)) == [outputs.MARKER, "config.json", "metrics.jsonl",
                                              "tensorboard"], "no checkpoint, no lock file again"
+    assert not list((tmp_path / "tmp").glob("dmpt-*")), "the peer's scratch directory went"
+
+
+# A user's model (--model=file.py:function) whose inference call, traced by
+# Python, takes the chief's lock away the first time it is traced after the
+# run's last checkpoint: in the final evaluation, or with --noevaluate in the
+# export. Python runs there only while TensorFlow traces, on each worker.
+_TAKES_THE_LOCK = """
+import contextlib, os
+import keras
+
+LOCK, LAST_CHECKPOINT = {lock!r}, {checkpoint!r}
+
+
+class TakesTheLock(keras.layers.Layer):
+    def call(self, x, training=None):
+        if not training and os.path.exists(LAST_CHECKPOINT) and os.path.exists(LOCK):
+            with contextlib.suppress(FileNotFoundError):  # both workers trace it
+                os.remove(LOCK)
+                print("the test took the chief's lock away", flush=True)
+        return x
+
+
+def small(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(TakesTheLock()(x)))
+"""
+
+
+@pytest.mark.slow  # two workers
+@pytest.mark.parametrize("found_in", ["evaluation", "export"])
+def test_a_lock_taken_from_the_chief_after_training_ends_every_worker_with_2(tmp_path, found_in):
+    """Taken after the last step's checkpoint, where no step is left to
+    agree at: the chief exited 2 alone, and its peer, waiting for it at the
+    end of the run, failed with `lost a peer` and exit 141, which a launcher
+    or Kubernetes retries (and the restarted chief takes the directory
+    again). The loss is now agreed where the workers leave together: both
+    exit 2, each with one line."""
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    model_dir, steps = tmp_path / "run", 8
+    (tmp_path / "tmp").mkdir()
+    model = tmp_path / "takes_the_lock.py"
+    model.write_text(_TAKES_THE_LOCK.format(
+        lock=str(model_dir / run_lock.LOCK_NAME),
+        checkpoint=str(model_dir / "checkpoints" / f"ckpt-{steps}.index")))
+    flags = [*SMOKE_FLAGS, f"--model={model}:small", "--communication=ring",
+             "--per_replica_batch_size=16", "--peer_timeout_seconds=300",
+             f"--train_steps={steps}", "--checkpoint_every_steps=1000", "--eval_every_epochs=0",
+             *(["--evaluate", "--noexport"] if found_in == "evaluation" else
+               ["--noevaluate", "--export"]), f"--model_dir={model_dir}"]
+    started = time.monotonic()
+    workers = [WatchedProcess("distributed_mpt.train", flags, env=subprocess_env(
+        TF_CONFIG=tf_config, TMPDIR=str(tmp_path / "tmp")))
+               for tf_config in worker_tf_configs(free_ports(2))]
+    # Generous: two TensorFlow start-ups on a loaded machine, then a few seconds.
+    codes = [worker.finish(timeout=400) for worker in workers]
+    output = "\n---\n".join(worker.output()[-3000:] for worker in workers)
+    print(f"both workers ended {time.monotonic() - started:.1f} s after they started")
+    assert "the test took the chief's lock away" in output, output
+    assert not (model_dir / run_lock.LOCK_NAME).exists(), output
+    assert codes == [ExitCode.USAGE] * 2, (codes, output)
+    said = [[line for line in worker.output().splitlines() if line.startswith("error:")]
+            for worker in workers]
+    assert said[0] == [f"error: --model_dir={model_dir} or its .lock file was removed or moved "
+                       f"while this run trained: stopping, as another run could take the "
+                       f"directory; put it back (or start afresh) and run the same command "
+                       f"again"], output
+    assert said[1] == [_PEERS_LINE], output
+    assert "lost a peer" not in output and "Traceback" not in output, output
+    assert not (model_dir / "summary.json").exists() and not (model_dir / "export").exists()
     assert not list((tmp_path / "tmp").glob("dmpt-*")), "the peer's scratch directory went"
 
 

@@ -21,6 +21,7 @@ from conftest import (REPO, SMOKE_FLAGS, WatchedProcess, assert_ok, assert_same_
                       checkpoint_weights, read_summary, read_terminal, subprocess_env, train,
                       weights_of_one_and_two_replicas)
 from distributed_mpt.core.models import MODELS
+from distributed_mpt.process.run_lock import Writes
 from distributed_mpt.training.loop import _steps_per_call
 
 # A run long enough to be interrupted: resnet9 at full width, whose steps
@@ -105,7 +106,8 @@ def _loop_with_a_fake_trainer(pace_of_all_workers, local_clock, monkeypatch):
                             say=print, doing=lambda activity: contextlib.nullcontext())
     loop = TrainingLoop(fake, config, plan_run(config, 1, 1, 50_000),
                         SimpleNamespace(save=lambda step: None), quiet,
-                        train_input=lambda split, start_step, end_step, crop_size: [])
+                        train_input=lambda split, start_step, end_step, crop_size: [],
+                        writes=Writes(check_held=lambda: None, alone=True))
     loop.run(None, None, start_step=0)
     return sizes, logged
 
