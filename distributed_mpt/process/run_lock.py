@@ -77,10 +77,11 @@ class Writes:
     run's end): had it left at once, its peers would fail in their next
     collective as if a node was lost (exit 141, which is retried)."""
 
-    def __init__(self, check_held, alone: bool, on_loss=lambda: None):
+    def __init__(self, check_held, alone: bool, request_stop=lambda model_dir_lost: None):
         """check_held(): raises ModelDirLostError if the lock is lost
-        (RunLock.check_still_held); on_loss(): called when a write found it."""
-        self.check_held, self._alone, self._on_loss = check_held, alone, on_loss
+        (RunLock.check_still_held); request_stop(model_dir_lost=True) (the
+        Trainer's) puts a loss a write found into the next step's agreement."""
+        self.check_held, self._alone, self._request_stop = check_held, alone, request_stop
         self.lost: Optional[ModelDirLostError] = None
 
     def __call__(self, write, *args, **kwargs):
@@ -95,7 +96,7 @@ class Writes:
                     if self._alone:
                         raise
                     self.lost = lost
-                    self._on_loss()
+                    self._request_stop(model_dir_lost=True)
                     return None
                 raise
         return None

@@ -233,11 +233,13 @@ def train_input(trainer: Trainer, config: TrainConfig, plan: RunPlan, split: Ima
 
 
 def recalibrate_batch_norm(trainer: Trainer, config: TrainConfig, plan: RunPlan,
-                           train_split: ImageSplit, save, reporter) -> Optional[dict]:
+                           train_split: ImageSplit, checkpoints, reporter,
+                           writes) -> Optional[dict]:
     """Recalibrates batch norm's moving statistics if --bn_recalibration
     says so (core/batch_norm.py), over the first batches of `train_split`
-    unaugmented, and saves them into the last checkpoint (`save(step)`): a
-    finished run exported again, and predict reading the checkpoint, get them too.
+    unaugmented, and saves them into the last checkpoint (through `writes`,
+    a run_lock.Writes): a finished run exported again, and predict reading
+    the checkpoint, get them too.
     Returns what summary.json says of it (None: not done)."""
     steps = int(trainer.step.numpy())
     layers, why = batch_norm.to_recalibrate(trainer.model, steps,
@@ -255,5 +257,5 @@ def recalibrate_batch_norm(trainer: Trainer, config: TrainConfig, plan: RunPlan,
         augmentation=Augmentation(crop_padding=0, flip="none"))))
     with reporter.doing(activity):
         batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
-        save(steps)
+        writes(checkpoints.save, steps)
     return {"layers": len(layers), "images": images}

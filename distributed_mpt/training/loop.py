@@ -54,8 +54,7 @@ class TrainingLoop:
                  checkpoints: Checkpoints, reporter: "Reporter", train_input, writes: Writes):
         """train_input(split, start_step, end_step, crop_size): the
         distributed input of one of the plan's input phases. writes: the
-        progress lines and checkpoints go through it; a loss of the lock it
-        keeps asks for a stop (the trainer's request_stop(model_dir_lost=True))."""
+        progress lines and checkpoints go through it (run_lock.Writes)."""
         self._trainer, self._checkpoints, self._reporter = trainer, checkpoints, reporter
         self._config, self._plan, self._train_input = config, plan, train_input
         self._write = writes

@@ -231,8 +231,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
         if refusal:
             raise refusal
         refuse_other_training(resumed, config, signature)  # finished or not: never silently
-        writes = run_lock.Writes(check_held, plan.num_workers == 1,
-                                 lambda: trainer.request_stop(model_dir_lost=True))
+        writes = run_lock.Writes(check_held, plan.num_workers == 1, trainer.request_stop)
         if resumed.finished:
             if is_chief:
                 _finished_again(config, resumed, built, dataset.info, writes)
@@ -246,8 +245,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
                 # (in a new --model_dir, a user's model refused in the first step takes it along)
                 files.write_json(f"{config.run.model_dir}/config.json", _config_record(
                     config, plan, strategy_name, dataset, resumed, signature))
-            reporter.say(_start_line(config, plan, strategy_name))
-            if is_chief:
+                reporter.say(_start_line(config, plan, strategy_name))
                 for warning in start_warnings(config, plan, len(dataset.train)):
                     files.warn(warning)
             for note in (*built.notes, *continue_with(resumed, plan, built.trained_global_batch)):
@@ -261,8 +259,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
             recalibrated = recalibrate_batch_norm(trainer, config, plan, dataset.train,
-                                                  lambda step: writes(checkpoints.save, step),
-                                                  reporter)
+                                                  checkpoints, reporter, writes)
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
                                train_metrics, throughput)
             summary["bn_recalibration"] = recalibrated
