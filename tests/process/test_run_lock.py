@@ -298,20 +298,22 @@ def test_a_lock_taken_from_the_chief_of_two_workers_stops_both_with_one_line(tmp
     assert not list((tmp_path / "tmp").glob("dmpt-*")), "the peer's scratch directory went"
 
 
-# A user's model (--model=file.py:function) whose inference call, traced by
-# Python, takes the chief's lock away the first time it is traced after the
-# run's last checkpoint: in the final evaluation, or with --noevaluate in the
-# export. Python runs there only while TensorFlow traces, on each worker.
+# A user's model (--model=file.py:function) whose call, run by Python only
+# while TensorFlow traces it (on each worker), takes the chief's lock away
+# the first time it is traced for inference (or for training) once
+# CHECKPOINT is written: the final evaluation, or with --noevaluate the
+# export; or the training step traced again for the last step, the first on
+# whole images after early crops.
 _TAKES_THE_LOCK = """
 import contextlib, os
 import keras
 
-LOCK, LAST_CHECKPOINT = {lock!r}, {checkpoint!r}
+LOCK, CHECKPOINT, TRAINING = {lock!r}, {checkpoint!r}, {training!r}
 
 
 class TakesTheLock(keras.layers.Layer):
     def call(self, x, training=None):
-        if not training and os.path.exists(LAST_CHECKPOINT) and os.path.exists(LOCK):
+        if bool(training) == TRAINING and os.path.exists(CHECKPOINT) and os.path.exists(LOCK):
             with contextlib.suppress(FileNotFoundError):  # both workers trace it
                 os.remove(LOCK)
                 print("the test took the chief's lock away", flush=True)
@@ -319,17 +321,18 @@ class TakesTheLock(keras.layers.Layer):
 
 
 def small(info):
-    images = keras.Input(info.image_shape, dtype="uint8")
-    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    images = keras.Input((None, None, info.image_shape[-1]), dtype="uint8")  # crops too
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.Rescaling(1 / 255)(images))
     return keras.Model(images, keras.layers.Dense(info.num_classes)(TakesTheLock()(x)))
 """
 
 
 @pytest.mark.slow  # two workers
-@pytest.mark.parametrize("found_in", ["evaluation", "export"])
+@pytest.mark.parametrize("found_in", ["last step's writes", "evaluation", "export"])
 def test_a_lock_taken_from_the_chief_after_training_ends_every_worker_with_2(tmp_path, found_in):
-    """Taken after the last step's checkpoint, where no step is left to
-    agree at: the chief exited 2 alone, and its peer, waiting for it at the
+    """Taken in the last step (found in its progress line: the chief saves
+    no checkpoint, its peer does), or after the last checkpoint, where no
+    step is left to agree at: the chief exited 2 alone, and its peer, waiting for it at the
     end of the run, failed with `lost a peer` and exit 141, which a launcher
     or Kubernetes retries (and the restarted chief takes the directory
     again). The loss is now agreed where the workers leave together: both
@@ -339,12 +342,15 @@ def test_a_lock_taken_from_the_chief_after_training_ends_every_worker_with_2(tmp
     model_dir, steps = tmp_path / "run", 8
     (tmp_path / "tmp").mkdir()
     model = tmp_path / "takes_the_lock.py"
+    in_training = found_in == "last step's writes"
     model.write_text(_TAKES_THE_LOCK.format(
-        lock=str(model_dir / run_lock.LOCK_NAME),
-        checkpoint=str(model_dir / "checkpoints" / f"ckpt-{steps}.index")))
+        lock=str(model_dir / run_lock.LOCK_NAME), training=in_training,
+        checkpoint=str(model_dir / "checkpoints" / f"ckpt-{4 if in_training else steps}.index")))
     flags = [*SMOKE_FLAGS, f"--model={model}:small", "--communication=ring",
              "--per_replica_batch_size=16", "--peer_timeout_seconds=300",
-             f"--train_steps={steps}", "--checkpoint_every_steps=1000", "--eval_every_epochs=0",
+             f"--train_steps={steps}", "--checkpoint_every_steps=4", "--eval_every_epochs=0",
+             # 32 steps an epoch: crops for steps 1-7, whole images (traced anew) for step 8
+             *(["--early_crop_epochs=0.21875", "--early_crop_size=24"] if in_training else []),
              *(["--evaluate", "--noexport"] if found_in == "evaluation" else
                ["--noevaluate", "--export"]), f"--model_dir={model_dir}"]
     started = time.monotonic()
@@ -367,6 +373,8 @@ def test_a_lock_taken_from_the_chief_after_training_ends_every_worker_with_2(tmp
     assert said[1] == [_PEERS_LINE], output
     assert "lost a peer" not in output and "Traceback" not in output, output
     assert not (model_dir / "summary.json").exists() and not (model_dir / "export").exists()
+    if in_training:  # found in the progress line of step 8: its checkpoint is not written
+        assert not (model_dir / "checkpoints" / f"ckpt-{steps}.index").exists()
     assert not list((tmp_path / "tmp").glob("dmpt-*")), "the peer's scratch directory went"
 
 
