@@ -27,7 +27,7 @@ from distributed_mpt import __version__, files
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
                                     section_problem, training_flags, unknown_settings)
 from distributed_mpt.core import models, pipeline, precision
-from distributed_mpt.core.data.dataset import fingerprint_difference
+from distributed_mpt.core.data.dataset import fingerprint_difference, same_examples
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
@@ -230,7 +230,7 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
     """Raises ConfigError if the checkpoints in --model_dir were trained on
     other data than this run's `fingerprint` (core/data's Dataset), naming
     what differs: the classes, the number of files, or only the file list
-    (CIFAR-10's: its labels and pixels). Call before the checkpoints' model
+    (CIFAR-10's: its labels and pixels, in any order). Call before the checkpoints' model
     is compared: other classes make another model, but the data is what to
     name. A run that recorded none (synthetic data, a run older than
     fingerprints) is not compared."""
@@ -238,7 +238,7 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
         return
     model_dir = config.run.model_dir
     recorded = _previous_config(model_dir).get("resolved", {}).get("data_fingerprint")
-    if not isinstance(recorded, dict) or recorded == fingerprint:
+    if not isinstance(recorded, dict) or same_examples(recorded, fingerprint):
         return
     raise ConfigError(
         f"--model_dir={quoted(model_dir)} holds a run trained on other images than "

@@ -145,7 +145,8 @@ class Dataset:
     `fingerprint`: what a resumed run compares to tell whether it continues
     on the same data, and the workers of a job whether they read the same (a
     JSON-able dict: an image folder's classes, number of files and a digest
-    of its file list; a digest of CIFAR-10's contents). None where the flags
+    of its file list; digests of CIFAR-10's contents, in order and in any
+    order: see same_examples). None where the flags
     say what the data is: synthetic data is made from the seed and the size,
     and those flags are compared already."""
 
@@ -184,6 +185,21 @@ class DatasetSpec:
     flip: str = "random"
 
 
+def same_examples(before: dict, now: dict) -> bool:
+    """Whether a resumed run's data is its own: `before` as a config.json
+    recorded it (read, not trusted), `now` as loaded. Where both hold the
+    order-free "examples_sha256", the ordered "sha256" is left out: a single
+    worker draws its batches from the whole split, and a copy listing the
+    same examples in another order trains the same data (the rest of an
+    epoch cut short draws other examples, as another seed would); the
+    workers of a job compare the whole fingerprint, order too. A record from
+    before it was kept is compared in order: refused unless the same."""
+    left_out = ("sha256" if "examples_sha256" in before and "examples_sha256" in now
+                else "examples_sha256")
+    return ({k: v for k, v in before.items() if k != left_out}
+            == {k: v for k, v in now.items() if k != left_out})
+
+
 def fingerprint_difference(before: dict, now: dict, shown: int = 5) -> str:
     """What differs between two of `Dataset.fingerprint`, in words: `before`
     as a config.json recorded it (read, not trusted), `now` as loaded."""
@@ -213,5 +229,7 @@ def fingerprint_difference(before: dict, now: dict, shown: int = 5) -> str:
         return "; ".join(parts) or ("the same classes and numbers of files, but other file "
                                     "names or sizes (the SHA-256 of the list of files and sizes "
                                     "differs)")
+    if "examples_sha256" in before:  # CIFAR-10's: no files to count
+        return "other labels or pixels (the SHA-256 of the examples, in any order, differs)"
     return ("other labels or pixels, or the same in another order (the SHA-256 of the labels "
-            "and pixels, in order, differs)")  # CIFAR-10's: no files to count
+            "and pixels, in order, differs)")
