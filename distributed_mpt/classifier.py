@@ -198,8 +198,8 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     if problem:
         raise ConfigError(f"{quoted(config_path)} is damaged ({problem}): write it again, or "
                           f"move it away")
-    if unknown_settings(recorded):  # predict trains nothing: a new model option fails the restore
-        files.warn(f"{quoted(config_path)} {unknown_settings(recorded)}; predicting without them")
+    if unknown := unknown_settings(recorded):  # predict trains nothing: a new option fails restore
+        files.warn(f"{quoted(config_path)} {unknown}; predicting without them")
     config = checked_config(flat_record(recorded), config_path)
     resolved = recorded.get("resolved") if isinstance(recorded.get("resolved"), dict) else {}
     info = _dataset_info(config, resolved, config_path)

@@ -215,8 +215,8 @@ def _previous_config(model_dir: str) -> dict:
                files.missing_fields(flags, {"dataset": str, "seed": int, "resolved": dict}))
     if problem:
         raise files.DamagedFileError(f"{quoted(config_path)} is damaged ({problem}); {remedy}")
-    if unknown_settings(previous_config):  # resumed without them, it would train otherwise
-        raise ConfigError(f"{quoted(config_path)} {unknown_settings(previous_config)}; resume "
+    if unknown := unknown_settings(previous_config):  # resumed without them, it trains otherwise
+        raise ConfigError(f"{quoted(config_path)} {unknown}; resume "
                           f"with that version, or choose another --model_dir")
     earlier = previous_config.get("earlier", [])  # absent in runs from before it was kept
     if not (isinstance(earlier, list) and all(isinstance(e, dict) for e in earlier)):
