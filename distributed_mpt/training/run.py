@@ -219,10 +219,11 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
         if plan.num_workers > 1:  # before any of them acts on what it found
             # Each worker restores its own --model_dir: one that is not the
             # chief's may hold another checkpoint of the same step.
-            weights = resumed.restored and hashlib.sha256(b"".join(
-                w.numpy().tobytes() for w in trainer.model.weights)).hexdigest()[:8]
-            facts = {**resumed.agreement(plan), "restored weights": weights or "none",
-                     "refused --model_dir": refusal is not None}
+            weights = hashlib.sha256()  # a weight at a time: no second copy of the model
+            for w in trainer.model.weights if resumed.restored else ():
+                weights.update(w.numpy().reshape(-1).view("uint8"))  # any dtype's bytes
+            facts = {**resumed.agreement(plan), "restored weights": resumed.restored and
+                     weights.hexdigest()[:8] or "none", "refused --model_dir": refusal is not None}
             try:
                 check_workers_agree(strategy, facts, {}, {"model file (and the modules it imports)":
                                     fingerprint(signature), "images": dataset.fingerprint})
@@ -258,11 +259,10 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
-            recalibrated = recalibrate_batch_norm(trainer, config, plan, dataset.train,
-                                                  checkpoints, reporter, writes)
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
-                               train_metrics, throughput)
-            summary["bn_recalibration"] = recalibrated
+                               train_metrics, throughput)  # recalibrating changes none of it
+            summary["bn_recalibration"] = recalibrate_batch_norm(
+                trainer, config, plan, dataset.train, checkpoints, reporter, writes)
             # The train split (150 MB for CIFAR-10, shared with its pipeline) is
             # done with: evaluation and the export grow from what is left
             # (--data_on_device keeps its copy on the devices).
