@@ -414,6 +414,16 @@ def _a_png_of_a_billion_pixels(path):
     return path
 
 
+def _padded_fingerprint(saved_model):
+    # The real one, then a field of 256 MiB that no reader knows (sparse: no
+    # disk used): TensorFlow read it whole and took it for intact (at 2 GB:
+    # 60 s and 6 GB of memory). Its key (field 1000, bytes), its length 2**28.
+    path = saved_model / "fingerprint.pb"
+    header = path.read_bytes() + bytes([0xC2, 0x3E, 0x80, 0x80, 0x80, 0x80, 0x01])
+    path.write_bytes(header)
+    os.truncate(path, len(header) + (1 << 28))
+
+
 def _nothing(tmp_path, untrained, trained, photo):
     return tmp_path, [photo]
 
@@ -438,6 +448,8 @@ HOSTILE_INPUTS = {
         "saved_model is damaged (its fingerprint.pb does not read back)"),
     "empty fingerprint.pb": (_damaged_run_export(lambda d: (d / "fingerprint.pb").write_bytes(b"")),
                              "saved_model is damaged (its fingerprint.pb does not read back)"),
+    "fingerprint.pb of 256 MiB": (_damaged_run_export(_padded_fingerprint),
+                                  "saved_model is damaged (its fingerprint.pb does not read back)"),
     "an empty file for saved_model/": (_damaged_run_export(
         lambda d: _replaced(d, lambda p: p.write_bytes(b""))),
         "export/saved_model is a file, not an export's folder"),
