@@ -67,7 +67,9 @@ def test_a_comment_or_another_function_edited_does_not_block_a_resume(tmp_path):
     assert_ok(_train(model, run, 2))
     model.write_text("# A comment, a docstring and another function edited.\n" + MODEL.replace(
         "A network and its docstring.", "Its docstring, rewritten.").replace(
-        "return net(info)", "return keras.Sequential([net(info)])"))
+        "return net(info)", "return keras.Sequential([net(info)])")
+        # Neither runs as the package imports the file.
+        + '"""A string as a comment."""\nif __name__ == "__main__":\n    print(another(None))\n')
     resumed = _train(model, run, 4)
     assert_ok(resumed)
     assert "resuming from step 2" in resumed.stdout
@@ -92,6 +94,32 @@ def test_a_changed_helper_module_blocks_the_resume(tmp_path, change, fragment):
     if "sigmoid" in change[1]:
         assert f"the source of {helper}.py differs" in result.stderr
     assert not (run / "checkpoints" / "ckpt-4.index").exists(), "nothing trained"
+
+
+MODEL_WITH_SETTINGS = MODEL.replace("import keras\n", """import keras
+
+SETTINGS = {"activation": "relu"}
+SETTINGS["activation"] = "relu"
+""").replace('activation="relu"', 'activation=SETTINGS["activation"]')
+
+
+@pytest.mark.parametrize("change", [
+    ('SETTINGS["activation"] = "relu"', 'SETTINGS["activation"] = "gelu"'),
+    ('SETTINGS["activation"] = "relu"', 'SETTINGS.update(activation="gelu")'),
+    ('SETTINGS["activation"] = "relu"', 'def _configure():\n    SETTINGS["activation"] = "gelu"'
+                                        '\n\n\n_configure()'),
+])
+def test_a_top_level_statement_changing_a_value_the_model_uses_blocks_the_resume(tmp_path, change):
+    """Such a statement binds no name the function uses: it counts as it
+    runs when the file is imported, and changes the network (relu to gelu:
+    its variables are the same)."""
+    model, run = tmp_path / "mine.py", tmp_path / "run"
+    model.write_text(MODEL_WITH_SETTINGS)
+    assert_ok(_train(model, run, 2))
+    model.write_text(MODEL_WITH_SETTINGS.replace(*change))
+    result = _train(model, run, 3)
+    assert_one_error_line(result, "the source of net (and of what it uses of its file) differs")
+    assert not (run / "checkpoints" / "ckpt-3.index").exists(), "nothing trained"
 
 
 def test_a_run_recorded_before_signatures_resumes_as_it_was_recorded(tmp_path):

@@ -5,11 +5,16 @@ network a run trained: one signature for all three.
 A signature records the network's variables (names, shapes and dtypes)
 and, for a user's model, the source that builds it: what can change the
 network without changing its variables (an activation, a stride, a
-dropout rate). That source is the builder function with every function,
-class and value of its file that it uses by name, and the whole of every
-module it imports from its file's folder or below, each compared as its
-syntax tree: without comments, docstrings or formatting. A comment
-anywhere, or an edit to another function of the file, changes nothing.
+dropout rate). That source is the builder function with the functions
+and classes of its file that it uses by name (and those use, and so on),
+every other top-level statement of the file (each runs as the file is
+imported, and any may change a value the builder uses:
+`SETTINGS["activation"] = "gelu"`), and the whole of every module these
+import from its folder or below, each compared as its syntax tree:
+without comments, docstrings or formatting. A comment anywhere, or an
+edit to a function or class of the file that the builder does not use,
+changes nothing; an edit to any other top-level statement, a value the
+builder does not read included, is a change.
 The package's own models are recorded by name, as its release fixes them.
 
 A run recorded before signatures existed holds the SHA-256 of its whole
@@ -25,7 +30,7 @@ import os
 import re
 import site
 import sys
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 from distributed_mpt.core.models import ModelSpec, _locate
 from distributed_mpt.core.models.contract import ModelError
@@ -113,10 +118,10 @@ def _differences(then, now: dict) -> List[str]:
 
 def _source_digests(name: str, path: str, function: str, package: Optional[str]
                     ) -> Dict[str, str]:
-    """{function: the digest of the builder and what it uses of its file
-    (`path`, of `package` if a module's), each module it imports from the
-    file's folder: its digest}, the modules named by their path relative to
-    that folder."""
+    """{function: the digest of the builder and what else of its file makes
+    it (`path`, of `package` if a module's: _used_statements), each module
+    those import from the file's folder: its digest}, the modules named by
+    their path relative to that folder."""
     folder = os.path.dirname(os.path.realpath(path))
     used = _used_statements(_parse(name, path), function)
     digests = {function: _digest("\n".join(ast.dump(statement) for statement in used))}
@@ -155,13 +160,24 @@ def _parse(name: str, path: str) -> ast.Module:
 
 
 def _used_statements(tree: ast.Module, name: str) -> List[ast.stmt]:
-    """The top-level statements of `tree` that define `name`, and those
-    that define the names they use, and so on; in the file's order."""
+    """The top-level statements of `tree` that make what the function
+    `name` builds, in the file's order: every one that runs as the file is
+    imported, as any may change a value the function uses
+    (`SETTINGS["activation"] = "gelu"`, `LAYERS.append(...)`, a call that
+    does), and of the functions and classes, the one named `name` and those
+    the statements taken use by name, and so on. A bare constant (a string
+    as a comment) and an `if __name__ == "__main__":` block do nothing as
+    the package imports the file: they are left out. What runs as an unused
+    function or class is defined (a decorator, a default value, a class
+    body) is not followed: a body runs when it is called."""
     defining = {}
     for statement in tree.body:
-        for bound in _bound_names(statement):
-            defining.setdefault(bound, []).append(statement)
-    taken, todo = set(), [name]
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defining.setdefault(statement.name, []).append(statement)
+    taken = {id(s) for s in tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                            ast.ClassDef)) and _runs(s)}
+    todo = [name] + [node.id for statement in tree.body if id(statement) in taken
+                     for node in ast.walk(statement) if isinstance(node, ast.Name)]
     while todo:
         for statement in defining.get(todo.pop(), []):
             if id(statement) not in taken:
@@ -170,20 +186,18 @@ def _used_statements(tree: ast.Module, name: str) -> List[ast.stmt]:
     return [statement for statement in tree.body if id(statement) in taken]
 
 
-def _bound_names(statement: ast.stmt) -> Iterable[str]:
-    """The module-level names a top-level statement binds (a function or
-    class: its name, not its locals)."""
-    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        yield statement.name
-    elif isinstance(statement, (ast.Import, ast.ImportFrom)):
-        for alias in statement.names:
-            yield alias.asname or alias.name.split(".")[0]
-    else:
-        for child in ast.iter_child_nodes(statement):
-            if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
-                yield child.id
-            elif not isinstance(child, ast.Name):  # an `if`'s body, a tuple of targets
-                yield from _bound_names(child)
+def _runs(statement: ast.stmt) -> bool:
+    """Whether a top-level statement other than a def or class does
+    anything when the package imports its file (as a module not named
+    "__main__")."""
+    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+        return False
+    test = statement.test if isinstance(statement, ast.If) and not statement.orelse else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return True
+    sides = [test.left, *test.comparators]
+    return not ([side.id for side in sides if isinstance(side, ast.Name)] == ["__name__"] and
+                [side.value for side in sides if isinstance(side, ast.Constant)] == ["__main__"])
 
 
 def _imported_modules(statements: List[ast.stmt], package: Optional[str]) -> list:
