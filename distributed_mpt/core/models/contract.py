@@ -2,12 +2,13 @@
 model (`build_model` in __init__.py; docs/extending.md, "Your own model"):
 
 - It takes uint8 images [batch, *info.image_shape], 0-255, and normalizes
-  them itself. A model that takes floats (a float `keras.Input`, or the
-  float32 that Keras gives a Sequential built without one) gets the same
-  values as floats, 0.0-255.0: it must rescale them before a layer with
-  weights sees them (a Rescaling or Normalization layer, a Lambda or
-  arithmetic on the input, as keras.applications' models with their
-  preprocessing do), or it is refused. A network made for 0-1 input would
+  them itself. A model that takes floats (a float `keras.Input`, or a
+  Sequential built without one, to which Keras gives the precision's
+  compute dtype: float32, or bfloat16 or float16 under mixed precision)
+  gets the same values as floats, 0.0-255.0: it must rescale them before
+  a layer with weights sees them (a Rescaling or Normalization layer, a
+  Lambda or arithmetic on the input, as keras.applications' models with
+  their preprocessing do), or it is refused. A network made for 0-1 input would
   otherwise train on values 255 times too large, without a word.
 - It returns logits [batch, info.num_classes] in any floating-point dtype,
   computed from its weights so that a gradient reaches them. A final
