@@ -5,6 +5,8 @@ uninterrupted run, the export and predict), and a broken one refused before
 any training with one line naming it."""
 
 import os
+import sys
+import uuid
 
 import numpy as np
 import pytest
@@ -328,16 +330,23 @@ def test_a_model_that_breaks_the_contract_is_one_error_line_before_training(
     assert not run.exists(), "nothing written"
 
 
-def test_a_model_file_too_large_to_be_code_is_one_error_line_at_once(model_file, tmp_path):
+@pytest.mark.parametrize("as_module", [False, True])
+def test_a_model_file_too_large_to_be_code_is_one_error_line_at_once(tmp_path, monkeypatch,
+                                                                     as_module):
     """Python compiled a model file of 60 MB for minutes, holding the GIL:
-    Ctrl-C and SIGTERM went unanswered all that time."""
-    huge = tmp_path / "huge.py"
+    Ctrl-C and SIGTERM went unanswered all that time. Given as
+    `package.module:function`, the module's file is held to the same size."""
+    name = f"huge_{uuid.uuid4().hex[:8]}"  # a module name no other test imported
+    huge = tmp_path / f"{name}.py"
     huge.write_text(f"{USER_MODEL}\n# {'0' * (9 << 20)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     run = tmp_path / "run"
-    result = train([*FLAGS, f"--model={huge}:small_cnn", "--train_steps=2", f"--model_dir={run}"])
-    assert_one_error_line(result, "huge.py holds 9 MB, more than the 8 MB of Python a model file "
-                                  "may hold")
+    model = f"{name}:small_cnn" if as_module else f"{huge}:small_cnn"
+    result = train([*FLAGS, f"--model={model}", "--train_steps=2", f"--model_dir={run}"])
+    assert_one_error_line(result, f"{name}.py holds 9 MB, more than the 8 MB of Python a model "
+                                  f"file may hold")
     assert not run.exists()
+    assert name not in sys.modules, "refused before it was imported"
 
 
 def test_the_model_says_which_variables_train_by_the_optimizers_rule(model_file, tmp_path):

@@ -367,8 +367,9 @@ def _import_builder(builder: str):
     where, _, function = builder.rpartition(":")
     with users_code(builder, "does not import"):
         path = _locate(builder)[0]
-        if _FILE_SOURCE.fullmatch(builder):
+        if path.endswith(".py"):  # a module's source too: importing it compiles it
             contract.check_source(builder, path)
+        if _FILE_SOURCE.fullmatch(builder):
             # As for a script, the modules beside it are importable; after
             # the installed ones, which a file of the same name there must
             # not replace.
