@@ -1,7 +1,9 @@
 """The datasets the package trains on, declared once each in `DATASETS`.
 
-Adding one means a module with a `load(options, seed, splits) -> Dataset`
-and a line below (docs/extending.md); --dataset, --help, the checks and
+Adding one means a module with a
+`load(options, seed, splits, headroom) -> Dataset` (headroom: the memory
+the run may still take, None where unknown; a split that would take more
+is refused) and a line below (docs/extending.md); --dataset, --help, the checks and
 predict take it from here. The loaders are imported only to load.
 """
 
