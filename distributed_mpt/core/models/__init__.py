@@ -6,9 +6,9 @@ where `info` is the dataset's `DatasetInfo`. Its contract, checked before
 any training (contract.py says it whole):
 - it takes uint8 images [batch, *info.image_shape] (0-255; normalizing them
   is its job: `layers.normalized_input` does it with `info.mean`, `info.std`),
-- it returns logits [batch, info.num_classes] in any dtype (a final softmax
-  is dropped: the loss and test-time augmentation take logits, and the
-  export adds the softmax back),
+- it returns logits [batch, info.num_classes] in any floating-point dtype
+  (a final softmax is dropped: the loss and test-time augmentation take
+  logits, and the export adds the softmax back),
 - it may use any Keras layers. Every BatchNormalization is made to
   synchronize its statistics across replicas, so that N replicas train like
   one; a layer with an `initialize_from_data(train_images)` method gets the
