@@ -156,7 +156,8 @@ class Checkpoints:
                 f"{self._shared_dir} holds checkpoints of a different model "
                 f"('{stored.get('model')}', {_parameters(stored)} parameters) than this run's "
                 f"('{self._identity['model']}', {_parameters(self._identity)}): use another "
-                f"--model_dir, or the model flags of the run that wrote it")
+                f"--model_dir, or the model of the run that wrote it (its flags, and for a "
+                f"--model=file.py:function or module:function its code as it was)")
 
     def restore_latest(self) -> Optional[Restored]:
         """Restores the newest checkpoint that reads back whole; None if there

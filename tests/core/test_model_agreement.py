@@ -93,6 +93,8 @@ def test_a_changed_helper_module_blocks_the_resume(tmp_path, change, fragment):
     assert_one_error_line(result, fragment)
     if "sigmoid" in change[1]:
         assert f"the source of {helper}.py differs" in result.stderr
+    else:  # the same flags: it is the code that must be as it was
+        assert "its code as it was" in result.stderr
     assert not (run / "checkpoints" / "ckpt-4.index").exists(), "nothing trained"
 
 
