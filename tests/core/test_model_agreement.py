@@ -5,6 +5,7 @@ predict --evaluate a test split of the model's own classes. Each refusal is
 one named error line, exit 2; what does not change the network (a comment,
 another function of the file) never blocks."""
 
+import ast
 import hashlib
 import json
 import sys
@@ -122,6 +123,42 @@ def test_a_top_level_statement_changing_a_value_the_model_uses_blocks_the_resume
     result = _train(model, run, 3)
     assert_one_error_line(result, "the source of net (and of what it uses of its file) differs")
     assert not (run / "checkpoints" / "ckpt-3.index").exists(), "nothing trained"
+
+
+# A model file with an import its network does not use, and no docstrings
+# (a digest below is made by hand).
+MODEL_IMPORTING_MORE = """import os
+import keras
+
+
+def net(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+"""
+
+
+def test_a_run_recorded_under_the_first_source_rule_resumes_as_it_was_recorded(tmp_path):
+    """Runs before 2026-12-06 recorded the builder and the statements binding
+    a name it uses, not every statement that runs on import: compared the new
+    way, an unused import refused their resume as an edit. The record below
+    is what main b4132ae wrote for this file (checked against it)."""
+    model, run = tmp_path / "mine.py", tmp_path / "run"
+    model.write_text(MODEL_IMPORTING_MORE)
+    assert_ok(_train(model, run, 2))
+    config = json.loads((run / "config.json").read_text())
+    signature = config["resolved"]["model_signature"]
+    assert signature.pop("source_rule") == 2
+    used = ast.parse(MODEL_IMPORTING_MORE).body[1:]  # import keras, def net: not import os
+    signature["source"] = {"net": hashlib.sha256(
+        "\n".join(ast.dump(statement) for statement in used).encode()).hexdigest()}
+    (run / "config.json").write_text(json.dumps(config))
+    assert_ok(_train(model, run, 4))
+
+    recorded = json.loads((run / "config.json").read_text())["earlier"][-1]
+    model.write_text(MODEL_IMPORTING_MORE.replace("Dense(info", "Dense(units=info"))
+    (run / "config.json").write_text(json.dumps(recorded))
+    assert_one_error_line(_train(model, run, 6), "the source of net")
 
 
 def test_a_run_recorded_before_signatures_resumes_as_it_was_recorded(tmp_path):

@@ -30,7 +30,7 @@ import os
 import re
 import site
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from distributed_mpt.core.models import ModelSpec, _locate
 from distributed_mpt.core.models.contract import ModelError
@@ -40,6 +40,13 @@ from distributed_mpt.errors import CheckpointMismatchError, quoted
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
+# Which top-level statements of a model's file its source digest holds:
+# 1, those binding a name the builder uses (runs recorded before 2026-12-06);
+# 2, every one that runs on import (_used_statements). A run recorded under
+# 1 is compared under 1: an unused import would otherwise refuse its resume.
+SOURCE_RULE = 2
+
+
 class ModelChangedError(CheckpointMismatchError):
     """The network is not the one the run in --model_dir trained."""
 
@@ -47,18 +54,11 @@ class ModelChangedError(CheckpointMismatchError):
 def model_signature(spec: ModelSpec, model) -> dict:
     """The signature of `model`, built from `spec`, as config.json records
     it: {"model", "variables" (a digest), "parameters", and for a user's
-    model "source": {the builder's name or a module's path: its digest}}."""
+    model "source": {the builder's name or a module's path: its digest} and
+    "source_rule" (SOURCE_RULE)}."""
     signature = {"model": spec.identity}
     if spec.is_users:
-        path, function = _locate(spec.builder)
-        module = sys.modules.get(spec.builder.rpartition(":")[0])  # package.module:function
-        package = module.__spec__.parent if module and module.__spec__ else None
-        try:
-            signature["source"] = _source_digests(spec.name, path, function, package)
-        except RecursionError:  # Python compiles deeper trees than its own recursion walks
-            raise ModelError(f"--model={quoted(spec.name)}: its source nests too deep to record "
-                             f"what the network is made of (generated code: an expression of "
-                             f"thousands of terms?); write it as a loop or a list") from None
+        signature["source"], signature["source_rule"] = _source(spec), SOURCE_RULE
     # Keras numbers the layers it names per process (dense, dense_1, ...):
     # the same network built after another must get the same names.
     names = [f"{re.sub(r'_[0-9]+(?=/|$)', '', v.path)} {list(v.shape)} {v.dtype}"
@@ -80,7 +80,10 @@ def refuse_another_model(recorded: dict, signature: dict, spec: ModelSpec, run: 
     (`run` names it, `remedy` says what to do); nothing recorded, nothing
     to compare."""
     if "model_signature" in recorded:
-        differences = _differences(recorded["model_signature"], signature)
+        then = recorded["model_signature"]
+        if isinstance(then, dict) and "source" in then and "source_rule" not in then:
+            signature = {**signature, "source": _source(spec, rule=1)}  # recorded so
+        differences = _differences(then, signature)
     elif "model_source" in recorded and spec.is_users:  # a built-in's was its name: the
         now = _file_digest(_locate(spec.builder)[0])     # checkpoint's identity compares that
         differences = [] if recorded["model_source"] == now else [
@@ -116,14 +119,27 @@ def _differences(then, now: dict) -> List[str]:
     return found
 
 
-def _source_digests(name: str, path: str, function: str, package: Optional[str]
-                    ) -> Dict[str, str]:
+def _source(spec: ModelSpec, rule: int = SOURCE_RULE) -> Dict[str, str]:
+    """A user's model's source digests (_source_digests) under `rule`."""
+    path, function = _locate(spec.builder)
+    module = sys.modules.get(spec.builder.rpartition(":")[0])  # package.module:function
+    package = module.__spec__.parent if module and module.__spec__ else None
+    try:
+        return _source_digests(spec.name, path, function, package, rule)
+    except RecursionError:  # Python compiles deeper trees than its own recursion walks
+        raise ModelError(f"--model={quoted(spec.name)}: its source nests too deep to record "
+                         f"what the network is made of (generated code: an expression of "
+                         f"thousands of terms?); write it as a loop or a list") from None
+
+
+def _source_digests(name: str, path: str, function: str, package: Optional[str],
+                    rule: int = SOURCE_RULE) -> Dict[str, str]:
     """{function: the digest of the builder and what else of its file makes
     it (`path`, of `package` if a module's: _used_statements), each module
     those import from the file's folder: its digest}, the modules named by
     their path relative to that folder."""
     folder = os.path.dirname(os.path.realpath(path))
-    used = _used_statements(_parse(name, path), function)
+    used = _used_statements(_parse(name, path), function, rule)
     digests = {function: _digest("\n".join(ast.dump(statement) for statement in used))}
     todo, seen = [(used, package)], {os.path.realpath(path)}
     while todo:
@@ -159,7 +175,7 @@ def _parse(name: str, path: str) -> ast.Module:
     return tree
 
 
-def _used_statements(tree: ast.Module, name: str) -> List[ast.stmt]:
+def _used_statements(tree: ast.Module, name: str, rule: int = SOURCE_RULE) -> List[ast.stmt]:
     """The top-level statements of `tree` that make what the function
     `name` builds, in the file's order: every one that runs as the file is
     imported, as any may change a value the function uses
@@ -169,13 +185,17 @@ def _used_statements(tree: ast.Module, name: str) -> List[ast.stmt]:
     as a comment) and an `if __name__ == "__main__":` block do nothing as
     the package imports the file: they are left out. What runs as an unused
     function or class is defined (a decorator, a default value, a class
-    body) is not followed: a body runs when it is called."""
-    defining = {}
+    body) is not followed: a body runs when it is called. Under SOURCE_RULE
+    1, only the statements binding a name taken, from `name` on."""
+    defining, taken = {}, set()
     for statement in tree.body:
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        if rule == 1:
+            for bound in _bound_names(statement):
+                defining.setdefault(bound, []).append(statement)
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defining.setdefault(statement.name, []).append(statement)
-    taken = {id(s) for s in tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                            ast.ClassDef)) and _runs(s)}
+        elif _runs(statement):
+            taken.add(id(statement))
     todo = [name] + [node.id for statement in tree.body if id(statement) in taken
                      for node in ast.walk(statement) if isinstance(node, ast.Name)]
     while todo:
@@ -184,6 +204,22 @@ def _used_statements(tree: ast.Module, name: str) -> List[ast.stmt]:
                 taken.add(id(statement))
                 todo += [node.id for node in ast.walk(statement) if isinstance(node, ast.Name)]
     return [statement for statement in tree.body if id(statement) in taken]
+
+
+def _bound_names(statement: ast.stmt) -> Iterable[str]:
+    """The module-level names a top-level statement binds (a function or
+    class: its name, not its locals): SOURCE_RULE 1's."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        yield statement.name
+    elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+        for alias in statement.names:
+            yield alias.asname or alias.name.split(".")[0]
+    else:
+        for child in ast.iter_child_nodes(statement):
+            if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                yield child.id
+            elif not isinstance(child, ast.Name):  # an `if`'s body, a tuple of targets
+                yield from _bound_names(child)
 
 
 def _runs(statement: ast.stmt) -> bool:
