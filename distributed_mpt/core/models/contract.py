@@ -142,7 +142,12 @@ _MAX_SOURCE_BYTES = 8 << 20
 
 def check_source(name: str, path: str) -> None:
     """Raises ModelError unless the file of --model=`name` at `path` is a
-    regular file this user may read, of at most _MAX_SOURCE_BYTES."""
+    regular file this user may read, of at most _MAX_SOURCE_BYTES, named in
+    UTF-8 (as every path flag: its name's hash failed, "does not import")."""
+    if re.search("[\ud800-\udfff]", path):  # os.fsdecode's stand-ins for bytes not UTF-8
+        raise ModelError(f"--model={quoted(name)} is not UTF-8 text, the only paths this "
+                         f"program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 "
+                         f"if the name is UTF-8, else rename it")
     problem = files.why_unreadable_file(path)
     if problem:
         raise ModelError(f"--model={quoted(name)}: {quoted(path)} {problem}")

@@ -1,0 +1,47 @@
+"""What a user's model file (--model=path.py:function) may do to the
+process, and where its code runs after training (the export), through the
+real training entry point: set back with a warning, or refused with one
+`error:` line, exit 2 and nothing half-written."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, assert_ok, assert_one_error_line, subprocess_env, train
+
+_FLAT = ("import keras\n\n\n"
+         "def _flat(info):\n"
+         "    images = keras.Input(info.image_shape, dtype='uint8')\n"
+         "    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))\n"
+         "    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))\n\n\n")
+FLAGS = ["--dataset=synthetic", "--synthetic_examples=256", "--per_replica_batch_size=32",
+         "--precision=float32", "--warmup_epochs=0", "--noevaluate", "--train_steps=2",
+         "--steps_per_loop=2", "--log_every_steps=2"]
+
+
+def _model(tmp_path, body: str, head: str = "") -> str:
+    source = tmp_path / "doors_model.py"
+    source.write_text(head + _FLAT + "def net(info):\n" + body + "    return _flat(info)\n")
+    return f"--model={source}:net"
+
+
+def test_a_model_file_path_that_is_not_utf8_is_said_as_for_every_path_flag(tmp_path):
+    """It said "does not import (UnicodeEncodeError: ... surrogates not
+    allowed)"."""
+    source = os.fsencode(tmp_path) + b"/bad\xff.py"
+    with open(source, "w") as f:
+        f.write(_FLAT + "def net(info):\n    return _flat(info)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "distributed_mpt.train", *FLAGS, b"--model=" + source + b":net",
+         f"--model_dir={tmp_path / 'run'}"], capture_output=True, timeout=300, cwd=REPO,
+        env=subprocess_env(PYTHONUTF8="0"))
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+        f"error: --model={tmp_path}/bad\\udcff.py:net is not UTF-8 text, the only paths this "
+        f"program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 if the name is "
+        f"UTF-8, else rename it"], stderr
+    assert not (tmp_path / "run").exists()
