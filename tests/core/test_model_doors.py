@@ -28,6 +28,21 @@ def _model(tmp_path, body: str, head: str = "") -> str:
     return f"--model={source}:net"
 
 
+def test_a_model_that_sets_keras_float_type_itself_is_refused_and_set_back(tmp_path):
+    """keras.config.set_floatx("float16"): the policy was set back, not
+    the float type, and the error line blamed the first training step
+    (TypeError of a Pack op's types)."""
+    import keras
+
+    run = tmp_path / "run"
+    result = train([*FLAGS, _model(tmp_path, "    keras.config.set_floatx('float16')\n"),
+                    f"--model_dir={run}"])
+    assert_one_error_line(result, "sets Keras' default float type (keras.config.set_floatx) "
+                                  "itself (float16), which the run sets from --precision")
+    assert keras.config.floatx() == "float32", "set back"
+    assert not run.exists()
+
+
 def test_a_model_file_path_that_is_not_utf8_is_said_as_for_every_path_flag(tmp_path):
     """It said "does not import (UnicodeEncodeError: ... surrogates not
     allowed)"."""

@@ -37,7 +37,7 @@ from distributed_mpt import files
 from distributed_mpt.core import precision
 from distributed_mpt.core.models import process_state
 from distributed_mpt.core.models.softmax import named
-from distributed_mpt.core.models.process_state import POLICY as _POLICY
+from distributed_mpt.core.models.process_state import FLOATX as _FLOATX, POLICY as _POLICY
 from distributed_mpt.errors import (ExitCode, UserError, first_line, inside_autograph, quoted,
                                    text_of)
 
@@ -87,13 +87,15 @@ def users_code(name: str, failure: str):
         now = process_state.read()
         changed = process_state.changed(kept, now)
         failed = process_state.set_back(kept, changed)
-        if _POLICY in changed and not raised:  # its layers have it now
-            flag = (f"--precision={now[_POLICY]}" if now[_POLICY] in precision.PRECISIONS
+        # Its layers have it now.
+        own = next((what for what in (_POLICY, _FLOATX) if what in changed and not raised), None)
+        if own:
+            flag = (f"--precision={now[own]}" if now[own] in precision.PRECISIONS
                     else f"--precision ({', '.join(precision.PRECISIONS)})")
             raise ModelError(
-                f"--model={quoted(name)} sets the mixed-precision policy itself "
-                f"({now[_POLICY]}), which the run sets from --precision, with loss scaling "
-                f"where float16 needs it: remove that line, and pass {flag}")
+                f"--model={quoted(name)} sets {own} itself ({now[own]}), which the run sets "
+                f"from --precision, with loss scaling where float16 needs it: remove that "
+                f"line, and pass {flag}")
         if failed:
             line = (f"--model={quoted(name)} changed {' and '.join(failed)}, which the run "
                     f"relies on, and it cannot be set back ({'; '.join(failed.values())})")

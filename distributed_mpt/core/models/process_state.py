@@ -2,8 +2,10 @@
 on, read before it runs and judged after it, by contract.users_code.
 
 Set back, with a warning: the working directory (relative paths), Keras'
-mixed-precision policy (set from --precision), the stop signals' handlers
-(a library that ignores SIGTERM), the descriptor that signals wake:
+mixed-precision policy (set from --precision) and default float type (left
+float32: float16 failed the first step on a dtype mismatch; both refused
+once the model is built with them, by contract.users_code), the stop
+signals' handlers (a library that ignores SIGTERM), the descriptor that signals wake:
 process/stopping.py hears of a stop through it, and an event loop that sets
 its own (asyncio's, which sets none when it closes) left a run that only
 SIGKILL stopped; the real-time timer, which a library's timeout left
@@ -41,6 +43,7 @@ from typing import NamedTuple, Optional
 from distributed_mpt.errors import STOP_SIGNALS, first_line, quoted
 
 POLICY = "the mixed-precision policy"
+FLOATX = "Keras' default float type (keras.config.set_floatx)"
 _CWD, _HANDLERS = "the working directory", "the handlers of stop signals"
 _WAKEUP = "the descriptor that signals wake (signal.set_wakeup_fd)"
 _TIMER = "the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_REAL))"
@@ -58,6 +61,7 @@ def read() -> dict:
 
     # Whether the timer is armed, not what it has left, which runs down.
     state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
+             FLOATX: keras.config.floatx(),
              _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
@@ -112,6 +116,8 @@ def set_back(kept: dict, changed) -> dict:
     failed = {}
     if POLICY in changed:
         keras.mixed_precision.set_global_policy(kept[POLICY])
+    if FLOATX in changed:
+        keras.config.set_floatx(kept[FLOATX])
     for name in _STREAMS:
         if f"sys.{name}" in changed:  # replaced: an io.StringIO that kept the progress lines
             setattr(sys, name, kept[f"sys.{name}"])
