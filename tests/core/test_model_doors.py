@@ -28,6 +28,20 @@ def _model(tmp_path, body: str, head: str = "") -> str:
     return f"--model={source}:net"
 
 
+def test_a_umask_the_model_sets_is_set_back_and_the_runs_files_keep_their_modes(tmp_path):
+    """os.umask(0o777) in the model function: exit 0, and every file of
+    the run (config.json, checkpoints, the export) was mode 000. In a
+    process of its own: the umask is the whole process's."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, _model(tmp_path, "    import os\n    os.umask(0o777)\n"),
+                    f"--model_dir={run}"], timeout=300)
+    assert_ok(result)
+    assert "changed the umask (os.umask), which gives the run's files their modes, which the " \
+           "run relies on: set back" in result.stderr
+    for path in (run / "config.json", run / "summary.json", run / "export" / "model.keras"):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o600 == 0o600, path
+
+
 def test_a_model_that_sets_keras_float_type_itself_is_refused_and_set_back(tmp_path):
     """keras.config.set_floatx("float16"): the policy was set back, not
     the float type, and the error line blamed the first training step

@@ -10,9 +10,10 @@ process/stopping.py hears of a stop through it, and an event loop that sets
 its own (asyncio's, which sets none when it closes) left a run that only
 SIGKILL stopped; the real-time timer, which a library's timeout left
 armed (signal.alarm(3)) killed by SIGALRM, without a line, with the exit
-status of a peer's time-out; and the sys.stdout and sys.stderr objects:
+status of a peer's time-out; the sys.stdout and sys.stderr objects:
 an io.StringIO lost every progress line, exit 0, and sys.stderr = None
-sent the error line to stdout.
+sent the error line to stdout; and the umask, of which os.umask(0o777)
+left every file of the run mode 000, exit 0.
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
@@ -40,6 +41,7 @@ import sys
 import threading
 from typing import NamedTuple, Optional
 
+from distributed_mpt import files
 from distributed_mpt.errors import STOP_SIGNALS, first_line, quoted
 
 POLICY = "the mixed-precision policy"
@@ -47,6 +49,7 @@ FLOATX = "Keras' default float type (keras.config.set_floatx)"
 _CWD, _HANDLERS = "the working directory", "the handlers of stop signals"
 _WAKEUP = "the descriptor that signals wake (signal.set_wakeup_fd)"
 _TIMER = "the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_REAL))"
+_UMASK = "the umask (os.umask), which gives the run's files their modes"
 # What the run would do without what a model changed and cannot be set back.
 WITHOUT = {_CWD: "relative paths would lead elsewhere",
            _HANDLERS: "a stop signal would not stop it with a checkpoint",
@@ -62,7 +65,7 @@ def read() -> dict:
     # Whether the timer is armed, not what it has left, which runs down.
     state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
              FLOATX: keras.config.floatx(),
-             _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0}
+             _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0, _UMASK: files.umask()}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -118,6 +121,8 @@ def set_back(kept: dict, changed) -> dict:
         keras.mixed_precision.set_global_policy(kept[POLICY])
     if FLOATX in changed:
         keras.config.set_floatx(kept[FLOATX])
+    if _UMASK in changed:
+        os.umask(kept[_UMASK])
     for name in _STREAMS:
         if f"sys.{name}" in changed:  # replaced: an io.StringIO that kept the progress lines
             setattr(sys, name, kept[f"sys.{name}"])
