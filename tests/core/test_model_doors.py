@@ -28,6 +28,21 @@ def _model(tmp_path, body: str, head: str = "") -> str:
     return f"--model={source}:net"
 
 
+def test_a_model_file_that_makes_warnings_errors_is_set_back_and_the_run_exports(tmp_path):
+    """warnings.simplefilter("error") in a model file: training and
+    evaluation finished, then Keras' own DeprecationWarning failed the
+    export with a traceback, exit 1, no summary.json."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, _model(tmp_path, "    pass\n",
+                                   head="import warnings\nwarnings.simplefilter('error')\n"),
+                    f"--model_dir={run}"])
+    assert_ok(result)
+    assert "Traceback" not in result.stderr
+    assert 'changed the warnings filters that make warnings errors (warnings.simplefilter(' \
+           '"error")), which the run relies on: set back' in result.stderr
+    assert (run / "summary.json").is_file() and (run / "export" / "model.keras").is_file()
+
+
 def test_a_umask_the_model_sets_is_set_back_and_the_runs_files_keep_their_modes(tmp_path):
     """os.umask(0o777) in the model function: exit 0, and every file of
     the run (config.json, checkpoints, the export) was mode 000. In a

@@ -10,10 +10,14 @@ process/stopping.py hears of a stop through it, and an event loop that sets
 its own (asyncio's, which sets none when it closes) left a run that only
 SIGKILL stopped; the real-time timer, which a library's timeout left
 armed (signal.alarm(3)) killed by SIGALRM, without a line, with the exit
-status of a peer's time-out; the sys.stdout and sys.stderr objects:
+status of a peer's time-out; and the sys.stdout and sys.stderr objects:
 an io.StringIO lost every progress line, exit 0, and sys.stderr = None
-sent the error line to stdout; and the umask, of which os.umask(0o777)
-left every file of the run mode 000, exit 0.
+sent the error line to stdout; the umask, of which os.umask(0o777) left
+every file of the run mode 000, exit 0; and a warnings filter that makes
+warnings errors (warnings.simplefilter("error") in a model file): the
+libraries' own warnings then failed the export, after training, with a
+traceback (cli.libraries_warnings_stay_warnings keeps those of -W error).
+Its other filters (a library that silences its warnings) stay.
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
@@ -39,6 +43,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import NamedTuple, Optional
 
 from distributed_mpt import files
@@ -50,6 +55,7 @@ _CWD, _HANDLERS = "the working directory", "the handlers of stop signals"
 _WAKEUP = "the descriptor that signals wake (signal.set_wakeup_fd)"
 _TIMER = "the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_REAL))"
 _UMASK = "the umask (os.umask), which gives the run's files their modes"
+_ERRORS = 'the warnings filters that make warnings errors (warnings.simplefilter("error"))'
 # What the run would do without what a model changed and cannot be set back.
 WITHOUT = {_CWD: "relative paths would lead elsewhere",
            _HANDLERS: "a stop signal would not stop it with a checkpoint",
@@ -65,7 +71,8 @@ def read() -> dict:
     # Whether the timer is armed, not what it has left, which runs down.
     state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
              FLOATX: keras.config.floatx(),
-             _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0, _UMASK: files.umask()}
+             _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0, _UMASK: files.umask(),
+             _ERRORS: [f for f in warnings.filters if f[0] == "error"]}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -123,6 +130,8 @@ def set_back(kept: dict, changed) -> dict:
         keras.config.set_floatx(kept[FLOATX])
     if _UMASK in changed:
         os.umask(kept[_UMASK])
+    if _ERRORS in changed:
+        _set_back_errors(kept[_ERRORS])
     for name in _STREAMS:
         if f"sys.{name}" in changed:  # replaced: an io.StringIO that kept the progress lines
             setattr(sys, name, kept[f"sys.{name}"])
@@ -150,6 +159,15 @@ def set_back(kept: dict, changed) -> dict:
     elif _TIMER in changed:
         signal.setitimer(signal.ITIMER_REAL, 0)
     return failed
+
+
+def _set_back_errors(kept: list) -> None:
+    """Removes the filters that make warnings errors not in `kept`, and
+    puts back first those of `kept` removed; the others stay as they are."""
+    now = list(warnings.filters)
+    warnings.resetwarnings()  # what tells the warnings module its filters changed
+    warnings.filters[:] = [*(f for f in kept if f not in now),
+                           *(f for f in now if f[0] != "error" or f in kept)]
 
 
 # What the run writes to each stream, for the refusal to name.
