@@ -27,6 +27,7 @@ import uuid
 from typing import List, Sequence
 
 from distributed_mpt import files
+from distributed_mpt.core.models.contract import users_code
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.json_lines import JsonLines
 from distributed_mpt.process.run_lock import LOCK_NAME
@@ -318,27 +319,27 @@ def fingerprint_is_damaged(saved_model: str) -> bool:
 
 def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
                  info=None, check_held=lambda: None) -> str:
-    """Exports `model` (logits out) to `<model_dir>/export/`: `saved_model/`
-    for TF Serving, `model.keras` for Keras (its output the probabilities,
-    without this package's layers), `classes.txt` (line i names class i) and,
-    given `info` (see model_info), `model_info.json`. The new export replaces
-    the old one only once it is complete, if `check_held()` finds --model_dir
-    still this run's, and never what this package did not write (check_export_destination).
-
-    The SavedModel's serving signature takes `images` (uint8 [N, *image_shape],
-    0-255) and returns `probabilities` (float32 [N, classes]); its
-    `class_names` attribute holds the class names too.
-    """
+    """Exports `model` (logits out) to `<model_dir>/export/`: `saved_model/` for TF Serving,
+    `model.keras` for Keras (its output the probabilities, without this package's layers),
+    `classes.txt` (line i names class i) and, given `info` (see model_info), `model_info.json`.
+    It replaces the old export only once complete, if `check_held()` finds --model_dir still
+    this run's, and never what this package did not write (check_export_destination). The
+    SavedModel's serving signature takes `images` (uint8 [N, *image_shape], 0-255) and returns
+    `probabilities` (float32 [N, classes]); its `class_names` attribute holds the names too."""
+    import tensorflow as tf  # for its errors, which are a write's: not the model's
     check_export_destination(model_dir)
     check_held()  # a finished run on a read-only mount, its export missing: that is said
-    final = os.path.join(model_dir, EXPORT_DIR)
+    final, name = os.path.join(model_dir, EXPORT_DIR), (info or {}).get("model")
     staging = os.path.join(model_dir,
                            f"{STAGING_PREFIX}{files.owner_tag()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(staging)  # not makedirs: a --model_dir taken away is not made again
-    try:
-        _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,
-                            image_shape)
-        _keras_model_with_probabilities(model, image_shape).save(os.path.join(staging, KERAS_FILE))
+    try:  # a model's code failing here (a get_config() that raises the second time): one line
+        with (users_code(name, "failed in the export, after training; run again, fixed or with "
+                         "--noexport, to finish", (OSError, MemoryError, tf.errors.OpError))
+              if name else contextlib.nullcontext()):
+            _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,
+                                image_shape)
+            _keras_model_with_probabilities(model, image_shape).save(f"{staging}/{KERAS_FILE}")
         files.write_text(os.path.join(staging, CLASSES_FILE),
                          "".join(f"{c}\n" for c in class_names))
         if info is not None:

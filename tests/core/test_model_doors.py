@@ -89,3 +89,35 @@ def test_a_model_file_path_that_is_not_utf8_is_said_as_for_every_path_flag(tmp_p
         f"program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 if the name is "
         f"UTF-8, else rename it"], stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_whose_code_fails_in_the_export_is_one_error_line_and_a_run_again_finishes(
+        tmp_path):
+    """A get_config() that works once (the check before training) and
+    raises the second time (the export's save): a traceback, exit 1."""
+    source = tmp_path / "once.py"
+    source.write_text(
+        "import keras\n\n\nclass Net(keras.Model):\n"
+        "    def __init__(self, classes, **kwargs):\n"
+        "        super().__init__(**kwargs)\n"
+        "        self.classes, self.calls = classes, 0\n"
+        "        self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(classes)\n"
+        "        self.scale = keras.layers.Rescaling(1 / 255)\n\n"
+        "    def call(self, images, training=False):\n"
+        "        return self.dense(self.flat(self.scale(images)))\n\n"
+        "    def get_config(self):\n"
+        "        self.calls += 1\n"
+        "        if self.calls > 1:\n"
+        "            raise RuntimeError('get_config the second time')\n"
+        "        return {**super().get_config(), 'classes': self.classes}\n\n\n"
+        "def net(info):\n    return Net(info.num_classes)\n")
+    run = tmp_path / "run"
+    result = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"])
+    assert_one_error_line(result, "failed in the export, after training; run again, fixed or "
+                                  "with --noexport, to finish (RuntimeError: get_config the "
+                                  "second time)")
+    assert not (run / "export").exists()
+    assert [p.name for p in run.iterdir() if p.name.startswith(".export")] == [], "no staging"
+    again = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}", "--noexport"])
+    assert_ok(again)
+    assert "nothing is left to train" in again.stdout and (run / "summary.json").is_file()

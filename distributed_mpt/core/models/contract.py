@@ -52,9 +52,10 @@ class FirstStepError(ModelError):
 
 
 @contextlib.contextmanager
-def users_code(name: str, failure: str):
+def users_code(name: str, failure: str, passes: tuple = ()):
     """Runs model code of --model=`name`: anything it raises becomes one
-    ModelError, "--model=NAME <failure> (<what it raised>)", except a
+    ModelError, "--model=NAME <failure> (<what it raised>)", except the
+    errors of `passes` (a write's, where the code writes too) and a
     KeyboardInterrupt that Ctrl-C may have raised (predict's, where SIGINT
     has Python's default handler; a training run owns its stop signals).
     What it changes of the process that the run relies on (process_state.py:
@@ -68,7 +69,7 @@ def users_code(name: str, failure: str):
         with _left_usable(name):
             yield
         raised = False
-    except UserError:
+    except (UserError, *passes):
         raise
     except KeyboardInterrupt:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
