@@ -121,3 +121,15 @@ def test_a_model_whose_code_fails_in_the_export_is_one_error_line_and_a_run_agai
     again = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}", "--noexport"])
     assert_ok(again)
     assert "nothing is left to train" in again.stdout and (run / "summary.json").is_file()
+
+
+def test_the_error_line_starts_a_line_after_a_prompt_the_model_wrote(tmp_path):
+    """--model=builtins:input writes its prompt (the dataset's info)
+    without a newline: the error line was glued to its end."""
+    result = subprocess.run(
+        [sys.executable, "-m", "distributed_mpt.train", *FLAGS, "--model=builtins:input",
+         f"--model_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert_one_error_line(result, "--model=builtins:input failed to build its model (EOFError")
+    assert "DatasetInfo(" in result.stderr
+    assert not (tmp_path / "run").exists()

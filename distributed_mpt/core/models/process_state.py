@@ -283,16 +283,21 @@ class _PrintsToStderr:
     """sys.stdout while a model's code runs: what it prints (a print,
     model.summary()) goes to stderr, as stdout carries the run's own output
     (predict --json's object, which a model's print made unreadable). The
-    rest (close, fileno) is stdout's, for broken_since to judge."""
+    rest (close, fileno) is stdout's, for broken_since to judge. Whether
+    it ended its last line is kept: a prompt's (input()) had the next
+    line, the run's error line, glued to it."""
 
     def __init__(self, stdout, stderr):
-        self._stdout, self._stderr = stdout, stderr
+        self._stdout, self._stderr, self.ended_line = stdout, stderr, True
 
     def write(self, text):
+        if text:
+            self.ended_line = str(text).endswith("\n")
         return self._stderr.write(text)
 
     def writelines(self, lines):
-        self._stderr.writelines(lines)
+        for line in lines:
+            self.write(line)
 
     def flush(self):
         self._stderr.flush()
@@ -314,6 +319,9 @@ def prints_to_stderr():
     finally:
         if sys.stdout is proxy:
             sys.stdout = stdout
+        if usable and not proxy.ended_line:
+            with contextlib.suppress(Exception):  # a stderr the code closed: broken_since's
+                stderr.write("\n")
 
 
 class ExitAtOnce(SystemExit):
