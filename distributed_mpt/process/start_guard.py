@@ -107,6 +107,12 @@ def guard_the_start() -> None:
         signal.signal(sig, _stop_while_starting)
 
 
+def is_a_command() -> bool:
+    """Whether this process runs a command of the package that
+    `guard_the_start` guarded (not a helper, a library caller or a test)."""
+    return _ctrl_c_while_starting is not None
+
+
 def _stop_while_starting(signum, frame) -> None:
     sig = signal.Signals(signum)
     code = _ctrl_c_while_starting if sig == signal.SIGINT else ExitCode.PREEMPTED

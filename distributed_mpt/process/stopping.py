@@ -27,6 +27,9 @@ is in:
   second Ctrl-C aborts at once (ExitCode.ABORTED).
 - FINISHING (final evaluation and export): what is left makes the run
   complete, so a request lets it finish (exit 0); a second Ctrl-C aborts.
+- Once an error line has decided the exit (`exit_decided`): a stop is
+  ignored, as the process is ending anyway; its 143 said "retry" of a
+  mistake that a retry only repeats.
 
 A Python signal handler runs only when the main thread gets back from
 TensorFlow, which may take a whole step. Python's C-level handler writes the
@@ -51,7 +54,7 @@ from typing import Callable, List, Optional
 
 from distributed_mpt.errors import STOP_SIGNALS, ExitCode
 from distributed_mpt.process.start_guard import (end_start_guard, heeded_stop_signals,
-                                                 stopped_before)
+                                                 is_a_command, stopped_before)
 
 
 # How the start-up watchdog ends a worker that TensorFlow holds while it starts
@@ -141,6 +144,8 @@ class _Owner:
                     self._handle(signal.Signals(signum))
 
     def _handle(self, sig: signal.Signals) -> None:
+        if _exit_is_decided:  # one that came just before the handlers were set to ignore it
+            return
         if self.phase in (Phase.STARTING, Phase.PREPARING):
             # At once, whatever the main thread is doing (TensorFlow may hold
             # it): everything written so far was written whole, the OS drops
@@ -170,7 +175,7 @@ class _Owner:
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._previous_wakeup_fd)
-        for sig, handler in self._previous.items():
+        for sig, handler in self._previous.items() if not _exit_is_decided else ():
             signal.signal(sig, handler)
         os.close(self._write_fd)  # ends the watching thread
 
@@ -180,6 +185,22 @@ def _nothing(signum, frame) -> None:
 
 
 _owner: Optional[_Owner] = None
+_exit_is_decided = False
+
+
+def exit_decided() -> None:
+    """Says that this command's exit is decided, by the error line it is
+    about to print (exit 2, a user's mistake): a stop signal from now on is
+    ignored. It ended such a run with 143 (retryable), its line glued to the
+    error line ("...was given)SIGTERM before training started"), so that a
+    Job retried the mistake. Only in a command's own process (start_guard):
+    a library caller or a test keeps its handlers."""
+    global _exit_is_decided
+    if not is_a_command() or threading.current_thread() is not threading.main_thread():
+        return
+    _exit_is_decided = True
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

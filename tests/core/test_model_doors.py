@@ -4,6 +4,7 @@ real training entry point: set back with a warning, or refused with one
 `error:` line, exit 2 and nothing half-written."""
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -133,3 +134,45 @@ def test_the_error_line_starts_a_line_after_a_prompt_the_model_wrote(tmp_path):
     assert_one_error_line(result, "--model=builtins:input failed to build its model (EOFError")
     assert "DatasetInfo(" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_signal_after_the_error_line_leaves_its_exit_code(tmp_path):
+    """SIGTERM while the error line was being written made a refused run
+    (exit 2, a mistake) exit 143, which says "retry", its line glued to
+    the error line. Deterministic: stderr is a pipe kept full, so the
+    command is held in the write of its error line when the signal comes."""
+    import fcntl
+    import time
+
+    read, write = os.pipe()
+    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(write, False)
+    try:
+        while True:
+            os.write(write, b"." * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(write, True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "distributed_mpt.train", "--model=no_such_model",
+         f"--model_dir={tmp_path / 'run'}"], stdout=subprocess.DEVNULL, stderr=write, cwd=REPO,
+        env=subprocess_env())
+    os.close(write)
+    try:
+        deadline = time.monotonic() + 120
+        # Its main thread in write(2, ...): the error line, the first thing it writes there.
+        while not open(f"/proc/{process.pid}/syscall").read().startswith("1 0x2 "):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1)  # for a handler to act
+        written = b""
+        while chunk := os.read(read, 65536):
+            written += chunk
+        assert process.wait(timeout=60) == 2, written[-2000:]
+    finally:
+        process.kill()
+        os.close(read)
+    stderr = written.lstrip(b".").decode()
+    assert stderr.startswith("error: --model=no_such_model is not one of") and stderr.count(
+        "\n") == 1, stderr
