@@ -136,11 +136,18 @@ def test_the_error_line_starts_a_line_after_a_prompt_the_model_wrote(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_stop_signal_after_the_error_line_leaves_its_exit_code(tmp_path):
+@pytest.mark.parametrize("flags, line, held_in", [
+    # The flags' refusal: held in its write of the error line to stderr (fd 2).
+    (["--model=no_such_model"], "error: --model=no_such_model is not one of", "1 0x2 "),
+    # The run's (training/run.py): its line goes through the log filter's
+    # thread, which the main thread waits for, asleep (clock_nanosleep).
+    (["--dataset=synthetic", "--model=mlp", "--model_dir={file}"],
+     "error: --model_dir={file} is a file, not a directory", "230 ")])
+def test_a_stop_signal_after_the_error_line_leaves_its_exit_code(tmp_path, flags, line, held_in):
     """SIGTERM while the error line was being written made a refused run
     (exit 2, a mistake) exit 143, which says "retry", its line glued to
     the error line. Deterministic: stderr is a pipe kept full, so the
-    command is held in the write of its error line when the signal comes."""
+    command is held writing its error line when the signal comes."""
     import fcntl
     import time
 
@@ -153,15 +160,17 @@ def test_a_stop_signal_after_the_error_line_leaves_its_exit_code(tmp_path):
     except BlockingIOError:
         pass
     os.set_blocking(write, True)
+    file = tmp_path / "a_file"
+    file.write_text("not a directory")
     process = subprocess.Popen(
-        [sys.executable, "-m", "distributed_mpt.train", "--model=no_such_model",
-         f"--model_dir={tmp_path / 'run'}"], stdout=subprocess.DEVNULL, stderr=write, cwd=REPO,
-        env=subprocess_env())
+        [sys.executable, "-m", "distributed_mpt.train", f"--model_dir={tmp_path / 'run'}",
+         *[flag.format(file=file) for flag in flags]],
+        stdout=subprocess.DEVNULL, stderr=write, cwd=REPO, env=subprocess_env())
     os.close(write)
     try:
         deadline = time.monotonic() + 120
-        # Its main thread in write(2, ...): the error line, the first thing it writes there.
-        while not open(f"/proc/{process.pid}/syscall").read().startswith("1 0x2 "):
+        # Its main thread held by the error line, the first thing it writes to stderr.
+        while not open(f"/proc/{process.pid}/syscall").read().startswith(held_in):
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
@@ -174,5 +183,4 @@ def test_a_stop_signal_after_the_error_line_leaves_its_exit_code(tmp_path):
         process.kill()
         os.close(read)
     stderr = written.lstrip(b".").decode()
-    assert stderr.startswith("error: --model=no_such_model is not one of") and stderr.count(
-        "\n") == 1, stderr
+    assert stderr.startswith(line.format(file=file)) and stderr.count("\n") == 1, stderr
