@@ -242,7 +242,10 @@ class Reporter:
         self._enabled, self._check_held, self._total_steps = enabled, check_held, total_steps
         # On a terminal, a status line is rewritten after every loop call;
         # logs (Kubernetes, SLURM, a file) get whole lines only.
-        self._terminal = enabled and sys.stdout.isatty()
+        # The run's stdout, kept: a user's model code running in the export
+        # has what it prints sent to stderr (contract.users_code), not ours.
+        self._stdout = sys.stdout
+        self._terminal = enabled and self._stdout.isatty()
         self._live_line_shown, self._started = False, started
         self._metrics_path = os.path.join(model_dir, "metrics.jsonl")
         self._earlier_seconds, self._status = 0.0, None
@@ -331,9 +334,9 @@ class Reporter:
     def _print(self, line: str) -> None:
         with self._printing:
             if self._live_line_shown:
-                sys.stdout.write("\r\x1b[K")
+                self._stdout.write("\r\x1b[K")
                 self._live_line_shown = False
-            print(line, file=sys.stdout, flush=True)
+            print(line, file=self._stdout, flush=True)
             self._last_line = time.monotonic()
 
     def _heartbeat(self) -> None:

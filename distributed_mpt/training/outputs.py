@@ -27,7 +27,7 @@ import uuid
 from typing import List, Sequence
 
 from distributed_mpt import files
-from distributed_mpt.core.models.contract import users_code
+from distributed_mpt.core.models import MODELS, contract
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.json_lines import JsonLines
 from distributed_mpt.process.run_lock import LOCK_NAME
@@ -333,10 +333,11 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
     staging = os.path.join(model_dir,
                            f"{STAGING_PREFIX}{files.owner_tag()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(staging)  # not makedirs: a --model_dir taken away is not made again
-    try:  # a model's code failing here (a get_config() that raises the second time): one line
-        with (users_code(name, "failed in the export, after training; run again, fixed or with "
-                         "--noexport, to finish", (OSError, MemoryError, tf.errors.OpError))
-              if name else contextlib.nullcontext()):
+    try:  # a user's model's code failing here (a get_config() raising again): one line
+        with (contract.users_code(name, "failed in the export, after training; run again, "
+                                  "fixed or with --noexport, to finish",
+                                  (OSError, MemoryError, tf.errors.OpError))
+              if name and name not in MODELS else contextlib.nullcontext()):
             _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,
                                 image_shape)
             _keras_model_with_probabilities(model, image_shape).save(f"{staging}/{KERAS_FILE}")

@@ -12,6 +12,7 @@ import tensorflow as tf
 from conftest import (REPO, SMOKE_FLAGS, assert_ok, assert_one_error_line, read_summary,
                       run_in_process, subprocess_env, train)
 from distributed_mpt.core import models
+from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.data import cifar10
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.training import outputs
@@ -160,3 +161,18 @@ def test_a_run_under_pythonwarnings_error_exports_with_the_libraries_warnings_sh
     assert "Traceback" not in result.stderr
     assert (model_dir / "export" / "model.keras").exists()
     assert list((model_dir / "checkpoints").glob("ckpt-2.index"))
+
+
+@pytest.mark.parametrize("name, blamed", [("mlp", False), ("mine.py:net", True)])
+def test_only_a_users_model_is_blamed_for_a_failure_in_the_export(tmp_path, monkeypatch, name,
+                                                                  blamed):
+    """Every export ran as a user's code, so that a failure of the package's
+    own (here a stand-in for a bug in it) in a built-in model's export was
+    one line blaming --model=mlp, exit 2, where it is the package's, with
+    its traceback."""
+    def failing(*_):
+        raise ValueError("a failure of the export's own code")
+    monkeypatch.setattr(outputs, "_keras_model_with_probabilities", failing)
+    with pytest.raises(ModelError if blamed else ValueError, match="export's own code"):
+        _export(_build("mlp"), tmp_path, {"model": name})
+    assert not (tmp_path / "export").exists() and list(tmp_path.iterdir()) == []
