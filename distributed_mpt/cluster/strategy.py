@@ -105,14 +105,16 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
     return strategy
 
 
-def barrier(strategy: tf.distribute.Strategy):
+def barrier(strategy: tf.distribute.Strategy, values=(1.0,)):
     """A function that returns once every worker of `strategy` has called
-    it: a collective completes only when every peer takes part."""
+    it (a collective completes only when every peer takes part): the sum of
+    `values` (floats) over every replica, each one's own."""
 
     # Not converted by AutoGraph: there is nothing to convert.
     @tf.function(autograph=False)
     def all_here():
-        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(values, tf.float32)),
+                               axis=None)
 
     return all_here
 

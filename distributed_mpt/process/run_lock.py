@@ -75,7 +75,9 @@ class Writes:
     (`lost`), writes nothing more, and goes on with its peers to where they
     all learn it (the stop agreement of the next step, the agreement at the
     run's end): had it left at once, its peers would fail in their next
-    collective as if a node was lost (exit 141, which is retried)."""
+    collective as if a node was lost (exit 141, which is retried). So is a
+    user's mistake a write raises once training is over (`finishing`; a
+    user's model failing in the export): kept as `failed`, to the run's end."""
 
     def __init__(self, check_held, alone: bool, request_stop=lambda model_dir_lost: None):
         """check_held(): raises ModelDirLostError if the lock is lost
@@ -83,13 +85,16 @@ class Writes:
         Trainer's) puts a loss a write found into the next step's agreement."""
         self.check_held, self._alone, self._request_stop = check_held, alone, request_stop
         self.lost: Optional[ModelDirLostError] = None
+        self.failed: Optional[UserError] = None
+        self.finishing = False  # set once the last step is done
 
     def __call__(self, write, *args, **kwargs):
-        """write(*args, **kwargs)'s result; None, not written, once the lock is lost."""
-        if self.lost is None:
+        """write(*args, **kwargs)'s result; None, not written, once the lock
+        is lost or a write after training failed (of several workers)."""
+        if self.lost is None and self.failed is None:
             try:
                 return write(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - a write that failed as the directory went is its loss
+            except Exception as e:  # noqa: BLE001 - a write that failed as the directory went is its loss
                 try:
                     self.check_held()
                 except ModelDirLostError as lost:
@@ -98,7 +103,9 @@ class Writes:
                     self.lost = lost
                     self._request_stop(model_dir_lost=True)
                     return None
-                raise
+                if self._alone or not self.finishing or not isinstance(e, UserError):
+                    raise
+                self.failed = e
         return None
 
 

@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from distributed_mpt import __version__, files
+from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
                                     section_problem, training_flags, unknown_settings)
 from distributed_mpt.core import models, pipeline, precision
@@ -31,7 +32,7 @@ from distributed_mpt.core.data.dataset import fingerprint_difference, same_examp
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
-from distributed_mpt.errors import ClusterError, ConfigError, quoted
+from distributed_mpt.errors import ClusterError, ConfigError, UserError, quoted
 from distributed_mpt.process.run_lock import ModelDirLostError
 from distributed_mpt.training.checkpoints import Checkpoints, Restored
 
@@ -378,21 +379,20 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
             f"shared file system, the same data and flags, and an explicit --precision")
 
 
-def leave_together(strategy: tf.distribute.Strategy, num_workers: int,
-                   lost: Optional[ModelDirLostError]) -> None:
+def leave_together(strategy: tf.distribute.Strategy, num_workers: int, writes) -> None:
     """Returns once every worker got here (the others wait for the chief's
-    export) and none lost its lock (`lost`: run_lock.Writes); else raises on
-    every worker, the chief's own loss on the chief. A worker that left first
-    would have gone while the chief's coordination service still watched it,
-    which logs it as crashed (`StartAbort UNAVAILABLE: ... The tasks have
-    crashed`, tensorflow/tensorflow#58434) at the end of a run that succeeded."""
+    export) and none lost its lock or failed a write after training
+    (run_lock.Writes); else raises on every worker, its own error where it
+    has one. A worker that left first would have gone while the chief's
+    coordination service still watched it, which logs it as crashed
+    (`StartAbort UNAVAILABLE: ... The tasks have crashed`,
+    tensorflow/tensorflow#58434) at the end of a run that succeeded."""
     if num_workers > 1:
-        @tf.function(autograph=False)  # a SUM: the collectives reduce no MAX
-        def losses():
-            return strategy.reduce("SUM", strategy.run(lambda: tf.constant(float(bool(lost)))),
-                                   axis=None)
-
-        if losses() > 0 and not lost:
+        lost, failed = barrier(strategy, (float(bool(writes.lost)), float(bool(writes.failed))))()
+        if writes.lost or writes.failed:
+            raise writes.lost or writes.failed
+        if lost > 0:
             raise ModelDirLostError.of_the_chief()
-    if lost:
-        raise lost
+        if failed > 0:
+            raise UserError("the chief failed to finish the run after training (its own error "
+                            "line says why): every worker stops with it")

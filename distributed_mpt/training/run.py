@@ -235,10 +235,11 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             raise refusal
         refuse_other_training(resumed, config, signature)  # finished or not: never silently
         writes = run_lock.Writes(check_held, plan.num_workers == 1, trainer.request_stop)
+        writes.finishing = resumed.finished  # no step to train: what is left finishes the run
         if resumed.finished:
             if is_chief:
                 _finished_again(config, resumed, built, dataset.info, writes)
-            leave_together(strategy, plan.num_workers, writes.lost)
+            leave_together(strategy, plan.num_workers, writes)
             return resumed.finished_summary
         check_held()  # before any write: a run on a read-only mount stops here (run_lock.ReadOnly)
         reporter = Reporter(config.run.model_dir, is_chief, plan.total_steps, resumed.start_step,
@@ -261,6 +262,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             # A stop requested from here on lets the run finish: what is left
             # (evaluation, export) is what makes it complete.
             stopping.enter(stopping.Phase.FINISHING)
+            writes.finishing = True
             summary = _summary(built, config, plan, strategy_name, resumed.start_step,
                                train_metrics, throughput)  # recalibrating changes none of it
             summary["bn_recalibration"] = recalibrate_batch_norm(
@@ -277,7 +279,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             if is_chief:  # a loss that overflowed is null, not a file no reader takes
                 writes(files.write_json, f"{config.run.model_dir}/summary.json",
                        finite_values(summary))
-            leave_together(strategy, plan.num_workers, writes.lost)
+            leave_together(strategy, plan.num_workers, writes)
             return summary
         finally:
             reporter.close()

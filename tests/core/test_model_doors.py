@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -92,26 +93,31 @@ def test_a_model_file_path_that_is_not_utf8_is_said_as_for_every_path_flag(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+# A get_config() that works once (the check before training) and raises
+# the second time (the export's save, on the chief only).
+_FAILS_IN_THE_EXPORT = (
+    "import keras\n\n\nclass Net(keras.Model):\n"
+    "    def __init__(self, classes, **kwargs):\n"
+    "        super().__init__(**kwargs)\n"
+    "        self.classes, self.calls = classes, 0\n"
+    "        self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(classes)\n"
+    "        self.scale = keras.layers.Rescaling(1 / 255)\n\n"
+    "    def call(self, images, training=False):\n"
+    "        return self.dense(self.flat(self.scale(images)))\n\n"
+    "    def get_config(self):\n"
+    "        self.calls += 1\n"
+    "        if self.calls > 1:\n"
+    "            raise RuntimeError('get_config the second time')\n"
+    "        return {**super().get_config(), 'classes': self.classes}\n\n\n"
+    "def net(info):\n    return Net(info.num_classes)\n")
+
+
 def test_a_model_whose_code_fails_in_the_export_is_one_error_line_and_a_run_again_finishes(
         tmp_path):
     """A get_config() that works once (the check before training) and
     raises the second time (the export's save): a traceback, exit 1."""
     source = tmp_path / "once.py"
-    source.write_text(
-        "import keras\n\n\nclass Net(keras.Model):\n"
-        "    def __init__(self, classes, **kwargs):\n"
-        "        super().__init__(**kwargs)\n"
-        "        self.classes, self.calls = classes, 0\n"
-        "        self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(classes)\n"
-        "        self.scale = keras.layers.Rescaling(1 / 255)\n\n"
-        "    def call(self, images, training=False):\n"
-        "        return self.dense(self.flat(self.scale(images)))\n\n"
-        "    def get_config(self):\n"
-        "        self.calls += 1\n"
-        "        if self.calls > 1:\n"
-        "            raise RuntimeError('get_config the second time')\n"
-        "        return {**super().get_config(), 'classes': self.classes}\n\n\n"
-        "def net(info):\n    return Net(info.num_classes)\n")
+    source.write_text(_FAILS_IN_THE_EXPORT)
     run = tmp_path / "run"
     result = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"])
     assert_one_error_line(result, "failed in the export, after training; run again, fixed or "
@@ -184,3 +190,33 @@ def test_a_stop_signal_after_the_error_line_leaves_its_exit_code(tmp_path, flags
         os.close(read)
     stderr = written.lstrip(b".").decode()
     assert stderr.startswith(line.format(file=file)) and stderr.count("\n") == 1, stderr
+
+
+@pytest.mark.slow  # two workers
+def test_a_chiefs_model_failing_in_the_export_ends_every_worker_with_2(tmp_path):
+    """The chief's export, after training, raised the user's error: the
+    chief exited 2 alone, and its peer, waiting for it at the end of the
+    run, failed with `lost a peer` and exit 141, which a launcher or
+    Kubernetes retries (the same mistake again). Both now exit 2."""
+    from conftest import WatchedProcess
+    from distributed_mpt.launch import free_ports, worker_tf_configs
+
+    source, run = tmp_path / "once.py", tmp_path / "run"
+    source.write_text(_FAILS_IN_THE_EXPORT)
+    flags = [*FLAGS, f"--model={source}:net", "--communication=ring",
+             "--peer_timeout_seconds=300", f"--model_dir={run}"]
+    started = time.monotonic()
+    workers = [WatchedProcess("distributed_mpt.train", flags, env=subprocess_env(
+        TF_CONFIG=tf_config)) for tf_config in worker_tf_configs(free_ports(2))]
+    # Generous: two TensorFlow start-ups on a loaded machine, then a few seconds.
+    codes = [worker.finish(timeout=400) for worker in workers]
+    output = "\n---\n".join(worker.output()[-3000:] for worker in workers)
+    print(f"both workers ended {time.monotonic() - started:.1f} s after they started")
+    assert codes == [2, 2], (codes, output)
+    said = [[line for line in worker.output().splitlines() if line.startswith("error:")]
+            for worker in workers]
+    assert len(said[0]) == 1 and "failed in the export, after training" in said[0][0], output
+    assert said[1] == ["error: the chief failed to finish the run after training (its own "
+                       "error line says why): every worker stops with it"], output
+    assert "lost a peer" not in output and "Traceback" not in output, output
+    assert not (run / "export").exists() and not (run / "summary.json").exists()
