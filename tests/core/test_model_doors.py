@@ -30,18 +30,27 @@ def _model(tmp_path, body: str, head: str = "") -> str:
     return f"--model={source}:net"
 
 
-def test_a_model_file_that_makes_warnings_errors_is_set_back_and_the_run_exports(tmp_path):
+@pytest.mark.parametrize("head, warnings_env", [
+    ("warnings.simplefilter('error')", None),
+    # Under -W error, the filter that keeps the libraries' warnings warnings
+    # (cli.libraries_warnings_stay_warnings) removed: set back behind the
+    # error filter, so that the export failed all the same (found by review).
+    ("warnings.resetwarnings()", "error"),
+    ("warnings.resetwarnings()\nwarnings.simplefilter('error')", "error")])
+def test_a_model_file_that_makes_warnings_errors_is_set_back_and_the_run_exports(
+        tmp_path, head, warnings_env):
     """warnings.simplefilter("error") in a model file: training and
     evaluation finished, then Keras' own DeprecationWarning failed the
     export with a traceback, exit 1, no summary.json."""
     run = tmp_path / "run"
-    result = train([*FLAGS, _model(tmp_path, "    pass\n",
-                                   head="import warnings\nwarnings.simplefilter('error')\n"),
-                    f"--model_dir={run}"])
+    result = train([*FLAGS, _model(tmp_path, "    pass\n", head=f"import warnings\n{head}\n"),
+                    f"--model_dir={run}"],
+                   **({"env": subprocess_env(PYTHONWARNINGS=warnings_env)} if warnings_env else {}))
     assert_ok(result)
     assert "Traceback" not in result.stderr
     assert 'changed the warnings filters that make warnings errors (warnings.simplefilter(' \
-           '"error")), which the run relies on: set back' in result.stderr
+           '"error")), or that keep them warnings (warnings.resetwarnings()), which the run ' \
+           'relies on: set back' in result.stderr
     assert (run / "summary.json").is_file() and (run / "export" / "model.keras").is_file()
 
 

@@ -55,7 +55,8 @@ _CWD, _HANDLERS = "the working directory", "the handlers of stop signals"
 _WAKEUP = "the descriptor that signals wake (signal.set_wakeup_fd)"
 _TIMER = "the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_REAL))"
 _UMASK = "the umask (os.umask), which gives the run's files their modes"
-_ERRORS = 'the warnings filters that make warnings errors (warnings.simplefilter("error"))'
+_FILTERS = ('the warnings filters that make warnings errors (warnings.simplefilter("error")), '
+            'or that keep them warnings (warnings.resetwarnings())')
 # What the run would do without what a model changed and cannot be set back.
 WITHOUT = {_CWD: "relative paths would lead elsewhere",
            _HANDLERS: "a stop signal would not stop it with a checkpoint",
@@ -72,7 +73,7 @@ def read() -> dict:
     state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
              FLOATX: keras.config.floatx(),
              _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0, _UMASK: files.umask(),
-             _ERRORS: [f for f in warnings.filters if f[0] == "error"]}
+             _FILTERS: list(warnings.filters)}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -114,7 +115,8 @@ def changed(kept: dict, now: dict) -> list:
     """What of `kept`, read before the model's code ran, differs `now`: a
     stream it closed is not, as broken_since has put one in its place and
     refuses it."""
-    return [what for what, value in now.items() if value != kept[what]
+    return [what for what, value in now.items()
+            if (_counted(value, kept[what]) if what == _FILTERS else value) != kept[what]
             and not (what.startswith("sys.") and getattr(kept[what], "closed", False))]
 
 
@@ -130,8 +132,11 @@ def set_back(kept: dict, changed) -> dict:
         keras.config.set_floatx(kept[FLOATX])
     if _UMASK in changed:
         os.umask(kept[_UMASK])
-    if _ERRORS in changed:
-        _set_back_errors(kept[_ERRORS])
+    if _FILTERS in changed:
+        now = list(warnings.filters)
+        warnings.resetwarnings()  # what tells the warnings module its filters changed
+        warnings.filters[:] = [*(f for f in now if f not in _counted(now, kept[_FILTERS])),
+                               *kept[_FILTERS]]
     for name in _STREAMS:
         if f"sys.{name}" in changed:  # replaced: an io.StringIO that kept the progress lines
             setattr(sys, name, kept[f"sys.{name}"])
@@ -161,13 +166,13 @@ def set_back(kept: dict, changed) -> dict:
     return failed
 
 
-def _set_back_errors(kept: list) -> None:
-    """Removes the filters that make warnings errors not in `kept`, and
-    puts back first those of `kept` removed; the others stay as they are."""
-    now = list(warnings.filters)
-    warnings.resetwarnings()  # what tells the warnings module its filters changed
-    warnings.filters[:] = [*(f for f in kept if f not in now),
-                           *(f for f in now if f[0] != "error" or f in kept)]
+def _counted(now: list, kept: list) -> list:
+    """The warnings filters `now` whose change counts against those `kept`:
+    all but those added since that keep warnings warnings (a library
+    imported meanwhile that silences its own stays, first, as it put them).
+    A filter removed counts: cli.libraries_warnings_stay_warnings' one,
+    ahead of -W error's, kept the export's Keras warnings warnings."""
+    return [f for f in now if f in kept or f[0] == "error"]
 
 
 # What the run writes to each stream, for the refusal to name.
