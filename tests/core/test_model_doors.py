@@ -78,7 +78,8 @@ def test_a_model_that_sets_keras_float_type_itself_is_refused_and_set_back(tmp_p
     result = train([*FLAGS, _model(tmp_path, "    keras.config.set_floatx('float16')\n"),
                     f"--model_dir={run}"])
     assert_one_error_line(result, "sets Keras' default float type (keras.config.set_floatx) "
-                                  "itself (float16), which the run sets from --precision")
+                                  "itself (float16), which the run keeps float32 (its "
+                                  "variables'), computing in the precision --precision sets")
     assert keras.config.floatx() == "float32", "set back"
     assert not run.exists()
 
@@ -229,3 +230,4 @@ def test_a_chiefs_model_failing_in_the_export_ends_every_worker_with_2(tmp_path)
                        "error line says why): every worker stops with it"], output
     assert "lost a peer" not in output and "Traceback" not in output, output
     assert not (run / "export").exists() and not (run / "summary.json").exists()
+

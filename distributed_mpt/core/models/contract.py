@@ -93,10 +93,11 @@ def users_code(name: str, failure: str, passes: tuple = ()):
         if own:
             flag = (f"--precision={now[own]}" if now[own] in precision.PRECISIONS
                     else f"--precision ({', '.join(precision.PRECISIONS)})")
-            raise ModelError(
-                f"--model={quoted(name)} sets {own} itself ({now[own]}), which the run sets "
-                f"from --precision, with loss scaling where float16 needs it: remove that "
-                f"line, and pass {flag}")
+            sets = ("which the run sets from --precision, with loss scaling where float16 "
+                    "needs it" if own == _POLICY else "which the run keeps float32 (its "
+                    "variables'), computing in the precision --precision sets")
+            raise ModelError(f"--model={quoted(name)} sets {own} itself ({now[own]}), {sets}: "
+                             f"remove that line, and pass {flag}")
         if failed:
             line = (f"--model={quoted(name)} changed {' and '.join(failed)}, which the run "
                     f"relies on, and it cannot be set back ({'; '.join(failed.values())})")
