@@ -234,8 +234,10 @@ class Checkpoints:
             [f"last_preserved_timestamp: {now - 1!r}\n"]))
 
     def save(self, step: int) -> None:
-        """Saves the state at `step` (every worker must call this together);
-        raises DiskFullError, having removed the partial checkpoint, if it does not fit."""
+        """Saves the state at `step` (every worker at the same step; no collective,
+        as no checkpointed variable is synchronized on read, so a chief that lost its
+        lock skips it: run_lock.Writes); raises DiskFullError, having removed the
+        partial checkpoint, if it does not fit."""
         self._check_held()
         try:
             if self._is_chief and not os.path.exists(os.path.join(self._shared_dir, "model.json")):
