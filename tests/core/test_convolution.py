@@ -117,3 +117,29 @@ def test_weight_gradients_by_taps_only_where_they_pay(monkeypatch):
         assert not {"MatMul", "BatchMatMulV2"} & set(ops) and "Conv2DBackpropFilter" in ops
     monkeypatch.setattr(layers, "_cpu", lambda: "")
     assert not {"MatMul", "BatchMatMulV2"} & set(_gradient_ops(7, "mixed_bfloat16"))
+
+
+def test_the_shifted_copies_of_the_taps_are_made_in_the_backward_pass_two_at_a_time():
+    # Made when their inputs were, in the forward pass, the padded images and
+    # their 9 shifted copies were kept until the backward pass: 0.6 GB more
+    # at the peak of a cpu_cnn94_muon run (docs/performance.md).
+    @tf.function
+    def weight_gradient(images, output_gradient):
+        return layers.weight_gradient_by_taps(images, output_gradient, (3, 3, 8, 6))
+
+    spec = tf.TensorSpec([4, 7, 7, 8], tf.bfloat16), tf.TensorSpec([4, 7, 7, 6], tf.bfloat16)
+    operations = weight_gradient.get_concrete_function(*spec).graph.get_operations()
+    pad, = [op for op in operations if op.type in ("Pad", "PadV2")]
+    assert _waits_for(pad) == ["output_gradient"]
+    products = [op for op in operations if op.type == "BatchMatMulV2"]
+    copies = [op.inputs[0].op.inputs[0].op for op in products]  # matmul <- reshape <- slice
+    assert [op.type for op in copies] == ["StridedSlice"] * 9
+    # Each copy after the product two taps before it.
+    assert [_waits_for(op) for op in copies] == [[], []] + [[p.name] for p in products[:-2]]
+
+
+def _waits_for(op):
+    """The names of the ops that op, or the constants it reads, wait for
+    (control inputs: TensorFlow gives them to the first ops made in a
+    `tf.control_dependencies` block)."""
+    return sorted({c.name for o in [op] + [i.op for i in op.inputs] for c in o.control_inputs})
