@@ -134,11 +134,9 @@ def check_ours(model_dir: str, adopt: bool = False) -> None:
     model.json), naming some of them; `adopt` (--adopt_model_dir) accepts it."""
     if adopt or not os.path.isdir(model_dir) or is_ours(model_dir):
         return
-    # Not what a run of this package writes before its marker: the lock file,
-    # and, by their exact shapes, the write test and the marker's temporary
-    # file. A second run started at that moment (or after a run killed in
-    # between) must go on to the lock, to be told the directory is busy or
-    # to take it over, as the lock decides.
+    # Not what a run writes before its marker: the lock file, and, by their exact shapes,
+    # the write test and the marker's temporary file. A second run started then (or after a
+    # run killed in between) must go on to the lock: to be told it is busy, or to take over.
     entries = sorted(name for name in os.listdir(model_dir)
                      if name != LOCK_NAME and not any(p.fullmatch(name) for p in _STARTING))
     if entries:
@@ -180,9 +178,8 @@ def keep_metrics(path: str, kept) -> float:
     to be read whole, and the run could not resume); rewritten only if a
     line goes, and made if missing."""
     log = JsonLines(path, METRICS_FIELDS)
-    # The time of the earlier runs counts, all of it: also that of the
-    # records dropped, which was spent, if on steps now redone.
-    # A new run's log is made before its first step.
+    # The earlier runs' time counts whole: that of the records dropped was spent too, if
+    # on steps now redone. A new run's log is made before its first step.
     seconds, records, rewrite = 0.0, 0, not os.path.lexists(path)
     for record, _ in log:
         seconds, records = max(seconds, record["elapsed_seconds"]), records + 1
@@ -206,16 +203,13 @@ def remove_debris(model_dir: str, tags=()) -> List[str]:
     lock: a running run's temporary files look the same."""
     if not is_ours(model_dir):
         return []
-    removed = []
-    for folder, patterns in debris(tags).items():
-        removed += remove_matching(os.path.join(model_dir, folder), patterns)
-    return removed
+    return [path for folder, patterns in debris(tags).items()
+            for path in remove_matching(os.path.join(model_dir, folder), patterns)]
 
 
 def remove_matching(directory: str, patterns) -> List[str]:
-    """Removes the entries of `directory` whose names match one of the
-    compiled `patterns` (symlinks are removed, never followed); returns
-    their paths."""
+    """Removes the entries of `directory` whose names match one of the compiled
+    `patterns` (symlinks removed, never followed); returns their paths."""
     if not os.path.isdir(directory):
         return []
     removed = []
@@ -258,9 +252,9 @@ _MODEL_INFO_SUMMARY_KEYS = (
 
 def model_info(config: dict, summary: dict) -> dict:
     """model_info.json's content: the model and its data from a run's
-    `config` (the flags by name: TrainConfig.flags(), or a config.json read
-    back with config.flat_record), the training and
-    its test results from `summary` (summary.json's keys, those known)."""
+    `config` (the flags by name: TrainConfig.flags(), or a config.json read back with
+    config.flat_record), the training and its test results from `summary` (summary.json's
+    keys, those known)."""
     info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS
             if key in config and config.get("dataset") in _ONLY_FOR.get(key, (config.get("dataset"),))}
     info.update((key, summary[key]) for key in _MODEL_INFO_SUMMARY_KEYS if key in summary)
@@ -285,8 +279,8 @@ def check_export_destination(model_dir: str) -> None:
         _refuse_unwritable(path, _REPLACES_EXPORT, listed=True)
         raise
     # Ours: its entries are all an export's (some may be missing).
-    if not set(entries) <= set(EXPORT_ENTRIES):
-        others = sorted(set(entries) - set(EXPORT_ENTRIES))
+    others = sorted(set(entries) - set(EXPORT_ENTRIES))
+    if others:
         raise ConfigError(f"{quoted(path)} holds files that are not an export of this program "
                           f"({quoted(', '.join(others[:3]))}), and a new export would replace "
                           f"them: move it away, pass --noexport, or choose another --model_dir")
@@ -376,8 +370,7 @@ def _keras_model_with_probabilities(model, image_shape):
 
 
 def _export_saved_model(model, path: str, class_names, image_shape) -> None:
-    # Imported here: the entry points check flags before TensorFlow's slow
-    # start-up.
+    # Imported here: the entry points check flags before TensorFlow's slow start-up.
     import keras
     import tensorflow as tf
 
@@ -389,8 +382,7 @@ def _export_saved_model(model, path: str, class_names, image_shape) -> None:
 
     archive = keras.export.ExportArchive()
     archive.track(model)
-    # The first endpoint also becomes `serving_default`; the argument's name
-    # (`images`) names the input.
+    # The first endpoint is also `serving_default`; its argument's name, `images`, names the input.
     archive.add_endpoint("serve", serve, input_signature=[
         tf.TensorSpec([None, *image_shape], tf.uint8, name="images")])
     # Loaded back, `.class_names[0]` is a string tensor: the names travel
