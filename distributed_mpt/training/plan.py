@@ -2,10 +2,9 @@
 
 - The numbers it derives from its config, data and strategy: the global
   batch, the steps, the peak learning rate and its warmup, the precision.
-- Where it starts, resumed from its --model_dir: what the checkpoints and
-  the files beside them say of the run before, whether it is finished, and
-  what this run may change of it (its length and batch, not its data or
-  seed).
+- Where it starts, resumed from its --model_dir: what its checkpoints and
+  files say of the run before, whether it is finished, and what this run may
+  change of it (its length and batch, not its data or seed).
 - That the workers of one job agree on it (the same run, the same flags),
   and leave together when they are done. A worker that resumes from
   another step (no shared --model_dir), finds another split, or resolves
@@ -121,13 +120,12 @@ def short_run(config: TrainConfig, plan: RunPlan,
     said = (f"this run trains {plan.total_steps} step{'s' * (plan.total_steps != 1)} "
             f"({plan.steps_per_epoch} per epoch: {num_train_examples:,} training images in "
             f"global batches of {plan.global_batch_size}), too few to learn much")
-    replicas = plan.num_replicas
-    fitting = num_train_examples // (SHORT_EPOCH_STEPS * replicas)
+    fitting = num_train_examples // (SHORT_EPOCH_STEPS * plan.num_replicas)
     if not fitting:  # fewer images than SHORT_EPOCH_STEPS per replica: no batch is small enough
         return f"{said}; more training images would give more steps per epoch", None
     per_replica = config.run.per_replica_batch_size
     batch = min(per_replica, 2 ** int(math.log2(fitting)))
-    epoch_steps = pipeline.steps_per_epoch(num_train_examples, batch * replicas)
+    epoch_steps = pipeline.steps_per_epoch(num_train_examples, batch * plan.num_replicas)
     steps = config.schedule.total_steps(epoch_steps)
     advice = [f"--per_replica_batch_size={batch}"] if batch < per_replica else []
     if steps < SHORT_RUN_STEPS:
@@ -228,13 +226,12 @@ def _previous_config(model_dir: str) -> dict:
 
 def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
                       fingerprint: Optional[dict]) -> None:
-    """Raises ConfigError if the checkpoints in --model_dir were trained on
-    other data than this run's `fingerprint` (core/data's Dataset), naming
-    what differs: the classes, the number of files, or only the file list
-    (CIFAR-10's: its labels and pixels, in any order). Call before the checkpoints' model
-    is compared: other classes make another model, but the data is what to
-    name. A run that recorded none (synthetic data, a run older than
-    fingerprints) is not compared."""
+    """Raises ConfigError if the checkpoints in --model_dir were trained on other data
+    than this run's `fingerprint` (core/data's Dataset), naming what differs: the classes,
+    the number of files, or only the file list (CIFAR-10's: its labels and pixels, in any
+    order). Call before the checkpoints' model is compared: other classes make another
+    model, but the data is what to name. A run that recorded none (synthetic data, a run
+    older than fingerprints) is not compared."""
     if fingerprint is None or not checkpoints.on_disk():
         return
     model_dir = config.run.model_dir
@@ -248,13 +245,12 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
 
 
 def refuse_other_training(resumption: Resumption, config: TrainConfig, signature: dict) -> None:
-    """Raises ConfigError if this run would continue the checkpoints with
-    other training settings (rate, decay, smoothing, momentum, schedule,
-    optimizer, augmentation, data, seed: config.training_flags), naming each
-    flag with the run's value and this one's, and ModelChangedError if with
-    another network than the run's (`signature`: this one's, from
-    signature.model_signature): two runs mixed into one model, silently,
-    and a config.json that would say only the second."""
+    """Raises ConfigError if this run would continue the checkpoints with other training
+    settings (rate, decay, smoothing, momentum, schedule, optimizer, augmentation, data,
+    seed: config.training_flags), naming each flag with the run's value and this one's, and
+    ModelChangedError if with another network than the run's (`signature`: this one's, from
+    signature.model_signature): two runs mixed into one model, silently, and a config.json
+    that would say only the second."""
     if not resumption.previous_config:
         return
     previous = flat_record(resumption.previous_config)
@@ -277,11 +273,10 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
 
 
 def _compared(name: str, value):
-    """A flag's `value` as a resume compares it: a user's --model by its
-    function (spec.identity), as its checkpoint names it. Its file is
-    compared by its code (refuse_another_model), and the same file given by
-    an absolute path, or from another working directory (a cluster's job),
-    was refused as another model."""
+    """A flag's `value` as a resume compares it: a user's --model by its function
+    (spec.identity), as its checkpoint names it, not by its path: the same file by an
+    absolute path, or from another working directory (a cluster's job), was refused as
+    another model. Its code is compared by refuse_another_model."""
     if name != "model" or not isinstance(value, str):
         return value
     try:
@@ -302,8 +297,7 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
                      f"{plan.total_steps} steps: nothing is left to train; the model of step "
                      f"{resumption.start_step} is evaluated and exported")
     previous = resumption.previous_config.get("resolved", {})
-    planned = previous.get("total_steps")
-    if planned and planned != plan.total_steps:
+    if (planned := previous.get("total_steps")) and planned != plan.total_steps:
         notes.append(f"the run was planned for {planned} steps and now has {plan.total_steps}: "
                      f"the learning-rate schedule is re-planned over the new length")
     previous_batch = int(trained_global_batch.numpy())
@@ -358,14 +352,12 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
                            "(or different flag sets): give every worker the same image")
     differing = {name for name, differs in zip(names, differ(
         *facts.values(), *flags.values(), *contents.values())) if differs}
-    differing_flags = [f"--{name}" for name in flags if f"--{name}" in differing]
-    if differing_flags:
+    if differing_flags := [f"--{name}" for name in flags if f"--{name}" in differing]:
         mine = " ".join(f"{name}={quoted(flags[name[2:]], 80)}" for name in differing_flags)
         raise ClusterError(
             f"the workers of this job were started with different {', '.join(differing_flags)} "
             f"(this worker: {mine}): give every worker the same flags")
-    differing_contents = [name for name in contents if name in differing]
-    if differing_contents:
+    if differing_contents := [name for name in contents if name in differing]:
         raise ClusterError(
             f"the {' and the '.join(differing_contents)} differ between the workers of this "
             f"job: give every node the same copy")
