@@ -69,10 +69,8 @@ def _run(config: TrainConfig) -> int:
     try:
         # The cheap checks first, without TensorFlow.
         cluster = resolve_cluster(os.environ)
-        # A user's file where the run keeps a directory of its own (or the
-        # reverse), a user's `export` that an export would replace, or a
-        # directory of the user's files, is refused now, not after hours of
-        # training; nothing of it is touched.
+        # A user's file where a run keeps its own (outputs.check_layout), or a directory of
+        # the user's files (check_ours), is refused now, not after hours of training; untouched.
         outputs.check_layout(config.run.model_dir, export=config.run.export)
         if cluster is None or cluster.is_chief:
             outputs.check_ours(config.run.model_dir, adopt=config.run.adopt_model_dir)
@@ -89,8 +87,7 @@ def _run(config: TrainConfig) -> int:
                 if new_model_dir:  # a stop before training leaves nothing new
                     stopping.on_stop_before_training(lambda: lock.release(
                         remove_model_dir_if_unused=True, own_files=outputs.BEFORE_TRAINING))
-                removed = outputs.remove_debris(config.run.model_dir, lock.previous_tags)
-                if removed:
+                if removed := outputs.remove_debris(config.run.model_dir, lock.previous_tags):
                     print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
                 outputs.mark(config.run.model_dir)
         # Only TensorFlow's start-up runs with the stop signals held: no
@@ -129,9 +126,8 @@ def _run(config: TrainConfig) -> int:
         stopping.keep_until_exit(e)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - only a write that cannot succeed; the rest re-raised
-        # Checkpoints say this themselves; this is for the other files
-        # (metrics, summary, export), each written whole or not at all. A
-        # rename names the file it was to replace second.
+        # Checkpoints say this themselves; this is for the other files (metrics, summary,
+        # export), each written whole or not at all. A rename names the file it replaces second.
         where = getattr(e, "filename2", None) or getattr(e, "filename", None)
         ours = isinstance(e, OSError) and where and os.path.realpath(str(where)).startswith(
             os.path.join(os.path.realpath(config.run.model_dir), ""))
@@ -267,9 +263,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
                                train_metrics, throughput)  # recalibrating changes none of it
             summary["bn_recalibration"] = recalibrate_batch_norm(
                 trainer, config, plan, dataset.train, checkpoints, reporter, writes)
-            # The train split (150 MB for CIFAR-10, shared with its pipeline) is
-            # done with: evaluation and the export grow from what is left
-            # (--data_on_device keeps its copy on the devices).
+            # The train split (150 MB for CIFAR-10, shared with its pipeline) is done with:
+            # evaluation and the export grow from what is left (--data_on_device keeps its copy).
             dataset = dataclasses.replace(dataset, splits={"test": dataset.test})
             _evaluate_and_export(built, config, dataset, reporter, summary, is_chief, writes)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
@@ -314,15 +309,13 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info, writes) ->
 
 def _config_record(config: TrainConfig, plan: RunPlan, strategy_name: str,
                    dataset: data.Dataset, resumed, signature: dict) -> dict:
-    """config.json: the flags by section (config.flat_record reads them back
-    by name, as it reads a flat file of before), the step this segment of the run
-    starts at, and under "resolved" what `auto` and the per-model defaults
-    became on this machine, what the model was built for (predict rebuilds
-    it from a checkpoint with it, and checks it is the network `signature`
-    records) and the data's fingerprint (a resume compares it). Under
-    "earlier", the records of the segments before, oldest first: a resume
-    may change the run's length, batch or evaluation, and the file says what
-    every step was trained with."""
+    """config.json: the flags by section (config.flat_record reads them back by name, as
+    it reads a flat file of before), the step this segment of the run starts at, and under
+    "resolved" what `auto` and the per-model defaults became on this machine, what the model
+    was built for (predict rebuilds it from a checkpoint with it, and checks it is the
+    network `signature` records) and the data's fingerprint (a resume compares it). Under
+    "earlier", the records of the segments before, oldest first: a resume may change the
+    run's length, batch or evaluation, and the file says what every step was trained with."""
     previous = dict(resumed.previous_config)
     earlier = previous.pop("earlier", []) + ([previous] if previous else [])
     return {**dataclasses.asdict(config), "from_step": resumed.start_step, "earlier": earlier,
@@ -375,16 +368,14 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     """Evaluates the trained model into `summary`, and exports it if
     `export_model` (the chief) and the config say so; both write through
     `writes` (run_lock.Writes), the evaluation's collectives whatever they find."""
-    # What training freed back to the system first, and what evaluation
-    # freed before the export: each grows from what is in use, not from the
-    # phase before's peak (process/memory.py).
+    # What training freed goes back to the system first, and what evaluation freed before
+    # the export: each grows from what is in use, not the phase before's peak (process/memory.py).
     memory.release_freed_memory()
     if config.evaluation.evaluate:
         with reporter.doing(f"evaluating on the {len(dataset.test)} test images", say=True):
             result = built.trainer.evaluate(dataset.test)
         summary.update(result)
-        # Logged like the evaluations during training, so that the accuracy
-        # curve ends where the run ends.
+        # Logged like the evaluations during training: the accuracy curve ends where the run ends.
         writes(reporter.log, summary["steps"], {"epoch": summary["epochs"], **result})
     if export_model and config.run.export:
         memory.release_freed_memory()
