@@ -8,8 +8,8 @@ model (`build_model` in __init__.py; docs/extending.md, "Your own model"):
   gets the same values as floats, 0.0-255.0: it must rescale them before
   a layer with weights sees them (a Rescaling or Normalization layer, a
   Lambda or arithmetic on the input, as keras.applications' models with
-  their preprocessing do), or it is refused. A network made for 0-1 input would
-  otherwise train on values 255 times too large, without a word.
+  their preprocessing do), or it is refused: a network made for 0-1 input
+  would train on values 255 times too large, without a word.
 - It returns logits [batch, info.num_classes] in any floating-point dtype,
   computed from its weights so that a gradient reaches them. A final
   softmax (a Softmax layer, an Activation("softmax"), a last layer's
@@ -58,12 +58,11 @@ def users_code(name: str, failure: str, passes: tuple = ()):
     errors of `passes` (a write's, where the code writes too) and a
     KeyboardInterrupt that Ctrl-C may have raised (predict's, where SIGINT
     has Python's default handler; a training run owns its stop signals).
-    What it changes of the process that the run relies on (process_state.py:
-    the working directory, the stop signals' handlers, the descriptor
-    signals wake, an alarm, sys.stdout and sys.stderr) is set back, with a
-    warning; what cannot be is a ModelError, as the run would go on without
-    it. A process it forked that returns into the run ends there. What it
-    prints goes to stderr: stdout is the run's own (predict --json's)."""
+    What it changes of the process that the run relies on (process_state.py
+    lists it) is set back, with a warning; what cannot be is a ModelError, as
+    the run would go on without it. A process it forked that returns into the
+    run ends there. What it prints goes to stderr: stdout is the run's own
+    (predict --json's)."""
     kept, raised = process_state.read(), True
     try:
         with _left_usable(name):
@@ -106,8 +105,7 @@ def users_code(name: str, failure: str, passes: tuple = ()):
                 raise ModelError(f"{line}: {', and '.join(without)}; the model's code must put "
                                  f"back what it changes")
             files.warn(f"{line}; the run ends with the model's error")
-        restored = [what for what in changed if what not in failed]
-        if restored:
+        if restored := [what for what in changed if what not in failed]:
             files.warn(f"--model={quoted(name)} changed {' and '.join(restored)}, which the "
                        f"run relies on: set back")
 
@@ -131,8 +129,7 @@ def _left_usable(name: str):
                             f"it into the run: it ends here; the run goes on in the process "
                             f"that forked it\n".encode(errors="backslashreplace"))
             os._exit(ExitCode.USAGE)
-        broken = process_state.broken_since(before)
-        if broken:
+        if broken := process_state.broken_since(before):
             raise ModelError(f"--model={quoted(name)} {broken}") from None
 
 
@@ -152,8 +149,7 @@ def check_source(name: str, path: str) -> None:
         raise ModelError(f"--model={quoted(name)} is not UTF-8 text, the only paths this "
                          f"program takes: set a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1 "
                          f"if the name is UTF-8, else rename it")
-    problem = files.why_unreadable_file(path)
-    if problem:
+    if problem := files.why_unreadable_file(path):
         raise ModelError(f"--model={quoted(name)}: {quoted(path)} {problem}")
     size = os.stat(path).st_size
     if size > _MAX_SOURCE_BYTES:
@@ -210,8 +206,7 @@ def check_servable(name: str, model, image_shape) -> None:
     serving = tf.function(lambda images: model(images, training=False))
     with users_code(name, "failed when traced for the export, at any batch size"):
         graph = serving.get_concrete_function(tf.TensorSpec([None, *image_shape], tf.uint8)).graph
-    python = sorted({op.type for op in graph.get_operations() if "PyFunc" in op.type})
-    if python:
+    if python := sorted({op.type for op in graph.get_operations() if "PyFunc" in op.type}):
         raise ModelError(f"--model={quoted(name)} calls Python inside its graph "
                          f"({', '.join(python)}: tf.py_function or tf.numpy_function), which "
                          f"the export's saved_model/ cannot hold (predict and TF Serving could "
@@ -282,8 +277,7 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
         raise ModelError(f"--model={quoted(name)} returns probabilities (each row sums to 1) "
                          f"{where}: return logits, which the loss and test-time augmentation "
                          f"take (the export adds the softmax back)")
-    unscaled = _unscaled_float_input(model)
-    if unscaled:
+    if unscaled := _unscaled_float_input(model):
         dtype, layer = unscaled
         raise ModelError(
             f"--model={quoted(name)} takes its images as {dtype} and gives them to {layer} "
@@ -319,14 +313,13 @@ def _check_logits(name: str, logits, batch: int, num_classes: int) -> None:
 
 
 def _check_training_step(name: str, model, info, batch: int) -> None:
-    """Raises ModelError unless `model` compiles into a training step: the
-    forward pass in training mode and the gradient of its logits, traced as
-    a graph (nothing runs) at a replica's training `batch`. The probe call
-    runs eagerly on 2 images, where code that needs a tensor's values
-    (NumPy on it) or a batch size of its own still works; the run's step is
-    a graph at the training batch, and would fail only after the run's
-    files are made. What only running finds (a kernel missing for a
-    dtype) fails in the first step (training/loop.py names it)."""
+    """Raises ModelError unless `model` compiles into a training step: the forward pass
+    in training mode and the gradient of its logits, traced as a graph (nothing runs) at a
+    replica's training `batch`. The probe call runs eagerly on 2 images, where code that
+    needs a tensor's values (NumPy on it) or a batch size of its own still works; the run's
+    step, a graph at the training batch, would fail only after the run's files are made.
+    What only running finds (a kernel missing for a dtype) fails in the first step
+    (training/loop.py names it)."""
     import tensorflow as tf
 
     reached = []
@@ -385,8 +378,7 @@ def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
             if type(operation).__name__ in _RESCALING:
                 continue
             if isinstance(operation, keras.Model):
-                inner = _unscaled_float_input(operation)
-                if inner:
+                if inner := _unscaled_float_input(operation):
                     return dtype, inner[1]
             elif getattr(operation, "weights", None):
                 return dtype, named(operation)
