@@ -108,12 +108,11 @@ def start_warnings(config: TrainConfig, plan: RunPlan, num_train_examples: int) 
 
 def short_run(config: TrainConfig, plan: RunPlan,
               num_train_examples: int) -> Tuple[str, Optional[int]]:
-    """What to say of a run whose --epochs come to fewer than SHORT_EPOCH_STEPS
-    steps an epoch or SHORT_RUN_STEPS steps in all, with a per-replica batch
-    (a power of two) that gives at least SHORT_EPOCH_STEPS an epoch, and the
-    epochs that then give SHORT_RUN_STEPS; "" for any other run, and for one
-    whose --train_steps says how many steps it takes. With it, the batch it
-    suggests (None where it suggests none)."""
+    """(What to say, the batch it suggests or None) of a run whose --epochs come to fewer
+    than SHORT_EPOCH_STEPS steps an epoch or SHORT_RUN_STEPS in all: a per-replica batch (a
+    power of two) that gives at least SHORT_EPOCH_STEPS an epoch, and the epochs that then
+    give SHORT_RUN_STEPS. ("", None) for any other run, and for one whose --train_steps
+    fixes its length."""
     if config.schedule.fixed_length or (plan.steps_per_epoch >= SHORT_EPOCH_STEPS
                               and plan.total_steps >= SHORT_RUN_STEPS):
         return "", None
@@ -172,10 +171,9 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     summary = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
         os.path.join(model_dir, "summary.json"), {"steps": int},
         remedy="remove it, and the run evaluates again and writes a new one")
-    # A summary of an earlier step is an earlier end's (a longer run stopped
-    # since): the checkpoint's model is still to be evaluated and exported.
-    # One of a later step stays (its newest checkpoint was damaged, skipped):
-    # its export is of a model no checkpoint holds now.
+    # A summary of an earlier step is an earlier end's (a longer run stopped since): the
+    # checkpoint's model is still to be evaluated and exported. One of a later step stays
+    # (its newest checkpoint was damaged, skipped): its export is of a model no checkpoint holds.
     finished = summary if summary.get("steps", -1) >= start_step else {}
     return Resumption(start_step, restored, previous_config, finished)
 
@@ -318,13 +316,12 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
 
 def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: dict,
                         contents: dict) -> None:
-    """Raises ClusterError on every worker unless all of them passed the
-    same `facts` (name: a number, or a str such as a digest of the weights
-    it restored), `flags` (flag name: value) and `contents` (what each
-    node's own files hold, by what they are: the model's signature, the
-    images' fingerprint), naming what differs. Called with the flags before
-    anything builds variables (which calls the collectives: other models or
-    precisions fail there with a traceback), and with what is found later."""
+    """Raises ClusterError on every worker unless all of them passed the same `facts`
+    (name: a number, or a str such as a digest of the weights it restored), `flags` (flag
+    name: value) and `contents` (what each node's own files hold: the model's signature,
+    the images' fingerprint), naming what differs. Called with the flags before anything
+    builds variables (which calls the collectives: other models or precisions fail there
+    with a traceback), and with what is found later."""
     # Workers exchange only numbers: anything else travels as 32 bits of its
     # value's hash, which a float64 holds, and the sum over workers too.
     def number(value) -> float:
@@ -372,13 +369,12 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
 
 
 def leave_together(strategy: tf.distribute.Strategy, num_workers: int, writes) -> None:
-    """Returns once every worker got here (the others wait for the chief's
-    export) and none lost its lock or failed a write after training
-    (run_lock.Writes); else raises on every worker, its own error where it
-    has one. A worker that left first would have gone while the chief's
-    coordination service still watched it, which logs it as crashed
-    (`StartAbort UNAVAILABLE: ... The tasks have crashed`,
-    tensorflow/tensorflow#58434) at the end of a run that succeeded."""
+    """Returns once every worker got here (the others wait for the chief's export) and
+    none lost its lock or failed a write after training (run_lock.Writes); else raises on
+    every worker, its own error where it has one. A worker that left first would go while
+    the chief's coordination service still watched it, which logs it as crashed
+    (`StartAbort UNAVAILABLE: ... The tasks have crashed`, tensorflow/tensorflow#58434)
+    at the end of a run that succeeded."""
     if num_workers > 1:
         lost, failed = barrier(strategy, (float(bool(writes.lost)), float(bool(writes.failed))))()
         if writes.lost or writes.failed:
