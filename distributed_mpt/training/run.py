@@ -56,9 +56,8 @@ def run(config: TrainConfig) -> int:
             code = _run(config)
             stopped = stopping.requested()
     if stopped:
-        # Saved, flushed and unlocked: all a stop asked for is done, and
-        # TensorFlow's teardown at the interpreter's exit would only delay
-        # the exit (by a minute, on a loaded machine).
+        # Saved, flushed and unlocked: all a stop asked for is done, and TensorFlow's
+        # teardown at the interpreter's exit would only delay it (a minute, loaded).
         stopping.exit_now(code)
     return code
 
@@ -153,10 +152,9 @@ def _run(config: TrainConfig) -> int:
 
 
 def _lost_a_peer(error: Exception, cluster) -> int:
-    """A peer died (its node was lost, it was OOM-killed) and the collectives
-    failed on this survivor: a retryable exit lets the launcher or Kubernetes
-    restart the group from the latest checkpoint. Without a cluster the error
-    is not about peers: it is raised again."""
+    """A peer died (its node lost, OOM-killed) and the collectives failed on this survivor:
+    a retryable exit lets the launcher or Kubernetes restart the group from the latest
+    checkpoint. Without a cluster the error is not about peers: it is raised again."""
     if cluster is None:
         raise error
     where = "".join(f" {quoted(first_line(note))}"  # one line, whoever added the note
