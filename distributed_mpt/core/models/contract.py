@@ -112,12 +112,11 @@ def users_code(name: str, failure: str, passes: tuple = ()):
 
 @contextlib.contextmanager
 def _left_usable(name: str):
-    """Refuses what the code did that cannot be set back (process_state.py),
-    before what can be is set back. A process the code forked that returned
-    from it into the run ends there, at once: it trained too, as an orphan
-    that hung for ever and held the --model_dir lock (shared through fork),
-    so that every later run was refused. Its parent owns the run's files:
-    nothing is cleaned up."""
+    """Refuses what the code did that cannot be set back (process_state.py), before what
+    can be is set back. A process the code forked that returned from it into the run ends
+    there, at once: it trained too, as an orphan that hung for ever and held the --model_dir
+    lock (shared through fork), so that every later run was refused. Its parent owns the
+    run's files: nothing is cleaned up."""
     before, pid = process_state.unrecoverable(), os.getpid()
     try:
         with process_state.prints_to_stderr(), process_state.exit_at_once_refused():
@@ -232,12 +231,11 @@ def ignored_by_the_run(model, name: str) -> Optional[str]:
 
 
 def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -> None:
-    """Raises ModelError unless `model` (its final softmax dropped) maps
-    uint8 images of `info`'s shape to float logits of `info`'s classes (a
-    probe call of two images), takes 0-255 as it means to, has weights to
-    train and, given `traced_batch` (a replica's training batch), compiles
-    into a training step at that batch whose gradient reaches them (not
-    asked of the package's own models: their tests compile them)."""
+    """Raises ModelError unless `model` (its final softmax dropped) maps uint8 images of
+    `info`'s shape to float logits of `info`'s classes (a probe call of two images), takes
+    0-255 as it means to, has weights to train and, given `traced_batch` (a replica's
+    training batch), compiles into a training step at that batch whose gradient reaches
+    them (not asked of the package's own models: their tests compile them)."""
     import numpy as np
 
     probe = np.random.default_rng(0).integers(0, 256, (2, *info.image_shape), dtype=np.uint8)
@@ -247,11 +245,10 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
         try:
             outputs = model(probe, training=False)
         except Exception as e:  # noqa: BLE001 - a shape or dtype the model does not take
-            # What TensorFlow says of a tensor used outside the graph it was
-            # made in: Keras builds a subclassed model's layers by calling it
-            # on symbolic inputs in a scratch graph, and a layer that makes
-            # tensors (not variables) as it is built keeps that graph's
-            # (keras.layers.Normalization given its mean).
+            # What TensorFlow says of a tensor used outside its graph: Keras builds a
+            # subclassed model's layers by calling it on symbolic inputs in a scratch graph,
+            # and a layer that makes tensors (not variables) as it is built keeps that
+            # graph's (keras.layers.Normalization given its mean).
             if "is out of scope and cannot be used here" in str(e) and subclassed:
                 raise ModelError(
                     f"--model={quoted(name)}: a layer of this subclassed model kept a tensor of "
@@ -353,10 +350,9 @@ _RESCALING = ("Rescaling", "Normalization", "BatchNormalization", "LayerNormaliz
 
 
 def _unscaled_float_input(model) -> Optional[Tuple[str, str]]:
-    """(the input's dtype, the layer) if `model` takes floats and its input
-    reaches a layer with weights before anything that rescales it; None if
-    it takes integers, rescales first, or is subclassed (its call() is code,
-    and it gets the uint8 images as they are)."""
+    """(the input's dtype, the layer) if `model` takes floats and its input reaches a layer
+    with weights before anything that rescales it; None if it takes integers, rescales
+    first, or is subclassed (its call() is code, and gets the uint8 images as they are)."""
     import keras
 
     graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
