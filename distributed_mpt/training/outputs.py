@@ -171,12 +171,11 @@ METRICS_FIELDS = {"step": int, "elapsed_seconds": (int, float)}
 
 
 def keep_metrics(path: str, kept) -> float:
-    """Keeps the records of a run's metrics.jsonl at `path` for which
-    `kept(record)` holds, and no damaged line (said in a warning); returns
-    the seconds of the earlier runs it records. A line at a time, however
-    long the log (one with 1.3 M records of --log_every_steps=1 was too large
-    to be read whole, and the run could not resume); rewritten only if a
-    line goes, and made if missing."""
+    """Keeps the records of a run's metrics.jsonl at `path` for which `kept(record)`
+    holds, and no damaged line (said in a warning); returns the seconds of the earlier runs
+    it records. A line at a time, however long the log (one of 1.3 M records, of
+    --log_every_steps=1, was too large to read whole: the run could not resume); rewritten
+    only if a line goes, and made if missing."""
     log = JsonLines(path, METRICS_FIELDS)
     # The earlier runs' time counts whole: that of the records dropped was spent too, if
     # on steps now redone. A new run's log is made before its first step.
@@ -196,11 +195,10 @@ def keep_metrics(path: str, kept) -> float:
 
 
 def remove_debris(model_dir: str, tags=()) -> List[str]:
-    """Removes what a killed run of this package left in the marked
-    `model_dir`: its temporary names, which carry one of `tags` (the owner
-    tags the lock file recorded: RunLock.previous_tags), and TensorFlow's in
-    checkpoints/ (`debris`); returns the paths removed. Only under the run
-    lock: a running run's temporary files look the same."""
+    """Removes what a killed run of this package left in the marked `model_dir`: its
+    temporary names, which carry one of `tags` (the owner tags the lock file recorded:
+    RunLock.previous_tags), and TensorFlow's in checkpoints/ (`debris`); returns the paths
+    removed. Only under the run lock: a running run's temporary files look the same."""
     if not is_ours(model_dir):
         return []
     return [path for folder, patterns in debris(tags).items()
