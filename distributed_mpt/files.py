@@ -112,9 +112,8 @@ def read_bounded(path: str, limit: int) -> bytes:
         expected = os.fstat(f.fileno()).st_size
         if expected > limit:
             raise FileTooLargeError(limit)
-        # All it holds, and a byte more to see that it ends there; the rest
-        # if it holds more than its size says: it grew, or lives in /proc
-        # (whose sizes say 0).
+        # All it holds, and a byte more to see that it ends there; the rest if it holds
+        # more than its size says: it grew, or lives in /proc (whose sizes say 0).
         chunks = [_read_now(f, expected + 1)]
         size = len(chunks[0])
         while expected < size <= limit and chunks[-1]:
@@ -248,9 +247,8 @@ def why_no_access(path: str, mode: int) -> Optional[str]:
 
 def is_disk_full(error: Exception) -> bool:
     """True if `error` is a write that found no space (or quota) left."""
-    # TensorFlow reports a failed write as ResourceExhaustedError with the
-    # C library's message (out-of-memory is ResourceExhaustedError too), and
-    # _CANNOT_WRITE names the full disk first.
+    # TensorFlow reports a failed write as ResourceExhaustedError (as it does out-of-memory)
+    # with the C library's message, and _CANNOT_WRITE names the full disk first.
     return why_unwritable(error) in map(os.strerror, _DISK_FULL)
 
 

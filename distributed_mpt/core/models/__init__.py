@@ -234,10 +234,9 @@ def build_model(spec: ModelSpec, info, width: int = 64, notes: Optional[List[str
 
 
 def parameter_count(spec: ModelSpec, info, width: int = 64, **options):
-    """How many weights `spec`'s network has for dataset `info`, counted
-    before any exists: its layers are declared in a TensorFlow graph that is
-    never run, which allocates no weight (resnet9 at width 1,024: 1.7 billion
-    weights counted in well under a second, 0.4 GB of memory, not 6.8). None
+    """How many weights `spec`'s network has for dataset `info`, counted before any exists:
+    its layers are declared in a graph never run, which allocates no weight (resnet9 at
+    width 1,024: 1.7 billion weights counted in well under a second, 0.4 GB, not 6.8). None
     for a user's network: their function is called once, by build_model."""
     if spec.is_users:
         return None
@@ -370,9 +369,8 @@ def _import_builder(builder: str):
         if path.endswith(".py"):  # a module's source too: importing it compiles it
             contract.check_source(builder, path)
         if _FILE_SOURCE.fullmatch(builder):
-            # As for a script, the modules beside it are importable; after
-            # the installed ones, which a file of the same name there must
-            # not replace.
+            # As for a script, the modules beside it are importable: after the
+            # installed ones, which a file of the same name there must not replace.
             if os.path.dirname(path) not in sys.path:
                 sys.path.append(os.path.dirname(path))
             name = "distributed_mpt_user_model_" + hashlib.sha1(path.encode()).hexdigest()[:8]
