@@ -11,11 +11,10 @@ config.json or delete their `.tmp-notes`.
       export/            the model for TF Serving and for Keras, its class
                          names, and what it is and was trained on
 
-The layout is checked before TensorFlow starts and before anything is
-written, so a refusal costs nothing and changes nothing. The export is
-there so that whoever uses it (distributed-mpt-predict first) can say what
-its answers are worth; it is written whole, then moved into place: a reader
-never sees half.
+The layout is checked before TensorFlow starts and anything is written: a
+refusal costs nothing and changes nothing. The export says what it is, so
+that whoever uses it (distributed-mpt-predict first) can say what its answers
+are worth; it is written whole, then moved into place: a reader never sees half.
 """
 
 import contextlib
@@ -42,10 +41,9 @@ DIRECTORIES = ("checkpoints", "tensorboard")  # and export/: check_export_destin
 BEFORE_TRAINING = (MARKER, "config.json", "metrics.jsonl", "tensorboard")
 FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints/model.json",
          "checkpoints/checkpoint")
-# What a killed run leaves: temporary names that carry its owner tag
-# (files.owner_tag), which the lock file recorded while it held the
-# directory; tempfile adds 8 characters, the export's staging 8 hex digits.
-# A user's `.tmp-notes` or `.export-backup` carries no tag: never taken.
+# What a killed run leaves: temporary names that carry its owner tag (files.owner_tag), which
+# the lock file recorded while it held the directory; tempfile adds 8 characters, the export's
+# staging 8 hex digits. A user's `.tmp-notes` or `.export-backup` carries no tag: never taken.
 _TAG = r"\d+-[0-9a-f]{8}"
 _TEMPFILE = r"[a-z0-9_]{8}"
 # What TensorFlow leaves of a checkpoint save cut short, in the run's own
