@@ -89,9 +89,8 @@ def _run(config: TrainConfig) -> int:
                 if removed := outputs.remove_debris(config.run.model_dir, lock.previous_tags):
                     print(f"removed what a killed run left: {', '.join(removed)}", flush=True)
                 outputs.mark(config.run.model_dir)
-        # Only TensorFlow's start-up runs with the stop signals held: no
-        # handler of ours could interrupt it, so the start-up watchdog acts on
-        # a stop in its place, and bounds the wait for the peers.
+        # Only TensorFlow's start-up runs with the stop signals held: no handler of ours could
+        # interrupt it: the start-up watchdog acts on a stop instead, and bounds the wait for peers.
         peers = [a for a in cluster.addresses if a != cluster.own_address] if cluster else []
         watchdog = StartupWatchdog(config.cluster.startup_deadline(cluster), peers, new_model_dir,
                                    outputs.BEFORE_TRAINING)
