@@ -257,8 +257,7 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
         with stops:
             return main()
     except UserError as e:
-        stopping.exit_decided()  # a stop signal now must not say "retry" (143)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        stopping.say_mistake(e)
         return e.exit_code
     except KeyboardInterrupt as e:
         if on_interrupt is None:

@@ -27,7 +27,7 @@ is in:
   second Ctrl-C aborts at once (ExitCode.ABORTED).
 - FINISHING (final evaluation and export): what is left makes the run
   complete, so a request lets it finish (exit 0); a second Ctrl-C aborts.
-- Once an error line has decided the exit (`exit_decided`): a stop is
+- Once an error line has decided the exit (`say_mistake`): a stop is
   ignored, as the process is ending anyway; its 143 said "retry" of a
   mistake that a retry only repeats.
 
@@ -188,19 +188,19 @@ _owner: Optional[_Owner] = None
 _exit_is_decided = False
 
 
-def exit_decided() -> None:
-    """Says that this command's exit is decided, by the error line it is
-    about to print (exit 2, a user's mistake): a stop signal from now on is
-    ignored. It ended such a run with 143 (retryable), its line glued to the
-    error line ("...was given)SIGTERM before training started"), so that a
-    Job retried the mistake. Only in a command's own process (start_guard):
-    a library caller or a test keeps its handlers."""
+def say_mistake(message: str) -> None:
+    """Prints the `error: message` line of a user's mistake, which decides
+    the command's exit (2): a stop signal from then on is ignored. It ended
+    such a run with 143 (retryable), its line glued to the error line
+    ("...was given)SIGTERM before training started"), so that a Job retried
+    the mistake. Ignored only in a command's own process (start_guard): a
+    library caller or a test keeps its handlers."""
     global _exit_is_decided
-    if not is_a_command() or threading.current_thread() is not threading.main_thread():
-        return
-    _exit_is_decided = True
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    if is_a_command() and threading.current_thread() is threading.main_thread():
+        _exit_is_decided = True
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+    print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -112,8 +112,7 @@ def _run(config: TrainConfig) -> int:
                 check_held()
             raise
     except UserError as e:
-        stopping.exit_decided()  # a stop signal now must not make the mistake retryable
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        stopping.say_mistake(e)
         if isinstance(e, FirstStepError):  # nothing trained: a new --model_dir goes
             undone = outputs.BEFORE_TRAINING
         return e.exit_code
@@ -138,9 +137,7 @@ def _run(config: TrainConfig) -> int:
                         if files.is_disk_full(e) else
                         (f"cannot write {where} ({why})", "free it of what holds it (a mount)"
                          if e.errno == errno.EBUSY else "make it writable for this user"))
-        stopping.exit_decided()
-        print(f"error: {problem}: {fix} and run the same command again to resume",
-              file=sys.stderr, flush=True)
+        stopping.say_mistake(f"{problem}: {fix} and run the same command again to resume")
         return ExitCode.USAGE
     finally:
         if lock is not None:
