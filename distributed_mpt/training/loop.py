@@ -270,9 +270,12 @@ class Reporter:
 
     def last_logged(self, key: str) -> dict:
         """The newest record of metrics.jsonl that has a number at `key`; {}
-        if none (a record edited to hold anything else is passed over)."""
-        records = list(JsonLines(self._metrics_path)) if self._enabled else []
-        return next((r for r, _ in reversed(records) if isinstance(r.get(key), (int, float))), {})
+        if none (a record edited to hold anything else is passed over). A
+        record at a time: a log of 1.3 M records is too large to hold whole."""
+        last = {}
+        for record, _ in JsonLines(self._metrics_path) if self._enabled else ():
+            last = record if isinstance(record.get(key), (int, float)) else last
+        return last
 
     def say(self, message: str) -> None:
         """Prints a line on the chief."""
