@@ -122,7 +122,7 @@ def test_weight_gradients_by_taps_only_where_they_pay(monkeypatch):
 def test_the_shifted_copies_of_the_taps_are_made_in_the_backward_pass_two_at_a_time():
     # Made when their inputs were, in the forward pass, the padded images and
     # their 9 shifted copies were kept until the backward pass: 0.6 GB more
-    # at the peak of a cpu_cnn94_muon run (docs/performance.md).
+    # at the peak of a cpu_cnn94_muon run on a Zen 5 EPYC (docs/performance.md).
     @tf.function
     def weight_gradient(images, output_gradient):
         return layers.weight_gradient_by_taps(images, output_gradient, (3, 3, 8, 6))

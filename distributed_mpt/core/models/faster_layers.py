@@ -225,7 +225,8 @@ def weight_gradient_by_taps(images, output_gradient, kernel_shape):
     parts = TAP_ROW_PARTS if rows and rows % TAP_ROW_PARTS == 0 else 1
     # Not before the gradient arrives: they need nothing else, so they were
     # made in the forward pass and held until the backward pass (24-step runs
-    # of cpu_cnn94_muon peaked at 2.88-3.04 GB; docs/performance.md).
+    # of cpu_cnn94_muon peaked at 2.88-3.04 GB on 2 cores of a Zen 5 AMD EPYC
+    # with AVX512_BF16; docs/performance.md).
     with tf.control_dependencies([output_gradient]):
         padded = tf.pad(images, [[0, 0], [kernel_height // 2] * 2, [kernel_width // 2] * 2, [0, 0]])
     gradient = tf.reshape(output_gradient, [parts, -1, filters])
