@@ -79,3 +79,24 @@ def test_using_the_models_python_samples_run_on_an_export(tmp_path, monkeypatch)
     keras_images = np.stack([scope["read_image"]("my_photo.jpg", (32, 32))])
     probabilities = eval(served, {"tf": tf, "images": keras_images})
     np.testing.assert_allclose(probabilities, scope["probabilities"], rtol=1e-4, atol=1e-6)
+
+
+def test_what_a_new_dataset_must_add_for_predict_is_where_the_page_says():
+    """extending.md, "A dataset in the package": model_info.json records the
+    options that rebuild a test split only for the datasets training/outputs.py
+    names; the page names those datasets and the two names to edit."""
+    import inspect
+
+    from distributed_mpt.predict import _evaluate_on_test_split
+    from distributed_mpt.training import outputs
+
+    page = " ".join((REPO / "docs" / "extending.md").read_text().split())
+    section = page[page.index("## A dataset in the package"):page.index("## An optimizer")]
+    assert "`_ONLY_FOR` names (training/outputs.py: " in section
+    named = section.split("`_ONLY_FOR` names (training/outputs.py: ", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"`(\w+)`", named)) == {d for ds in outputs._ONLY_FOR.values() for d in ds}
+    assert "`MODEL_INFO_CONFIG_KEYS`" in section
+    # predict's own list, which the page says to extend with them.
+    listed = re.search(r"k in \((.*?)\)", inspect.getsource(_evaluate_on_test_split), re.S)
+    rebuilt = set(re.findall(r'"(\w+)"', listed.group(1)))
+    assert rebuilt == set(outputs.MODEL_INFO_CONFIG_KEYS) - {"model", "model_width"}
