@@ -4,7 +4,10 @@ Adding one means a module with a
 `load(options, seed, splits, headroom) -> Dataset` (headroom: the memory
 the run may still take, None where unknown; a split that would take more
 is refused) and a line below (docs/extending.md); --dataset, --help, the checks and
-predict take it from here. The loaders are imported only to load.
+predict take it from here, but for `predict --evaluate` on an export: a dataset
+that reads --synthetic_examples, --image_size or --test_fraction must be named in
+training/outputs.py's `_ONLY_FOR`, or its export does not record them. The
+loaders are imported only to load.
 """
 
 import dataclasses
