@@ -44,6 +44,7 @@ from distributed_mpt.core.data import DATASETS, DatasetInfo, images
 from distributed_mpt.core.data.dataset import READ_AS_ONE_BY, read_as
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import log_filter, memory
+from distributed_mpt.training.outputs import DATA_INFO_KEYS
 
 SYNTHETIC_WARNING = (
     "warning: this model was trained on synthetic data, not CIFAR-10: its answers about "
@@ -265,8 +266,7 @@ def _file_probabilities(classifier: Classifier, paths, decoded: dict,
 
 def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dict:
     """The flags' test split (by default the model's: for synthetic data, its seed's), evaluated."""
-    trained = {k: v for k, v in classifier.info.items()
-               if k in ("dataset", "seed", "synthetic_examples", "image_size", "test_fraction")}
+    trained = {k: v for k, v in classifier.info.items() if k in DATA_INFO_KEYS}
     chosen = {k: v for k, v in (("dataset", fv.dataset),
                                 ("synthetic_examples", fv.synthetic_examples)) if v is not None}
     split = checked_config({**trained, **chosen, "data_dir": fv.data_dir})

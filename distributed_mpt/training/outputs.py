@@ -26,6 +26,7 @@ import uuid
 from typing import List, Sequence
 
 from distributed_mpt import files
+from distributed_mpt.core.data import DATASETS
 from distributed_mpt.core.models import MODELS, contract
 from distributed_mpt.errors import ConfigError, quoted
 from distributed_mpt.json_lines import JsonLines
@@ -233,13 +234,12 @@ EXPORT_ENTRIES = (SAVED_MODEL_DIR, KERAS_FILE, CLASSES_FILE, MODEL_INFO_NAME)
 STAGING_PREFIX = ".export-"
 _REPLACES_EXPORT = "a new export removes the old one"  # why a run must list and write export/
 # The settings model_info.json records, TrainConfig's fields: what the model
-# is and its data (synthetic_examples only for --dataset=synthetic, where it
-# and the seed regenerate the test split; image_size and test_fraction only
-# for an image folder, where they say how its images were read).
-MODEL_INFO_CONFIG_KEYS = ("model", "model_width", "dataset", "seed", "synthetic_examples",
-                          "image_size", "test_fraction")
-_ONLY_FOR = {"synthetic_examples": ("synthetic",), "image_size": ("image_folder",),
-             "test_fraction": ("image_folder",)}
+# is and its data, from which predict --evaluate rebuilds the test split (the
+# seed draws synthetic data and a held-out split; each dataset's own options,
+# DatasetSpec.reads, only for that dataset).
+_DATASETS_OPTIONS = tuple(dict.fromkeys(option for spec in DATASETS.values() for option in spec.reads))
+DATA_INFO_KEYS = ("dataset", "seed", *_DATASETS_OPTIONS)
+MODEL_INFO_CONFIG_KEYS = ("model", "model_width", *DATA_INFO_KEYS)
 _MODEL_INFO_SUMMARY_KEYS = (
     "precision", "steps", "epochs", "global_batch_size", "eval_loss", "eval_accuracy",
     "eval_accuracy_without_tta", "eval_examples", "eval_tta", "tensorflow_version",
@@ -251,8 +251,9 @@ def model_info(config: dict, summary: dict) -> dict:
     `config` (the flags by name: TrainConfig.flags(), or a config.json read back with
     config.flat_record), the training and its test results from `summary` (summary.json's
     keys, those known)."""
-    info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS
-            if key in config and config.get("dataset") in _ONLY_FOR.get(key, (config.get("dataset"),))}
+    spec = DATASETS.get(config.get("dataset"))
+    others = set(_DATASETS_OPTIONS) - set(spec.reads if spec else ())
+    info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS if key in config and key not in others}
     info.update((key, summary[key]) for key in _MODEL_INFO_SUMMARY_KEYS if key in summary)
     return info
 

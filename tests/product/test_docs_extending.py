@@ -5,11 +5,14 @@ Python samples run as written on an export."""
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, train
+from conftest import REPO, assert_ok, subprocess_env, train
 
 # The pages an extender follows: their own model, data, optimizer, the
 # export, and the map of the code.
@@ -81,22 +84,42 @@ def test_using_the_models_python_samples_run_on_an_export(tmp_path, monkeypatch)
     np.testing.assert_allclose(probabilities, scope["probabilities"], rtol=1e-4, atol=1e-6)
 
 
-def test_what_a_new_dataset_must_add_for_predict_is_where_the_page_says():
-    """extending.md, "A dataset in the package": model_info.json records the
-    options that rebuild a test split only for the datasets training/outputs.py
-    names; the page names those datasets and the two names to edit."""
-    import inspect
+def test_a_dataset_added_as_the_page_says_is_evaluated_from_its_export(tmp_path):
+    """extending.md, "A dataset in the package": one DatasetSpec line, its
+    `reads` naming the options its loader reads, and predict --evaluate
+    rebuilds the test split its export was trained with (here a quarter of
+    each class held out, which the flags' default, 0, would not do)."""
+    from PIL import Image
 
-    from distributed_mpt.predict import _evaluate_on_test_split
-    from distributed_mpt.training import outputs
+    package = tmp_path / "copy" / "distributed_mpt"
+    shutil.copytree(REPO / "distributed_mpt", package, ignore=shutil.ignore_patterns("__pycache__"))
+    registry = package / "core" / "data" / "__init__.py"
+    text = registry.read_text()
+    assert text.count("\n)}\n") == 1
+    registry.write_text(text.replace("\n)}\n", """
+    DatasetSpec("my_folder", "a copy of image_folder", f"{_HERE}.image_folder:load",
+                reads=("image_size", "test_fraction"), needs_data_dir="the folder"),
+)}
+""", 1))
+    rng = np.random.default_rng(0)
+    for label, colour in enumerate(((220, 40, 40), (40, 200, 60))):
+        (tmp_path / "photos" / "train" / f"class{label}").mkdir(parents=True)
+        for i in range(8):
+            pixels = np.clip(np.array(colour) + rng.integers(-60, 60, (20, 20, 3)), 0, 255)
+            Image.fromarray(pixels.astype(np.uint8)).save(tmp_path / "photos" / "train" /
+                                                         f"class{label}" / f"{i}.png")
+    run = tmp_path / "run"
 
-    page = " ".join((REPO / "docs" / "extending.md").read_text().split())
-    section = page[page.index("## A dataset in the package"):page.index("## An optimizer")]
-    assert "`_ONLY_FOR` names (training/outputs.py: " in section
-    named = section.split("`_ONLY_FOR` names (training/outputs.py: ", 1)[1].split(")", 1)[0]
-    assert set(re.findall(r"`(\w+)`", named)) == {d for ds in outputs._ONLY_FOR.values() for d in ds}
-    assert "`MODEL_INFO_CONFIG_KEYS`" in section
-    # predict's own list, which the page says to extend with them.
-    listed = re.search(r"k in \((.*?)\)", inspect.getsource(_evaluate_on_test_split), re.S)
-    rebuilt = set(re.findall(r'"(\w+)"', listed.group(1)))
-    assert rebuilt == set(outputs.MODEL_INFO_CONFIG_KEYS) - {"model", "model_width"}
+    def command(module, *args):  # the copy, not the package this test imports
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                              cwd=package.parent, env=subprocess_env(), timeout=300)
+
+    assert_ok(command("distributed_mpt.train", "--dataset=my_folder", f"--data_dir={tmp_path / 'photos'}",
+                      "--test_fraction=0.25", "--image_size=16", "--model=mlp", "--train_steps=2",
+                      "--per_replica_batch_size=4", f"--model_dir={run}"))
+    info = json.loads((run / "export" / "model_info.json").read_text())
+    assert (info["dataset"], info["test_fraction"], info["image_size"]) == ("my_folder", 0.25, 16)
+    evaluated = command("distributed_mpt.predict", f"--model_dir={run}", "--evaluate",
+                        f"--data_dir={tmp_path / 'photos'}")
+    assert_ok(evaluated)
+    assert "my_folder test:" in evaluated.stdout and "(4 images)" in evaluated.stdout, evaluated.stdout

@@ -3,11 +3,9 @@
 Adding one means a module with a
 `load(options, seed, splits, headroom) -> Dataset` (headroom: the memory
 the run may still take, None where unknown; a split that would take more
-is refused) and a line below (docs/extending.md); --dataset, --help, the checks and
-predict take it from here, but for `predict --evaluate` on an export: a dataset
-that reads --synthetic_examples, --image_size or --test_fraction must be named in
-training/outputs.py's `_ONLY_FOR`, or its export does not record them. The
-loaders are imported only to load.
+is refused) and a line below (docs/extending.md); --dataset, --help, the checks,
+the export's record and predict take it from here. The loaders are imported
+only to load.
 """
 
 import dataclasses
@@ -25,11 +23,11 @@ DATASETS = {spec.name: spec for spec in (
     DatasetSpec("cifar10", "CIFAR-10 from its official binary release in --data_dir, or "
                 "tensorflow-datasets (downloaded unless --nodownload)", f"{_HERE}.cifar10:load"),
     DatasetSpec("synthetic", "CIFAR-shaped data with learnable labels, made from --seed "
-                "(no download)", f"{_HERE}.synthetic:load"),
+                "(no download)", f"{_HERE}.synthetic:load", reads=("synthetic_examples",)),
     # Not flipped unless asked: a mirrored digit or letter is another sign.
     DatasetSpec("image_folder", f"your own labelled images in --data_dir: {IMAGE_FOLDER_LAYOUT}, "
                 f"resized to --image_size", f"{_HERE}.image_folder:load", flip="none",
-                needs_data_dir="the folder of class folders (DATA_DIR/train/<class>/<images>)"),
+                reads=("image_size", "test_fraction"), needs_data_dir="the folder of class folders (DATA_DIR/train/<class>/<images>)"),
 )}
 
 

@@ -174,11 +174,15 @@ class DatasetSpec:
     that they take more memory than `headroom` (process/memory.py's, or
     None: unknown). `flip`
     is its default of --flip: random where a mirror image is the same class
-    (CIFAR-10's photos), none where it may not be (digits, text)."""
+    (CIFAR-10's photos), none where it may not be (digits, text). `reads`:
+    the DataOptions its loader reads besides --data_dir and --download; an
+    export records them (model_info.json), so that predict --evaluate
+    rebuilds its test split as it was trained."""
 
     name: str
     summary: str
     loader: str
+    reads: Tuple[str, ...] = ()
     # What --data_dir must hold when the dataset cannot be read without it
     # (the check's error says so); "": it can.
     needs_data_dir: str = ""
