@@ -38,6 +38,8 @@ def test_each_recipe_is_its_flags_and_a_header_of_at_most_10_lines():
         assert len(header) <= 10, f"{path.name}: a header of {len(header)} lines"
         assert all(line.startswith("--") for line in lines[len(header):]), path.name
         assert any(line.startswith("# Measured") for line in header), path.name
+        # --help shows the first line alone: it must say what the recipe is, whole.
+        assert header[0].endswith("."), f"{path.name}: its first line stops mid-sentence"
 
 
 def _copy_of_the_repository(tmp_path):
