@@ -474,6 +474,21 @@ def test_networkpolicy_admits_only_this_job_on_the_training_ports(variant):
     check_networkpolicy(render(variant))
 
 
+def test_the_trainjob_chief_may_reach_the_controllers_status_server():
+    """The chief POSTs its progress to KUBEFLOW_TRAINER_SERVER_URL, port
+    10443 of the Trainer controller's Service (kubeflow-system, or kubeflow
+    in the Kubeflow platform): the policy let the pods reach only each
+    other and DNS, and every report timed out where it is enforced."""
+    docs = render("trainjob")
+    job = training_job(docs)
+    (policy,) = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == job["metadata"]["name"]]
+    status_server = policy["spec"]["egress"][2:]
+    assert status_server == [{"to": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In",
+         "values": ["kubeflow-system", "kubeflow"]}]}}],
+        "ports": [{"protocol": "TCP", "port": 10443}]}], policy["spec"]["egress"]
+
+
 def test_a_renamed_job_gets_its_own_networkpolicy_names_and_run(tmp_path):
     """The job's name is a setting: every variant takes it, for its object,
     its pods' names, its NetworkPolicy and its run's directory."""
@@ -501,7 +516,8 @@ def check_networkpolicy(docs) -> str:
     assert not policy["spec"]["podSelector"].get("matchExpressions")
     (rule,) = policy["spec"]["ingress"]
     assert rule["from"] == [{"podSelector": {"matchLabels": selector}}], "a peer other than this job's pods"
-    peers, dns = policy["spec"]["egress"]
+    peers, dns, *status_server = policy["spec"]["egress"]
+    assert len(status_server) == (job["kind"] == "TrainJob"), "the TrainJob's alone reports"
     assert peers == {"to": [{"podSelector": {"matchLabels": selector}}], "ports": rule["ports"]}
     assert dns["to"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
     assert {p["port"] for p in dns["ports"]} == {53}

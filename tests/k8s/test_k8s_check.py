@@ -73,9 +73,9 @@ def test_the_check_refuses_a_contradictory_copy(tmp_path):
                   flags=["--data_dir=/data/tfds", "--model=/models/mine.py:net"])
     edit_kustomization(k8s, queue=False, topology="")
     workers = check.read_mapping(settings / "settings.yaml")["spec"]["workers"]
-    edit(k8s / "trainjob" / "kustomization.yaml", {"replacements:\n": (
-        "patches:\n- target:\n    kind: TrainJob\n  patch: |-\n    - op: replace\n"
-        f"      path: /spec/trainer/numNodes\n      value: {workers + 1}\nreplacements:\n")})
+    edit(k8s / "trainjob" / "kustomization.yaml", {"\npatches:\n": (  # one more of its patches
+        "\npatches:\n- target:\n    kind: TrainJob\n  patch: |-\n    - op: replace\n"
+        f"      path: /spec/trainer/numNodes\n      value: {workers + 1}\n")})
     found = _errors(run_check(k8s=k8s))
     wanted = ["precision mixed_float16 without GPUs", "communication nccl without GPUs",
               "topology.example.com/block is a placeholder left unset",
