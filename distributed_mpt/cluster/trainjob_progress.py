@@ -98,8 +98,13 @@ class TrainJobStatus:
                          ) -> Optional["TrainJobStatus"]:
         """A sender if Kubeflow Trainer injected its endpoint, else None
         (after one warning if the endpoint is unusable)."""
-        values = [environ.get(name) for name in (URL_ENV, CA_CERT_ENV, TOKEN_ENV)]
-        if not all(values):
+        names = (URL_ENV, CA_CERT_ENV, TOKEN_ENV)
+        values = [environ.get(name) for name in names]
+        unset = [name for name, value in zip(names, values) if not value]
+        if len(unset) in (1, 2):  # set by hand, one forgotten: it went unreported unsaid
+            _warn(f"TrainJob progress is not reported: {' and '.join(unset)} "
+                  f"{'is' if len(unset) == 1 else 'are'} not set or empty")
+        if unset:
             return None
         try:
             return cls(*values)

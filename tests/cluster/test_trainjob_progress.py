@@ -452,6 +452,24 @@ def test_a_url_is_named_without_what_may_be_a_credential(url):
     assert "S3CRET" not in _shown(url)
 
 
+@pytest.mark.parametrize("unset", [["KUBEFLOW_TRAINER_SERVER_CA_CERT"],
+                                   ["KUBEFLOW_TRAINER_SERVER_URL", "KUBEFLOW_TRAINER_SERVER_TOKEN"]])
+def test_an_endpoint_without_all_its_variables_is_a_warning(serve, capfd, unset):
+    """The variables set by hand, one left out or empty: no report, and
+    nothing said of it (the run looked as if it reported)."""
+    server = serve()
+    env = {**server.env, unset[0]: ""}
+    for name in unset[1:]:
+        del env[name]
+    assert TrainJobStatus.from_environment(env) is None
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "TrainJob" in line]
+    assert_one_warning(warnings, f"{' and '.join(unset)} {'is' if len(unset) == 1 else 'are'} "
+                                 f"not set or empty")
+    assert not server.requests
+    assert TrainJobStatus.from_environment({}) is None  # no endpoint at all: nothing to say
+    assert capfd.readouterr().err == ""
+
+
 def test_a_failure_no_one_foresaw_is_a_warning_not_a_failed_run(serve, capfd, monkeypatch):
     """Reading the CA once failed with a TypeError (a kernel file that had
     nothing to read): the run ended in a traceback."""
