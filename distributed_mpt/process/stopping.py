@@ -195,6 +195,16 @@ def say_mistake(message: str) -> None:
     ("...was given)SIGTERM before training started"), so that a Job retried
     the mistake. Ignored only in a command's own process (start_guard): a
     library caller or a test keeps its handlers."""
+    say_decided_error(message)
+
+
+def say_decided_error(message: str) -> None:
+    """Prints the `error: message` line of any failure that decides the exit
+    itself (say_mistake's 2, a lost peer's 141), ignoring stop signals from
+    then on, as say_mistake says. A lost peer's survivor, told to stop by the
+    launcher that saw the peer die, acknowledged it after its error line with
+    "stopping after the steps under way, with a checkpoint": no step or
+    checkpoint can follow a failed collective."""
     global _exit_is_decided
     if is_a_command() and threading.current_thread() is threading.main_thread():
         _exit_is_decided = True

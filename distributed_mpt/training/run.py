@@ -55,9 +55,11 @@ def run(config: TrainConfig) -> int:
         with stopping.owning_stops():
             code = _run(config)
             stopped = stopping.requested()
-    if stopped:
+    if stopped or code == ExitCode.PEER_LOST:
         # Saved, flushed and unlocked: all a stop asked for is done, and TensorFlow's
         # teardown at the interpreter's exit would only delay it (a minute, loaded).
+        # A lost peer's survivor no longer heeds the launcher's SIGTERM (say_decided_error),
+        # which ended it at once before: without this the launcher's grace ran out first.
         stopping.exit_now(code)
     return code
 
@@ -155,9 +157,10 @@ def _lost_a_peer(error: Exception, cluster) -> int:
         raise error
     where = "".join(f" {quoted(first_line(note))}"  # one line, whoever added the note
                     for note in getattr(error, "__notes__", ()))
-    print(f"error: lost a peer of the multi-worker job ({type(error).__name__}: "
-          f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
-          f"the group restarts from the latest checkpoint", file=sys.stderr, flush=True)
+    stopping.say_decided_error(
+        f"lost a peer of the multi-worker job ({type(error).__name__}: "
+        f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
+        f"the group restarts from the latest checkpoint")
     return ExitCode.PEER_LOST
 
 

@@ -132,6 +132,33 @@ def test_group_survives_a_killed_and_a_stopped_worker_and_finishes_every_step(tm
     assert not list((tmp_path / "tmp").glob("dmpt-*")), "no scratch checkpoints left behind"
 
 
+def test_a_survivor_of_a_lost_peer_exits_141_at_once_and_promises_no_checkpoint(tmp_path):
+    """A worker that lost its peer has decided its exit (141) with its error line. The
+    SIGTERM that the launcher sends it as it sees the peer die (handled after that line,
+    in both of two runs before the fix) was acknowledged after it with "stopping after the
+    steps under way, with a checkpoint", which a failed collective cannot keep."""
+    (tmp_path / "tmp").mkdir()
+    flags = [*MW_FLAGS, "--train_steps=100000", "--log_every_steps=5",
+             f"--model_dir={tmp_path / 'run'}"]
+    workers = [WatchedProcess("distributed_mpt.train", flags, env=subprocess_env(
+        TF_CONFIG=tf_config, TMPDIR=str(tmp_path / "tmp"))) for tf_config in worker_tf_configs(
+        free_ports(2))]
+    try:
+        workers[0].wait_for(r"^step +\d+/", timeout=240)
+        # As the launcher does: it sees a worker die, and stops the others at once.
+        workers[1].process.kill()
+        workers[1].process.wait()
+        time.sleep(0.2)  # its poll
+        workers[0].process.send_signal(signal.SIGTERM)
+        assert workers[0].finish(timeout=120) == 141, workers[0].output()[-3000:]
+    finally:
+        for worker in workers:  # a failed assertion leaves none running
+            worker.process.kill()
+            worker.process.wait()
+    after = workers[0].output().partition("error: lost a peer")[2]
+    assert "with a checkpoint" not in after, after
+
+
 def test_worker_gives_up_on_peers_that_never_come_up(tmp_path):
     tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:47611", "127.0.0.1:47612"]},
                             "task": {"type": "worker", "index": 0}})
