@@ -259,8 +259,12 @@ def refuse_other_training(resumption: Resumption, config: TrainConfig, signature
         theirs = " ".join(f"--{name}={quoted(old, 60)}" for name, old, _ in changed)
         # A flag its config.json lacks (an older version's, or edited away) was its default.
         unrecorded = " (the default: its config.json does not record it)"
+        # A --learning_rate given sets the ceiling to 0 (config.py), which a user who gave
+        # only the rate read as a change of theirs to a ceiling of 0: it says what 0 is.
+        uncapped = {("max_learning_rate", 0.0): " (none: a --learning_rate given has no ceiling)"}
         mine = ", ".join(f"--{name}={quoted(old, 40)}{'' if name in previous else unrecorded} to "
-                         f"{quoted(new, 40)}" for name, old, new in changed)
+                         f"{quoted(new, 40)}{uncapped.get((name, new), '')}"
+                         for name, old, new in changed)
         raise ConfigError(
             f"--model_dir={quoted(config.run.model_dir)} holds a run trained otherwise: this run "
             f"changes {mine}. Pass {theirs} to resume it (only its length, batch, evaluation "

@@ -238,6 +238,18 @@ def test_a_damaged_binary_release_is_one_error_line_and_nothing_written(tmp_path
     assert not (tmp_path / "run").exists(), "a refused run leaves no empty --model_dir behind"
 
 
+def test_a_rate_given_to_a_run_of_the_models_rate_says_what_its_ceiling_of_0_is(model_dir):
+    """The MLP's own rate has a ceiling; a --learning_rate given has none (0). Resumed with
+    one, the refusal said "changes --max_learning_rate=0.05 to 0.0", a flag not given."""
+    flags = [*(f for f in SMOKE_FLAGS if not f.startswith("--learning_rate=")), "--noevaluate",
+             "--train_steps=2", "--precision=float32", f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    assert_one_error_line(train([*flags, "--learning_rate=0.2"]),
+                          "changes --learning_rate=0.05 to 0.2, --max_learning_rate=0.05 to 0.0 "
+                          "(none: a --learning_rate given has no ceiling). Pass "
+                          "--learning_rate=0.05 --max_learning_rate=0.05 to resume it")
+
+
 def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     flags = [*SMOKE_FLAGS, "--train_steps=10", "--precision=float32", f"--model_dir={model_dir}"]
     assert_ok(train(flags))
