@@ -138,12 +138,15 @@ def short_run(config: TrainConfig, plan: RunPlan,
 class Resumption:
     """Where a run starts: step 0 of a fresh run, or the step of the
     checkpoint `restored` (None: a fresh run), with the config.json of the
-    run that wrote it and, if that run finished, its summary.json."""
+    run that wrote it and, if that run finished, its summary.json.
+    `started_before`: a fresh run where one started before (its config.json)
+    and stopped before its first checkpoint."""
 
     start_step: int
     restored: Optional[Restored] = None
     previous_config: dict = dataclasses.field(default_factory=dict)
     finished_summary: dict = dataclasses.field(default_factory=dict)
+    started_before: bool = False
 
     @property
     def finished(self) -> bool:
@@ -166,7 +169,7 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
         _refuse_a_run_without_checkpoints(model_dir)
     restored = checkpoints.restore_latest()
     if not restored:
-        return Resumption(start_step=0)
+        return Resumption(0, started_before=os.path.lexists(os.path.join(model_dir, "config.json")))
     start_step, previous_config = int(step.numpy()), _previous_config(model_dir)
     summary = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
         os.path.join(model_dir, "summary.json"), {"steps": int},
@@ -291,8 +294,10 @@ def continue_with(resumption: Resumption, plan: RunPlan, trained_global_batch) -
     """Adopts this run's plan for the restored checkpoint (the global batch
     it trains at, in `trained_global_batch`); returns what a user must be
     told of it: where it resumes, and what changed."""
-    if not resumption.restored:
-        return []
+    if not resumption.restored:  # a group restarted after a lost peer says it resumes
+        return ["--model_dir holds no checkpoint of the run started there before (it stopped "
+                "before its first): training starts again from step 0"
+                ] if resumption.started_before else []
     notes = [resumption.restored.describe()]
     if resumption.start_step >= plan.total_steps:  # stopped at its end, or given fewer steps
         notes.append(f"the checkpoint is at step {resumption.start_step} and this run has "

@@ -160,7 +160,7 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     stopping.say_decided_error(
         f"lost a peer of the multi-worker job ({type(error).__name__}: "
         f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
-        f"the group restarts from the latest checkpoint")
+        f"the group restarts from its latest checkpoint (from step 0 if none was saved)")
     return ExitCode.PEER_LOST
 
 

@@ -419,3 +419,20 @@ def test_workers_started_with_different_flags_refuse_together_naming_them(tmp_pa
         assert "different --weight_decay, --seed" in errors[0] and "(this worker: " in errors[0]
         assert all(flag in errors[0] for flag in mine.split()), errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
+
+
+def test_a_run_started_again_before_its_first_checkpoint_says_it_starts_from_step_0(tmp_path):
+    """What a run killed before its first checkpoint leaves (its config.json,
+    no checkpoint), started again, as a launcher restarting a group after a
+    lost peer does: the restarted run says it starts over, not silently."""
+    run = tmp_path / "run"
+    assert_ok(train([*SMOKE_FLAGS, "--train_steps=5", f"--model_dir={run}"]))
+    shutil.rmtree(run / "checkpoints")
+    (run / "summary.json").unlink()
+    again = train([*SMOKE_FLAGS, "--train_steps=5", f"--model_dir={run}"])
+    assert_ok(again)
+    assert ("holds no checkpoint of the run started there before (it stopped before its first): "
+            "training starts again from step 0") in again.stdout
+    fresh = train([*SMOKE_FLAGS, "--train_steps=5", f"--model_dir={tmp_path / 'fresh'}"])
+    assert_ok(fresh)
+    assert "starts again" not in fresh.stdout
