@@ -7,18 +7,23 @@ group when one dies.
 Each worker is `python -P -m distributed_mpt.train <train flags>` with its own TF_CONFIG on
 127.0.0.1 and a port free on every address of this host; its output is prefixed with
 `[worker i]`. Ctrl-C, SIGTERM and the other stop signals (SIGHUP, SIGUSR1, SIGUSR2) are
-passed on to every worker (which save a checkpoint and stop) as stopping.passed_on says.
+passed on to every worker, which save a checkpoint and stop.
 MultiWorkerMirroredStrategy cannot go on without a peer, so when a worker dies the others
 are stopped and the whole group is started again on fresh ports, up to --max_restarts times;
-training resumes from the latest checkpoint. Exit codes 2 (bad input) and 3 (diverged) are
-not retried (errors.ExitCode). The launcher exits with the chief's (worker 0's) status; with
-2 and one `error:` line, no worker started, for training flags train refuses, or when this
-host cannot hold that many workers (`max_workers`) or has no free port or process left.
-Whatever ends the launcher, its workers end with it: it stops them, or, killed itself, the
-kernel does (`_DIE_WITH_LAUNCHER`).
+training resumes from its latest checkpoint (from step 0 if it saved none). Exit codes 2
+(bad input), 3 (diverged) and 144 (--model_dir in use) are not retried.
+
+Exit status: the chief's (worker 0's) when the group finishes or is stopped by a signal;
+the status of the worker that failed when the launcher does not restart the group or gives
+up (137: killed by SIGKILL); 2 with one `error:` line and no worker started for training
+flags train refuses, or when this host cannot hold that many workers or has no free port
+or process left. Whatever ends the launcher, its workers end with it: it stops them, or,
+killed itself, the kernel does.
 
 Across nodes, use SLURM (launch/slurm.sbatch) or Kubernetes (k8s/).
 """
+# In the code: stopping.passed_on (which signal a worker is sent), errors.ExitCode (the
+# codes), max_workers (what this host holds), _DIE_WITH_LAUNCHER (workers die with it).
 
 import bisect
 import contextlib
@@ -306,8 +311,8 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
                 _say(f"[launch] giving up after {restarts} restart(s)")
                 return code
             restarts += 1
-            _say(f"[launch] restart {restarts}/{max_restarts} on fresh ports: resuming from "
-                 f"the latest checkpoint")
+            _say(f"[launch] restart {restarts}/{max_restarts} on fresh ports: the run resumes "
+                 f"from its latest checkpoint, or from step 0 if it saved none")
     finally:
         # A failure of the launcher's own (no thread, no process): none of
         # its workers may run on without it.
@@ -337,7 +342,7 @@ def main(argv=None) -> int:
     fv = flags.FlagValues()
     # Decimal digits only, as training's flags (cli.py).
     cli.define_integer(fv, "num_workers", 2, "Worker processes to start (at most what this host "
-                       "can hold: see max_workers).", lower=1)
+                       "can hold: a larger number is refused, naming the limit).", lower=1)
     cli.define_integer(fv, "max_restarts", 3, "Times the whole group is restarted after a worker "
                        "dies.", lower=0, upper=_MAX_RESTARTS)
     cli.define_float(fv, "grace_seconds", 20.0, "After SIGTERM, seconds a worker has to save and "

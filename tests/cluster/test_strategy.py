@@ -159,6 +159,26 @@ def test_a_survivor_of_a_lost_peer_exits_141_at_once_and_promises_no_checkpoint(
     assert "with a checkpoint" not in after, after
 
 
+def test_a_launcher_that_gives_up_exits_with_the_failed_workers_status(tmp_path):
+    """--max_restarts=0 and worker 1 killed: the launcher stops the group and
+    exits 137, the killed worker's status (the chief's is 141), as its --help
+    and docs/clusters.md say."""
+    (tmp_path / "tmp").mkdir()
+    run = WatchedProcess("distributed_mpt.launch", [
+        "--num_workers=2", "--max_restarts=0", "--grace_seconds=5", "--", *MW_FLAGS,
+        "--train_steps=100000", "--log_every_steps=5", f"--model_dir={tmp_path / 'run'}"],
+        env=subprocess_env(TMPDIR=str(tmp_path / "tmp")))
+    try:
+        _, started = run.wait_for(r"started worker 1 \(pid (\d+)\)", timeout=60)
+        run.wait_for(r"\[worker 0\] step +\d+/", timeout=240)
+        os.kill(int(started.group(1)), signal.SIGKILL)
+        assert run.finish(timeout=120) == 128 + signal.SIGKILL, run.output()[-3000:]
+    finally:
+        run.process.kill()
+    assert "[launch] worker 1 exited with 137; stopping the group" in run.output()
+    assert "[launch] giving up after 0 restart(s)" in run.output()
+
+
 def test_worker_gives_up_on_peers_that_never_come_up(tmp_path):
     tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:47611", "127.0.0.1:47612"]},
                             "task": {"type": "worker", "index": 0}})
