@@ -364,7 +364,7 @@ def main(argv=None) -> int:
             raise ConfigError("no training flags: distributed-mpt-launch --num_workers=N -- "
                               "--model_dir=DIR ...")
         if not cli.wants_help(train_flags):  # refused once here, not once by each worker
-            train.parse_config(train_flags)
+            train.parse_config(train_flags).cluster.check_for_workers(fv.num_workers)
         most, why = max_workers()
         if fv.num_workers > most:
             raise ConfigError(f"--num_workers={fv.num_workers}: this host holds at most {most} "

@@ -39,6 +39,16 @@ class ClusterOptions(Options):
                 f"--cpu_replicas={self.cpu_replicas} needs --strategy=mirrored (or auto); "
                 f"--strategy={self.strategy} runs one replica per worker")
 
+    def check_for_workers(self, num_workers: int) -> None:
+        """Raises ConfigError for what a job of `num_workers` cannot do: of
+        several, --cpu_replicas (auto is multi_worker there, one replica a
+        worker on its whole CPU: the split was ignored, the start line
+        counting one replica a worker)."""
+        require(num_workers < 2 or not self.cpu_replicas,
+                f"--cpu_replicas={self.cpu_replicas} in a job of {num_workers} workers: "
+                f"multi_worker trains one replica a worker, on its whole CPU; drop "
+                f"--cpu_replicas (for more replicas, start more workers)")
+
     def startup_deadline(self, cluster):
         """How long TensorFlow's start-up may wait for the peers of `cluster` (None: none)."""
         return self.peer_timeout_seconds if cluster else None
@@ -48,5 +58,6 @@ class ClusterOptions(Options):
         strategy.py's errors as there."""
         from distributed_mpt.cluster.strategy import create_strategy, resolve_strategy_name
 
+        self.check_for_workers(cluster.num_workers if cluster else 1)
         name = resolve_strategy_name(self.strategy, cluster, self.cpu_replicas)
         return name, create_strategy(name, self.cpu_replicas, self.communication, cluster)

@@ -169,6 +169,24 @@ def test_the_most_workers_tf_config_can_name_is_what_the_kernel_accepts():
     assert error.value.errno == errno.E2BIG
 
 
+def test_cpu_replicas_for_workers_that_cannot_split_their_cpu_is_one_error_line(tmp_path):
+    """multi_worker trains one replica a worker: --cpu_replicas was ignored,
+    the start line counting one replica a worker (found walking a user's
+    path). Refused before a worker starts; a worker given TF_CONFIG refuses
+    it as well, before it waits for its peers."""
+    result = run_module("distributed_mpt.launch", ["--num_workers=2", "--", *SMOKE_FLAGS,
+                                                   "--cpu_replicas=2", f"--model_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: --cpu_replicas=2 in a job of 2 workers: multi_worker trains one replica a "
+        "worker, on its whole CPU; drop --cpu_replicas (for more replicas, start more workers)"]
+    worker = run_module("distributed_mpt.train", [*SMOKE_FLAGS, "--cpu_replicas=2",
+                                                  f"--model_dir={tmp_path / 'run'}"],
+                        env=subprocess_env(TF_CONFIG=launch.worker_tf_config([1, 2], 0)))
+    assert_one_error_line(worker, "--cpu_replicas=2 in a job of 2 workers")
+    assert not (tmp_path / "run").exists()
+
+
 def test_num_workers_is_bounded_by_the_open_files_limit(tmp_path):
     # (82 - 64 of the launcher's own) // 3 a worker = 6
     result = subprocess.run(
