@@ -232,6 +232,25 @@ def integer_logits(info):
     return keras.Model(images, keras.ops.cast(100 * logits, "int32"))
 
 
+class Composite(keras.Model):  # logits as a tensor that is not dense
+    def __init__(self, classes, make):
+        super().__init__()
+        self.make, self.flat, self.dense = make, keras.layers.Flatten(), keras.layers.Dense(classes)
+
+    def call(self, images, training=False):
+        return self.make(self.dense(self.flat(keras.ops.cast(images, "float32") / 255)))
+
+
+def sparse_logits(info):
+    import tensorflow as tf
+    return Composite(info.num_classes, tf.sparse.from_dense)
+
+
+def ragged_logits(info):
+    import tensorflow as tf
+    return Composite(info.num_classes, tf.RaggedTensor.from_tensor)
+
+
 def stopped_gradient(info):
     images, x = _flat(info)
     return keras.Model(images, keras.ops.stop_gradient(keras.layers.Dense(info.num_classes)(x)))
@@ -338,6 +357,9 @@ UNSCALED = "unscaled: this package gives every model pixels 0-255, not 0-1. Resc
                       "Cannot convert a symbolic tf.Tensor"),
     ("batch_of_two", "failed when compiled into a training step on 32 uint8 images"),
     ("integer_logits", "returns int32, not floating-point logits"),
+    # Their shape and dtype pass, and reading their values raised: a traceback, exit 1.
+    ("sparse_logits", "returns a SparseTensor, not one dense tensor"),
+    ("ragged_logits", "returns a RaggedTensor, not one dense tensor"),
     # What only running finds: its files are made, and removed with it.
     ("asserts_in_training", "failed in the run's first training step (InvalidArgumentError: "
                             "assertion failed: [a batch of 3s, please]"),

@@ -266,7 +266,12 @@ def check_contract(name: str, model, info, traced_batch: Optional[int] = None) -
                 f"subclassed model's call()) and rescale or cast them before the first layer "
                 f"that computes with them (keras.layers.Rescaling(1 / 255) does both)") from None
     _check_logits(name, outputs, 2, info.num_classes)
-    values = np.asarray(outputs, np.float32)
+    try:
+        values = np.asarray(outputs, np.float32)
+    except (TypeError, ValueError) as e:  # a SparseTensor, a RaggedTensor: a traceback, exit 1
+        raise ModelError(f"--model={quoted(name)} returns a {type(outputs).__name__}, not one "
+                         f"dense tensor ({cause(e)}): it must return [batch, "
+                         f"{info.num_classes}] logits") from None
     if np.all(values >= 0) and np.allclose(values.sum(axis=1), 1.0, atol=1e-3):
         where = ("from its call(): a subclassed model's softmax is code, which cannot be dropped "
                  "as a final softmax layer is" if subclassed
