@@ -167,6 +167,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import models
+    from distributed_mpt.core.models.contract import users_code
     from distributed_mpt.core.models.process_state import prints_to_stderr
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
     from distributed_mpt.training import checkpoints
@@ -240,7 +241,11 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
                    f"({quoted(checkpoints.reasons(skipped))}); a resume of the run replaces them")
 
     def probabilities(x):
-        with prints_to_stderr():  # a print in a layer's call(): stdout is predict's answers
+        # A user's call() is code that may raise on what training never gave it (one image:
+        # a traceback, exit 1): one line that names it. A print in a layer's call() goes to
+        # stderr either way: stdout is predict's answers.
+        with (users_code(users_model, f"failed when called on {len(x)} image(s)") if users
+              else prints_to_stderr()):
             return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
 
     return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained,

@@ -102,6 +102,21 @@ def summarized(info):
     return model
 
 
+class NoSingleImage(keras.layers.Layer):
+    """Fails on a batch of one image, which training never gives it."""
+
+    def call(self, images):
+        if images.shape[0] == 1:
+            raise ValueError("one image is not a batch")
+        return images
+
+
+def no_single_image(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(NoSingleImage()(images)))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def two_outputs(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -283,6 +298,19 @@ def test_what_a_model_prints_leaves_predict_json_readable(model_file, tmp_path):
     import json
     assert json.loads(result.stdout)["predictions"][0]["top"]
     assert "Total params" in result.stderr and "called on a batch" in result.stderr
+
+
+def test_a_model_that_fails_on_the_images_predict_gives_it_is_named_in_one_line(model_file,
+                                                                                tmp_path):
+    """Its call() raising on one image, from a checkpoint: a traceback, exit 1."""
+    run, model = tmp_path / "run", f"--model={model_file}:no_single_image"
+    assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(photo)
+    from distributed_mpt.predict import main
+    result = run_in_process(main, [f"--model_dir={run}", model, str(photo)])
+    assert_one_error_line(result, f"{model} failed when called on 1 image(s) (ValueError in ")
+    assert "one image is not a batch" in result.stderr
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):
