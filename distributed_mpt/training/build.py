@@ -118,7 +118,8 @@ def build(config: TrainConfig, plan: RunPlan, strategy: tf.distribute.Strategy,
                  if run.data_on_device else None)
     evaluation = config.evaluation
     trainer = Trainer(model, optimizer, strategy, step, rules, on_device=on_device,
-                      eval_views=EvalViews(evaluation.eval_tta, evaluation.eval_tta_fraction))
+                      eval_views=EvalViews(evaluation.eval_tta, evaluation.eval_tta_fraction),
+                      users_model=spec.name if spec.is_users else None)
     return Built(trainer, trained_global_batch, lookahead, tuple(notes))
 
 

@@ -226,6 +226,23 @@ def fails_in_the_step(info):
     return FailsInTheStep(info.num_classes)
 
 
+class FailsInEvaluation(keras.layers.Layer):
+    """Passes the contract's probe (2 images) and training step; its inference call at
+    the evaluation's batch fails, as a branch of its own for test time may."""
+
+    def call(self, images, training=False):
+        if not training:
+            import tensorflow as tf
+            tf.debugging.assert_less_equal(tf.shape(images)[0], 2, message="2 at test time")
+        return images
+
+
+def fails_in_evaluation(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(FailsInEvaluation()(images)))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def integer_logits(info):
     images, x = _flat(info)
     logits = keras.layers.Dense(info.num_classes)(x)
@@ -386,6 +403,20 @@ def test_a_model_failing_in_the_first_step_on_two_replicas_is_named_in_one_line(
                                   "assertion failed: [a batch of 3s, please]")
     assert "\t [[" not in result.stderr
     assert not run.exists()
+
+
+def test_a_model_failing_in_the_evaluation_is_one_error_line_and_keeps_its_checkpoints(
+        model_file, tmp_path):
+    """Its inference call, first run in the evaluation: a traceback, exit 1."""
+    run, model = tmp_path / "run", f"--model={model_file}:fails_in_evaluation"
+    result = train([*FLAGS, model, f"--model_dir={run}", "--evaluate"])
+    assert_one_error_line(result, "failed in an evaluation on the test images; its checkpoints "
+                                  "are kept: run again, fixed or with --noevaluate, to go on "
+                                  "(InvalidArgumentError: assertion failed: [2 at test time]")
+    assert (run / "checkpoints" / "ckpt-2.index").is_file()
+    result = train([*FLAGS, model, f"--model_dir={run}"])
+    assert_ok(result)
+    assert "resuming from step 2" in result.stdout
 
 
 def test_a_python_error_in_the_first_step_is_named_with_its_line(model_file, tmp_path):
