@@ -362,7 +362,12 @@ def _keras_model_with_probabilities(model, image_shape):
     from distributed_mpt.core.models.layers import with_keras_layers
 
     plain = with_keras_layers(model)
-    softmax = keras.layers.Activation("softmax", dtype="float32", name="probabilities")
+    # A name none of its layers has: a user's last layer named "probabilities" (a Dense
+    # with a softmax, dropped for training) failed the export after training, "used 2 times".
+    taken = {plain.name, *(layer.name for layer in plain.layers)}
+    names = ["probabilities", *(f"probabilities_{i}" for i in range(1, len(taken) + 1))]
+    softmax = keras.layers.Activation("softmax", dtype="float32",
+                                      name=next(name for name in names if name not in taken))
     if isinstance(getattr(plain, "outputs", None), list):  # functional
         return keras.Model(plain.inputs, softmax(plain.outputs[0]), name=plain.name)
     # Subclassed: given its input, so that Keras saves a built model.

@@ -117,6 +117,14 @@ def no_single_image(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+def named_probabilities(info):
+    """Its last layer named for what it gives, as a Dense with a softmax does."""
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, keras.layers.Dense(info.num_classes, activation="softmax",
+                                                  name="probabilities")(x))
+
+
 def two_outputs(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -311,6 +319,18 @@ def test_a_model_that_fails_on_the_images_predict_gives_it_is_named_in_one_line(
     result = run_in_process(main, [f"--model_dir={run}", model, str(photo)])
     assert_one_error_line(result, f"{model} failed when called on 1 image(s) (ValueError in ")
     assert "one image is not a batch" in result.stderr
+
+
+def test_a_last_layer_named_probabilities_is_exported(model_file, tmp_path):
+    """The export's softmax took the same name: "The name "probabilities" is used 2 times",
+    the export failed after training, exit 2."""
+    run = tmp_path / "run"
+    assert_ok(train([*FLAGS, f"--model={model_file}:named_probabilities", "--train_steps=2",
+                     "--export", f"--model_dir={run}"]))
+    import keras
+    loaded = keras.models.load_model(run / "export" / "model.keras")
+    sums = loaded([np.zeros((2, 32, 32, 3), np.uint8)]).numpy().sum(axis=1)
+    assert sums == pytest.approx([1, 1], abs=1e-4), "its softmax dropped, and added back once"
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):
