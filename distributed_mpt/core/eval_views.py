@@ -6,6 +6,7 @@ model that gives only probabilities (an export) is classified alike by
 `class_probabilities`."""
 
 import dataclasses
+from typing import Optional
 
 import keras
 import numpy as np
@@ -13,6 +14,7 @@ import tensorflow as tf
 
 from distributed_mpt.core import pipeline
 from distributed_mpt.core.data import ImageSplit
+from distributed_mpt.core.models.contract import users_code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +59,25 @@ def least_confident(confidence: np.ndarray, fraction: float) -> np.ndarray:
 EVAL_BATCH_PER_REPLICA = 512
 
 
+# What an evaluation raises that says nothing of a user's model: a lost peer's errors, the
+# device's or runtime's, the memory's.
+_NOT_THE_MODELS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                   tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+                   tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError,
+                   tf.errors.ResourceExhaustedError, MemoryError)
+
+
 class Evaluator:
     """Scores `model` (logits out) under `strategy` in batches of
     `global_batch_size` (at most EVAL_BATCH_PER_REPLICA a replica), with the
-    test-time `views`; create the model in the strategy's scope first."""
+    test-time `views`; create the model in the strategy's scope first.
+    `users_model`: the --model of a user's network, blamed for what its code raises."""
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy,
-                 global_batch_size: int, views: EvalViews = EvalViews()):
+                 global_batch_size: int, views: EvalViews = EvalViews(),
+                 users_model: Optional[str] = None):
         self.model, self.strategy, self._views = model, strategy, views
+        self._users_model = users_model
         self._batch = min(global_batch_size,
                           EVAL_BATCH_PER_REPLICA * strategy.num_replicas_in_sync)
         with strategy.scope():
@@ -81,7 +94,19 @@ class Evaluator:
         shows what it buys. With `views.fraction` below 1, only the
         int(N x fraction) images whose plain view is least confident (lowest
         top softmax probability; ties by index) are augmented, as the 2025
-        record does; the others are scored by their plain view."""
+        record does; the others are scored by their plain view.
+        A user's model that fails in it is one ModelError naming it: its inference call is
+        first traced and run here, at the evaluation's batch (an assertion or Python code of
+        its training=False branch was a traceback, exit 1). Its checkpoints stay: a run
+        again, fixed, goes on."""
+        if self._users_model is None:
+            return self._evaluate(split)
+        with users_code(self._users_model, "failed in an evaluation on the test images; its "
+                        "checkpoints are kept: run again, fixed or with --noevaluate, to go on",
+                        _NOT_THE_MODELS):
+            return self._evaluate(split)
+
+    def _evaluate(self, split: ImageSplit) -> dict:
         if self._views.views != "none" and self._views.fraction < 1:
             return self._evaluate_selectively(split, self._views.fraction)
         loss_sum, correct, examples, plain_correct = self._sums_over(split)

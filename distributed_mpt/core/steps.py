@@ -17,15 +17,7 @@ from distributed_mpt.core import pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import ImageSplit
 from distributed_mpt.core.eval_views import EvalViews, Evaluator, drain, is_correct, sum_accumulator
-from distributed_mpt.core.models.contract import users_code
 from distributed_mpt.core.optim.lookahead import Lookahead
-
-# What an evaluation raises that says nothing of a user's model: a lost peer's errors, the
-# device's or runtime's, the memory's.
-_NOT_THE_MODELS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                   tf.errors.DeadlineExceededError, tf.errors.CancelledError,
-                   tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError,
-                   tf.errors.ResourceExhaustedError, MemoryError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,15 +98,14 @@ class Trainer:
     `step` (an int64 variable: the one step counter of the run, which the
     optimizer's schedule and the lookahead read) in the strategy's scope
     first. `on_device`: train from the split in device memory;
-    `eval_views`: evaluate with test-time augmentation (`evaluate`); `users_model`: the
-    --model of a user's network, which `evaluate` blames for what its code raises."""
+    `eval_views`: evaluate with test-time augmentation (`evaluate`); `users_model`: a
+    user's network's --model (Evaluator's)."""
 
     def __init__(self, model: keras.Model, optimizer, strategy: tf.distribute.Strategy,
                  step: tf.Variable, rules: StepRules, *,
                  on_device: Optional[SplitOnDevice] = None,
                  eval_views: EvalViews = EvalViews(), users_model: Optional[str] = None):
         self.model, self.optimizer, self.step = model, optimizer, step
-        self._users_model = users_model
         self.strategy, self._rules, self._on_device = strategy, rules, on_device
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         # (step, indices into model.trainable_variables), by step.
@@ -144,7 +135,8 @@ class Trainer:
         # lookahead's `if step % 5` need it; the steps they call branch on
         # Python values only and are marked `do_not_convert`.
         self._train_loop = tf.function(self._train_loop_fn)
-        self._evaluator = Evaluator(model, strategy, rules.global_batch_size, eval_views)
+        self._evaluator = Evaluator(model, strategy, rules.global_batch_size, eval_views,
+                                    users_model)
 
     @property
     def images_on_device(self) -> bool:
@@ -161,16 +153,8 @@ class Trainer:
         self._stop_requested.assign(True)
 
     def evaluate(self, split: ImageSplit) -> dict:
-        """`split` scored as `eval_views.Evaluator.evaluate` says. A user's model that fails
-        in it is one ModelError naming it: its inference call is first traced and run here,
-        at the evaluation's batch (an assertion or Python code of its training=False branch
-        was a traceback, exit 1). Its checkpoints stay: a run again, fixed, goes on."""
-        if self._users_model is None:
-            return self._evaluator.evaluate(split)
-        with users_code(self._users_model, "failed in an evaluation on the test images; its "
-                        "checkpoints are kept: run again, fixed or with --noevaluate, to go on",
-                        _NOT_THE_MODELS):
-            return self._evaluator.evaluate(split)
+        """`split` scored as `eval_views.Evaluator.evaluate` says."""
+        return self._evaluator.evaluate(split)
 
     def train(self, iterator, num_steps: int, seconds_per_step: float = 0.0,
               crop_size: Optional[int] = None) -> LoopTotals:
