@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from typing import Tuple
@@ -302,6 +303,45 @@ def test_a_rotated_token_and_ca_certificate_are_used_from_the_next_report(serve,
     assert [line for line in err.splitlines() if "TrainJob" in line] == []
     assert len(server.requests) == 2, "the final report was sent"
     assert server.requests[1][1]["Authorization"] == f"Bearer {new_token}"
+
+
+def test_the_ca_is_parsed_again_only_once_kubernetes_rotated_it(serve, capfd, tmp_path,
+                                                                monkeypatch):
+    """The CA bundle was read and parsed again at every report: 240 ms for
+    1 MiB, the GIL held, a training thread's time. Kubernetes rotates it as
+    it does every projected file: a new directory, the ..data link swapped."""
+    def mounted(name: str, ca_file: str) -> None:  # the kubelet's atomic writer
+        (tmp_path / "mount" / name).mkdir(parents=True)
+        (tmp_path / "mount" / name / "ca.crt").write_bytes(open(ca_file, "rb").read())
+        os.symlink(name, tmp_path / "mount" / "..data_tmp")
+        os.replace(tmp_path / "mount" / "..data_tmp", tmp_path / "mount" / "..data")
+
+    parsed, real_load = [], ssl.SSLContext.load_verify_locations
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations",
+                        lambda *args, **kwargs: parsed.append(1) or real_load(*args, **kwargs))
+    monkeypatch.setattr(trainjob_progress, "MIN_SECONDS", 0.2)  # reports in a row, quickly
+    server, renewed = serve(), serve()
+    mounted("..2026_12_06_20_00_00.1", server.env["KUBEFLOW_TRAINER_SERVER_CA_CERT"])
+    os.symlink("..data/ca.crt", tmp_path / "mount" / "ca.crt")
+    status = TrainJobStatus.from_environment(
+        {**server.env, "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(tmp_path / "mount" / "ca.crt")})
+
+    def reported(progress: int) -> None:
+        status.update(progress, 90, {"loss": 2.0})
+        arrived_by = time.monotonic() + 60
+        while len(server.requests) < progress and time.monotonic() < arrived_by:
+            time.sleep(0.02)
+        assert len(server.requests) == progress, capfd.readouterr().err
+    reported(1)
+    reported(2)
+    assert len(parsed) == 1, "the unchanged CA is not parsed again"
+    server._http.socket.context.load_cert_chain(  # renewed, for its next connections
+        tmp_path / "controller-1" / "server.crt", tmp_path / "controller-1" / "server.key")
+    mounted("..2026_12_06_21_00_00.2", renewed.env["KUBEFLOW_TRAINER_SERVER_CA_CERT"])
+    reported(3)
+    _, err = close(status, capfd)
+    assert [line for line in err.splitlines() if "TrainJob" in line] == []
+    assert len(parsed) == 2, "the rotated CA is parsed once"
 
 
 @pytest.fixture
