@@ -16,10 +16,11 @@ never a failed run.
 The server and the three variables are untrusted (DESIGN.md, decision 8). A
 server that answers without end, trickles its answer, redirects or breaks
 TLS costs a warning and at most REQUEST_SECONDS of this thread: never the
-run's memory, and never more than CLOSE_SECONDS of its end. The token goes
-only over verified HTTPS to the URL's host: `https` alone, with the injected
-CA alone, and no redirect followed (urllib carries the Authorization header
-across them, to any host and scheme). No message holds the token or a part
+run's memory, and never more than CLOSE_SECONDS of its end (a stopped or
+failed run's: EARLY_CLOSE_SECONDS). The token goes only over verified HTTPS
+to the URL's host: `https` alone, with the injected CA alone, and no
+redirect followed (urllib carries the Authorization header across them, to
+any host and scheme). No message holds the token or a part
 of it (nor the token variable, which may hold the token, not its file's
 path), nor the URL's user name, password, query or fragment: a warning says
 what went wrong in this module's words, the C library's or OpenSSL's, never
@@ -57,6 +58,9 @@ REQUEST_SECONDS = 5.0
 # REQUEST_SECONDS <= MIN_SECONDS), the report, a second to close the
 # connection.
 CLOSE_SECONDS = MIN_SECONDS + REQUEST_SECONDS + 1
+# The most close() adds to the end of a run stopped by a signal or failed:
+# the pod's grace period (20 s by the launcher's default) is for its checkpoint.
+EARLY_CLOSE_SECONDS = 2.0
 # The controller refuses requests over 64 KiB and answers with the status it
 # applied or a Kubernetes Status (kubeflow/trainer v2.3,
 # pkg/statusserver/server.go): a longer answer is not its, and is not read.
@@ -126,16 +130,20 @@ class TrainJobStatus:
             self._latest = {"trainerStatus": status}
             self._changed.notify()
 
-    def close(self) -> None:
+    def close(self, early: bool = False) -> None:
         """Sends what is pending (the final progress, at most MIN_SECONDS
         later) and stops the thread; returns within CLOSE_SECONDS, whatever
-        the server does."""
+        the server does. `early` (a run stopped or failed): within
+        EARLY_CLOSE_SECONDS, what is pending sent only if its turn has come,
+        and a report the server holds left to end by itself, unsaid."""
+        seconds = EARLY_CLOSE_SECONDS if early else CLOSE_SECONDS
         with self._changed:
             # The thread's own deadline, a second before the join's: it ends
             # by itself, its connection closed, rather than being left behind.
-            self._close_by = time.monotonic() + CLOSE_SECONDS - 1
+            self._close_by = time.monotonic() + seconds - 1
+            self._warned |= early  # the run is ending: its output says why, not the reports'
             self._changed.notify()
-        self._thread.join(CLOSE_SECONDS)
+        self._thread.join(seconds)
         if self._thread.is_alive():  # held where no deadline reaches: resolving the host's name
             self._failed(f"the final progress was not sent within {CLOSE_SECONDS:g} s")
 
@@ -148,15 +156,17 @@ class TrainJobStatus:
                 if self._latest is None:
                     return
                 # At most one request every MIN_SECONDS, the last one too.
-                wait = last_sent + MIN_SECONDS - time.monotonic()
-                if wait > 0:
-                    self._changed.wait(wait)
+                turn = last_sent + MIN_SECONDS
+                if self._close_by is not None and turn > self._close_by - 0.5:
+                    return  # too late for an early close (a normal one's comes in time)
+                if turn > time.monotonic():
+                    self._changed.wait(turn - time.monotonic())
                     continue
                 payload, self._latest = self._latest, None
                 deadline = time.monotonic() + REQUEST_SECONDS
                 if self._close_by is not None:
                     deadline = min(deadline, self._close_by)
-            if deadline - time.monotonic() < 1:  # close()'s deadline is near: a starved thread
+            if deadline - time.monotonic() < 0.5:  # close()'s deadline is near: a starved thread
                 self._failed("the final progress had no time left")
                 return
             # The turn counts from a report's start: counted from its end, a

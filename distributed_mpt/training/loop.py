@@ -327,11 +327,12 @@ class Reporter:
             parts.append(f"ETA {format_seconds(eta_seconds)}")
         self._print("  ".join(parts))
 
-    def close(self) -> None:
+    def close(self, early: bool = False) -> None:
+        """Ends the reports; `early`: the run was stopped or failed (TrainJobStatus.close)."""
         if self._enabled:
             self._closed.set()
             if self._status is not None:
-                self._status.close()
+                self._status.close(early)
         self._writer.close()
 
     def _print(self, line: str) -> None:

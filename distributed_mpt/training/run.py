@@ -237,6 +237,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
         check_held()  # before any write: a run on a read-only mount stops here (run_lock.ReadOnly)
         reporter = Reporter(config.run.model_dir, is_chief, plan.total_steps, resumed.start_step,
                             started, config.evaluation.evaluate, check_held)
+        completed = False
         try:
             if is_chief:  # written first, so that even a run that crashes says what it was
                 # (in a new --model_dir, a user's model refused in the first step takes it along)
@@ -272,9 +273,12 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
                 writes(files.write_json, f"{config.run.model_dir}/summary.json",
                        finite_values(summary))
             leave_together(strategy, plan.num_workers, writes)
+            completed = True
             return summary
         finally:
-            reporter.close()
+            # A run stopped (even while it finished) or failed: its pod's grace period
+            # is for the checkpoint, not the final progress report (10.7 s of it after a SIGTERM).
+            reporter.close(early=not completed or stopping.requested())
     finally:
         checkpoints.close()
 

@@ -8,13 +8,15 @@ certificate of another CA, it costs one warning line, bounded time and
 bounded memory, and the token is sent nowhere else and printed nowhere,
 not a part of it. So are token and CA files that are not what the
 controller mounts, and URLs that are not https. One run of the real entry
-point trains to its final checkpoint against a hostile server."""
+point trains to its final checkpoint against a hostile server; another,
+stopped by SIGTERM while the server holds a report, does not wait for it."""
 
 import contextlib
 import http.client
 import json
 import os
 import secrets
+import signal
 import socket
 import ssl
 import threading
@@ -24,7 +26,8 @@ from typing import Tuple
 import jsonschema
 import pytest
 
-from conftest import SMOKE_FLAGS, assert_ok, make_path, read_summary, run_module, subprocess_env
+from conftest import (SMOKE_FLAGS, WatchedProcess, assert_ok, make_path, read_summary,
+                      run_module, subprocess_env)
 from distributed_mpt import files
 from distributed_mpt.cluster import trainjob_progress
 from distributed_mpt.cluster.trainjob_progress import (
@@ -608,3 +611,68 @@ def test_a_run_finishes_to_its_final_checkpoint_whatever_the_server_does(serve, 
     warnings = [line for line in result.stderr.splitlines() if "TrainJob" in line]
     assert_one_warning(warnings, "not reported to")
     assert_no_part_of_the_token(result.stdout + result.stderr)
+
+
+def held(handler, number):
+    """200, then the answer a byte a second: the report is held to its end."""
+    handler.send_response(200)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    with contextlib.suppress(OSError):
+        for _ in range(60):
+            handler.wfile.write(b" ")
+            time.sleep(1)
+
+
+def test_an_early_close_leaves_a_held_report_and_says_nothing_of_it(serve, capfd):
+    """close(early=True), a run stopped or failed, while the server holds a
+    report: it returns within its short bound; the report left behind ends
+    by itself, unsaid (the run's own output says why it ends)."""
+    server = serve(held)
+    status = TrainJobStatus.from_environment(server.env)
+    status.update(10, 90, {"loss": 2.0})
+    arrived_by = time.monotonic() + 60
+    while not server.requests and time.monotonic() < arrived_by:
+        time.sleep(0.02)
+    status.update(20, 80, {"loss": 1.0})
+    began = time.monotonic()
+    status.close(early=True)
+    seconds = time.monotonic() - began
+    with capfd.disabled():
+        print(f"close(early=True) took {seconds:.2f} s")
+    assert seconds < CLOSE_SECONDS / 2  # a normal close waits for it: 10 s
+    status._thread.join(REQUEST_SECONDS + 30)
+    assert not status._thread.is_alive() and len(server.requests) == 1
+    assert "TrainJob" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_stopped_run_does_not_wait_for_the_report_the_server_holds(serve, tmp_path):
+    """SIGTERM while the server holds a report: the run exits 143 with its
+    checkpoint, without spending its pod's grace period (20 s by the
+    launcher's default) on progress. It waited for the report held, then
+    gave the next one its turn and its 5 s: 10.7 s after the signal."""
+    server = serve(held)
+    model_dir = tmp_path / "run"
+    run = WatchedProcess("distributed_mpt.train", [
+        *SMOKE_FLAGS, "--train_steps=100000", "--steps_per_loop=2", "--log_every_steps=2",
+        "--checkpoint_every_steps=100000", "--noevaluate", f"--model_dir={model_dir}"],
+        env=subprocess_env(**server.env))
+    try:
+        arrived_by = time.monotonic() + 300
+        while not server.requests and time.monotonic() < arrived_by:
+            time.sleep(0.05)
+        assert server.requests, run.output()[-2000:]
+        time.sleep(1)  # the progress logged meanwhile waits for its turn
+        signalled = time.monotonic()
+        run.process.send_signal(signal.SIGTERM)
+        saved, _ = run.wait_for(r"stopped by a signal at step \d+; checkpoint saved", 120)
+        code = run.finish(timeout=120)
+        ended = time.monotonic()
+    finally:
+        run.process.kill()
+    print(f"exit {code}: {ended - signalled:.1f} s after SIGTERM, {ended - saved:.1f} s after "
+          f"the checkpoint (a finished run's close: at most {CLOSE_SECONDS:g} s)")
+    assert code == 143, run.output()[-2000:]
+    assert checkpointed_step(model_dir) > 0 and "Traceback" not in run.output()
+    assert ended - saved < CLOSE_SECONDS / 2, run.output()[-2000:]
