@@ -201,6 +201,28 @@ def _an_empty_test_folder(root):
     return "test holds no images: put some of each class there"
 
 
+def _a_test_folder_linked_to_train(root):
+    # test/ made a link to train/: it trained, and scored 100% on the images it trained on.
+    shutil.rmtree(root / "test")
+    (root / "test").symlink_to("train")
+    return "photos/train/cars and " + str(root / "test" / "cars") + " are one (a link"
+
+
+def _a_class_linked_under_two_names(root):
+    # ships/ a link to dogs/: every dog trained as a dog and as a ship.
+    for split in ("train", "test"):
+        shutil.rmtree(root / split / "ships")
+        (root / split / "ships").symlink_to("dogs")
+    return "photos/train/dogs and " + str(root / "train" / "ships") + " are one (a link"
+
+
+def _a_training_image_hard_linked_into_test(root):
+    # Scored as unseen: the test accuracy counted an image the model trained on.
+    (root / "test" / "dogs" / "000.png").unlink()
+    os.link(root / "train" / "dogs" / "003.png", root / "test" / "dogs" / "000.png")
+    return "train/dogs/003.png and " + str(root / "test" / "dogs" / "000.png") + " are one"
+
+
 def _classes_that_read_as_one(root):
     # Two classes that a person reads as one, each with part of its images.
     for split in ("train", "test"):
@@ -236,7 +258,10 @@ def test_class_names_that_print_as_one_read_as_one(look_alike):
                                    _a_test_file,
                                    _an_empty_test_folder,
                                    _classes_that_read_as_one,
-                                   _classes_apart_by_an_invisible_character])
+                                   _classes_apart_by_an_invisible_character,
+                                   _a_test_folder_linked_to_train,
+                                   _a_class_linked_under_two_names,
+                                   _a_training_image_hard_linked_into_test])
 def test_a_bad_folder_is_one_error_line_naming_it_before_training(tmp_path, spoil):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     fragment = spoil(folder)

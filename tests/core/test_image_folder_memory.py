@@ -13,8 +13,9 @@ from distributed_mpt.core.data import DataOptions
 
 
 def _folder_of_links(root, train_per_class: int, side: int):
-    """train/ and test/ of two classes, every image a link to one PNG of
-    `side` x `side`: a folder of many images made at once."""
+    """train/ and test/ of two classes, every image a copy of one PNG of
+    `side` x `side`: a folder of many images made at once. Copies, not
+    links: two paths to one file are refused (each image is read once)."""
     root.mkdir()
     photo = root / "photo.png"
     Image.new("RGB", (side, side), (90, 20, 200)).save(photo)
@@ -22,7 +23,7 @@ def _folder_of_links(root, train_per_class: int, side: int):
         for name in ("cats", "dogs"):
             (root / split / name).mkdir(parents=True)
             for i in range(count):
-                (root / split / name / f"{i}.png").symlink_to(photo)
+                (root / split / name / f"{i}.png").write_bytes(photo.read_bytes())
     return root
 
 

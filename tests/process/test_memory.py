@@ -309,7 +309,8 @@ def test_a_real_cgroup_limit_refuses_an_image_folder_before_it_is_decoded(tmp_pa
         for name in ("cats", "dogs"):
             (tmp_path / "photos" / split / name).mkdir(parents=True)
             for i in range(count):
-                (tmp_path / "photos" / split / name / f"{i}.png").symlink_to(photo)
+                # Copies, not links to it: two paths to one file are refused.
+                (tmp_path / "photos" / split / name / f"{i}.png").write_bytes(photo.read_bytes())
     result = _train_in_cgroup(tmp_path, 1_500_000_000, [
         *SMOKE_FLAGS, "--dataset=image_folder", f"--data_dir={tmp_path / 'photos'}",
         "--image_size=512", "--train_steps=2"])
@@ -330,7 +331,8 @@ def test_a_real_cgroup_limit_refuses_an_image_folder_to_evaluate_before_it_is_de
             for name in ("cats", "dogs"):
                 (tmp_path / folder / split / name).mkdir(parents=True)
                 for i in range(count):
-                    (tmp_path / folder / split / name / f"{i}.png").symlink_to(photo)
+                    (tmp_path / folder / split / name / f"{i}.png").write_bytes(
+                        photo.read_bytes())  # a copy: two paths to one file are refused
     trained = train([*SMOKE_FLAGS, "--dataset=image_folder", f"--data_dir={tmp_path / 'few'}",
                      "--image_size=512", "--model=resnet9", "--model_width=4",
                      "--per_replica_batch_size=2", "--train_steps=1", "--export",

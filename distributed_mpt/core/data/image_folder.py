@@ -27,6 +27,7 @@ SHA-256 of its file list with their sizes: what a resumed run compares, so
 that it does not continue on other images (training/plan.py).
 """
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -99,7 +100,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
                    f"a dot, a system's own such as Thumbs.db, or beside the class folders what "
                    f"is not a folder): "
                    f"{_some(os.path.relpath(path, root) for path in sorted(skipped))}")
-    fingerprint = _fingerprint(root, class_names, listed)
+    fingerprint = _fingerprint(root, class_names, listed, _each_file_once(listed))
     size = (options.image_size, options.image_size)
     # Train in a fixed shuffled order, not by class: what is computed from the
     # first images (airbench's whitening takes 5,000) must see every class.
@@ -296,31 +297,48 @@ def _some(names) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, List[str]]]
-                 ) -> dict:
+def _each_file_once(listed: Dict[str, Dict[int, List[str]]]) -> Dict[str, int]:
+    """Every listed file's size in bytes (-1 if unknown: decoding names it),
+    or DataUnavailableError if two paths are one file (links): a class
+    folder linked under two names trained its images as both classes, and
+    test/ linked to train/ scored the model on its training images, unsaid."""
+    sizes, seen = {}, {}
+    for path in [p for by_class in listed.values() for ps in by_class.values() for p in ps]:
+        try:
+            found = os.stat(path)
+        except OSError:  # a link to nothing, or one that loops
+            sizes[path] = -1
+            continue
+        sizes[path], first = found.st_size, seen.setdefault((found.st_dev, found.st_ino), path)
+        if first != path and found.st_ino:  # 0: a file system without inode numbers
+            pair = [first, path]
+            with contextlib.suppress(OSError):  # one folder (a class's, a split's): named so
+                folders = [os.path.dirname(p) for p in pair]
+                pair = folders if os.path.samefile(*folders) else pair
+            raise DataUnavailableError(
+                f"{quoted(pair[0])} and {quoted(pair[1])} are one (a link, or hard links): an "
+                f"image belongs to one class of train/ or of test/ alone; remove one of them")
+    return sizes
+
+
+def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, List[str]]],
+                 sizes: Dict[str, int]) -> dict:
     """What the folder `root` holds, cheaply: its classes in label order, its
     number of files in each split folder, and the SHA-256 of every file's
-    path (from `root`, so that a copy elsewhere is the same data) and size
-    in bytes, sorted. Contents are not read for it: a file changed in place
-    at the same size goes unnoticed, a file added, removed, renamed, moved
-    to another class or resized does not."""
+    path (from `root`: a copy elsewhere is the same data) and `sizes`,
+    sorted. Contents are not read for it: a file changed in place at the
+    same size goes unnoticed, one added, removed, renamed, moved to another
+    class or resized does not."""
     lines = []
     for by_class in listed.values():
         for paths in by_class.values():
-            lines += [os.fsencode(os.path.relpath(path, root)) + b"\t%d" % _size(path)
+            lines += [os.fsencode(os.path.relpath(path, root)) + b"\t%d" % sizes[path]
                       for path in paths]
     digest = hashlib.sha256(b"\n".join(sorted(lines))).hexdigest()
     return {"classes": list(class_names),
             "files": {split: sum(map(len, by_class.values()))
                       for split, by_class in listed.items()},
             "sha256": digest}
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:  # a link to nothing, or one that loops: decoding it names it, in one line
-        return -1
 
 
 def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int
