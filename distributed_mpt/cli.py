@@ -92,13 +92,21 @@ _FLAGFILE = ("--flagfile", "-flagfile")
 MAX_FLAGFILE_BYTES = 1 << 20
 
 
-def check_flagfiles(args, seen=()) -> None:
+# Flagfiles read for one command, counted as absl reads them: again wherever
+# one is named. Far above any real use (a recipe named by a flagfile named by
+# another); six files that each named the next 20 times were 64 million reads
+# (a hang), and a chain of a thousand a RecursionError's traceback.
+MAX_FLAGFILES_READ = 256
+
+
+def check_flagfiles(args, seen=(), read=None) -> None:
     """Raises ConfigError unless every --flagfile in `args`, and every one
-    that those name, is a regular file of UTF-8 text. absl opens whatever it
-    is given: it waits forever on a FIFO, raises UnicodeDecodeError on a
-    binary file, and echoes a line it cannot read as a flag (a --flagfile of
+    that those name, is a regular file of UTF-8 text, MAX_FLAGFILES_READ at
+    most (`read`: how many so far). absl opens whatever it is given: it
+    waits forever on a FIFO, raises UnicodeDecodeError on a binary file, and
+    echoes a line it cannot read as a flag (a --flagfile of
     /proc/self/environ: the environment, secrets and all)."""
-    args = list(args)
+    args, read = list(args), [0] if read is None else read
     for i, arg in enumerate(args):
         if arg == "--":
             return
@@ -113,6 +121,11 @@ def check_flagfiles(args, seen=()) -> None:
         path = os.path.expanduser(path)
         if path in seen:  # absl warns of a cycle and goes on
             continue
+        read[0] += 1
+        if read[0] > MAX_FLAGFILES_READ:
+            raise ConfigError(f"--flagfile={quoted(path)} is flagfile {read[0]:,} of this "
+                              f"command, where at most {MAX_FLAGFILES_READ} are read (each "
+                              f"counted every time it is named): nest fewer, or name each once")
         # A log or a data set given by mistake: absl took 6 s and 160 MB for a million
         # lines (2 cores of an AVX2-only AMD EPYC, Zen 3).
         size = os.path.getsize(path) if files.is_regular_file(path) else 0
@@ -140,7 +153,7 @@ def check_flagfiles(args, seen=()) -> None:
                 raise ConfigError(f"{quoted(line)} in --flagfile={quoted(path)} {kept[0]}, which "
                                   f"a flagfile keeps as part of the value (no shell reads it): "
                                   f"{kept[1]}")
-        check_flagfiles(lines, (*seen, path))
+        check_flagfiles(lines, (*seen, path), read)
 
 
 def _kept_from_a_shell(line: str) -> Optional[Tuple[str, str]]:

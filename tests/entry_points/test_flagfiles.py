@@ -60,6 +60,36 @@ def test_a_flagfile_too_large_or_with_a_byte_order_mark_is_one_error_line(conten
     assert not (tmp_path / "run").exists()
 
 
+def _chain(tmp_path, length, times=1):
+    """Flagfiles 0..length, each naming the next `times` times; the last sets a flag."""
+    for i in range(length):
+        (tmp_path / f"{i}.flags").write_text(f"--flagfile={tmp_path / f'{i + 1}.flags'}\n" * times)
+    (tmp_path / f"{length}.flags").write_text("--train_steps=2\n")
+    return tmp_path / "0.flags"
+
+
+@pytest.mark.parametrize("length, times, last", [
+    # absl reads a flagfile again wherever it is named: 20**6, 64 million reads, a hang.
+    (6, 20, 6),
+    # A chain of a thousand ended in a RecursionError's traceback.
+    (1000, 1, 256)])
+def test_flagfiles_that_name_flagfiles_without_end_are_one_error_line(length, times, last,
+                                                                      tmp_path):
+    from distributed_mpt.train import main
+
+    flagfile = _chain(tmp_path, length, times)
+    with deadline(60):
+        result = run_in_process(main, [f"--flagfile={flagfile}", f"--model_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2
+    assert result.stderr == (f"error: --flagfile={tmp_path / f'{last}.flags'} is flagfile 257 of "
+                             f"this command, where at most 256 are read (each counted every time "
+                             f"it is named): nest fewer, or name each once\n")
+    assert not (tmp_path / "run").exists()
+    # A few nested, each named once, are read as before.
+    assert_ok(run_in_process(main, [f"--flagfile={_chain(tmp_path, 3)}", *SMOKE_FLAGS,
+                                    f"--model_dir={tmp_path / 'run'}"]))
+
+
 @pytest.mark.parametrize("program, flag", [("train", "model_dir"), ("train", "data_dir"),
                                            ("predict", "model_dir")])
 @pytest.mark.parametrize("written", ["$HOME", "${HOME}"])
