@@ -284,6 +284,23 @@ def test_a_data_dir_mistyped_or_a_file_is_named_so_not_as_without_train(tmp_path
     assert not run.exists(), "nothing written"
 
 
+@pytest.mark.parametrize("model_dir, flags, split", [
+    # A folder of the run's own among the classes: it trained once, and its
+    # checkpoints/ was then a class that no resume could read.
+    ("train", ["--adopt_model_dir"], "train"),
+    # Refused as "train/run holds no images", a folder the user never made.
+    ("train/run", [], "train"), ("train/cars/run", [], "train"),
+    # Refused as "test has class folder(s) run that train does not".
+    ("test/run", [], "test")])
+def test_a_model_dir_among_the_classes_is_one_error_line(tmp_path, model_dir, flags, split):
+    folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
+    before = snapshot(folder)
+    result = train([*FLAGS, f"--data_dir={folder}", f"--model_dir={folder / model_dir}", *flags])
+    assert_one_error_line(result, f"--model_dir={folder / model_dir} is in --data_dir's {split}/ "
+                                  f"({folder / split}), whose folders are read as classes")
+    assert snapshot(folder) == before, "nothing written"
+
+
 def test_test_fraction_beside_a_test_folder_is_an_error_not_ignored(tmp_path):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     run = tmp_path / "run"
