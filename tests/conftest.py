@@ -285,15 +285,17 @@ def write_cifar10_binary(directory: Path) -> Path:
     """Writes files in the format of CIFAR-10's official binary release
     (full size, 10,000 records each: label byte, then R, G, B planes) into
     `directory/cifar-10-batches-bin/`; labels cycle 0..9 and each image is
-    its label's grey level, so the layout can be checked pixel by pixel."""
+    its label's grey level, so the layout can be checked pixel by pixel;
+    the G plane is 100 in the first file, 101 in the next (files that are
+    copies of one another are refused)."""
     import numpy as np
 
     out = Path(directory) / "cifar-10-batches-bin"
     out.mkdir(parents=True)
     labels = np.arange(10_000, dtype=np.uint8) % 10
     records = np.repeat(labels[:, None], 1 + 3072, axis=1)
-    records[:, 1 + 1024:1 + 2048] = 100  # the G plane: tells planes from pixels
-    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+    for i, name in enumerate([f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]):
+        records[:, 1 + 1024:1 + 2048] = 100 + i  # the G plane: tells planes from pixels
         records.tofile(out / name)
     return out
 

@@ -250,6 +250,22 @@ def test_a_rate_given_to_a_run_of_the_models_rate_says_what_its_ceiling_of_0_is(
                           "--learning_rate=0.05 --max_learning_rate=0.05 to resume it")
 
 
+def test_a_binary_release_with_a_file_copied_over_another_is_refused(tmp_path):
+    """test_batch.bin copied as data_batch_5.bin (a missing batch replaced):
+    the run trained on the test images and scored them as unseen, exit 0."""
+    import shutil
+
+    from conftest import write_cifar10_binary
+
+    data = write_cifar10_binary(tmp_path / "data")
+    shutil.copy(data / "test_batch.bin", data / "data_batch_5.bin")
+    result = train(["--model=mlp", f"--data_dir={tmp_path / 'data'}", "--nodownload",
+                    "--train_steps=2", f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, "test_batch.bin holds the same records as data_batch_5.bin: "
+                                  "it is not a file of the CIFAR-10 binary release")
+    assert not (tmp_path / "run").exists(), "nothing written"
+
+
 def test_a_finished_run_started_again_leaves_its_results_as_they_are(model_dir):
     flags = [*SMOKE_FLAGS, "--train_steps=10", "--precision=float32", f"--model_dir={model_dir}"]
     assert_ok(train(flags))
