@@ -301,6 +301,21 @@ def test_a_model_dir_among_the_classes_is_one_error_line(tmp_path, model_dir, fl
     assert snapshot(folder) == before, "nothing written"
 
 
+def test_more_classes_than_predict_takes_are_refused_before_any_image_is_read(tmp_path):
+    """A folder of 100,001 classes (a face data set's identities) trained
+    to the end, and predict then called the run's own export damaged ("it
+    names 100,001 classes, where a classifier has 2 to 100,000") and said
+    to train it again. Empty folders: the count is refused before they are read."""
+    folder = tmp_path / "photos"
+    for i in range(dataset.MAX_CLASSES + 1):
+        (folder / "train" / f"{i:06d}").mkdir(parents=True)
+    (folder / "test").mkdir()
+    result = train([*FLAGS, f"--data_dir={folder}", f"--model_dir={tmp_path / 'run'}"])
+    assert_one_error_line(result, f"{folder / 'train'} holds 100,001 class folders, more than "
+                                  f"this program trains (100,000)")
+    assert not (tmp_path / "run").exists(), "nothing written"
+
+
 def test_test_fraction_beside_a_test_folder_is_an_error_not_ignored(tmp_path):
     folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
     run = tmp_path / "run"

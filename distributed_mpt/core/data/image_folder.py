@@ -40,8 +40,8 @@ import numpy as np
 from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
-from distributed_mpt.core.data.dataset import (READ_AS_ONE_BY, SPLITS, Dataset, DatasetInfo,
-                                               ImageSplit, aligned_empty,
+from distributed_mpt.core.data.dataset import (MAX_CLASSES, READ_AS_ONE_BY, SPLITS, Dataset,
+                                               DatasetInfo, ImageSplit, aligned_empty,
                                                first_pair_read_as_one, read_as)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
@@ -165,8 +165,8 @@ def _is_folder(entry: os.DirEntry) -> bool:
 
 def _check_class_names(directory: str, names: List[str]) -> None:
     """Raises DataUnavailableError, before any image is decoded, unless there
-    are two classes or more, no two read as one (dataset.read_as), and each
-    name is one line of UTF-8 text with a visible character: the export
+    are 2 to MAX_CLASSES classes, no two read as one (dataset.read_as), and
+    each name is one line of UTF-8 text with a visible character: the export
     writes them into classes.txt, and predict answers with them."""
     for name in names:
         bad = next((c for c in name if unicodedata.category(c) in _BAD_IN_NAMES), None)
@@ -178,8 +178,7 @@ def _check_class_names(directory: str, names: List[str]) -> None:
                                        f"name: rename it (predict answers with class names)")
         if unicodedata.category(bad) == "Cs":
             raise DataUnavailableError(f"class folder {folder} is named in bytes that are not "
-                                       f"UTF-8: rename it (class names are written into the "
-                                       f"export's classes.txt, in UTF-8)")
+                                       f"UTF-8: rename it (the export's classes.txt is UTF-8)")
         raise DataUnavailableError(f"class folder {folder} has a control character (U+"
                                    f"{ord(bad):04X}) in its name: rename it (class names are "
                                    f"the lines of the export's classes.txt)")
@@ -194,6 +193,9 @@ def _check_class_names(directory: str, names: List[str]) -> None:
         raise DataUnavailableError(f"{quoted(directory)} holds one class folder "
                                    f"({quoted(names[0])}): a classifier needs two classes or "
                                    f"more, a folder of images of each")
+    if len(names) > MAX_CLASSES:  # predict refuses a run of more, as damaged: refused before it
+        raise DataUnavailableError(f"{quoted(directory)} holds {len(names):,} class folders, "
+                                   f"more than this program trains ({MAX_CLASSES:,}): merge some")
 
 
 def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
@@ -278,9 +280,8 @@ def _entries(folder: str, missing_ok: bool = False) -> List[os.DirEntry]:
 
 def _unreadable(path: str, error: OSError) -> DataUnavailableError:
     if error.errno == errno.ENAMETOOLONG:
-        return DataUnavailableError(f"cannot open {too_long_to_open(path)}: move "
-                                    f"--data_dir to a shorter path, or shorten its folders' "
-                                    f"names")
+        return DataUnavailableError(f"cannot open {too_long_to_open(path)}: move --data_dir "
+                                    f"to a shorter path, or shorten its folders' names")
     if error.errno == errno.EACCES:  # named by the folder closed to this user: DIR, not DIR/train
         above = [os.path.abspath(path)]
         while above[-1] != os.path.dirname(above[-1]):
@@ -311,9 +312,8 @@ def _each_file_once(listed: Dict[str, Dict[int, List[str]]]) -> Dict[str, int]:
             continue
         sizes[path], first = found.st_size, seen.setdefault((found.st_dev, found.st_ino), path)
         if first != path and found.st_ino:  # 0: a file system without inode numbers
-            pair = [first, path]
+            pair, folders = [first, path], [os.path.dirname(first), os.path.dirname(path)]
             with contextlib.suppress(OSError):  # one folder (a class's, a split's): named so
-                folders = [os.path.dirname(p) for p in pair]
                 pair = folders if os.path.samefile(*folders) else pair
             raise DataUnavailableError(
                 f"{quoted(pair[0])} and {quoted(pair[1])} are one (a link, or hard links): an "
