@@ -103,6 +103,23 @@ class TrainConfig:
                 dataclasses.asdict(getattr(self, section)).items()}
 
 
+def check_model_dir_outside_the_images(config: TrainConfig) -> None:
+    """Raises ConfigError if --model_dir is in an image folder's train/ or
+    test/, whose folders are read as classes: there the run's own folder was
+    refused as a class of no images (train/) or one train/ lacks (test/),
+    and an adopted train/ trained once, its checkpoints/ then a class that
+    no resume could read. Training's check, not from_flags': predict gives
+    it a --model_dir of "." that may be anywhere."""
+    if config.data.dataset != "image_folder":
+        return
+    model_dir = os.path.realpath(config.run.model_dir)
+    for split in ("train", "test"):
+        folder = os.path.realpath(os.path.join(config.data.data_dir, split))
+        require(os.path.commonpath([model_dir, folder]) != folder,
+                f"--model_dir={quoted(config.run.model_dir)} is in --data_dir's {split}/ "
+                f"({quoted(folder)}), whose folders are read as classes: choose one outside it")
+
+
 # What each built-in network has no part for, besides airbench's own options
 # (which only its builder takes: ModelSpec.options): the mlp has no batch norm,
 # no whitening layer and a fixed width, resnet9 no whitening layer. A user's

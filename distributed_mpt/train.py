@@ -22,7 +22,7 @@ from distributed_mpt import cli, files, recipes
 from distributed_mpt import config as config_lib
 from distributed_mpt.cluster.environment import resolve_cluster
 from distributed_mpt.core import models
-from distributed_mpt.errors import ConfigError, quoted
+from distributed_mpt.errors import ConfigError
 
 _DEFINE = {bool: flags.DEFINE_bool, str: flags.DEFINE_string,
            int: lambda *args, flag_values: cli.define_integer(flag_values, *args),
@@ -86,25 +86,9 @@ def parse_config(argv) -> config_lib.TrainConfig:
                           f"{recipes.path(fv.recipe)})")
     config = config_lib.TrainConfig.from_flags(**{name: fv[name].value
                                                   for name in config_lib.DEFAULTS})
-    _check_outside_the_images(config)
+    config_lib.check_model_dir_outside_the_images(config)
     return config
 
-
-def _check_outside_the_images(config: config_lib.TrainConfig) -> None:
-    """Raises ConfigError if --model_dir is in an image folder's train/ or
-    test/, whose folders are read as classes: there the run's own folder was
-    refused as a class of no images (train/) or one train/ lacks (test/),
-    and an adopted train/ trained once, its checkpoints/ then a class that
-    no resume could read."""
-    if config.data.dataset != "image_folder":
-        return
-    model_dir = os.path.realpath(config.run.model_dir)
-    for split in ("train", "test"):
-        folder = os.path.realpath(os.path.join(config.data.data_dir, split))
-        if os.path.commonpath([model_dir, folder]) == folder:
-            raise ConfigError(f"--model_dir={quoted(config.run.model_dir)} is in --data_dir's "
-                              f"{split}/ ({quoted(folder)}), whose folders are read as classes: "
-                              f"choose one outside it")
 
 
 def main(argv=None) -> int:
