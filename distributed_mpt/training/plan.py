@@ -165,11 +165,12 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     `checkpoints` holds; `step` is the step variable among them) and reads
     what the run before wrote beside it."""
     checkpoints.check_identity()  # before anything is written into model_dir
+    started_before = False
     if not checkpoints.on_disk():  # before restore_latest removes an index naming none
-        _refuse_a_run_without_checkpoints(model_dir)
+        started_before = _refuse_a_run_without_checkpoints(model_dir)
     restored = checkpoints.restore_latest()
     if not restored:
-        return Resumption(0, started_before=os.path.lexists(os.path.join(model_dir, "config.json")))
+        return Resumption(0, started_before=started_before)
     start_step, previous_config = int(step.numpy()), _previous_config(model_dir)
     summary = {} if start_step < total_steps else files.read_json(  # else rewritten at the end
         os.path.join(model_dir, "summary.json"), {"steps": int},
@@ -181,10 +182,11 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
     return Resumption(start_step, restored, previous_config, finished)
 
 
-def _refuse_a_run_without_checkpoints(model_dir: str) -> None:
+def _refuse_a_run_without_checkpoints(model_dir: str) -> bool:
     """Raises ConfigError if `model_dir` holds no checkpoint but the record
     of a run that trained (its summary.json, or a config.json of a segment
-    that resumed): a run from step 0 would replace its files."""
+    that resumed): a run from step 0 would replace its files. Returns
+    whether a run started there (stopped before its first checkpoint)."""
     try:  # read, not checked: an adopted directory's own config.json is no run's
         previous = files.read_json(os.path.join(model_dir, "config.json"))
     except files.DamagedFileError:
@@ -193,8 +195,8 @@ def _refuse_a_run_without_checkpoints(model_dir: str) -> None:
         what = "a finished run (see summary.json)"
     elif previous.get("from_step") or previous.get("earlier"):
         what = f"a run resumed at step {previous.get('from_step')} (see config.json)"
-    else:  # a run stopped before its first checkpoint: nothing trained is lost
-        return
+    else:  # a run stopped before its first checkpoint (not the adopted directory's own file)
+        return "resolved" in flat_record(previous)
     raise ConfigError(
         f"--model_dir={quoted(model_dir)} holds {what} but its checkpoints are gone from "
         f"{quoted(os.path.join(model_dir, 'checkpoints'))}: a run from step 0 would replace its "

@@ -261,8 +261,8 @@ def test_a_binary_release_with_a_file_copied_over_another_is_refused(tmp_path):
     shutil.copy(data / "test_batch.bin", data / "data_batch_5.bin")
     result = train(["--model=mlp", f"--data_dir={tmp_path / 'data'}", "--nodownload",
                     "--train_steps=2", f"--model_dir={tmp_path / 'run'}"])
-    assert_one_error_line(result, "test_batch.bin holds the same records as data_batch_5.bin: "
-                                  "it is not a file of the CIFAR-10 binary release")
+    assert_one_error_line(result, "data_batch_5.bin and test_batch.bin hold the same records, "
+                                  "one a copy of the other; extract the archive again")
     assert not (tmp_path / "run").exists(), "nothing written"
 
 
@@ -452,3 +452,10 @@ def test_a_run_started_again_before_its_first_checkpoint_says_it_starts_from_ste
     fresh = train([*SMOKE_FLAGS, "--train_steps=5", f"--model_dir={tmp_path / 'fresh'}"])
     assert_ok(fresh)
     assert "starts again" not in fresh.stdout
+    # An adopted directory's own config.json is no run's (found in review).
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "config.json").write_text('{"name": "my project settings"}')
+    adopted = train([*SMOKE_FLAGS, "--train_steps=5", "--adopt_model_dir",
+                     f"--model_dir={tmp_path / 'project'}"])
+    assert_ok(adopted)
+    assert "starts again" not in adopted.stdout
