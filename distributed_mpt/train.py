@@ -90,7 +90,6 @@ def parse_config(argv) -> config_lib.TrainConfig:
     return config
 
 
-
 def main(argv=None) -> int:
     """Runs training from command-line flags; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv

@@ -202,7 +202,7 @@ class TrainJobStatus:
     def _tls(self) -> ssl.SSLContext:
         """A TLS context trusting the CA file as it is now, made again only
         when the file changed (Kubernetes rotates it by swapping a link: a
-        new file): OpenSSL, holding the GIL, took 130 ms for 860 KB."""
+        new file): OpenSSL, holding the GIL, took 130 ms for 860 KB (Zen 5 EPYC)."""
         try:  # before reading it: a file changed in between is read again next time
             found = os.stat(self._ca_cert)
             identity = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)

@@ -27,7 +27,8 @@ DATASETS = {spec.name: spec for spec in (
     # Not flipped unless asked: a mirrored digit or letter is another sign.
     DatasetSpec("image_folder", f"your own labelled images in --data_dir: {IMAGE_FOLDER_LAYOUT}, "
                 f"resized to --image_size", f"{_HERE}.image_folder:load", flip="none",
-                reads=("image_size", "test_fraction"), needs_data_dir="the folder of class folders (DATA_DIR/train/<class>/<images>)"),
+                reads=("image_size", "test_fraction"),
+                needs_data_dir="the folder of class folders (DATA_DIR/train/<class>/<images>)"),
 )}
 
 
