@@ -88,6 +88,21 @@ def test_a_folder_without_test_holds_out_a_stated_fraction(tmp_path):
     assert read_summary(run)["eval_examples"] == 3 * 6, "a quarter of each class's 24"
 
 
+def test_hard_links_to_one_image_in_one_class_train_as_copies(tmp_path):
+    """What deduplicating tools (hardlink(1), rdfind, jdupes -L) make of two
+    copies of an image: links to one file. In one class they train as the
+    copies did; refused, the run named the class folder twice (review). In
+    two classes they are one image of both, refused naming the two files."""
+    folder = write_folder(tmp_path / "photos")
+    os.unlink(folder / "train" / "dogs" / "001.png")
+    os.link(folder / "train" / "dogs" / "000.png", folder / "train" / "dogs" / "001.png")
+    assert_ok(train([*FLAGS, f"--data_dir={folder}", "--noexport", f"--model_dir={tmp_path / 'run'}"]))
+    os.link(folder / "train" / "dogs" / "002.png", folder / "train" / "ships" / "extra.png")
+    assert_one_error_line(train([*FLAGS, f"--data_dir={folder}", f"--model_dir={tmp_path / 'other'}"]),
+                          f"photos/train/dogs/002.png and {folder / 'train' / 'ships' / 'extra.png'} "
+                          f"are one (a link, or hard links)")
+
+
 def _damaged(root):
     path = root / "train" / "dogs" / "007.png"
     path.write_bytes(path.read_bytes()[:60])

@@ -204,13 +204,16 @@ def same_examples(before: dict, now: dict) -> bool:
             == {k: v for k, v in now.items() if k != left_out})
 
 
-def fingerprint_difference(before: dict, now: dict, shown: int = 5) -> str:
+def some_names(names, shown: int = 5) -> str:
+    """Names for a message: the first `shown`, and how many more."""
+    names = list(names)
+    return ", ".join(quoted(str(name)) for name in names[:shown]) + (
+        f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def fingerprint_difference(before: dict, now: dict) -> str:
     """What differs between two of `Dataset.fingerprint`, in words: `before`
     as a config.json recorded it (read, not trusted), `now` as loaded."""
-    def names(classes):
-        more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
-        return quoted(", ".join(map(str, classes[:shown]))) + more
-
     def field(fingerprint, name, kind):  # config.json is read, not trusted: any shape
         value = fingerprint.get(name)
         return value if isinstance(value, kind) else kind()
@@ -219,11 +222,11 @@ def fingerprint_difference(before: dict, now: dict, shown: int = 5) -> str:
     removed, added = [c for c in old if c not in new], [c for c in new if c not in old]
     parts = []
     if removed:
-        parts.append(f"class(es) {names(removed)} gone")
+        parts.append(f"class(es) {some_names(removed)} gone")
     if added:
-        parts.append(f"class(es) {names(added)} new")
+        parts.append(f"class(es) {some_names(added)} new")
     if old != new and not parts:
-        parts.append(f"the classes in another order ({names(new)}, was {names(old)})")
+        parts.append(f"the classes in another order ({some_names(new)}, was {some_names(old)})")
     counted_before, counted = field(before, "files", dict), field(now, "files", dict)
     for split in sorted(set(counted_before) | set(counted)):
         if counted_before.get(split) != counted.get(split):

@@ -42,7 +42,7 @@ from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import (MAX_CLASSES, READ_AS_ONE_BY, SPLITS, Dataset,
                                                DatasetInfo, ImageSplit, aligned_empty,
-                                               first_pair_read_as_one, read_as)
+                                               first_pair_read_as_one, read_as, some_names)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
@@ -50,7 +50,6 @@ NAME = "image_folder"
 # back with str.splitlines) or are not UTF-8 (surrogates stand for the bytes
 # that are not): control characters, line and paragraph separators.
 _BAD_IN_NAMES = ("Cc", "Cs", "Zl", "Zp")
-_SHOWN = 5  # of the entries skipped, or the classes without test images, named in a warning
 # What operating systems leave beside a user's images, as macOS leaves
 # .DS_Store: Windows' thumbnail caches and folder settings, the folder of
 # macOS's resource forks that another system's unzip makes, and the folder
@@ -99,7 +98,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
                    f"{quoted(root)} that are not class folders or images (a name starting with "
                    f"a dot, a system's own such as Thumbs.db, or beside the class folders what "
                    f"is not a folder): "
-                   f"{_some(os.path.relpath(path, root) for path in sorted(skipped))}")
+                   f"{some_names(os.path.relpath(path, root) for path in sorted(skipped))}")
     fingerprint = _fingerprint(root, class_names, listed, _each_file_once(listed))
     size = (options.image_size, options.image_size)
     # Train in a fixed shuffled order, not by class: what is computed from the
@@ -242,7 +241,7 @@ def _files_by_class(directory: str, class_names: List[str], skipped: List[str],
     # reads as the model's on every class. None at all is load's error.
     if without and len(without) < len(class_names):
         files.warn(f"{quoted(directory)} holds no images of {len(without)} of the "
-                   f"{len(class_names)} classes ({_some(without)}): the test accuracy says "
+                   f"{len(class_names)} classes ({some_names(without)}): the test accuracy says "
                    f"nothing of them; put test images of each class in its folder there")
     return found
 
@@ -291,27 +290,24 @@ def _unreadable(path: str, error: OSError) -> DataUnavailableError:
     return DataUnavailableError(f"cannot read {quoted(path)} ({error.strerror})")
 
 
-def _some(names) -> str:
-    """Names for a warning: the first few, and how many more."""
-    names = list(names)
-    shown = ", ".join(quoted(name) for name in names[:_SHOWN])
-    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-
-
 def _each_file_once(listed: Dict[str, Dict[int, List[str]]]) -> Dict[str, int]:
     """Every listed file's size in bytes (-1 if unknown: decoding names it),
-    or DataUnavailableError if two paths are one file (links): a class
-    folder linked under two names trained its images as both classes, and
-    test/ linked to train/ scored the model on its training images, unsaid."""
+    or DataUnavailableError if two paths of two classes or splits are one
+    file (links): a class folder linked under two names trained its images
+    as both classes, and test/ linked to train/ scored the model on its
+    training images, unsaid. In one class, links to one image (what
+    hardlink(1) or rdfind make of duplicates) train as copies would."""
     sizes, seen = {}, {}
-    for path in [p for by_class in listed.values() for ps in by_class.values() for p in ps]:
+    for path, place in [(p, (split, label)) for split, by_class in listed.items()
+                        for label, ps in by_class.items() for p in ps]:
         try:
             found = os.stat(path)
         except OSError:  # a link to nothing, or one that loops
             sizes[path] = -1
             continue
-        sizes[path], first = found.st_size, seen.setdefault((found.st_dev, found.st_ino), path)
-        if first != path and found.st_ino:  # 0: a file system without inode numbers
+        sizes[path] = found.st_size
+        first, first_place = seen.setdefault((found.st_dev, found.st_ino), (path, place))
+        if first_place != place and found.st_ino:  # 0: a file system without inode numbers
             pair, folders = [first, path], [os.path.dirname(first), os.path.dirname(path)]
             with contextlib.suppress(OSError):  # one folder (a class's, a split's): named so
                 pair = folders if os.path.samefile(*folders) else pair
