@@ -171,6 +171,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     from distributed_mpt.core.models.process_state import prints_to_stderr
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
     from distributed_mpt.training import checkpoints
+    from distributed_mpt.training.build import memory_shortfall
 
     # The newest checkpoint that reads back whole, as training resumes from;
     # the `checkpoint` index file may be damaged or point at a missing one.
@@ -215,6 +216,17 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
             f"--model_dir={quoted(model_dir)} trained the package's {quoted(network.model)}")
     network = dataclasses.replace(network, model=users_model) if users else network
     spec = models.model_spec(network.model)
+    # Bounded before any weight exists, as training bounds it (config.json
+    # is untrusted: resnet9 at width 1,024 is 6.7 GB of weights). A user's
+    # network is as large as the code the user gives makes it.
+    parameters = network.parameter_count(info, config.airbench)
+    short = parameters and memory_shortfall(parameters, _COPIES_PER_WEIGHT)
+    if short:
+        raise ConfigError(
+            f"{quoted(config_path)} names {network.too_large()[0]}, of {parameters:,} "
+            f"parameters: predicting with it needs about {short[0] / 1e9:.1f} GB, more than the "
+            f"{short[1].describe()}; restore the run's config.json if it was changed, or give "
+            f"predict more memory")
     try:
         model = network.build(info, config.airbench)
     except (MemoryError, tf.errors.ResourceExhaustedError):
@@ -251,6 +263,11 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained,
                       "predict from the checkpoint before it (move this one's files away), or "
                       "train the model again")
+
+
+# Copies of every weight predict holds from a checkpoint, at most: the
+# model's, and the checkpoint's value as the restore reads it.
+_COPIES_PER_WEIGHT = 2
 
 
 def _dataset_info(config: TrainConfig, resolved: dict, config_path: str) -> DatasetInfo:

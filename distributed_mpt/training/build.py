@@ -171,10 +171,9 @@ def _check_memory(parameters, config: TrainConfig, replicas: int,
     or a SLURM job, its cgroup's limit (process/memory.py). A width of
     1,024 is one line at the start, not the OOM killer's exit 137 (which
     restart policies retry) without a word."""
-    headroom = headroom or memory.headroom()
-    # float32 variables, in any policy
-    needed = replicas * _COPIES_PER_WEIGHT * 4 * (parameters or 0)
-    if headroom and needed > headroom.bytes:
+    short = memory_shortfall(parameters or 0, _COPIES_PER_WEIGHT * replicas, headroom)
+    if short:
+        needed, headroom = short
         what, smaller = config.model.too_large()
         count = f"at least {parameters:,} parameters (counted as it was built)" if so_far \
             else f"{parameters:,} parameters"
@@ -184,6 +183,17 @@ def _check_memory(parameters, config: TrainConfig, replicas: int,
             f"{what} has {count}: training it{on} needs {'at least' if so_far else 'about'} "
             f"{needed / 1e9:.1f} GB, more than the {headroom.describe()}; use {smaller}{fewer}, "
             f"or give the run more memory")
+
+
+def memory_shortfall(parameters: int, copies: int,
+                     headroom: Optional[memory.Headroom] = None) -> Optional[tuple]:
+    """(bytes needed, the headroom they exceed) if `copies` of `parameters`
+    weights do not fit in `headroom` (else as read now); None if they fit, or
+    where nothing can be read. Training counts _COPIES_PER_WEIGHT a replica;
+    predict, which holds fewer, counts its own."""
+    headroom = headroom or memory.headroom()
+    needed = copies * 4 * parameters  # float32 variables, in any policy
+    return (needed, headroom) if headroom and needed > headroom.bytes else None
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMOKE_FLAGS, assert_one_error_line, subprocess_env, train
+from conftest import (REPO, SMOKE_FLAGS, assert_one_error_line, run_in_process, subprocess_env,
+                      train)
 from distributed_mpt.core import models
 from distributed_mpt.process import memory
 
@@ -342,3 +343,53 @@ def test_a_real_cgroup_limit_refuses_an_image_folder_to_evaluate_before_it_is_de
         "--evaluate", f"--data_dir={tmp_path / 'many'}"], entry_point="predict")
     assert_one_error_line(result, f"the 2,002 images of {tmp_path / 'many'} take 1.6 GB of "
                                   f"memory at --image_size=512, more than the ")
+
+
+def _run_whose_config_names_width_1024(tmp_path):
+    """A tiny resnet9's trained run (no export) whose config.json was
+    changed to name width 1,024: 6.7 GB of weights, which its checkpoint
+    does not hold."""
+    import json
+
+    run = tmp_path / "run"
+    assert train([*SMOKE_FLAGS, "--model=resnet9", "--model_width=4", "--train_steps=1",
+                  f"--model_dir={run}"]).returncode == 0
+    recorded = json.loads((run / "config.json").read_text())
+    recorded["model"]["model_width"] = 1024
+    (run / "config.json").write_text(json.dumps(recorded))
+    photo = tmp_path / "photo.png"
+    from PIL import Image
+    Image.new("RGB", (32, 32), (90, 20, 200)).save(photo)
+    return run, photo
+
+
+def test_predict_refuses_a_config_json_naming_a_model_too_large_before_it_is_built(
+        tmp_path, monkeypatch):
+    """predict built what a run's config.json named before any check: an
+    edited (or hostile) one naming width 1,024 built 6.7 GB of weights
+    before the checkpoint was found not to hold them, the OOM killer's
+    exit 137 on a smaller machine. The memory probe is the test's."""
+    from distributed_mpt.predict import main
+
+    run, photo = _run_whose_config_names_width_1024(tmp_path)
+    monkeypatch.setattr(memory, "headroom", lambda: memory.Headroom(
+        2 * GB, "left under the memory limit of cgroup /pod (4.0 GB, memory.max)"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before its memory was checked")
+
+    monkeypatch.setattr(models, "build_model", never)
+    result = run_in_process(main, [f"--model_dir={run}", str(photo)])
+    assert_one_error_line(result, f"{run}/config.json names --model=resnet9 at "
+                                  f"--model_width=1024, of 1,680,071,680 parameters: predicting "
+                                  f"with it needs about 13.4 GB, more than the 2.0 GB left under "
+                                  f"the memory limit of cgroup /pod")
+
+
+def test_predict_in_a_real_cgroup_refuses_a_config_json_naming_a_model_too_large(tmp_path):
+    """The same in a cgroup limited to 1.5 GB: it was killed building the
+    weights (exit 137, no word)."""
+    run, photo = _run_whose_config_names_width_1024(tmp_path)
+    result = _train_in_cgroup(tmp_path, 1_500_000_000, [str(photo)], entry_point="predict")
+    assert_one_error_line(result, "config.json names --model=resnet9 at --model_width=1024, of "
+                                  "1,680,071,680 parameters: predicting with it needs about ")
