@@ -167,7 +167,8 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import models
-    from distributed_mpt.core.models.contract import users_code
+    from distributed_mpt.core.eval_views import NOT_THE_MODELS, OUT_OF_MEMORY
+    from distributed_mpt.core.models.contract import cause, users_code
     from distributed_mpt.core.models.process_state import prints_to_stderr
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
     from distributed_mpt.training import checkpoints
@@ -229,7 +230,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
             f"predict more memory")
     try:
         model = network.build(info, config.airbench)
-    except (MemoryError, tf.errors.ResourceExhaustedError):
+    except OUT_OF_MEMORY:
         raise ConfigError(f"{quoted(config_path)} names a model too large for this machine's "
                           f"memory ({network.model}, width {network.model_width})") from None
     refuse_another_model(resolved, model_signature(spec, model), spec,
@@ -254,11 +255,17 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
 
     def probabilities(x):
         # A user's call() is code that may raise on what training never gave it (one image:
-        # a traceback, exit 1): one line that names it. A print in a layer's call() goes to
+        # a traceback, exit 1): one line that names it, but not for what says nothing of the
+        # model (the memory's), as in an evaluation. A print in a layer's call() goes to
         # stderr either way: stdout is predict's answers.
-        with (users_code(users_model, f"failed when called on {len(x)} image(s)") if users
-              else prints_to_stderr()):
-            return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
+        try:
+            with (users_code(users_model, f"failed when called on {len(x)} image(s)",
+                             NOT_THE_MODELS) if users else prints_to_stderr()):
+                return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
+        except OUT_OF_MEMORY as e:  # a traceback, or else the model blamed
+            raise ConfigError(f"classifying {len(x)} image(s) with {quoted(prefix)} ran out of "
+                              f"memory ({cause(e)}): give predict more "
+                              f"memory") from None
 
     return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained,
                       "predict from the checkpoint before it (move this one's files away), or "

@@ -59,12 +59,14 @@ def least_confident(confidence: np.ndarray, fraction: float) -> np.ndarray:
 EVAL_BATCH_PER_REPLICA = 512
 
 
-# What an evaluation raises that says nothing of a user's model: a lost peer's errors, the
-# device's or runtime's, the memory's.
-_NOT_THE_MODELS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                   tf.errors.DeadlineExceededError, tf.errors.CancelledError,
-                   tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError,
-                   tf.errors.ResourceExhaustedError, MemoryError)
+# What running out of memory raises: TensorFlow's allocator, Python's.
+OUT_OF_MEMORY = (tf.errors.ResourceExhaustedError, MemoryError)
+# What a user's model's inference call raises (in an evaluation, in predict) that says
+# nothing of the model: a lost peer's errors, the device's or runtime's, the memory's.
+NOT_THE_MODELS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                  tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+                  tf.errors.InternalError, tf.errors.UnknownError, tf.errors.DataLossError,
+                  *OUT_OF_MEMORY)
 
 
 class Evaluator:
@@ -103,7 +105,7 @@ class Evaluator:
             return self._evaluate(split)
         with users_code(self._users_model, "failed in an evaluation on the test images; its "
                         "checkpoints are kept: run again, fixed or with --noevaluate, to go on",
-                        _NOT_THE_MODELS):
+                        NOT_THE_MODELS):
             return self._evaluate(split)
 
     def _evaluate(self, split: ImageSplit) -> dict:

@@ -125,6 +125,35 @@ def named_probabilities(info):
                                                   name="probabilities")(x))
 
 
+class OutOfMemoryOnOneImage(keras.layers.Layer):
+    """Runs out of memory on a batch of one image, as a model may at
+    predict's batch: TensorFlow's allocator's error, or Python's."""
+
+    def __init__(self, python=False, **kwargs):
+        super().__init__(**kwargs)
+        self.python = python
+
+    def call(self, images):
+        if images.shape[0] == 1:
+            if self.python:
+                raise MemoryError()
+            import tensorflow as tf
+            raise tf.errors.ResourceExhaustedError(
+                None, None, "OOM when allocating tensor with shape[1,3072]")
+        return images
+
+
+def out_of_memory(info, python=False):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(
+        OutOfMemoryOnOneImage(python)(images)))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
+def python_out_of_memory(info):
+    return out_of_memory(info, python=True)
+
+
 def two_outputs(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -331,6 +360,24 @@ def test_a_last_layer_named_probabilities_is_exported(model_file, tmp_path):
     loaded = keras.models.load_model(run / "export" / "model.keras")
     sums = loaded([np.zeros((2, 32, 32, 3), np.uint8)]).numpy().sum(axis=1)
     assert sums == pytest.approx([1, 1], abs=1e-4), "its softmax dropped, and added back once"
+
+
+@pytest.mark.parametrize("function, raised", [
+    ("out_of_memory", "ResourceExhaustedError in OutOfMemoryOnOneImage.call(): OOM when "),
+    ("python_out_of_memory", "MemoryError in OutOfMemoryOnOneImage.call()")])
+def test_a_model_out_of_memory_in_predict_is_said_as_memory_not_blamed_on_it(
+        model_file, tmp_path, function, raised):
+    """Its call() under users_code blamed the model for the memory ("failed
+    when called on 1 image(s)"), as an evaluation does not."""
+    run, model = tmp_path / "run", f"--model={model_file}:{function}"
+    assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(photo)
+    from distributed_mpt.predict import main
+    result = run_in_process(main, [f"--model_dir={run}", model, str(photo)])
+    assert_one_error_line(result, f"classifying 1 image(s) with {run}/checkpoints/ckpt-2 ran out "
+                                  f"of memory ({raised}")
+    assert "failed when called" not in result.stderr
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):
