@@ -68,6 +68,22 @@ def test_a_umask_the_model_sets_is_set_back_and_the_runs_files_keep_their_modes(
         assert stat.S_IMODE(path.stat().st_mode) & 0o600 == 0o600, path
 
 
+@pytest.mark.parametrize("body, what", [
+    ("    import tempfile\n    tempfile.tempdir = '/nonexistent-dmpt-tmp'\n",
+     "the folder of temporary files (tempfile.tempdir)"),
+    ("    import sys\n    sys.setrecursionlimit(120)\n",
+     "Python's recursion limit (sys.setrecursionlimit)")])
+def test_a_temporary_folder_or_recursion_limit_the_model_sets_is_set_back(tmp_path, body, what):
+    """tempfile.tempdir set to a missing folder, or sys.setrecursionlimit(120),
+    in the model function: the error line blamed the model's first training
+    step, with a cause that did not say why (found by review)."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, _model(tmp_path, body), f"--model_dir={run}"], timeout=300)
+    assert_ok(result)
+    assert f"changed {what}, which the run relies on: set back" in result.stderr
+    assert (run / "summary.json").is_file() and (run / "export" / "model.keras").is_file()
+
+
 def test_a_model_that_sets_keras_float_type_itself_is_refused_and_set_back(tmp_path):
     """keras.config.set_floatx("float16"): the policy was set back, not
     the float type, and the error line blamed the first training step

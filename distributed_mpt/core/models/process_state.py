@@ -17,7 +17,11 @@ every file of the run mode 000, exit 0; and a warnings filter that makes
 warnings errors (warnings.simplefilter("error") in a model file): the
 libraries' own warnings then failed the export, after training, with a
 traceback (cli.libraries_warnings_stay_warnings keeps those of -W error).
-Its other filters (a library that silences its warnings) stay.
+Its other filters (a library that silences its warnings) stay. Also the
+folder of temporary files and the recursion limit: tempfile.tempdir set to
+a missing folder, or sys.setrecursionlimit(120), failed the first training
+step, which autograph could not convert, blaming the model for what it did
+not say ("Iterating over a symbolic `tf.Tensor` is not allowed").
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
@@ -42,6 +46,7 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 import threading
 import warnings
 from typing import NamedTuple, Optional
@@ -57,6 +62,8 @@ _TIMER = "the real-time timer (signal.alarm or signal.setitimer(signal.ITIMER_RE
 _UMASK = "the umask (os.umask), which gives the run's files their modes"
 _FILTERS = ('the warnings filters that make warnings errors (warnings.simplefilter("error")), '
             'or that keep them warnings (warnings.resetwarnings())')
+_TEMPDIR = "the folder of temporary files (tempfile.tempdir)"
+_RECURSION = "Python's recursion limit (sys.setrecursionlimit)"
 # What the run would do without what a model changed and cannot be set back.
 WITHOUT = {_CWD: "relative paths would lead elsewhere",
            _HANDLERS: "a stop signal would not stop it with a checkpoint",
@@ -73,12 +80,21 @@ def read() -> dict:
     state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
              FLOATX: keras.config.floatx(),
              _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0, _UMASK: files.umask(),
-             _FILTERS: list(warnings.filters)}
+             _FILTERS: list(warnings.filters), _TEMPDIR: _temporary_folder(),
+             _RECURSION: sys.getrecursionlimit()}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         state[_WAKEUP] = _wakeup_fd()
     return state
+
+
+def _temporary_folder():
+    """tempfile's folder, found now if it is not yet (tempfile keeps it): one a
+    library first asked for while the model's code ran would read as changed."""
+    with contextlib.suppress(OSError):  # no folder is usable: none to keep
+        tempfile.gettempdir()
+    return tempfile.tempdir
 
 
 def _wakeup_fd() -> int:
@@ -132,6 +148,10 @@ def set_back(kept: dict, changed) -> dict:
         keras.config.set_floatx(kept[FLOATX])
     if _UMASK in changed:
         os.umask(kept[_UMASK])
+    if _TEMPDIR in changed:
+        tempfile.tempdir = kept[_TEMPDIR]
+    if _RECURSION in changed:
+        sys.setrecursionlimit(kept[_RECURSION])
     if _FILTERS in changed:
         now = list(warnings.filters)
         warnings.resetwarnings()  # what tells the warnings module its filters changed
