@@ -378,6 +378,7 @@ def test_a_model_out_of_memory_in_predict_is_said_as_memory_not_blamed_on_it(
     assert_one_error_line(result, f"classifying 1 image(s) with {run}/checkpoints/ckpt-2 ran out "
                                   f"of memory ({raised}")
     assert "failed when called" not in result.stderr
+    assert "Arguments received" not in result.stderr, "Keras' list, for a MemoryError's message"
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):

@@ -161,6 +161,7 @@ def check_source(name: str, path: str) -> None:
 # Keras wraps an error raised inside a layer's call in a header naming the
 # layer, and the error's own message in bold (keras/src/utils/traceback_utils.py).
 _KERAS_CALL = re.compile(r"Exception encountered when calling (\S+?)\.?$")
+_KERAS_ARGUMENTS = "Arguments received by "
 _TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -173,7 +174,9 @@ def cause(error: BaseException) -> str:
     lines = [line for line in _TERMINAL_CODES.sub("", text_of(message)).splitlines()
              if line.strip()]
     where = _KERAS_CALL.match(lines[0].strip()) if len(lines) > 1 else None
-    text = (f"in {where.group(1)}: {lines[1].strip()}" if where
+    # Keras' wrapper lists the call's arguments after the message, which an error may lack.
+    said = where and not lines[1].startswith(_KERAS_ARGUMENTS)
+    text = (f"in {where.group(1)}" + f": {lines[1].strip()}" * bool(said) if where
             else first_line(message, limit=10_000))
     # A variable's repr puts its values on the lines after "numpy=".
     text = re.sub(r",? numpy=$", ">", text)
