@@ -80,6 +80,7 @@ def _load_export(export_dir: str) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import precision
+    from distributed_mpt.core.eval_views import OUT_OF_MEMORY
 
     saved_model = os.path.join(export_dir, SAVED_MODEL_DIR)
     _refuse_what_tensorflow_cannot_read(saved_model)
@@ -130,12 +131,21 @@ def _load_export(export_dir: str) -> Classifier:
     def probabilities(x):
         try:
             return serve(images=tf.constant(x))["probabilities"].numpy()
+        except OUT_OF_MEMORY as e:  # not the export's: "remove it" would lose an intact one
+            raise out_of_memory(len(x), saved_model, quoted(first_line(e))) from None
         except tf.errors.OpError as e:  # an assertion of its own, say
             raise ConfigError(f"{quoted(saved_model)} failed to run ({quoted(first_line(e))}): "
                               f"{_REEXPORT}") from None
 
     return Classifier(probabilities, names, tuple(signature.shape[1:]), saved_model, info,
                       _REEXPORT)
+
+
+def out_of_memory(images: int, source: str, said: str) -> ConfigError:
+    """The error of classifying `images` with the model of `source` out of
+    memory, as the error `said`."""
+    return ConfigError(f"classifying {images} image(s) with {quoted(source)} ran out of memory "
+                       f"({said}): give predict more memory")
 
 
 def _refuse_what_tensorflow_cannot_read(saved_model: str) -> None:
@@ -263,9 +273,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
                              NOT_THE_MODELS) if users else prints_to_stderr()):
                 return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
         except OUT_OF_MEMORY as e:  # a traceback, or else the model blamed
-            raise ConfigError(f"classifying {len(x)} image(s) with {quoted(prefix)} ran out of "
-                              f"memory ({cause(e)}): give predict more "
-                              f"memory") from None
+            raise out_of_memory(len(x), prefix, cause(e)) from None
 
     return Classifier(probabilities, list(info.class_names), info.image_shape, prefix, trained,
                       "predict from the checkpoint before it (move this one's files away), or "

@@ -333,6 +333,29 @@ def _weightless_export(class_names=True):
     return make
 
 
+def _export_out_of_memory(tmp_path, untrained, trained, photo):
+    """An export whose serving function asks for 4 TB for an image: its
+    weights and class names as a run's export has them."""
+    import keras
+
+    layer = keras.layers.Dense(10)
+    layer.build((None, 1))
+
+    def serve(images):
+        hungry = tf.zeros([tf.shape(images)[0] * 2**20, 2**20])
+        ones = tf.ones([tf.shape(images)[0], 1]) + tf.reduce_sum(hungry)
+        return {"probabilities": tf.nn.softmax(layer(ones))}
+
+    archive = keras.export.ExportArchive()
+    archive.track(layer)
+    archive.add_endpoint("serve", serve, input_signature=[
+        tf.TensorSpec([None, 32, 32, 3], tf.uint8, name="images")])
+    archive.add_variable_collection("class_names", [tf.Variable(list(CLASS_NAMES),
+                                                                trainable=False)])
+    archive.write_out(str(tmp_path / "run" / "export" / "saved_model"), verbose=False)
+    return tmp_path / "run", [photo]
+
+
 def _checkpoint_run(config=None, weightless=False):
     """The trained run before its export, its config.json changed by
     `config` (a dict to merge, or the whole text), or with a checkpoint
@@ -458,6 +481,8 @@ HOSTILE_INPUTS = {
         "export/saved_model is a symbolic link in a loop, not an export's folder"),
     "export without weights": (_weightless_export(), "holds no trained variables"),
     "export without class names": (_weightless_export(class_names=False), "cannot be loaded"),
+    # Not the export's fault: "remove it" had an intact one deleted.
+    "an export out of memory": (_export_out_of_memory, "saved_model ran out of memory ("),
     "checkpoint without weights": (_checkpoint_run(weightless=True), "does not hold the weights"),
     "config.json of another model": (_checkpoint_run({"model": "resnet9", "model_width": 4}),
                                      "is not the network the run in"),
