@@ -335,8 +335,14 @@ def _weightless_export(class_names=True):
 
 def _export_out_of_memory(tmp_path, untrained, trained, photo):
     """An export whose serving function asks for 4 TB for an image: its
-    weights and class names as a run's export has them."""
+    weights and class names as a run's export has them. The kernel refuses
+    that much at once unless it overcommits always (mode 1), where the
+    zeros would be written: skipped there."""
     import keras
+
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":
+            pytest.skip("vm.overcommit_memory=1 grants 4 TB, which the zeros would then fill")
 
     layer = keras.layers.Dense(10)
     layer.build((None, 1))
