@@ -256,7 +256,8 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     summary = files.read_json(os.path.join(model_dir, "summary.json"))
     results = summary if summary.get("steps") == step else {}
     trained = model_info(config.flags(), {**results, "steps": step, "precision":
-                                          resolved.get("precision") or config.run.precision})
+                                          resolved.get("precision") or config.run.precision},
+                         resolved.get("data_fingerprint"))
 
     if skipped:  # answers of an older model, which the describe line alone would not tell
         files.warn(f"predicting with {quoted(prefix)} (step {step}), the newest checkpoint that "

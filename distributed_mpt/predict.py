@@ -41,7 +41,7 @@ from distributed_mpt.classifier import Classifier, checked_config, load_classifi
 from distributed_mpt.config import DEFAULTS, user_path
 from distributed_mpt.core.augmentation import TTA_VIEWS
 from distributed_mpt.core.data import DATASETS, DatasetInfo, images
-from distributed_mpt.core.data.dataset import READ_AS_ONE_BY, read_as
+from distributed_mpt.core.data.dataset import READ_AS_ONE_BY, check_held_out_split, read_as
 from distributed_mpt.errors import ConfigError, ExitCode, quoted
 from distributed_mpt.process import log_filter, memory
 from distributed_mpt.training.outputs import DATA_INFO_KEYS
@@ -281,6 +281,7 @@ def _evaluate_on_test_split(classifier: Classifier, fv: flags.FlagValues) -> dic
     loaded = chosen_data.load(split.run.seed, splits=("test",), headroom=memory.headroom())
     dataset = chosen_data.dataset
     _refuse_other_classes(classifier, dataset, loaded.info)  # else its accuracy means nothing
+    check_held_out_split(loaded, classifier.info.get("data_fingerprint"), fv.data_dir)
     from distributed_mpt.core.eval_views import loss_and_accuracy
 
     test, names = loaded.test, loaded.info.class_names

@@ -246,16 +246,17 @@ _MODEL_INFO_SUMMARY_KEYS = (
     "keras_version")
 
 
-def model_info(config: dict, summary: dict) -> dict:
+def model_info(config: dict, summary: dict, data_fingerprint=None) -> dict:
     """model_info.json's content: the model and its data from a run's
     `config` (the flags by name: TrainConfig.flags(), or a config.json read back with
     config.flat_record), the training and its test results from `summary` (summary.json's
-    keys, those known)."""
+    keys, those known), and the `data_fingerprint` it trained on (core/data's Dataset's;
+    predict --evaluate draws a held-out test split again only from the same files)."""
     spec = DATASETS.get(config.get("dataset"))
     others = set(_DATASETS_OPTIONS) - set(spec.reads if spec else ())
     info = {key: config[key] for key in MODEL_INFO_CONFIG_KEYS if key in config and key not in others}
     info.update((key, summary[key]) for key in _MODEL_INFO_SUMMARY_KEYS if key in summary)
-    return info
+    return {**info, "data_fingerprint": data_fingerprint} if data_fingerprint else info
 
 
 def check_export_destination(model_dir: str) -> None:

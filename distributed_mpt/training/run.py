@@ -300,8 +300,11 @@ def _finished_again(config: TrainConfig, resumed, built: Built, info, writes) ->
               flush=True)
     if config.run.export and not outputs.export_is_whole(config.run.model_dir):
         stopping.enter(stopping.Phase.FINISHING)  # as any export: it completes
-        # What the run trained on, not what this command line says.
-        record = outputs.model_info({**config.flags(), **previous}, resumed.finished_summary)
+        # What the run trained on, not what this command line says (nor what the folder
+        # holds now: a run from before fingerprints was not compared on this resume).
+        resolved = previous.get("resolved") if isinstance(previous.get("resolved"), dict) else {}
+        record = outputs.model_info({**config.flags(), **previous}, resumed.finished_summary,
+                                    resolved.get("data_fingerprint"))
         path = writes(outputs.export_model, built.trainer.model, config.run.model_dir,
                       info.class_names, info.image_shape, record, writes.check_held)
         if path:  # not if the chief lost its lock (run_lock.Writes)
@@ -385,6 +388,7 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
         with reporter.doing("exporting the model"):
             path = writes(outputs.export_model, built.trainer.model, config.run.model_dir,
                           dataset.info.class_names, dataset.info.image_shape,
-                          outputs.model_info(config.flags(), summary), writes.check_held)
+                          outputs.model_info(config.flags(), summary, dataset.fingerprint),
+                          writes.check_held)
         if path:
             reporter.say(f"exported to {path}")

@@ -565,3 +565,52 @@ def test_a_class_without_test_images_is_named_in_a_warning(tmp_path):
                         f"(dogs, ships): the test accuracy says nothing of them; put test images "
                         f"of each class in its folder there"], result.stderr
     assert read_summary(tmp_path / "run")["eval_examples"] == 2
+
+
+def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path):
+    """--test_fraction's split is drawn from the folder's list of files: with
+    an image added to each class, predict drew it again from another list, and
+    1 of its 6 "held-out" images was one the model trained on, unsaid."""
+    from distributed_mpt.predict import main
+
+    folder = write_folder(tmp_path / "photos", train_per_class=8, test=False)
+    run = tmp_path / "run"
+    flags = [*[f for f in TINY if f != "--noexport"], "--test_fraction=0.25",
+             f"--data_dir={folder}", f"--model_dir={run}"]
+    assert_ok(train(flags))
+    export = run / "export"
+    info = (export / "model_info.json").read_text()
+    recorded = json.loads((run / "config.json").read_text())["resolved"]["data_fingerprint"]
+    assert json.loads(info)["data_fingerprint"] == recorded
+    shutil.rmtree(export / "saved_model")  # exported again by the finished run: the same record
+    assert_ok(train(flags))
+    assert (export / "model_info.json").read_text() == info
+    evaluate = [f"--model_dir={run}", "--evaluate", f"--data_dir={folder}"]
+    evaluated = run_in_process(main, evaluate)
+    assert_ok(evaluated)
+    assert "(6 images)" in evaluated.stdout and "warning" not in evaluated.stderr
+    for name in CLASSES:  # one more photo of each class, as a user adds them
+        shutil.copy(folder / "train" / name / "000.png", folder / "train" / name / "100.png")
+    said = (f"--data_dir={folder} has changed since the model trained on it (train/ holds 27 "
+            f"files (was 24)): the test split held out of it (--test_fraction) would mix in")
+    assert_one_error_line(run_in_process(main, evaluate), said)
+    export.rename(tmp_path / "export")  # a run's checkpoint: its config.json says the same
+    assert_one_error_line(run_in_process(main, evaluate), said)
+    (tmp_path / "export").rename(export)
+    # The remedy said: a test/ folder of images it never saw is evaluated.
+    write_folder(tmp_path / "new", train_per_class=1, test_per_class=2)
+    shutil.copytree(tmp_path / "new" / "test", folder / "test")
+    on_test = run_in_process(main, evaluate)
+    assert_ok(on_test)
+    assert "(6 images)" in on_test.stdout and "warning" not in on_test.stderr
+    # An export from before model_info.json recorded the fingerprint, of the folder as it is
+    # now: what it cannot tell is said, and it evaluates.
+    shutil.rmtree(folder / "test")
+    info = json.loads((export / "model_info.json").read_text())
+    del info["data_fingerprint"]
+    (export / "model_info.json").write_text(json.dumps(info))
+    unknown = run_in_process(main, evaluate)
+    assert_ok(unknown)
+    warnings = [line for line in unknown.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "cannot tell whether" in warnings[0], unknown.stderr
+    assert "(6 images)" in unknown.stdout

@@ -10,7 +10,8 @@ import dataclasses
 import re
 from typing import Dict, Optional, Tuple
 
-from distributed_mpt.errors import quoted
+from distributed_mpt import files
+from distributed_mpt.errors import ConfigError, quoted
 
 SPLITS = ("train", "test")
 
@@ -153,6 +154,9 @@ class Dataset:
     info: DatasetInfo
     splits: Dict[str, ImageSplit]
     fingerprint: Optional[dict] = None
+    # Whether the test split was drawn from the training files (--test_fraction):
+    # drawn again from another list of them, it holds some the model trained on.
+    held_out: bool = False
 
     @property
     def train(self) -> ImageSplit:
@@ -240,3 +244,28 @@ def fingerprint_difference(before: dict, now: dict) -> str:
         return "other labels or pixels (the SHA-256 of the examples, in any order, differs)"
     return ("other labels or pixels, or the same in another order (the SHA-256 of the labels "
             "and pixels, in order, differs)")
+
+
+def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
+    """For evaluating a model on `dataset`, read from `data_dir`: if its test
+    split is held out of the training files, raises ConfigError unless
+    `trained_on` (the fingerprint of the model's training data, as its export
+    or config.json recorded it: read, not trusted) is `dataset`'s. Images
+    added or removed since move others into the split, some the model
+    trained on, and its accuracy reads higher than it is, unsaid. Unknown (a
+    model from before it was recorded, a loader that gives none): warned."""
+    if not dataset.held_out:
+        return
+    if not isinstance(trained_on, dict) or dataset.fingerprint is None:
+        whose = "the model records" if dataset.fingerprint else "its dataset's loader gives"
+        files.warn(f"cannot tell whether --data_dir={quoted(data_dir)} holds the images the "
+                   f"model trained on ({whose} no fingerprint of them): if images were added "
+                   f"or removed since, its test split held out of them (--test_fraction) holds "
+                   f"some it trained on, and the accuracy reads too high")
+    elif not same_examples(trained_on, dataset.fingerprint):
+        raise ConfigError(
+            f"--data_dir={quoted(data_dir)} has changed since the model trained on it "
+            f"({fingerprint_difference(trained_on, dataset.fingerprint)}): the test split held "
+            f"out of it (--test_fraction) would mix in images the model trained on; evaluate on "
+            f"a test/ folder of images it never saw (DATA_DIR/test/<class>/), or on the folder "
+            f"as it trained")

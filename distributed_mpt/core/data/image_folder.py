@@ -71,7 +71,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
         if not _is_folder_at(folder):  # a file there: named as what it is
             raise DataUnavailableError(f"--data_dir={quoted(root)} {missing}: {_LAID_OUT}")
     has_test = _is_folder_at(test_dir)
-    if has_test and fraction > 0:
+    if has_test and fraction > 0 and "train" in splits:  # evaluating alone (predict): test/ is it
         raise ConfigError(f"--test_fraction={fraction:g} holds out training images "
                           f"for testing, and {quoted(test_dir)} holds test images already: drop "
                           f"--test_fraction, or move test/ away")
@@ -122,7 +122,7 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
     info = DatasetInfo(image_shape=(*size, 3), class_names=tuple(class_names),
                        mean=tuple(round(float(m), 4) for m in mean),
                        std=tuple(round(float(max(s, 1.0)), 4) for s in std))
-    return Dataset(info, {split: decoded[split] for split in splits}, fingerprint)
+    return Dataset(info, {split: decoded[split] for split in splits}, fingerprint, held_out=not has_test)
 
 
 def _class_folders(directory: str, skipped: List[str]) -> List[str]:
