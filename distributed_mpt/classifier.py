@@ -177,7 +177,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     import tensorflow as tf
 
     from distributed_mpt.core import models
-    from distributed_mpt.core.eval_views import NOT_THE_MODELS, OUT_OF_MEMORY
+    from distributed_mpt.core.eval_views import OUT_OF_MEMORY
     from distributed_mpt.core.models.contract import cause, users_code
     from distributed_mpt.core.models.process_state import prints_to_stderr
     from distributed_mpt.core.models.signature import model_signature, refuse_another_model
@@ -231,7 +231,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
     # is untrusted: resnet9 at width 1,024 is 6.7 GB of weights). A user's
     # network is as large as the code the user gives makes it.
     parameters = network.parameter_count(info, config.airbench)
-    short = parameters and memory_shortfall(parameters, _COPIES_PER_WEIGHT)
+    short = parameters and memory_shortfall(parameters, _PREDICT_COPIES_PER_WEIGHT)
     if short:
         raise ConfigError(
             f"{quoted(config_path)} names {network.too_large()[0]}, of {parameters:,} "
@@ -270,8 +270,9 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
         # model (the memory's), as in an evaluation. A print in a layer's call() goes to
         # stderr either way: stdout is predict's answers.
         try:
+            # Only memory is not the model's here: predict has no handler for the rest.
             with (users_code(users_model, f"failed when called on {len(x)} image(s)",
-                             NOT_THE_MODELS) if users else prints_to_stderr()):
+                             OUT_OF_MEMORY) if users else prints_to_stderr()):
                 return tf.nn.softmax(tf.cast(model(x, training=False), tf.float32)).numpy()
         except OUT_OF_MEMORY as e:  # a traceback, or else the model blamed
             raise out_of_memory(len(x), prefix, cause(e)) from None
@@ -283,7 +284,7 @@ def _load_checkpoint(model_dir: str, users_model: Optional[str]) -> Classifier:
 
 # Copies of every weight predict holds from a checkpoint, at most: the
 # model's, and the checkpoint's value as the restore reads it.
-_COPIES_PER_WEIGHT = 2
+_PREDICT_COPIES_PER_WEIGHT = 2
 
 
 def _dataset_info(config: TrainConfig, resolved: dict, config_path: str) -> DatasetInfo:

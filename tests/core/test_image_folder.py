@@ -101,6 +101,12 @@ def test_hard_links_to_one_image_in_one_class_train_as_copies(tmp_path):
     assert_one_error_line(train([*FLAGS, f"--data_dir={folder}", f"--model_dir={tmp_path / 'other'}"]),
                           f"photos/train/dogs/002.png and {folder / 'train' / 'ships' / 'extra.png'} "
                           f"are one (a link, or hard links)")
+    # Held out of one class, the links of an image may fall on both sides: checked as drawn.
+    held = write_folder(tmp_path / "held", test=False)
+    for i in range(12):
+        os.link(held / "train" / "dogs" / f"{i:03d}.png", held / "train" / "dogs" / f"copy{i}.png")
+    assert_one_error_line(train([*FLAGS, f"--data_dir={held}", "--test_fraction=0.25",
+                                 f"--model_dir={tmp_path / 'held_run'}"]), "are one (a link")
 
 
 def _damaged(root):
@@ -591,7 +597,8 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     assert "(6 images)" in evaluated.stdout and "warning" not in evaluated.stderr
     for name in CLASSES:  # one more photo of each class, as a user adds them
         shutil.copy(folder / "train" / name / "000.png", folder / "train" / name / "100.png")
-    said = (f"--data_dir={folder} has changed since the model trained on it (train/ holds 27 "
+    said = (f"--data_dir={folder} is not the folder the model trained on, or has changed since "
+            f"(train/ holds 27 "
             f"files (was 24)): the test split held out of it (--test_fraction) would mix in")
     assert_one_error_line(run_in_process(main, evaluate), said)
     export.rename(tmp_path / "export")  # a run's checkpoint: its config.json says the same

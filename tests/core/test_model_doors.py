@@ -84,6 +84,16 @@ def test_a_temporary_folder_or_recursion_limit_the_model_sets_is_set_back(tmp_pa
     assert (run / "summary.json").is_file() and (run / "export" / "model.keras").is_file()
 
 
+def test_a_recursion_limit_the_model_raises_is_kept(tmp_path):
+    """sys.setrecursionlimit(10000), as very deep Keras models need: raised,
+    it was set back to 1000 with a warning (found in review)."""
+    run = tmp_path / "run"
+    result = train([*FLAGS, _model(tmp_path, "    import sys\n    sys.setrecursionlimit(10000)\n"),
+                    "--noexport", f"--model_dir={run}"], timeout=300)
+    assert_ok(result)
+    assert "recursion limit" not in result.stderr
+
+
 def test_a_model_that_sets_keras_float_type_itself_is_refused_and_set_back(tmp_path):
     """keras.config.set_floatx("float16"): the policy was set back, not
     the float type, and the error line blamed the first training step

@@ -154,6 +154,23 @@ def python_out_of_memory(info):
     return out_of_memory(info, python=True)
 
 
+class UnknownErrorOnOneImage(keras.layers.Layer):
+    """A bug of the model's on a batch of one image, which TensorFlow's
+    runtime raises as an UnknownError (as a py_function's may)."""
+
+    def call(self, images):
+        if images.shape[0] == 1:
+            import tensorflow as tf
+            raise tf.errors.UnknownError(None, None, "a bug of the model")
+        return images
+
+
+def unknown_error(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(UnknownErrorOnOneImage()(images)))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def two_outputs(info):
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
@@ -379,6 +396,20 @@ def test_a_model_out_of_memory_in_predict_is_said_as_memory_not_blamed_on_it(
                                   f"of memory ({raised}")
     assert "failed when called" not in result.stderr
     assert "Arguments received" not in result.stderr, "Keras' list, for a MemoryError's message"
+
+
+def test_a_models_own_tensorflow_error_in_predict_is_blamed_on_it_in_one_line(model_file, tmp_path):
+    """Predict let the errors an evaluation leaves to the run's handlers
+    (UnknownError, InternalError, ...) pass its model's call, and has no such
+    handler: a traceback, exit 1 (found in review)."""
+    run, model = tmp_path / "run", f"--model={model_file}:unknown_error"
+    assert_ok(train([*FLAGS, model, "--train_steps=2", f"--model_dir={run}"]))
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(photo)
+    from distributed_mpt.predict import main
+    assert_one_error_line(run_in_process(main, [f"--model_dir={run}", model, str(photo)]),
+                          "failed when called on 1 image(s) (UnknownError in "
+                          "UnknownErrorOnOneImage.call(): a bug of the model")
 
 
 def test_a_layer_of_its_own_is_exported_and_keras_loads_it_given_the_class(model_file, tmp_path):

@@ -264,7 +264,8 @@ def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
                    f"some it trained on, and the accuracy reads too high")
     elif not same_examples(trained_on, dataset.fingerprint):
         raise ConfigError(
-            f"--data_dir={quoted(data_dir)} has changed since the model trained on it "
+            f"--data_dir={quoted(data_dir)} is not the folder the model trained on, or has "
+            f"changed since "
             f"({fingerprint_difference(trained_on, dataset.fingerprint)}): the test split held "
             f"out of it (--test_fraction) would mix in images the model trained on; evaluate on "
             f"a test/ folder of images it never saw (DATA_DIR/test/<class>/), or on the folder "

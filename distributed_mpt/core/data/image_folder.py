@@ -99,7 +99,9 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
                    f"a dot, a system's own such as Thumbs.db, or beside the class folders what "
                    f"is not a folder): "
                    f"{some_names(os.path.relpath(path, root) for path in sorted(skipped))}")
-    fingerprint = _fingerprint(root, class_names, listed, _each_file_once(listed))
+    # Checked on the splits as drawn: links in one class may fall on both sides of a held-out one.
+    sizes = _each_file_once({"train": train_files, "test": test_files})
+    fingerprint = _fingerprint(root, class_names, listed, sizes)
     size = (options.image_size, options.image_size)
     # Train in a fixed shuffled order, not by class: what is computed from the
     # first images (airbench's whitening takes 5,000) must see every class.

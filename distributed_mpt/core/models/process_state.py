@@ -133,7 +133,8 @@ def changed(kept: dict, now: dict) -> list:
     refuses it."""
     return [what for what, value in now.items()
             if (_counted(value, kept[what]) if what == _FILTERS else value) != kept[what]
-            and not (what.startswith("sys.") and getattr(kept[what], "closed", False))]
+            and not (what.startswith("sys.") and getattr(kept[what], "closed", False))
+            and not (what == _RECURSION and value > kept[what])]  # deep models raise it
 
 
 def set_back(kept: dict, changed) -> dict:
