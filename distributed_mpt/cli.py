@@ -270,7 +270,7 @@ def guarded(main: Callable[[], int], on_interrupt: Optional[str] = None) -> int:
         with stops:
             return main()
     except UserError as e:
-        stopping.say_mistake(e)
+        stopping.say_decided_error(e)
         return e.exit_code
     except KeyboardInterrupt as e:
         if on_interrupt is None:

@@ -145,7 +145,7 @@ class TrainJobStatus:
             self._changed.notify()
         self._thread.join(seconds)
         if self._thread.is_alive():  # held where no deadline reaches: resolving the host's name
-            self._failed(f"the final progress was not sent within {CLOSE_SECONDS:g} s")
+            self._failed(f"the final progress was not sent within {seconds:g} s")
 
     def _send_loop(self) -> None:
         last_sent = -MIN_SECONDS

@@ -27,7 +27,7 @@ is in:
   second Ctrl-C aborts at once (ExitCode.ABORTED).
 - FINISHING (final evaluation and export): what is left makes the run
   complete, so a request lets it finish (exit 0); a second Ctrl-C aborts.
-- Once an error line has decided the exit (`say_mistake`): a stop is
+- Once an error line has decided the exit (`say_decided_error`): a stop is
   ignored, as the process is ending anyway; its 143 said "retry" of a
   mistake that a retry only repeats.
 
@@ -188,23 +188,15 @@ _owner: Optional[_Owner] = None
 _exit_is_decided = False
 
 
-def say_mistake(message: str) -> None:
-    """Prints the `error: message` line of a user's mistake, which decides
-    the command's exit (2): a stop signal from then on is ignored. It ended
-    such a run with 143 (retryable), its line glued to the error line
-    ("...was given)SIGTERM before training started"), so that a Job retried
-    the mistake. Ignored only in a command's own process (start_guard): a
-    library caller or a test keeps its handlers."""
-    say_decided_error(message)
-
-
 def say_decided_error(message: str) -> None:
-    """Prints the `error: message` line of any failure that decides the exit
-    itself (say_mistake's 2, a lost peer's 141), ignoring stop signals from
-    then on, as say_mistake says. A lost peer's survivor, told to stop by the
-    launcher that saw the peer die, acknowledged it after its error line with
-    "stopping after the steps under way, with a checkpoint": no step or
-    checkpoint can follow a failed collective."""
+    """Prints the `error: message` line of a failure that decides the
+    command's exit itself (a user's mistake's 2, a lost peer's 141): a stop
+    signal from then on is ignored. It ended a mistake with 143 (retryable),
+    its line glued to the error line ("...was given)SIGTERM before training
+    started"), so that a Job retried it; a lost peer's survivor, told to stop
+    by the launcher that saw the peer die, promised "a checkpoint" that no
+    failed collective can keep. Ignored only in a command's own process
+    (start_guard): a library caller or a test keeps its handlers."""
     global _exit_is_decided
     if is_a_command() and threading.current_thread() is threading.main_thread():
         _exit_is_decided = True

@@ -114,7 +114,7 @@ def _run(config: TrainConfig) -> int:
                 check_held()
             raise
     except UserError as e:
-        stopping.say_mistake(e)
+        stopping.say_decided_error(e)
         if isinstance(e, FirstStepError):  # nothing trained: a new --model_dir goes
             undone = outputs.BEFORE_TRAINING
         return e.exit_code
@@ -139,7 +139,7 @@ def _run(config: TrainConfig) -> int:
                         if files.is_disk_full(e) else
                         (f"cannot write {where} ({why})", "free it of what holds it (a mount)"
                          if e.errno == errno.EBUSY else "make it writable for this user"))
-        stopping.say_mistake(f"{problem}: {fix} and run the same command again to resume")
+        stopping.say_decided_error(f"{problem}: {fix} and run the same command again to resume")
         return ExitCode.USAGE
     finally:
         if lock is not None:
@@ -277,7 +277,7 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             return summary
         finally:
             # A run stopped (even while it finished) or failed: its pod's grace period
-            # is for the checkpoint, not the final progress report (10.7 s of it after a SIGTERM).
+            # is for the checkpoint, not the final progress report (docs/clusters.md).
             reporter.close(early=not completed or stopping.requested())
     finally:
         checkpoints.close()
