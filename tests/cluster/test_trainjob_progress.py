@@ -219,6 +219,17 @@ def test_a_redirect_is_never_followed(serve, capfd, status):
     assert_no_part_of_the_token(output)
 
 
+def held(handler, number):
+    """200, then the answer a byte a second: the report is held to its end."""
+    handler.send_response(200)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    with contextlib.suppress(OSError):
+        for _ in range(60):
+            handler.wfile.write(b" ")
+            time.sleep(1)
+
+
 def test_a_trickling_server_holds_neither_the_thread_nor_the_final_report(serve, capfd):
     """The first request's answer comes a byte a second (each socket read
     well within any per-read timeout); the final report must still go, in
@@ -229,13 +240,7 @@ def test_a_trickling_server_holds_neither_the_thread_nor_the_final_report(serve,
         if number > 0:
             return echo(handler, number)
         began = time.monotonic()
-        handler.send_response(200)
-        handler.send_header("Content-Length", "1000")
-        handler.end_headers()
-        with contextlib.suppress(OSError):
-            for _ in range(60):
-                handler.wfile.write(b" ")
-                time.sleep(1)
+        held(handler, number)
         hung_up_after.append(time.monotonic() - began)
 
     server = serve(trickle_first)
@@ -613,17 +618,6 @@ def test_a_run_finishes_to_its_final_checkpoint_whatever_the_server_does(serve, 
     assert_no_part_of_the_token(result.stdout + result.stderr)
 
 
-def held(handler, number):
-    """200, then the answer a byte a second: the report is held to its end."""
-    handler.send_response(200)
-    handler.send_header("Content-Length", "1000")
-    handler.end_headers()
-    with contextlib.suppress(OSError):
-        for _ in range(60):
-            handler.wfile.write(b" ")
-            time.sleep(1)
-
-
 def test_an_early_close_leaves_a_held_report_and_says_nothing_of_it(serve, capfd):
     """close(early=True), a run stopped or failed, while the server holds a
     report: it returns within its short bound; the report left behind ends
@@ -651,7 +645,8 @@ def test_a_stopped_run_does_not_wait_for_the_report_the_server_holds(serve, tmp_
     """SIGTERM while the server holds a report: the run exits 143 with its
     checkpoint, without spending its pod's grace period (20 s by the
     launcher's default) on progress. It waited for the report held, then
-    gave the next one its turn and its 5 s: 10.7 s after the signal."""
+    gave the next one its turn and its 5 s: 8.7 s after its checkpoint line
+    (9.1 after the signal), and 2.3 s since (2 cores of a Zen 5 EPYC)."""
     server = serve(held)
     model_dir = tmp_path / "run"
     run = WatchedProcess("distributed_mpt.train", [
@@ -675,4 +670,5 @@ def test_a_stopped_run_does_not_wait_for_the_report_the_server_holds(serve, tmp_
           f"the checkpoint (a finished run's close: at most {CLOSE_SECONDS:g} s)")
     assert code == 143, run.output()[-2000:]
     assert checkpointed_step(model_dir) > 0 and "Traceback" not in run.output()
-    assert ended - saved < CLOSE_SECONDS / 2, run.output()[-2000:]
+    # 3x the 2.3 s measured, for a loaded machine; below the 8.7 s of a close that waits.
+    assert ended - saved < 7.0, run.output()[-2000:]
