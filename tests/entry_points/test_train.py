@@ -261,7 +261,7 @@ def test_a_binary_release_with_a_file_copied_over_another_is_refused(tmp_path):
     shutil.copy(data / "test_batch.bin", data / "data_batch_5.bin")
     result = train(["--model=mlp", f"--data_dir={tmp_path / 'data'}", "--nodownload",
                     "--train_steps=2", f"--model_dir={tmp_path / 'run'}"])
-    assert_one_error_line(result, "data_batch_5.bin and test_batch.bin hold the same records, "
+    assert_one_error_line(result, "data_batch_5.bin and test_batch.bin begin with the same records, "
                                   "one a copy of the other; extract the archive again")
     assert not (tmp_path / "run").exists(), "nothing written"
 
