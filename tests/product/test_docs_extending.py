@@ -84,6 +84,47 @@ def test_using_the_models_python_samples_run_on_an_export(tmp_path, monkeypatch)
     np.testing.assert_allclose(probabilities, scope["probabilities"], rtol=1e-4, atol=1e-6)
 
 
+def with_dataset(tmp_path, spec: str):
+    """A copy of the package whose DATASETS ends with the DatasetSpec `spec`."""
+    package = tmp_path / "copy" / "distributed_mpt"
+    shutil.copytree(REPO / "distributed_mpt", package, ignore=shutil.ignore_patterns("__pycache__"))
+    registry = package / "core" / "data" / "__init__.py"
+    text = registry.read_text()
+    assert text.count("\n)}\n") == 1
+    registry.write_text(text.replace("\n)}\n", spec + "\n)}\n", 1))
+    return package
+
+
+def in_copy(package, module, *args):
+    """`python -m module args` of the copy, not the package this test imports."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          cwd=package.parent, env=subprocess_env(), timeout=300)
+
+
+def test_a_loader_may_give_numpys_default_integers_as_labels(tmp_path):
+    """A loader written as the page says, its labels NumPy's default int64
+    (np.array of ints): the run trained them as int32 would have. It failed
+    in the first step, blamed on the model (int64 labels beside int32
+    predictions)."""
+    package = with_dataset(tmp_path, """
+    DatasetSpec("mine", "int64 labels", f"{_HERE}.mine:load"),""")
+    (package / "core" / "data" / "mine.py").write_text(
+        "import numpy as np\n"
+        "from distributed_mpt.core.data import cifar10\n"
+        "from distributed_mpt.core.data.dataset import Dataset, ImageSplit\n\n\n"
+        "def load(options, seed, splits, headroom):\n"
+        "    rng = np.random.default_rng(seed)\n"
+        "    made = {split: ImageSplit(rng.integers(0, 256, (16, 32, 32, 3), np.uint8),\n"
+        "                              np.array([i % 10 for i in range(16)]))  # int64\n"
+        "            for split in splits}\n"
+        "    return Dataset(cifar10.INFO, made)\n")
+    (tmp_path / "tiny.py").write_text(TINY_MODEL)
+    trained = in_copy(package, "distributed_mpt.train", "--dataset=mine", "--train_steps=1",
+                      f"--model={tmp_path / 'tiny.py'}:tiny", "--per_replica_batch_size=4",
+                      f"--model_dir={tmp_path / 'run'}", "--noexport")
+    assert_ok(trained)
+
+
 def test_a_dataset_added_as_the_page_says_is_evaluated_from_its_export(tmp_path):
     """extending.md, "A dataset in the package": one DatasetSpec line, its
     `reads` naming the options its loader reads, and predict --evaluate
@@ -91,16 +132,9 @@ def test_a_dataset_added_as_the_page_says_is_evaluated_from_its_export(tmp_path)
     each class held out, which the flags' default, 0, would not do)."""
     from PIL import Image
 
-    package = tmp_path / "copy" / "distributed_mpt"
-    shutil.copytree(REPO / "distributed_mpt", package, ignore=shutil.ignore_patterns("__pycache__"))
-    registry = package / "core" / "data" / "__init__.py"
-    text = registry.read_text()
-    assert text.count("\n)}\n") == 1
-    registry.write_text(text.replace("\n)}\n", """
+    package = with_dataset(tmp_path, """
     DatasetSpec("my_folder", "a copy of image_folder", f"{_HERE}.image_folder:load",
-                reads=("image_size", "test_fraction"), needs_data_dir="the folder"),
-)}
-""", 1))
+                reads=("image_size", "test_fraction"), needs_data_dir="the folder"),""")
     rng = np.random.default_rng(0)
     for label, colour in enumerate(((220, 40, 40), (40, 200, 60))):
         (tmp_path / "photos" / "train" / f"class{label}").mkdir(parents=True)
@@ -110,9 +144,8 @@ def test_a_dataset_added_as_the_page_says_is_evaluated_from_its_export(tmp_path)
                                                          f"class{label}" / f"{i}.png")
     run = tmp_path / "run"
 
-    def command(module, *args):  # the copy, not the package this test imports
-        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                              cwd=package.parent, env=subprocess_env(), timeout=300)
+    def command(module, *args):
+        return in_copy(package, module, *args)
 
     assert_ok(command("distributed_mpt.train", "--dataset=my_folder", f"--data_dir={tmp_path / 'photos'}",
                       "--test_fraction=0.25", "--image_size=16", "--model=mlp", "--train_steps=2",

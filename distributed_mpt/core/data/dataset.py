@@ -18,7 +18,8 @@ SPLITS = ("train", "test")
 
 @dataclasses.dataclass(frozen=True)
 class ImageSplit:
-    """A split held in memory: uint8 images [N, H, W, C] and int32 labels [N]."""
+    """A split held in memory: uint8 images [N, H, W, C] and int32 labels [N]
+    (integer labels of another dtype are converted)."""
 
     images: "np.ndarray"  # noqa: F821 - NumPy is the loaders' to import, not the registry's
     labels: "np.ndarray"  # noqa: F821
@@ -29,6 +30,12 @@ class ImageSplit:
         # 64-byte aligned, so that the input pipeline shares these buffers
         # with TensorFlow instead of copying them (pipeline._host_tensors):
         # copied once, if TensorFlow cannot share them as they are.
+        labels = np.asarray(self.labels)
+        # NumPy's default integers are int64, which a loader in the package
+        # may well hand over; the step compares labels with int32 predictions,
+        # and int64 ones failed there, blamed on the model.
+        if labels.dtype != np.int32 and np.issubdtype(labels.dtype, np.integer):
+            object.__setattr__(self, "labels", labels.astype(np.int32))
         for name in ("images", "labels"):
             array = np.asarray(getattr(self, name))
             if array.size and not shareable(array):
