@@ -1,6 +1,7 @@
 """What an extender reads beside docs/extending.md (whose own examples
 tests/product/test_extending.py runs): every file of the repository that
-the extenders' pages name exists where they say, and using-the-model.md's
+the extenders' pages name exists where they say, a dataset and an update
+rule added as extending.md says work, and using-the-model.md's
 Python samples run as written on an export."""
 
 import json
@@ -84,8 +85,8 @@ def test_using_the_models_python_samples_run_on_an_export(tmp_path, monkeypatch)
     np.testing.assert_allclose(probabilities, scope["probabilities"], rtol=1e-4, atol=1e-6)
 
 
-def with_dataset(tmp_path, spec: str):
-    """A copy of the package whose DATASETS ends with the DatasetSpec `spec`."""
+def package_copy(tmp_path, spec: str = ""):
+    """A copy of the package, its DATASETS ended by the DatasetSpec `spec`."""
     package = tmp_path / "copy" / "distributed_mpt"
     shutil.copytree(REPO / "distributed_mpt", package, ignore=shutil.ignore_patterns("__pycache__"))
     registry = package / "core" / "data" / "__init__.py"
@@ -106,7 +107,7 @@ def test_a_loader_may_give_numpys_default_integers_as_labels(tmp_path):
     (np.array of ints): the run trained them as int32 would have. It failed
     in the first step, blamed on the model (int64 labels beside int32
     predictions)."""
-    package = with_dataset(tmp_path, """
+    package = package_copy(tmp_path, """
     DatasetSpec("mine", "int64 labels", f"{_HERE}.mine:load"),""")
     (package / "core" / "data" / "mine.py").write_text(
         "import numpy as np\n"
@@ -132,7 +133,7 @@ def test_a_dataset_added_as_the_page_says_is_evaluated_from_its_export(tmp_path)
     each class held out, which the flags' default, 0, would not do)."""
     from PIL import Image
 
-    package = with_dataset(tmp_path, """
+    package = package_copy(tmp_path, """
     DatasetSpec("my_folder", "a copy of image_folder", f"{_HERE}.image_folder:load",
                 reads=("image_size", "test_fraction"), needs_data_dir="the folder"),""")
     rng = np.random.default_rng(0)
@@ -156,3 +157,33 @@ def test_a_dataset_added_as_the_page_says_is_evaluated_from_its_export(tmp_path)
                         f"--data_dir={tmp_path / 'photos'}")
     assert_ok(evaluated)
     assert "my_folder test:" in evaluated.stdout and "(4 images)" in evaluated.stdout, evaluated.stdout
+
+
+def test_an_update_rule_added_as_the_page_says_trains_the_filters(tmp_path):
+    """extending.md, "An optimizer": its AdamW (the page's class head and
+    UPDATE_RULES line, the update filled in) added to core/optim/rules.py is
+    --optimizer=adamw, and trains the filters, the other groups SGD."""
+    page = (REPO / "docs" / "extending.md").read_text()
+    (sketch,) = [block for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+                 if "class AdamW(UpdateRule)" in block]
+    head, _, line = sketch.partition("    ...\n")
+    package = package_copy(tmp_path)
+    rules = package / "core" / "optim" / "rules.py"
+    rules.write_text(rules.read_text() + "\n\n" + head + """
+    def __init__(self, beta_1, beta_2=0.999):
+        self.beta_1, self.beta_2 = beta_1, beta_2
+
+    def update(self, optimizer, variable, gradient, rate, slots):
+        m, v = slots["m"], slots["v"]
+        optimizer.assign(m, self.beta_1 * m + (1 - self.beta_1) * gradient)
+        optimizer.assign(v, self.beta_2 * v + (1 - self.beta_2) * gradient * gradient)
+        optimizer.assign_sub(variable, rate * m / (v ** 0.5 + 1e-8))
+""" + line)
+    (tmp_path / "tiny.py").write_text(TINY_MODEL)
+    trained = in_copy(package, "distributed_mpt.train", "--dataset=synthetic", "--optimizer=adamw",
+                      "--synthetic_examples=16", "--train_steps=2", "--per_replica_batch_size=4",
+                      f"--model={tmp_path / 'tiny.py'}:tiny", f"--model_dir={tmp_path / 'run'}",
+                      "--noexport")
+    assert_ok(trained)
+    assert "parameter groups: filters: AdamW, 1 variable(s)" in trained.stdout, trained.stdout
+    assert "kernels: NesterovSGD" in trained.stdout
