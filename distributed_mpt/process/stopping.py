@@ -119,6 +119,11 @@ class _Owner:
         os.set_blocking(self._write_fd, False)
         end_start_guard()
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        # What the acknowledgement offers: only a SIGINT aborts (a SIGTERM
+        # after a first stop is a scheduler's, SLURM's at the time limit
+        # after its USR1 warning: it must not cut the checkpoint short), and
+        # nothing does where SIGINT is ignored (a script's `command &`).
+        self.sigint_aborts = signal.SIGINT in heeded_stop_signals()
         # Python's C-level handler writes the signal to the pipe; the
         # Python-level one (run later, in the main thread) has nothing to do.
         for sig in heeded_stop_signals():  # an ignored one stays ignored (nohup)
@@ -171,7 +176,10 @@ class _Owner:
         what = ("after the steps under way, with a checkpoint"
                 if self.phase == Phase.TRAINING else
                 "once the run is complete: evaluating and exporting first")
-        _say_now(f"{sig.name}: stopping {what}; Ctrl-C again to abort (exit {ExitCode.ABORTED:d})")
+        abort = ("" if not self.sigint_aborts else
+                 f"; {'Ctrl-C again' if sig == signal.SIGINT else 'Ctrl-C (SIGINT)'} to abort "
+                 f"(exit {ExitCode.ABORTED:d})")
+        _say_now(f"{sig.name}: stopping {what}{abort}")
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._previous_wakeup_fd)

@@ -63,11 +63,41 @@ def test_a_closed_terminal_or_slurms_warning_signal_stops_like_sigterm(tmp_path,
     run.wait_for(r"^step +\d+/100000", timeout=300)
     run.process.send_signal(sig)
     assert run.finish(timeout=300) == ExitCode.PREEMPTED, run.output()[-3000:]
-    assert f"{sig.name}: stopping after the steps under way, with a checkpoint" in run.output()
+    # Only a SIGINT aborts: a second one of these would not ("Ctrl-C again" was offered).
+    assert (f"{sig.name}: stopping after the steps under way, with a checkpoint; Ctrl-C "
+            f"(SIGINT) to abort (exit 130)") in run.output(), run.output()[-3000:]
     stopped = re.search(r"stopped by a signal at step (\d+); checkpoint saved", run.output())
     assert stopped, run.output()[-3000:]
     index = (model_dir / "checkpoints" / "checkpoint").read_text()
     assert f"ckpt-{stopped.group(1)}\"" in index.splitlines()[0]
+
+
+def test_a_scripts_background_run_ignores_sigint_and_stops_on_sigterm(tmp_path):
+    """A shell script's `command &` runs with SIGINT ignored (no job
+    control), so `kill -INT` there does nothing, as docs/reliability.md
+    says; SIGTERM stops it. Its acknowledgement offered "Ctrl-C again to
+    abort", which nothing could do."""
+    train = [sys.executable, "-m", "distributed_mpt.train", *SMOKE_FLAGS, "--train_steps=100000",
+             f"--model_dir={tmp_path / 'run'}"]
+    script = f'{shlex.join(train)} &\necho "pid $!"\nwait $!\n'
+    run = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO, env=subprocess_env())
+    try:
+        pid = int(run.stdout.readline().split()[1])
+        steps = (line for line in run.stdout if re.match(r"step +\d+/100000", line))
+        next(steps)
+        os.kill(pid, signal.SIGINT)
+        for _ in range(3):  # trained on
+            next(steps)
+        os.kill(pid, signal.SIGTERM)
+        output = run.communicate(timeout=300)[0]
+    finally:
+        run.kill()
+    assert run.returncode == ExitCode.PREEMPTED, output[-3000:]
+    assert "SIGINT" not in output, output[-3000:]
+    acknowledged = [line for line in output.splitlines() if line.startswith("SIGTERM")]
+    assert acknowledged == ["SIGTERM: stopping after the steps under way, with a checkpoint"], \
+        output[-3000:]
 
 
 def test_the_acknowledgement_starts_a_line_of_its_own_on_a_terminal(tmp_path):
