@@ -64,7 +64,7 @@ class ModelDirLostError(ConfigError):
         Its --model_dir is not named: this worker's flag may name the shared
         directory otherwise (another mount point), or a directory of its own."""
         return cls(f"the chief lost its lock: its --model_dir or the {LOCK_NAME} file in it was "
-                   f"removed or moved while this run trained (the chief's own line names the "
+                   f"removed or moved during this run (the chief's own line names the "
                    f"directory): every worker stops; put it back (or start afresh) and run the "
                    f"same command again")
 
@@ -192,7 +192,7 @@ class RunLock:
         if not self.is_in_place():
             raise ModelDirLostError(
                 f"--model_dir={quoted(os.path.dirname(self.path))} or its {LOCK_NAME} file was "
-                f"removed or moved while this run trained: stopping, as another run could take "
+                f"removed or moved during this run: stopping, as another run could take "
                 f"the directory; put it back (or start afresh) and run the same command again")
 
     def release(self, remove_model_dir_if_unused: bool = False, own_files=()) -> None:

@@ -24,7 +24,7 @@ E2E = [*SMOKE_FLAGS, "--checkpoint_every_steps=5", "--noevaluate"]
 # The line of a worker whose chief lost its lock: the chief's --model_dir,
 # which this worker's flag need not name as the chief's does, is not named.
 _PEERS_LINE = ("error: the chief lost its lock: its --model_dir or the .lock file in it was "
-               "removed or moved while this run trained (the chief's own line names the "
+               "removed or moved during this run (the chief's own line names the "
                "directory): every worker stops; put it back (or start afresh) and run the same "
                "command again")
 
@@ -288,7 +288,7 @@ def test_a_lock_taken_from_the_chief_of_two_workers_stops_both_with_one_line(tmp
     said = [[line for line in worker.output().splitlines() if line.startswith("error:")]
             for worker in workers]
     assert said[0] == [f"error: --model_dir={model_dir} or its .lock file was removed or moved "
-                       f"while this run trained: stopping, as another run could take the "
+                       f"during this run: stopping, as another run could take the "
                        f"directory; put it back (or start afresh) and run the same command "
                        f"again"], workers[0].output()[-3000:]
     assert said[1] == [_PEERS_LINE], said[1]
@@ -367,7 +367,7 @@ def test_a_lock_taken_from_the_chief_after_training_ends_every_worker_with_2(tmp
     said = [[line for line in worker.output().splitlines() if line.startswith("error:")]
             for worker in workers]
     assert said[0] == [f"error: --model_dir={model_dir} or its .lock file was removed or moved "
-                       f"while this run trained: stopping, as another run could take the "
+                       f"during this run: stopping, as another run could take the "
                        f"directory; put it back (or start afresh) and run the same command "
                        f"again"], output
     assert said[1] == [_PEERS_LINE], output
@@ -445,8 +445,10 @@ def test_a_model_dir_taken_away_as_the_run_ends_stops_it_with_one_line(tmp_path,
     out, err = run.communicate(timeout=300)
     assert run.returncode == ExitCode.USAGE, out + err[-2000:]
     assert "Traceback" not in err
+    # Not "while this run trained": its training was over.
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
-        next(line for line in err.splitlines() if "was removed or moved while" in line)], err
+        next(line for line in err.splitlines() if "was removed or moved during this run: "
+             in line)], err
     for directory in (model_dir, tmp_path / "moved"):  # nothing written after it went
         assert not (directory / "export").exists() and not (directory / "summary.json").exists()
 
