@@ -6,8 +6,9 @@ group when one dies.
 
 Each worker is `python -P -m distributed_mpt.train <train flags>` with its own TF_CONFIG on
 127.0.0.1 and a port free on every address of this host; its output is prefixed with
-`[worker i]`. Ctrl-C, SIGTERM and the other stop signals (SIGHUP, SIGUSR1, SIGUSR2) are
-passed on to every worker, which save a checkpoint and stop.
+`[worker i]` (`distributed-mpt-launch -- --help` lists the train flags, once). Ctrl-C,
+SIGTERM and the other stop signals (SIGHUP, SIGUSR1, SIGUSR2) are passed on to every
+worker, which save a checkpoint and stop.
 MultiWorkerMirroredStrategy cannot go on without a peer, so when a worker dies the others
 are stopped and the whole group is started again on fresh ports, up to --max_restarts times;
 training resumes from its latest checkpoint (from step 0 if it saved none). Exit codes 2
@@ -363,8 +364,10 @@ def main(argv=None) -> int:
         if not train_flags:
             raise ConfigError("no training flags: distributed-mpt-launch --num_workers=N -- "
                               "--model_dir=DIR ...")
-        if not cli.wants_help(train_flags):  # refused once here, not once by each worker
-            train.parse_config(train_flags).cluster.check_for_workers(fv.num_workers)
+        # Training's help and refusals said once here, not once by each worker.
+        if cli.wants_help(train_flags):
+            return train.main(train_flags)
+        train.parse_config(train_flags).cluster.check_for_workers(fv.num_workers)
         most, why = max_workers()
         if fv.num_workers > most:
             raise ConfigError(f"--num_workers={fv.num_workers}: this host holds at most {most} "

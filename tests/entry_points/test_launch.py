@@ -219,6 +219,16 @@ def test_output_to_a_reader_that_is_gone_is_no_traceback():
     assert launcher.returncode == 0 and stderr == ""
 
 
+@pytest.mark.parametrize("asked", ["--help", "-h", "--helpfull"])
+def test_training_help_through_the_launcher_is_printed_once(asked):
+    """It started the workers, and each printed the whole of it."""
+    result = run_module("distributed_mpt.launch", ["--num_workers=2", "--", asked],
+                        env=subprocess_env(), timeout=60)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.count("--train_steps:") == 1, result.stdout[-2000:]
+    assert "[launch]" not in result.stdout and "[worker" not in result.stdout
+
+
 # --- the launcher with real workers -----------------------------------------
 
 
