@@ -61,8 +61,9 @@ class ExitCode(enum.IntEnum):
         "peers: the start-up watchdog ends it so, nothing was trained yet), or the OOM killer, "
         "or Kubernetes after the grace period")
     PEER_LOST = status_of_signal(signal.SIGPIPE), (
-        "a peer of a multi-worker job was lost mid-run (the connection broke); the group "
-        "restarts from the latest checkpoint")
+        "a peer of a multi-worker job was lost mid-run (it stopped, or the connection broke: "
+        "the line names it where TensorFlow does, and its own output says why it stopped); the "
+        "group restarts from the latest checkpoint")
     PEER_TIMEOUT = status_of_signal(signal.SIGALRM), (
         "the peers of a multi-worker job were not all up within --peer_timeout_seconds; "
         "they may still be scheduled")

@@ -20,6 +20,11 @@ from distributed_mpt.cluster.environment import Cluster
 # is lost.
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+# Where the message of a failed collective names the task at its other end
+# ("Additional GRPC error information from remote target
+# /job:worker/replica:0/task:0 while calling ..."); or only its address
+# ("failed to connect to all addresses; ... ipv4:127.0.0.1:59015: ...").
+_TASK_NAMED = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 # What TensorFlow raises, at start-up, when the workers' TF_CONFIGs list
 # other clusters: a collective group of another size, or a task the
 # coordination service (the first task's) does not list. Matched by type and
@@ -147,3 +152,16 @@ def _cpu_model() -> str:
     except (OSError, StopIteration):
         import platform
         return platform.processor() or "CPU"
+
+
+def peer_named(error: Exception, cluster: Cluster) -> Optional[str]:
+    """The peer ("worker 0", as the launcher prefixes its lines) whose loss
+    TensorFlow's `error` names, other than this task; None unless it names
+    exactly one."""
+    text = str(error)
+    named = {f"{job} {task}" for job, task in _TASK_NAMED.findall(text)}
+    named.update(f"{job} {task}" for job, addresses in cluster.tf_config["cluster"].items()
+                 for task, address in enumerate(addresses)
+                 if re.search(re.escape(address) + r"(?![\w.-])", text))  # not :2222 in :22220
+    named.discard(f"{cluster.task_type} {cluster.task_index}")
+    return named.pop() if len(named) == 1 else None

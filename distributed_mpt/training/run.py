@@ -155,12 +155,16 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     checkpoint. Without a cluster the error is not about peers: it is raised again."""
     if cluster is None:
         raise error
+    from distributed_mpt.cluster.strategy import peer_named
     where = "".join(f" {quoted(first_line(note))}"  # one line, whoever added the note
                     for note in getattr(error, "__notes__", ()))
+    if peer := peer_named(error, cluster):  # it may have failed on its own: 141 is not the why
+        where += f": {peer} stopped or was cut off (its own output says why it stopped)"
     stopping.say_decided_error(
         f"lost a peer of the multi-worker job ({type(error).__name__}: "
         f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
-        f"the group restarts from its latest checkpoint (from step 0 if none was saved)")
+        f"a restart of the group resumes from its latest checkpoint (from step 0 if none was "
+        f"saved)")
     return ExitCode.PEER_LOST
 
 

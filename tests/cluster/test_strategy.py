@@ -19,7 +19,7 @@ from conftest import (REPO, SMALL_MODEL, SMOKE_FLAGS, WatchedProcess, assert_ok,
                       assert_same_weights, checkpoint_weights, read_summary, run_module,
                       subprocess_env, train)
 from distributed_mpt.cluster.environment import resolve_cluster
-from distributed_mpt.cluster.strategy import resolve_strategy_name
+from distributed_mpt.cluster.strategy import peer_named, resolve_strategy_name
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.launch import free_ports, worker_tf_configs
 
@@ -41,6 +41,24 @@ HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 ])
 def test_resolve_strategy_name(name, cluster, cpu_replicas, expected):
     assert resolve_strategy_name(name, cluster, cpu_replicas) == expected
+
+
+@pytest.mark.parametrize("message, named", [
+    ("Collective ops is aborted by: Socket closed\nAdditional GRPC error information from "
+     "remote target /job:worker/replica:0/task:0 while calling RecvBuf:", "worker 0"),
+    ("Collective ops is aborted by: failed to connect to all addresses; last error: UNKNOWN: "
+     "ipv4:127.0.0.1:5901: Failed to connect to remote host: Connection refused", "worker 0"),
+    ("... ipv4:127.0.0.1:59015: Connection refused", None),  # another port
+    ("... /job:worker/replica:0/task:2 ...", None),  # this worker
+    ("... /job:worker/replica:0/task:0 ... /job:worker/replica:0/task:1 ...", None),  # which?
+    ("Socket closed", None)])
+def test_the_peer_a_failed_collective_names(message, named):
+    """Both of these messages came from a chief out of disk (its peer's, in
+    test_launch.py): the peer's line names it, as the launcher's prefix does."""
+    cluster = resolve_cluster({"TF_CONFIG": json.dumps({
+        "cluster": {"worker": ["127.0.0.1:5901", "127.0.0.1:5902", "127.0.0.1:5903"]},
+        "task": {"type": "worker", "index": 2}})})
+    assert peer_named(tf.errors.UnavailableError(None, None, message), cluster) == named
 
 
 def test_multi_worker_without_a_cluster_says_how_to_get_one():

@@ -249,6 +249,25 @@ def test_permanent_exit_code_is_not_retried(tmp_path):
     assert re.search(r"^\[worker [01]\] error: .*is a file, not a directory", result.stderr, re.M)
 
 
+def test_a_chief_out_of_disk_ends_the_launch_with_its_2_and_its_peer_names_it(tmpfs, tmp_path):
+    """The peer said only "lost a peer ... (UnavailableError: Collective ops
+    is aborted by: Socket closed)", and that the group restarts, which the
+    launcher does not do after a 2."""
+    mount_point, resize = tmpfs
+    resize(160)  # the notebook's MLP: room for one checkpoint of 98 MB, not two
+    result = _launcher(["--num_workers=2", "--max_restarts=3", "--", *WORKER_FLAGS,
+                        "--per_replica_batch_size=32", "--checkpoint_every_steps=5",
+                        "--train_steps=15", f"--model_dir={mount_point / 'run'}"],
+                       tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr[-3000:]
+    assert len(_worker_pids(result.stdout)) == 2, "not restarted"
+    said = [re.findall(rf"^\[worker {i}\] error: (.*)", result.stderr, re.M) for i in (0, 1)]
+    assert len(said[0]) == 1 and said[0][0].startswith("no space left"), result.stderr[-3000:]
+    assert len(said[1]) == 1 and said[1][0].startswith("lost a peer"), result.stderr[-3000:]
+    assert ": worker 0 stopped or was cut off (its own output says why it stopped); exiting " \
+           "with 141 so that a restart of the group resumes" in said[1][0], said[1][0]
+
+
 def test_a_model_dir_another_run_holds_is_not_retried(tmp_path):
     """The launcher restarted the group at once, three times, each saying
     "resuming from the latest checkpoint": fresh ports cannot free it."""
