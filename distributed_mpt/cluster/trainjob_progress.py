@@ -1,32 +1,26 @@
-"""Progress in the TrainJob's own status, for Kubeflow Trainer v2.2+ with its
-`TrainJobStatus` feature gate: `kubectl get trainjob NAME -o
-jsonpath='{.status.trainerStatus}'` then shows the progress percentage, the
-time left and the latest loss and accuracy.
+"""Progress in the TrainJob's own status, for Kubeflow Trainer v2.2+ with its `TrainJobStatus`
+feature gate: `kubectl get trainjob NAME -o jsonpath='{.status.trainerStatus}'` then shows the
+progress percentage, the time left and the latest loss and accuracy.
 
 The controller injects KUBEFLOW_TRAINER_SERVER_URL (an HTTPS endpoint),
-KUBEFLOW_TRAINER_SERVER_CA_CERT (its CA certificate) and
-KUBEFLOW_TRAINER_SERVER_TOKEN (a bearer token), two files that are rotated
-(the token read at every request, the CA when its file changed), into the pods (kubeflow/trainer,
-docs/user-guides/trainjob-progress.md). The chief POSTs `{"trainerStatus":
-{"progressPercentage", "estimatedRemainingSeconds", "metrics": [{"name",
-"value"}], "lastUpdatedTime"}}` at most every MIN_SECONDS, from a thread of its own so
-that a slow server never slows training. A report that fails is one warning,
-never a failed run.
+KUBEFLOW_TRAINER_SERVER_CA_CERT (its CA certificate) and KUBEFLOW_TRAINER_SERVER_TOKEN (a bearer
+token), two files that are rotated (the token read at every request, the CA when its file
+changed), into the pods (kubeflow/trainer, docs/user-guides/trainjob-progress.md). The chief
+POSTs `{"trainerStatus": {"progressPercentage", "estimatedRemainingSeconds", "metrics":
+[{"name", "value"}], "lastUpdatedTime"}}` at most every MIN_SECONDS, from a thread of its own so
+that a slow server never slows training. A report that fails is one warning, never a failed run.
 
-The server and the three variables are untrusted (DESIGN.md, decision 8). A
-server that answers without end, trickles its answer, redirects or breaks
-TLS costs a warning and at most REQUEST_SECONDS of this thread: never the
-run's memory, and never more than CLOSE_SECONDS of its end (a stopped or
-failed run's: EARLY_CLOSE_SECONDS). The token goes only over verified HTTPS
-to the URL's host: `https` alone, with the injected CA alone, and no
-redirect followed (urllib carries the Authorization header across them, to
-any host and scheme). No message holds the token or a part
-of it (nor the token variable, which may hold the token, not its file's
-path), nor the URL's user name, password, query or fragment: a warning says
-what went wrong in this module's words, the C library's or OpenSSL's, never
-in the server's (its status line, headers and body may echo the header back)
-nor in http.client's, which quote them. Whatever fails in setting it up is
-a warning too: reporting never stops a run.
+The server and the three variables are untrusted (DESIGN.md, decision 8). A server that answers
+without end, trickles its answer, redirects or breaks TLS costs a warning and at most
+REQUEST_SECONDS of this thread: never the run's memory, and never more than CLOSE_SECONDS of its
+end (a stopped or failed run's: EARLY_CLOSE_SECONDS). The token goes only over verified HTTPS to
+the URL's host: `https` alone, with the injected CA alone, and no redirect followed (urllib
+carries the Authorization header across them, to any host and scheme). No message holds the
+token or a part of it (nor the token variable, which may hold the token, not its file's path),
+nor the URL's user name, password, query or fragment: a warning says what went wrong in this
+module's words, the C library's or OpenSSL's, never in the server's (its status line, headers
+and body may echo the header back) nor in http.client's, which quote them. Whatever fails in
+setting it up is a warning too: reporting never stops a run.
 """
 
 import contextlib
@@ -131,11 +125,10 @@ class TrainJobStatus:
             self._changed.notify()
 
     def close(self, early: bool = False) -> None:
-        """Sends what is pending (the final progress, at most MIN_SECONDS
-        later) and stops the thread; returns within CLOSE_SECONDS, whatever
-        the server does. `early` (a run stopped or failed): within
-        EARLY_CLOSE_SECONDS, what is pending sent only if its turn has come,
-        and a report the server holds left to end by itself, unsaid."""
+        """Sends what is pending (the final progress, at most MIN_SECONDS later) and stops the
+        thread; returns within CLOSE_SECONDS, whatever the server does. `early` (a run stopped or
+        failed): within EARLY_CLOSE_SECONDS, what is pending sent only if its turn has come, and
+        a report the server holds left to end by itself, unsaid."""
         seconds = EARLY_CLOSE_SECONDS if early else CLOSE_SECONDS
         with self._changed:
             # The thread's own deadline, a second before the join's: it ends
@@ -213,8 +206,7 @@ class TrainJobStatus:
         return self._ca_tls
 
     def _failed(self, why: str) -> None:
-        """A warning for the first report that failed: a server that is down
-        stays down."""
+        """A warning for the first report that failed: a server that is down stays down."""
         with self._changed:  # close() warns too, of a thread it gave up on
             warned, self._warned = self._warned, True
         if not warned:
@@ -267,10 +259,9 @@ class _Connection(http.client.HTTPSConnection):
 
 
 def _connected(host: str, port: int, deadline: float) -> socket.socket:
-    """A TCP connection to the first of `host`'s addresses that takes it,
-    all tried by `deadline`: socket.create_connection gives each address the
-    whole timeout, and a name of 4 addresses that never answer held a
-    report for 20 s, and the run's end past its bound."""
+    """A TCP connection to the first of `host`'s addresses that takes it, all tried by
+    `deadline`: socket.create_connection gives each address the whole timeout, and a name of 4
+    addresses that never answer held a report for 20 s, and the run's end past its bound."""
     error = OSError(0, "the host name has no address")
     addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     for tried, (family, kind, protocol, _, address) in enumerate(addresses):
@@ -328,9 +319,8 @@ def _shown(url: str) -> str:
 
 
 def _tls_trusting(ca_cert: str) -> ssl.SSLContext:
-    """A TLS context that trusts the CA certificates of `ca_cert` alone and
-    checks the server's name. The file is read here, bounded: OpenSSL is
-    given its text, never its path."""
+    """A TLS context that trusts the CA certificates of `ca_cert` alone and checks the server's
+    name. The file is read here, bounded: OpenSSL is given its text, never its path."""
     where = f"{CA_CERT_ENV}={quoted(ca_cert)}"
     data = _read_bounded(ca_cert, MAX_CA_BYTES, where)
     # Not ssl.create_default_context(cadata=...): given an empty file, it
