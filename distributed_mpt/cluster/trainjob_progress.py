@@ -20,7 +20,7 @@ token or a part of it (nor the token variable, which may hold the token, not its
 nor the URL's user name, password, query or fragment: a warning says what went wrong in this
 module's words, the C library's or OpenSSL's, never in the server's (its status line, headers
 and body may echo the header back) nor in http.client's, which quote them. Whatever fails in
-setting it up is a warning too: reporting never stops a run.
+setting it up, or ends its thread, is a warning too: reporting never stops a run.
 """
 
 import contextlib
@@ -141,6 +141,15 @@ class TrainJobStatus:
             self._failed(f"the final progress was not sent within {seconds:g} s")
 
     def _send_loop(self) -> None:
+        try:
+            self._send_reports()
+        except BaseException as e:  # noqa: BLE001 - a bug, or no memory to say why: the default
+            # hook's traceback held http.client's error, which quotes the server (and the token)
+            if not self._warned:
+                _warn(f"TrainJob progress is no longer reported: its thread failed "
+                      f"({type(e).__name__}); training goes on")
+
+    def _send_reports(self) -> None:
         last_sent = -MIN_SECONDS
         while True:
             with self._changed:

@@ -530,6 +530,23 @@ def test_a_failure_no_one_foresaw_is_a_warning_not_a_failed_run(serve, capfd, mo
     assert_one_warning(warnings, "TrainJob progress is not reported: TypeError")
 
 
+def test_a_report_failing_in_saying_why_prints_no_traceback_that_quotes_the_server(
+        serve, capfd, monkeypatch):
+    """Memory exhausted (or a bug) while a failed report's warning was made,
+    after a server quoted the token in its status line: the thread's default
+    hook printed a traceback, and in its context http.client's error, which
+    quotes that line, the token with it."""
+    def exhausted(*args):
+        raise MemoryError()
+
+    monkeypatch.setattr(trainjob_progress, "_why", exhausted)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # not pytest's
+    warnings, output = report(serve(token_in_the_status_line).env, capfd)
+    assert "Traceback" not in output
+    assert_no_part_of_the_token(output)
+    assert_one_warning(warnings, "its thread failed (MemoryError)")
+
+
 def _file_of_kind(path, kind: str, contents: dict):
     """`path` made a file of `contents[kind]`, or a path of `kind` (conftest.make_path)."""
     if kind not in contents:
