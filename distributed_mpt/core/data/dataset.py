@@ -208,11 +208,13 @@ def same_examples(before: dict, now: dict) -> bool:
     same examples in another order trains the same data (the rest of an
     epoch cut short draws other examples, as another seed would); the
     workers of a job compare the whole fingerprint, order too. A record from
-    before it was kept is compared in order: refused unless the same."""
-    left_out = ("sha256" if "examples_sha256" in before and "examples_sha256" in now
-                else "examples_sha256")
-    return ({k: v for k, v in before.items() if k != left_out}
-            == {k: v for k, v in now.items() if k != left_out})
+    before it was kept is compared in order: refused unless the same. An
+    image folder's "names_sha256" is in its "sha256" too (a record from
+    before it was kept lacks it)."""
+    left_out = {"sha256" if "examples_sha256" in before and "examples_sha256" in now
+                else "examples_sha256", *({"names_sha256"} - set(before))}
+    return ({k: v for k, v in before.items() if k not in left_out}
+            == {k: v for k, v in now.items() if k not in left_out})
 
 
 def some_names(names, shown: int = 5) -> str:
@@ -269,7 +271,8 @@ def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
                    f"model trained on ({whose} no fingerprint of them): if images were added "
                    f"or removed since, its test split held out of them (--test_fraction) holds "
                    f"some it trained on, and the accuracy reads too high")
-    elif not same_examples(trained_on, dataset.fingerprint):
+    elif not (same_examples(trained_on, dataset.fingerprint)
+              or _same_names(trained_on, dataset.fingerprint)):
         raise ConfigError(
             f"--data_dir={quoted(data_dir)} is not the folder the model trained on, or has "
             f"changed since "
@@ -277,3 +280,13 @@ def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
             f"out of it (--test_fraction) would mix in images the model trained on; evaluate on "
             f"a test/ folder of images it never saw (DATA_DIR/test/<class>/), or on the folder "
             f"as it trained")
+
+
+def _same_names(before: dict, now: dict) -> bool:
+    """Whether two image folders' fingerprints (`before` read, not trusted)
+    list the same classes and file names, whatever the files' sizes: all
+    that draws a held-out split, with the seed and --test_fraction (files
+    re-encoded in place hold out the same ones, which the model never saw).
+    False for a record from before the names were kept apart."""
+    drawn_by = ("classes", "files", "names_sha256")
+    return "names_sha256" in before and all(before.get(k) == now.get(k) for k in drawn_by)

@@ -324,19 +324,18 @@ def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, 
     """What the folder `root` holds, cheaply: its classes in label order, its
     number of files in each split folder, and the SHA-256 of every file's
     path (from `root`: a copy elsewhere is the same data) and `sizes`,
-    sorted. Contents are not read for it: a file changed in place at the
+    sorted ("names_sha256": of the paths alone, all that draws a held-out
+    split). Contents are not read for it: a file changed in place at the
     same size goes unnoticed, one added, removed, renamed, moved to another
     class or resized does not."""
-    lines = []
-    for by_class in listed.values():
-        for paths in by_class.values():
-            lines += [os.fsencode(os.path.relpath(path, root)) + b"\t%d" % sizes[path]
-                      for path in paths]
-    digest = hashlib.sha256(b"\n".join(sorted(lines))).hexdigest()
+    named = {os.fsencode(os.path.relpath(path, root)): sizes[path] for by_class in
+             listed.values() for paths in by_class.values() for path in paths}
+    names, sized = sorted(named), sorted(name + b"\t%d" % size for name, size in named.items())
     return {"classes": list(class_names),
             "files": {split: sum(map(len, by_class.values()))
                       for split, by_class in listed.items()},
-            "sha256": digest}
+            "sha256": hashlib.sha256(b"\n".join(sized)).hexdigest(),
+            "names_sha256": hashlib.sha256(b"\n".join(names)).hexdigest()}
 
 
 def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int
