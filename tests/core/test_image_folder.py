@@ -603,7 +603,7 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     assert_ok(reencoded)
     assert reencoded.stdout == evaluated.stdout and "warning" not in reencoded.stderr
     for name in CLASSES:  # one more photo of each class, as a user adds them
-        shutil.copy(folder / "train" / name / "000.png", folder / "train" / name / "100.png")
+        _photo(folder / "train" / name / "100.png", COLOURS[name], np.random.default_rng(1))
     said = (f"--data_dir={folder} is not the folder the model trained on, or has changed since "
             f"(train/ holds 27 "
             f"files (was 24)): the test split held out of it (--test_fraction) would mix in")
@@ -628,3 +628,21 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     warnings = [line for line in unknown.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "cannot tell whether" in warnings[0], unknown.stderr
     assert "(6 images)" in unknown.stdout
+
+
+def test_test_images_that_are_copies_of_training_images_are_warned_of(tmp_path):
+    """A byte-for-byte copy of a training image in test/ (not a link: cp, a
+    download unpacked twice) was scored as unseen, unsaid."""
+    folder = write_folder(tmp_path / "photos", train_per_class=8, test_per_class=2)
+    shutil.copy(folder / "train" / "cars" / "003.png", folder / "test" / "cars" / "copy.png")
+    shutil.copy(folder / "train" / "dogs" / "005.png", folder / "test" / "ships" / "x.png")
+    result = train([*TINY, f"--data_dir={folder}", f"--model_dir={tmp_path / 'run'}"])
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines()
+                if line.startswith("warning:") and "global batch" not in line]
+    test, trained = folder / "test", folder / "train"
+    assert warnings == [
+        f"warning: 2 of the 8 test images are byte-for-byte copies of training images "
+        f"({test / 'cars' / 'copy.png'} of {trained / 'cars' / '003.png'}, "
+        f"{test / 'ships' / 'x.png'} of {trained / 'dogs' / '005.png'}): the test accuracy "
+        f"counts them as unseen; remove them from test/"], result.stderr

@@ -19,8 +19,10 @@ orientation says); entries whose name starts with a dot (.DS_Store,
 user's (Thumbs.db, desktop.ini, an unzipped archive's __MACOSX/, a NAS's
 @eaDir/) and files beside the class folders are skipped, all named in one
 warning, and anything else that is not an intact image (a link among the
-class folders that leads nowhere too) is one error naming it. The mean and
-standard deviation the model normalizes with are the training images'.
+class folders that leads nowhere too) is one error naming it; test images
+that are byte-for-byte copies of training images are named in a warning
+(dataset.warn_of_copies). The mean and standard deviation the model
+normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
 SHA-256 of its file list with their sizes: what a resumed run compares, so
@@ -42,7 +44,8 @@ from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
 from distributed_mpt.core.data.dataset import (MAX_CLASSES, READ_AS_ONE_BY, SPLITS, Dataset,
                                                DatasetInfo, ImageSplit, aligned_empty,
-                                               first_pair_read_as_one, read_as, some_names)
+                                               channel_statistics, first_pair_read_as_one,
+                                               read_as, some_names, warn_of_copies)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
@@ -110,17 +113,12 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
     in_order = {"train": _labelled(train_files, order)}
     if "test" in splits:
         in_order["test"] = _labelled(test_files)
-    room = _room_for(root, in_order, size, headroom)
-    decoded = {split: _decode(pairs, room[split], size) for split, pairs in in_order.items()}
-    train = decoded["train"]
-    mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
-    variance = np.zeros(3)
-    # Chunks of 4M values (32 MB as float64): 4,096 images a chunk took 26 GB at 512 x 512.
-    step = max(1, (1 << 22) // train.images[0].size)
-    for start in range(0, len(train), step):
-        chunk = train.images[start:start + step].astype(np.float64) - mean
-        variance += (chunk * chunk).sum(axis=(0, 1, 2))
-    std = np.sqrt(variance / (len(train) * size[0] * size[1]))
+    room, digests = _room_for(root, in_order, size, headroom), {}
+    decoded = {split: _decode(pairs, room[split], size, digests.setdefault(split, []))
+               for split, pairs in in_order.items()}
+    if "test" in splits:
+        warn_of_copies(in_order, digests, held_out=not has_test)
+    mean, std = channel_statistics(decoded["train"].images)
     info = DatasetInfo(image_shape=(*size, 3), class_names=tuple(class_names),
                        mean=tuple(round(float(m), 4) for m in mean),
                        std=tuple(round(float(max(s, 1.0)), 4) for s in std))
@@ -385,12 +383,15 @@ def _room_for(root: str, listed: Dict[str, list], size: Tuple[int, int], headroo
         f"memory")
 
 
-def _decode(pairs: List[Tuple[str, int]], pixels: np.ndarray, size: Tuple[int, int]
-            ) -> ImageSplit:
+def _decode(pairs: List[Tuple[str, int]], pixels: np.ndarray, size: Tuple[int, int],
+            digests: List[bytes]) -> ImageSplit:
     """The files of `pairs` (path, label) decoded into `pixels`, in order,
-    with their labels."""
+    with their labels; the SHA-256 of each file's bytes appended to `digests`
+    (2 us for a 3 kB PNG, decoded in 170 to 290: 2 loaded cores of an EPYC)."""
     for index, (path, _) in enumerate(pairs):
+        encoded = images.file_bytes(path)
+        digests.append(hashlib.sha256(encoded).digest())
         # A damaged file, or one that is not an image, is ImageError (a
         # UserError) naming it: one error line, before any training.
-        pixels[index] = images.read_image(path, size)
+        pixels[index] = images.read_image(path, size, encoded)
     return ImageSplit(pixels, np.array([label for _, label in pairs], np.int32))

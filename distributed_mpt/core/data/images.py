@@ -65,11 +65,12 @@ class ImageError(UserError):
     """An image file that cannot be read, or is not an image."""
 
 
-def read_image(path: str, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
-    """The image file at `path` as uint8 [height, width, 3] RGB of `size`
-    (height, width; None: its own), or ImageError naming the file and what
-    is wrong."""
-    encoded = _file_bytes(path)
+def read_image(path: str, size: Optional[Tuple[int, int]] = None,
+               encoded: Optional[bytes] = None) -> np.ndarray:
+    """The image file at `path` (its bytes `encoded`, if file_bytes read
+    them already) as uint8 [height, width, 3] RGB of `size` (height, width;
+    None: its own), or ImageError naming the file and what is wrong."""
+    encoded = file_bytes(path) if encoded is None else encoded
     with _bounded_pillow() as noted:
         pixels = _decode(path, encoded, noted)
     try:
@@ -350,7 +351,7 @@ def _jpeg_scan_ends(encoded: bytes) -> bool:
     return False
 
 
-def _file_bytes(path: str) -> bytes:
+def file_bytes(path: str) -> bytes:
     """The bytes of the regular file at `path`, at most MAX_IMAGE_BYTES, by
     files.read_bounded: a FIFO would block the read forever, and /dev/zero
     fill the memory."""
