@@ -26,7 +26,8 @@ normalizes with are the training images'.
 
 The dataset's fingerprint is its classes, its number of files and the
 SHA-256 of its file list with their sizes: what a resumed run compares, so
-that it does not continue on other images (training/plan.py).
+that it does not continue on other images (training/plan.py); and of the
+list alone, what predict compares before it draws a held-out split again.
 """
 
 import contextlib
