@@ -323,6 +323,13 @@ def test_an_intact_file_of_each_format_reads_and_data_after_its_end_is_no_damage
         assert (_read(tmp_path, encoded + b"\x00" * 64) == pixels).all()
 
 
+def test_a_png_cut_in_its_header_is_refused_without_a_memory_address(tmp_path):
+    # Pillow's "cannot identify image file <_io.BytesIO object at 0x7f...>"
+    # named our buffer, not the user's file (found by a probe of image folders).
+    message = _refused(tmp_path, _still("PNG")[:12], "does not decode (cannot identify image file)")
+    assert "0x" not in message and "BytesIO" not in message, message
+
+
 def test_a_truncated_file_is_refused_even_if_other_code_told_pillow_to_accept_them(tmp_path):
     truncated = _encoded(_PICTURE, "PNG")[:-40]
     ImageFile.LOAD_TRUNCATED_IMAGES = True  # as a user's model file might

@@ -183,6 +183,7 @@ def _decode(path: str, encoded: bytes, noted: list) -> np.ndarray:
         raise _out_of_memory(path) from None
     except Exception as e:  # noqa: BLE001 - OSError("image file is truncated"), SyntaxError, ...
         damage = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        damage = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", damage)  # not the user's
     if damage:
         raise ImageError(f"{quoted(path)} begins as a {kind} image does but does not decode "
                          f"({quoted(damage)}): it is damaged or truncated; give an intact copy")
