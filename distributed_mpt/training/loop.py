@@ -25,6 +25,7 @@ from distributed_mpt.core import precision
 from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
 from distributed_mpt.cluster.strategy import PEER_ERRORS
+from distributed_mpt.core.models import blame
 from distributed_mpt.core.models.contract import FirstStepError, cause
 from distributed_mpt.errors import DivergedError, Preempted, UserError, quoted
 from distributed_mpt.cluster.trainjob_progress import TrainJobStatus
@@ -84,8 +85,7 @@ class TrainingLoop:
                             or plan.total_steps)
         boundaries = (run.log_every_steps, run.checkpoint_every_steps, eval_every_steps,
                       plan.steps_per_epoch)
-        # A user's model failing in a new run's first call is named (below).
-        first_call, names_failure = None, start_step == 0 and self._config.model.spec.is_users
+        first_call = None
         while current < plan.total_steps:
             if current == phase_end:  # the first call, or the images change size (early crops)
                 iterator = None  # the last phase's pipeline stops before the next starts
@@ -97,8 +97,7 @@ class TrainingLoop:
             call_started = time.perf_counter()
             with self._reporter.doing(_call_activity(current, num_steps, plan.total_steps,
                                                      agreed_seconds_per_step)), \
-                    (_users_model_named(self._config.model.spec.name)
-                     if names_failure and first_call is None else contextlib.nullcontext()):
+                    self._users_model(first_call is None and start_step == 0, current, num_steps):
                 totals = trainer.train(iterator, num_steps, seconds_per_step, crop_size)
             if totals.stop_requests > 0:  # agreed by every worker, at a step boundary
                 self._stop(totals, int(trainer.step.numpy()), current)
@@ -148,6 +147,19 @@ class TrainingLoop:
         if not timed_seconds:
             timed_examples, timed_seconds = first_call
         return metrics, timed_examples / timed_seconds
+
+    def _users_model(self, new_runs_first: bool, current: int, num_steps: int):
+        """What names a user's model failing in this call (blame.py); not the package's."""
+        spec = self._config.model.spec
+        if not spec.is_users:
+            return contextlib.nullcontext()
+        if new_runs_first:
+            return _users_model_named(spec.name)
+        kept = (f"the run's checkpoints are kept, the latest of step {self._last_saved}"
+                if self._last_saved else "no checkpoint was saved yet")
+        steps = (f"training step {current + 1}" if num_steps == 1
+                 else f"training steps {current + 1}-{current + num_steps}")
+        return blame.named_if_its_own(spec.name, self._trainer.model, steps, kept)
 
     def _stop(self, totals: LoopTotals, reached: int, call_start: int) -> None:
         """Saves the step `reached` (a stop cut the call that began at

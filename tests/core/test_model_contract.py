@@ -243,6 +243,27 @@ def fails_in_evaluation(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
 
 
+class FailsAtStepThree(keras.layers.Layer):
+    """Counts its training calls that run, and asserts on the count: the
+    first two steps pass, the third fails, as a check on later batches may."""
+
+    def build(self, shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", dtype="int32",
+                                     trainable=False, name="calls")
+
+    def call(self, x, training=False):
+        if training:
+            import tensorflow as tf
+            self.calls.assign_add(1)
+            tf.debugging.assert_less(self.calls, 3, message="fails at step three")
+        return x
+
+
+def fails_at_step_three(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(FailsAtStepThree()(x)))
+
+
 def integer_logits(info):
     images, x = _flat(info)
     logits = keras.layers.Dense(info.num_classes)(x)
@@ -430,6 +451,45 @@ def test_a_python_error_in_the_first_step_is_named_with_its_line(model_file, tmp
                                   f"{model_file}:{line} in FailsInTheStep.call(): trains only "
                                   f"once, {'and ' * 5}")
     assert not run.exists()
+
+
+def test_a_model_failing_in_a_later_training_step_is_named_in_one_line(model_file, tmp_path):
+    """Its third step, after the first had run and a checkpoint was saved:
+    a traceback, exit 1, that said nothing of whose error it was. Its
+    checkpoint stays; a resume from it meets the same line."""
+    run, model = tmp_path / "run", f"--model={model_file}:fails_at_step_three"
+    for _ in range(2):  # the second resumes from step 2, in the same --model_dir
+        result = train([*FLAGS, model, f"--model_dir={run}", "--train_steps=6",
+                        "--checkpoint_every_steps=2"])
+        assert_one_error_line(result, "fails_at_step_three failed in training step")
+        line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+        assert "(InvalidArgumentError: assertion failed: [fails at step three]" in line, line
+        assert line.endswith("; the run's checkpoints are kept, the latest of step 2"), line
+        assert sorted(path.name for path in (run / "checkpoints").glob("ckpt-*.index")) == \
+            ["ckpt-2.index"]
+    assert "resuming from step 2" in result.stdout
+
+
+def test_only_an_error_inside_the_users_model_is_blamed_on_it():
+    """A later step's op that fails outside the model's name scope (the
+    package's loss, its optimizer) stays the package's: not named as the model's."""
+    import keras
+    import tensorflow as tf
+
+    from distributed_mpt.core.models.blame import is_the_models
+
+    images = keras.Input((4,))
+    model = keras.Model(images, keras.layers.Dense(2, name="logits")(images), name="mine")
+
+    def failed(node):
+        return tf.errors.InvalidArgumentError(None, None, f"assertion failed\n\t [[{{{{node "
+                                                          f"{node}}}}}]] [Op:__inference_x]")
+
+    assert is_the_models(failed("while/cond_1/mine/logits/MatMul"), model)
+    assert is_the_models(failed("gradient_tape/while/mine_1/logits_1/Assert/Assert"), model)
+    assert not is_the_models(failed("while/cond_1/categorical_crossentropy/Assert/Assert"), model)
+    assert not is_the_models(failed("while/cond_1/logits"), model), "an op, not a scope, named so"
+    assert not is_the_models(ValueError("a bug of the package's own"), model)
 
 
 @pytest.mark.parametrize("function", ["float_rescaled", "float_divided", pytest.param(

@@ -1,0 +1,53 @@
+"""Whether an error of a training step after a run's first is a user's model's, to be one
+line naming it rather than a traceback, exit 1, with nothing said of whose it was.
+
+After the first step the package's own part of the step (input, loss, optimizer) has run
+once already; what fails later is most often the model's: an assertion or a numerics
+check of its own that a later batch trips, or its Python code traced anew (at a new crop
+size, or where variables freeze). That is blamed on the model only where the error says
+so: a failing op that TensorFlow names inside the model's name scope or one of its
+layers' (its forward or backward pass), or a line of the user's file that autograph names.
+The rest, the package's own failures among them, stays a traceback; so do the errors
+that say nothing of the model (eval_views.NOT_THE_MODELS: memory, lost peers, the
+runtime's), as in an evaluation.
+"""
+
+import contextlib
+import re
+
+from distributed_mpt.core.eval_views import NOT_THE_MODELS
+from distributed_mpt.core.models.contract import ModelError, cause
+from distributed_mpt.errors import UserError, inside_autograph, quoted
+
+# How TensorFlow names the op that failed, in an error of a graph it ran.
+_FAILED_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+# What TensorFlow appends to a name scope used twice in one graph (dense, dense_1).
+_UNIQUIFIED = re.compile(r"_\d+$")
+
+
+def is_the_models(error: BaseException, model) -> bool:
+    """Whether `error` comes from `model`'s code: see the module's docstring."""
+    if (found := inside_autograph(error)) and found[2]:
+        return True
+    names = {layer.name for layer in model._flatten_layers(include_self=True)}
+    for node in _FAILED_NODE.findall(str(getattr(error, "message", error))):
+        scopes = node.split("/")[:-1]  # the last part is the op's own name, not a scope
+        if any(scope in names or _UNIQUIFIED.sub("", scope) in names for scope in scopes):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def named_if_its_own(name: str, model, steps: str, kept: str):
+    """Runs training `steps` ("training steps 3-4") of `model`, --model=`name`: an error
+    that is the model's (is_the_models) becomes one ModelError naming it, what it raised,
+    and what of the run is `kept`."""
+    try:
+        yield
+    except (UserError, *NOT_THE_MODELS):
+        raise
+    except Exception as e:
+        if not is_the_models(e, model):
+            raise
+        raise ModelError(f"--model={quoted(name)} failed in {steps} ({cause(e)}); {kept}") \
+            from None
