@@ -21,7 +21,10 @@ Its other filters (a library that silences its warnings) stay. Also the
 folder of temporary files and the recursion limit: tempfile.tempdir set to
 a missing folder, or sys.setrecursionlimit(120), failed the first training
 step, which autograph could not convert, blaming the model for what it did
-not say ("Iterating over a symbolic `tf.Tensor` is not allowed").
+not say ("Iterating over a symbolic `tf.Tensor` is not allowed"). And
+tf.config.run_functions_eagerly(True), a debugging line left in: the
+compiled steps ran eagerly, 4.3 times slower without a word (a small CNN on
+2 cores).
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
@@ -64,6 +67,7 @@ _FILTERS = ('the warnings filters that make warnings errors (warnings.simplefilt
             'or that keep them warnings (warnings.resetwarnings())')
 _TEMPDIR = "the folder of temporary files (tempfile.tempdir)"
 _RECURSION = "Python's recursion limit (sys.setrecursionlimit)"
+_EAGER_FUNCTIONS = "whether tf.functions run eagerly (tf.config.run_functions_eagerly)"
 # What the run would do without what a model changed and cannot be set back.
 WITHOUT = {_CWD: "relative paths would lead elsewhere",
            _HANDLERS: "a stop signal would not stop it with a checkpoint",
@@ -75,13 +79,15 @@ def read() -> dict:
     """What the run relies on, as it is now: the signals' parts only in the
     main thread, which alone may set them."""
     import keras
+    import tensorflow as tf
 
     # Whether the timer is armed, not what it has left, which runs down.
     state = {_CWD: working_directory(), POLICY: keras.mixed_precision.global_policy().name,
              FLOATX: keras.config.floatx(),
              _TIMER: signal.getitimer(signal.ITIMER_REAL)[0] > 0, _UMASK: files.umask(),
              _FILTERS: list(warnings.filters), _TEMPDIR: _temporary_folder(),
-             _RECURSION: sys.getrecursionlimit()}
+             _RECURSION: sys.getrecursionlimit(),
+             _EAGER_FUNCTIONS: tf.config.functions_run_eagerly()}
     state.update((f"sys.{name}", getattr(sys, name)) for name in _STREAMS)
     if threading.current_thread() is threading.main_thread():
         state[_HANDLERS] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -153,6 +159,10 @@ def set_back(kept: dict, changed) -> dict:
         tempfile.tempdir = kept[_TEMPDIR]
     if _RECURSION in changed:
         sys.setrecursionlimit(kept[_RECURSION])
+    if _EAGER_FUNCTIONS in changed:
+        import tensorflow as tf
+
+        tf.config.run_functions_eagerly(kept[_EAGER_FUNCTIONS])
     if _FILTERS in changed:
         now = list(warnings.filters)
         warnings.resetwarnings()  # what tells the warnings module its filters changed
