@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from distributed_mpt.core import pipeline
 from distributed_mpt.core.data import ImageSplit
-from distributed_mpt.core.models.contract import users_code
+from distributed_mpt.core.models.contract import CHANGED, users_code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +100,11 @@ class Evaluator:
         A user's model that fails in it is one ModelError naming it: its inference call is
         first traced and run here, at the evaluation's batch (an assertion or Python code of
         its training=False branch was a traceback, exit 1). Its checkpoints stay: a run
-        again, fixed, goes on."""
+        again with --noevaluate goes on."""
         if self._users_model is None:
             return self._evaluate(split)
         with users_code(self._users_model, "failed in an evaluation on the test images; its "
-                        "checkpoints are kept: run again, fixed or with --noevaluate, to go on",
+                        f"checkpoints are kept: run again with --noevaluate to go on ({CHANGED})",
                         NOT_THE_MODELS):
             return self._evaluate(split)
 

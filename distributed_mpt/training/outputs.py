@@ -330,8 +330,8 @@ def export_model(model, model_dir: str, class_names: Sequence[str], image_shape,
                            f"{STAGING_PREFIX}{files.owner_tag()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(staging)  # not makedirs: a --model_dir taken away is not made again
     try:  # a user's model's code failing here (a get_config() raising again): one line
-        with (contract.users_code(name, "failed in the export, after training; run again, "
-                                  "fixed or with --noexport, to finish",
+        with (contract.users_code(name, "failed in the export, after training; run again "
+                                  f"with --noexport to finish ({contract.CHANGED})",
                                   (OSError, MemoryError, tf.errors.OpError))
               if name and name not in MODELS else contextlib.nullcontext()):
             _export_saved_model(model, os.path.join(staging, SAVED_MODEL_DIR), class_names,

@@ -438,7 +438,9 @@ def test_a_model_failing_in_the_evaluation_is_one_error_line_and_keeps_its_check
     run, model = tmp_path / "run", f"--model={model_file}:fails_in_evaluation"
     result = train([*FLAGS, model, f"--model_dir={run}", "--evaluate"])
     assert_one_error_line(result, "failed in an evaluation on the test images; its checkpoints "
-                                  "are kept: run again, fixed or with --noevaluate, to go on "
+                                  "are kept: run again with --noevaluate to go on (a change "
+                                  "to the model's source makes another network: it trains "
+                                  "anew, in another --model_dir) "
                                   "(InvalidArgumentError: assertion failed: [2 at test time]")
     assert (run / "checkpoints" / "ckpt-2.index").is_file()
     result = train([*FLAGS, model, f"--model_dir={run}"])

@@ -156,14 +156,20 @@ def test_a_model_whose_code_fails_in_the_export_is_one_error_line_and_a_run_agai
     source.write_text(_FAILS_IN_THE_EXPORT)
     run = tmp_path / "run"
     result = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}"])
-    assert_one_error_line(result, "failed in the export, after training; run again, fixed or "
-                                  "with --noexport, to finish (RuntimeError: get_config the "
-                                  "second time)")
+    assert_one_error_line(result, "failed in the export, after training; run again with "
+                                  "--noexport to finish (a change to the model's source makes "
+                                  "another network: it trains anew, in another --model_dir) "
+                                  "(RuntimeError: get_config the second time)")
     assert not (run / "export").exists()
     assert [p.name for p in run.iterdir() if p.name.startswith(".export")] == [], "no staging"
     again = train([*FLAGS, f"--model={source}:net", f"--model_dir={run}", "--noexport"])
     assert_ok(again)
     assert "nothing is left to train" in again.stdout and (run / "summary.json").is_file()
+    # What the line says of a fixed model: it "ran again, fixed", and was refused.
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(_FAILS_IN_THE_EXPORT.replace("self.calls > 1", "self.calls > 9"))
+    assert_one_error_line(train([*FLAGS, f"--model={fixed}:net", f"--model_dir={run}"]),
+                          "is not the network the run in --model_dir")
 
 
 def test_the_error_line_starts_a_line_after_a_prompt_the_model_wrote(tmp_path):

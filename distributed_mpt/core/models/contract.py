@@ -46,6 +46,12 @@ class ModelError(UserError):
     """A user's model that cannot be loaded, built, or breaks the contract."""
 
 
+# What a run whose user's model failed after training began cannot do: go on with the
+# model fixed. A resume compares the model's source (signature.py), and refuses it.
+CHANGED = ("a change to the model's source makes another network: it trains anew, in "
+           "another --model_dir")
+
+
 class FirstStepError(ModelError):
     """A user's model failed in the first training step of a new run:
     nothing trained."""
