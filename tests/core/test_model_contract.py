@@ -232,6 +232,21 @@ def fails_in_the_step(info):
     return FailsInTheStep(info.num_classes)
 
 
+class FailsInItsThirdTrace(NumpyInCall):
+    """Traced for training by the contract, then at the early crops' size
+    for the first steps; its third trace, at the whole images' size, raises."""
+
+    def call(self, images, training=False):
+        self.traced = getattr(self, "traced", 0) + training
+        if self.traced > 2:
+            raise TypeError("no whole images after crops")
+        return self.dense(keras.ops.mean(keras.ops.cast(images, "float32"), axis=(1, 2)))
+
+
+def fails_in_its_third_trace(info):
+    return FailsInItsThirdTrace(info.num_classes)
+
+
 class FailsInEvaluation(keras.layers.Layer):
     """Passes the contract's probe (2 images) and training step; its inference call at
     the evaluation's batch fails, as a branch of its own for test time may."""
@@ -476,6 +491,19 @@ def test_a_model_failing_in_a_later_training_step_is_named_in_one_line(model_fil
         assert sorted(path.name for path in (run / "checkpoints").glob("ckpt-*.index")) == \
             ["ckpt-2.index"]
     assert "resuming from step 2" in result.stdout
+
+
+def test_a_model_whose_code_fails_traced_anew_later_is_named_with_its_line(model_file,
+                                                                          tmp_path):
+    """Its Python code, traced again where the early crops end (step 9)."""
+    result = train([*FLAGS, f"--model={model_file}:fails_in_its_third_trace",
+                    f"--model_dir={tmp_path / 'run'}", "--train_steps=16",
+                    "--early_crop_size=24", "--early_crop_epochs=1"])
+    line = 1 + MODELS.splitlines().index('            raise TypeError("no whole images after '
+                                         'crops")')
+    assert_one_error_line(result, "fails_in_its_third_trace failed in training step")
+    assert f"(TypeError at {model_file}:{line} in FailsInItsThirdTrace.call(): no whole images " \
+           f"after crops); no checkpoint was saved yet" in result.stderr
 
 
 def test_only_an_error_inside_the_users_model_is_blamed_on_it():
