@@ -15,6 +15,8 @@ runtime's), as in an evaluation.
 import contextlib
 import re
 
+import tensorflow as tf
+
 from distributed_mpt.core.eval_views import NOT_THE_MODELS
 from distributed_mpt.core.models.contract import ModelError, cause
 from distributed_mpt.errors import UserError, inside_autograph, quoted
@@ -29,8 +31,10 @@ def is_the_models(error: BaseException, model) -> bool:
     """Whether `error` comes from `model`'s code: see the module's docstring."""
     if (found := inside_autograph(error)) and found[2]:
         return True
+    if not isinstance(error, tf.errors.OpError):  # only TensorFlow's errors name an op
+        return False
     names = {layer.name for layer in model._flatten_layers(include_self=True)}
-    for node in _FAILED_NODE.findall(str(getattr(error, "message", error))):
+    for node in _FAILED_NODE.findall(error.message):
         scopes = node.split("/")[:-1]  # the last part is the op's own name, not a scope
         if any(scope in names or _UNIQUIFIED.sub("", scope) in names for scope in scopes):
             return True
