@@ -527,6 +527,12 @@ def test_only_an_error_inside_the_users_model_is_blamed_on_it():
     assert not is_the_models(failed("while/cond_1/logits"), model), "an op, not a scope, named so"
     assert not is_the_models(ValueError("a bug of the package's own"), model)
 
+    class Unsayable(Exception):
+        def __str__(self):
+            raise RuntimeError("its own __str__ fails")
+
+    assert not is_the_models(Unsayable(), model), "and no error of its own"
+
 
 @pytest.mark.parametrize("function", ["float_rescaled", "float_divided", pytest.param(
     "mobilenet_preprocessing", marks=pytest.mark.slow)])  # 1.5 min under load
