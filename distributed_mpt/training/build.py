@@ -14,7 +14,8 @@ from distributed_mpt.core import batch_norm, models, pipeline
 from distributed_mpt.core.augmentation import Augmentation
 from distributed_mpt.core.data import Dataset, ImageSplit
 from distributed_mpt.core.eval_views import EvalViews
-from distributed_mpt.core.models.contract import ModelError, check_servable, users_code
+from distributed_mpt.core.models import blame
+from distributed_mpt.core.models.contract import CHANGED, ModelError, check_servable, users_code
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
@@ -266,7 +267,13 @@ def recalibrate_batch_norm(trainer: Trainer, config: TrainConfig, plan: RunPlan,
     iterator = iter(trainer.strategy.distribute_datasets_from_function(pipeline.train_input_fn(
         train_split, plan.global_batch_size, config.run.seed, 0, batches,
         augmentation=Augmentation(crop_padding=0, flip="none"))))
+    spec = config.model.spec  # a user's model's training-mode call fails here as in a step
     with reporter.doing(activity):
-        batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
+        with (blame.named_if_its_own(
+                spec.name, trainer.model, "the batch-norm recalibration after training",
+                f"the run's checkpoints are kept, the latest of step {steps}: run again with "
+                f"--bn_recalibration=off to finish ({CHANGED})") if spec.is_users
+              else contextlib.nullcontext()):
+            batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
         writes(checkpoints.save, steps)
     return {"layers": len(layers), "images": images}

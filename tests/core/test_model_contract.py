@@ -285,6 +285,12 @@ def fails_at_step_three(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(FailsAtStepThree()(x)))
 
 
+def fails_at_step_three_with_batch_norm(info):  # Keras' momentum: recalibrated after 2 steps
+    images, x = _flat(info)
+    x = keras.layers.BatchNormalization()(FailsAtStepThree()(x))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x))
+
+
 def integer_logits(info):
     images, x = _flat(info)
     logits = keras.layers.Dense(info.num_classes)(x)
@@ -504,6 +510,24 @@ def test_a_model_whose_code_fails_traced_anew_later_is_named_with_its_line(model
     assert_one_error_line(result, "fails_in_its_third_trace failed in training step")
     assert f"(TypeError at {model_file}:{line} in FailsInItsThirdTrace.call(): no whole images " \
            f"after crops); no checkpoint was saved yet" in result.stderr
+
+
+def test_a_model_failing_in_the_batch_norm_recalibration_is_named_in_one_line(model_file,
+                                                                             tmp_path):
+    """Its training-mode call, in the forward passes over training images
+    after the last step: a traceback, exit 1. Its checkpoint is kept, and a
+    run again without the recalibration finishes."""
+    run, model = tmp_path / "run", f"--model={model_file}:fails_at_step_three_with_batch_norm"
+    result = train([*FLAGS, model, f"--model_dir={run}"])
+    assert_one_error_line(result, "failed in the batch-norm recalibration after training "
+                                  "(InvalidArgumentError: assertion failed: [fails at step three]")
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+    assert "; the run's checkpoints are kept, the latest of step 2: run again with " \
+           "--bn_recalibration=off to finish" in line and "{{function_node" not in line, line
+    assert (run / "checkpoints" / "ckpt-2.index").is_file()
+    result = train([*FLAGS, model, f"--model_dir={run}", "--bn_recalibration=off"])
+    assert_ok(result)
+    assert "nothing is left to train" in result.stdout
 
 
 def test_only_an_error_inside_the_users_model_is_blamed_on_it():

@@ -186,6 +186,7 @@ def cause(error: BaseException) -> str:
             else first_line(message, limit=10_000))
     # A variable's repr puts its values on the lines after "numpy=".
     text = re.sub(r",? numpy=$", ">", text)
+    text = re.sub(r"^\{\{function_node [^}]*\}\} *", "", text)  # the function it failed in
     name += f" at {line}" if line else ""  # first: the end of a long message is cut
     return quoted(f"{name} {text}" if where else f"{name}: {text}")
 
