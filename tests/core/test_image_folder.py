@@ -650,3 +650,25 @@ def test_test_images_that_are_copies_of_training_images_are_warned_of(tmp_path):
         f"({test / 'cars' / 'copy.png'} of {trained / 'cars' / '003.png'}, "
         f"{test / 'ships' / 'x.png'} of {trained / 'dogs' / '005.png'}): the test accuracy "
         f"counts them as unseen; remove them from test/"], result.stderr
+
+
+def test_greyscale_photos_train_airbench_in_bfloat16_to_a_finite_loss(tmp_path):
+    """Greyscale files read as three equal channels: 8 of the 12 directions
+    of airbench's 2x2 patches do not vary, and their whitening filters gave
+    constant channels (exact zeros in bfloat16) that batch norm after batch
+    norm amplified; one step made the evaluation NaN and the export a
+    traceback."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 10), ("test", 4)):
+        for label, shade in enumerate((60, 190)):
+            (folder := tmp_path / "photos" / split / str(label)).mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(shade + rng.integers(-60, 60, (8, 8)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels, "L").save(folder / f"{i}.png")
+    run = tmp_path / "run"
+    result = train(["--model=airbench", "--dataset=image_folder", "--image_size=16",
+                    "--precision=mixed_bfloat16", "--train_steps=1", "--per_replica_batch_size=4",
+                    f"--data_dir={tmp_path / 'photos'}", f"--model_dir={run}"])
+    assert_ok(result)
+    assert np.isfinite(read_summary(run)["eval_loss"])
+    assert (run / "export" / "model_info.json").exists()

@@ -32,6 +32,9 @@ class WhiteningConv2D(keras.layers.Conv2D):
     keeps both signs."""
 
     EPSILON = 5e-4
+    # Of the largest eigenvalue: a direction varying 1e-5 as much (in std)
+    # is rounding of the normalized pixels (float32's is 1e-7), not data.
+    UNSPANNED = 1e-10
     IMAGES = 5000  # airbench's choice: enough for a 12x12 covariance (the 2025 record: 960)
 
     def __init__(self, kernel_size: int, channels_in: int, mean, std, images: int = IMAGES,
@@ -85,8 +88,21 @@ class WhiteningConv2D(keras.layers.Conv2D):
             patches = patches.reshape(-1, dimensions).astype(np.float64)
             covariance += patches.T @ patches
             count += len(patches)
-        eigenvalues, eigenvectors = np.linalg.eigh(covariance / count)
+        eigenvalues, eigenvectors = np.linalg.eigh(covariance / count)  # ascending
         filters = eigenvectors / np.sqrt(eigenvalues + self.EPSILON)
+        # A direction the images do not vary in (greyscale's three equal
+        # channels leave 8 of 12) gives a filter whose output is the same on
+        # every patch: rounding noise in float32, exact zeros in bfloat16.
+        # Airbench's identity-initialized convolutions carry such a constant
+        # channel through batch norm after batch norm, and each (epsilon
+        # 1e-12) multiplies its gradient by 1e6: one bfloat16 step made a
+        # shift 1e19 and the evaluation NaN. Those filters repeat the
+        # strongest directions' instead: a channel that varies.
+        spanned = np.flatnonzero(eigenvalues > eigenvalues[-1] * self.UNSPANNED)
+        unspanned = np.flatnonzero(eigenvalues <= eigenvalues[-1] * self.UNSPANNED)
+        if len(spanned) and len(unspanned):
+            strongest_first = spanned[::-1]
+            filters[:, unspanned] = filters[:, np.resize(strongest_first, len(unspanned))]
         filters = filters.reshape(k, k, channels, -1)
         return np.concatenate([filters, -filters], axis=-1).astype(np.float32)
 
