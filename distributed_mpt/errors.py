@@ -51,8 +51,9 @@ class ExitCode(enum.IntEnum):
                   "again, though the local launcher retries it")
     USAGE = 2, ("bad flags, cluster description, data or --model_dir contents, or a full disk: "
                 "one `error:` line says what to fix; a restart would fail the same way")
-    DIVERGED = 3, ("the loss became NaN or infinite; the last good checkpoint is kept; "
-                   "retrying at the same learning rate diverges again")
+    DIVERGED = 3, ("the loss, or an evaluation's, became NaN or infinite; the last good "
+                   "checkpoint is kept (the last step's, if the evaluation at the end), nothing "
+                   "exported; retrying at the same learning rate diverges again")
     ABORTED = status_of_signal(signal.SIGINT), (
         "Ctrl-C pressed twice: aborted at once, saving no checkpoint of its own (a shell reports "
         "Ctrl-C so); a restart resumes from the latest checkpoint")

@@ -1,10 +1,11 @@
 """Where a run's config meets the core: the model, its parameter groups, the
 optimizer, the lookahead and the compiled steps, built from the flags in the
-strategy's scope, the input pipeline that feeds them, and batch norm's
-recalibration after the last step."""
+strategy's scope, the input pipeline that feeds them, batch norm's
+recalibration after the last step, and what a model that diverged tells."""
 
 import contextlib
 import dataclasses
+import math
 from typing import Optional
 
 import tensorflow as tf
@@ -19,7 +20,8 @@ from distributed_mpt.core.models.contract import CHANGED, ModelError, check_serv
 from distributed_mpt.core.optim import groups
 from distributed_mpt.core.optim.optimizer import make_optimizer
 from distributed_mpt.core.steps import SplitOnDevice, StepRules, Trainer
-from distributed_mpt.errors import ConfigError, quoted
+from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
+from distributed_mpt.errors import ConfigError, DivergedError, quoted
 from distributed_mpt.process import memory
 from distributed_mpt.training import outputs
 from distributed_mpt.training.checkpoints import RANDOM_STATE
@@ -277,3 +279,37 @@ def recalibrate_batch_norm(trainer: Trainer, config: TrainConfig, plan: RunPlan,
             batch_norm.recalibrate(trainer.model, trainer.strategy, iterator, batches, layers)
         writes(checkpoints.save, steps)
     return {"layers": len(layers), "images": images}
+
+
+def divergence_advice(plan: RunPlan, last_saved: int) -> tuple:
+    """(which checkpoint a run that diverged keeps, given `last_saved`, the
+    step of its last; what to change)."""
+    kept = (f"kept the last good checkpoint (step {last_saved}) untouched"
+            if last_saved else "no checkpoint had been written yet")
+    return kept, (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
+                  f"scaled by the global batch/{REFERENCE_BATCH_SIZE}; or set "
+                  f"--max_learning_rate)" +
+                  (" or use --precision=float32" if plan.policy != "float32" else ""))
+
+
+def check_evaluation(model, plan: RunPlan, result: dict, step: int, last_saved: int) -> None:
+    """Raises DivergedError if the evaluation `result` of `model` at `step`
+    has a NaN or infinite figure: the training loss being finite (the loop
+    checks it), the weights or batch norm's moving statistics are not, and no
+    later step, recalibration or export mends them. Before any write of it:
+    summary.json and model_info.json hold no number JSON has not."""
+    bad = [key for key, value in result.items()
+           if isinstance(value, float) and not math.isfinite(value)]
+    if not bad:
+        return
+    broken = [v.path for v in model.variables if tf.as_dtype(v.dtype).is_floating
+              and not bool(tf.reduce_all(tf.math.is_finite(v)))]
+    found = (f"{len(broken)} of the model's variables are not finite ({', '.join(broken[:3])}"
+             f"{f' and {len(broken) - 3} more' if len(broken) > 3 else ''})" if broken else
+             "its variables are finite, its output on the test images is not")
+    kept, remedy = divergence_advice(plan, last_saved)
+    if last_saved >= step:  # the last step's: what was evaluated
+        kept = f"kept the checkpoint of step {step}, exported nothing"
+    raise DivergedError(f"the evaluation at step {step} gave a NaN or infinite "
+                        f"{' and '.join(bad)}, though the training loss was finite: {found}; "
+                        f"{kept}: {remedy}")

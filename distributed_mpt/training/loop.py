@@ -22,7 +22,6 @@ import tensorflow as tf
 
 from distributed_mpt.config import TrainConfig
 from distributed_mpt.core import precision
-from distributed_mpt.core.optim.schedules import REFERENCE_BATCH_SIZE
 from distributed_mpt.core.steps import NO_TOTALS, LoopTotals, Trainer
 from distributed_mpt.cluster.strategy import PEER_ERRORS
 from distributed_mpt.core.models import blame
@@ -33,6 +32,7 @@ from distributed_mpt.json_lines import JsonLines, append_records, finite_values
 from distributed_mpt.process import stopping
 from distributed_mpt.process.run_lock import ModelDirLostError, Writes
 from distributed_mpt.training import PROGRESS_SECONDS, outputs
+from distributed_mpt.training.build import check_evaluation, divergence_advice
 from distributed_mpt.training.checkpoints import Checkpoints
 from distributed_mpt.training.plan import RunPlan
 
@@ -132,6 +132,7 @@ class TrainingLoop:
                 with self._reporter.doing(f"evaluating on the {len(test_split)} test images",
                                           say=True):
                     result = trainer.evaluate(test_split)
+                self.check_evaluation(result, current)  # before its checkpoint: that stays good
                 self._write(self._reporter.log, current,
                             {"epoch": current / plan.steps_per_epoch, **result})
                 interval_start += time.perf_counter() - eval_started  # not training time
@@ -183,12 +184,7 @@ class TrainingLoop:
                                if round(totals.nonfinite_steps) == num_steps else 0)
         if (totals.nonfinite_steps > 0 and not plan.loss_scaling) or \
                 self._nonfinite_run >= _NONFINITE_STEPS_WITH_LOSS_SCALING:
-            kept = (f"kept the last good checkpoint (step {self._last_saved}) untouched"
-                    if self._last_saved else "no checkpoint had been written yet")
-            remedy = (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
-                      f"scaled by the global batch/{REFERENCE_BATCH_SIZE}; or set "
-                      f"--max_learning_rate)" +
-                      (" or use --precision=float32" if plan.policy != "float32" else ""))
+            kept, remedy = divergence_advice(plan, self._last_saved)
             if self._nonfinite_run == current:  # step 1 too: its loss is of the initial weights
                 raise DivergedError(
                     f"the loss was NaN or infinite from the first step on, whose loss no update "
@@ -196,6 +192,10 @@ class TrainingLoop:
                     f"(its initializers, or arithmetic such as a log or a division), which no "
                     f"learning rate causes; {kept}")
             raise DivergedError(f"the loss became NaN or infinite by step {current}; {kept}: {remedy}")
+
+    def check_evaluation(self, result: dict, step: int) -> None:
+        """build.check_evaluation of the model at `step`, this loop's last checkpoint told."""
+        check_evaluation(self._trainer.model, self._plan, result, step, self._last_saved)
 
     def _log(self, step: int, interval: LoopTotals, seconds: float, with_eta: bool) -> dict:
         """Reports the interval's metrics; returns them."""

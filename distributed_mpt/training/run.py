@@ -268,7 +268,8 @@ def train_and_evaluate(config: TrainConfig, strategy: tf.distribute.Strategy, st
             # The train split (150 MB for CIFAR-10, shared with its pipeline) is done with:
             # evaluation and the export grow from what is left (--data_on_device keeps its copy).
             dataset = dataclasses.replace(dataset, splits={"test": dataset.test})
-            _evaluate_and_export(built, config, dataset, reporter, summary, is_chief, writes)
+            _evaluate_and_export(built, config, dataset, reporter, summary, is_chief, writes,
+                                 loop.check_evaluation)
             summary["wall_seconds"] = time.monotonic() - started  # the export included
             # This process's, from its start to the end of the export (this
             # segment only, where the run resumed; the chief's, of several workers).
@@ -372,9 +373,10 @@ def _summary(built: Built, config: TrainConfig, plan: RunPlan, strategy_name: st
 
 
 def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Dataset,
-                         reporter: Reporter, summary: dict, export_model: bool, writes) -> None:
-    """Evaluates the trained model into `summary`, and exports it if
-    `export_model` (the chief) and the config say so; both write through
+                         reporter: Reporter, summary: dict, export_model: bool, writes,
+                         check) -> None:
+    """Evaluates the trained model into `summary` (`check` refuses one not finite), and
+    exports it if `export_model` (the chief) and the config say so; both write through
     `writes` (run_lock.Writes), the evaluation's collectives whatever they find."""
     # What training freed goes back to the system first, and what evaluation freed before
     # the export: each grows from what is in use, not the phase before's peak (process/memory.py).
@@ -382,6 +384,7 @@ def _evaluate_and_export(built: Built, config: TrainConfig, dataset: data.Datase
     if config.evaluation.evaluate:
         with reporter.doing(f"evaluating on the {len(dataset.test)} test images", say=True):
             result = built.trainer.evaluate(dataset.test)
+        check(result, summary["steps"])  # every worker alike: their results are the same
         summary.update(result)
         # Logged like the evaluations during training: the accuracy curve ends where the run ends.
         writes(reporter.log, summary["steps"], {"epoch": summary["epochs"], **result})

@@ -4,6 +4,7 @@ get (N replicas train like one, a resume ends with the weights of an
 uninterrupted run, the export and predict), and a broken one refused before
 any training with one line naming it."""
 
+import json
 import os
 import sys
 import uuid
@@ -235,6 +236,19 @@ def nan_from_the_start(info):
     x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
     return keras.Model(images, keras.layers.Dense(
         info.num_classes, bias_initializer=keras.initializers.Constant(float("nan")))(x))
+
+
+class NanWhenEvaluated(keras.layers.Layer):
+    """Its input in training, NaN in inference: as moving statistics gone NaN."""
+
+    def call(self, x, training=None):
+        return x if training else x * float("nan")
+
+
+def nan_when_evaluated(info):
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(images))
+    return keras.Model(images, NanWhenEvaluated()(keras.layers.Dense(info.num_classes)(x)))
 
 
 def no_such_group(info):
@@ -509,6 +523,28 @@ def test_a_loss_not_finite_from_the_first_step_names_the_model_not_the_learning_
     assert_one_error_line(result, "the loss was NaN or infinite from the first step on",
                           exit_code=3)
     assert "learning rate causes" in result.stderr and "lower the" not in result.stderr
+
+
+@pytest.mark.parametrize("when, steps, saved, kept", [
+    ("at the end", 4, [4], "kept the checkpoint of step 4, exported nothing"),
+    ("mid-run", 16, [4], "kept the last good checkpoint (step 4) untouched")])
+def test_an_evaluation_not_finite_ends_the_run_as_diverged_writing_nothing_of_it(
+        model_file, tmp_path, when, steps, saved, kept):
+    """A NaN evaluation loss (the training loss finite) reached the export,
+    whose model_info.json refused it with a traceback; during training it was
+    logged as null, and the run trained on and saved the model that gave it."""
+    run = tmp_path / "run"
+    flags = [f for f in FLAGS if f not in ("--noevaluate", "--noexport")]
+    result = train([*flags, f"--model={model_file}:nan_when_evaluated", f"--train_steps={steps}",
+                    "--eval_every_epochs=1", "--checkpoint_every_steps=4", f"--model_dir={run}"])
+    assert_one_error_line(result, f"the evaluation at step {steps // 2 if steps > 8 else steps} "
+                          f"gave a NaN or infinite eval_loss", exit_code=3)
+    assert kept in result.stderr
+    assert sorted(int(p.name[5:-6]) for p in (run / "checkpoints").glob("ckpt-*.index")) == saved
+    assert not (run / "export").exists() and not (run / "summary.json").exists()
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged and not any("eval_loss" in record for record in logged), "no NaN logged"
+    json.loads((run / "config.json").read_text())
 
 
 @pytest.mark.parametrize("function, fragment", [
