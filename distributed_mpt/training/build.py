@@ -295,9 +295,10 @@ def divergence_advice(plan: RunPlan, last_saved: int) -> tuple:
 def check_evaluation(model, plan: RunPlan, result: dict, step: int, last_saved: int) -> None:
     """Raises DivergedError if the evaluation `result` of `model` at `step`
     has a NaN or infinite figure: the training loss being finite (the loop
-    checks it), the weights or batch norm's moving statistics are not, and no
-    later step, recalibration or export mends them. Before any write of it:
-    summary.json and model_info.json hold no number JSON has not."""
+    checks it), the weights or batch norm's moving statistics are not (no
+    later step, recalibration or export mends them), or the model's inference
+    arithmetic overflows. Before any write of it: summary.json and
+    model_info.json hold no number JSON has not."""
     bad = [key for key, value in result.items()
            if isinstance(value, float) and not math.isfinite(value)]
     if not bad:
@@ -308,6 +309,9 @@ def check_evaluation(model, plan: RunPlan, result: dict, step: int, last_saved: 
              f"{f' and {len(broken) - 3} more' if len(broken) > 3 else ''})" if broken else
              "its variables are finite, its output on the test images is not")
     kept, remedy = divergence_advice(plan, last_saved)
+    if not broken:  # no learning rate made them so: the arithmetic of inference overflows
+        remedy = ("look for an overflow or a division in the model's inference" +
+                  (" or use --precision=float32" if plan.policy != "float32" else ""))
     if last_saved >= step:  # the last step's: what was evaluated
         kept = f"kept the checkpoint of step {step}, exported nothing"
     raise DivergedError(f"the evaluation at step {step} gave a NaN or infinite "
