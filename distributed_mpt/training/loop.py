@@ -65,13 +65,13 @@ class TrainingLoop:
         per second (the first call excluded, as it includes tracing, unless
         it was the only one)."""
         trainer, plan, run = self._trainer, self._plan, self._config.run
+        self._nonfinite_run, self._last_saved = 0, start_step  # check_evaluation's too
         if start_step >= plan.total_steps:
             # Trained before, but stopped before its summary was written
             # (SIGKILL during the export): the log has the training figures.
             last = self._reporter.last_logged("loss")
             return last, last.get("examples_per_second")
         iterator, phase_end, crop_size, current = None, start_step, None, start_step
-        self._nonfinite_run, self._last_saved = 0, start_step
         interval, interval_start = NO_TOTALS, time.perf_counter()
         timed_examples, timed_seconds, metrics, lines = 0, 0.0, {}, 0
         # The wall clock of the last line, evaluations and checkpoints

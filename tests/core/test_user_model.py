@@ -535,10 +535,12 @@ def test_an_evaluation_not_finite_ends_the_run_as_diverged_writing_nothing_of_it
     logged as null, and the run trained on and saved the model that gave it."""
     run = tmp_path / "run"
     flags = [f for f in FLAGS if f not in ("--noevaluate", "--noexport")]
-    result = train([*flags, f"--model={model_file}:nan_when_evaluated", f"--train_steps={steps}",
-                    "--eval_every_epochs=1", "--checkpoint_every_steps=4", f"--model_dir={run}"])
-    assert_one_error_line(result, f"the evaluation at step {steps // 2 if steps > 8 else steps} "
-                          f"gave a NaN or infinite eval_loss", exit_code=3)
+    flags = [*flags, f"--model={model_file}:nan_when_evaluated", f"--train_steps={steps}",
+             "--eval_every_epochs=1", "--checkpoint_every_steps=4", f"--model_dir={run}"]
+    evaluated = steps // 2 if steps > 8 else steps  # 8 steps an epoch
+    result = train(flags)
+    assert_one_error_line(result, f"the evaluation at step {evaluated} gave a NaN or infinite "
+                          f"eval_loss", exit_code=3)
     assert kept in result.stderr and "its variables are finite" in result.stderr
     assert "overflow or a division in the model's inference" in result.stderr
     assert sorted(int(p.name[5:-6]) for p in (run / "checkpoints").glob("ckpt-*.index")) == saved
@@ -546,6 +548,8 @@ def test_an_evaluation_not_finite_ends_the_run_as_diverged_writing_nothing_of_it
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged and not any("eval_loss" in record for record in logged), "no NaN logged"
     json.loads((run / "config.json").read_text())
+    # Run again, it resumes there (at the end: with no step to train) and ends so again.
+    assert_one_error_line(train(flags), f"the evaluation at step {evaluated} gave", exit_code=3)
 
 
 @pytest.mark.parametrize("function, fragment", [
