@@ -9,11 +9,10 @@ errors.py). How a signal stops it, in each phase, is stopping.py's.
 Writes checkpoints, logs, metrics, `summary.json` and the export into
 --model_dir (the chief; other workers use scratch directories).
 
-The directory is checked and locked before TensorFlow starts: a refusal
-costs nothing, and MultiWorkerMirroredStrategy must be created before any
-other TensorFlow op. So this module imports TensorFlow, and the modules of
-the package that import it, only inside its functions (tests/product/test_layout.py
-checks that importing it imports neither TensorFlow nor Keras).
+The directory is checked and locked before TensorFlow starts: a refusal costs nothing, and
+MultiWorkerMirroredStrategy must be created before any other TensorFlow op. So this module
+imports TensorFlow, and the modules of the package that import it, only inside its functions
+(tests/product/test_layout.py checks that importing it imports neither TensorFlow nor Keras).
 """
 
 from __future__ import annotations
@@ -162,9 +161,8 @@ def _lost_a_peer(error: Exception, cluster) -> int:
         where += f": {peer} stopped or was cut off (its own output says why it stopped)"
     stopping.say_decided_error(
         f"lost a peer of the multi-worker job ({type(error).__name__}: "
-        f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that "
-        f"a restart of the group resumes from its latest checkpoint (from step 0 if none was "
-        f"saved)")
+        f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that a "
+        f"restart of the group resumes from its latest checkpoint (from step 0 if none was saved)")
     return ExitCode.PEER_LOST
 
 
