@@ -285,12 +285,12 @@ def check_export_destination(model_dir: str) -> None:
 
 
 def export_is_whole(model_dir: str) -> bool:
-    """Whether `<model_dir>/export` holds every entry an export has, and a
-    fingerprint that reads back (whether the rest does, predict finds out)."""
-    path = os.path.join(model_dir, EXPORT_DIR)
-    saved_model = os.path.join(path, SAVED_MODEL_DIR)
-    return (all(os.path.lexists(os.path.join(path, name)) for name in EXPORT_ENTRIES)
-            and os.path.isfile(os.path.join(saved_model, "saved_model.pb"))
+    """Whether `<model_dir>/export` holds every entry an export has, its SavedModel's graph
+    and variables' index, and a fingerprint that reads back (the rest, predict finds out)."""
+    saved_model = os.path.join(model_dir, EXPORT_DIR, SAVED_MODEL_DIR)
+    return (all(os.path.lexists(os.path.join(model_dir, EXPORT_DIR, n)) for n in EXPORT_ENTRIES)
+            and all(os.path.isfile(os.path.join(saved_model, name))
+                    for name in ("saved_model.pb", "variables/variables.index"))
             and not fingerprint_is_damaged(saved_model))
 
 

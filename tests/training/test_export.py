@@ -131,8 +131,9 @@ def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
 
 
 def test_a_finished_run_started_again_exports_anew_over_a_damaged_export(tmp_path):
-    """An export whose fingerprint.pb was damaged (which predict refuses) was
-    left as it was: only missing files were looked for."""
+    """An export whose fingerprint.pb was damaged, or whose variables/ was lost (both of
+    which predict refuses, telling the user to run training again), was left as it was:
+    only the export's entries and saved_model.pb were looked for."""
     from distributed_mpt.predict import main as predict
 
     model_dir = tmp_path / "run"
@@ -140,7 +141,8 @@ def test_a_finished_run_started_again_exports_anew_over_a_damaged_export(tmp_pat
              "--train_steps=2", "--steps_per_loop=2", "--export", f"--model_dir={model_dir}"]
     assert_ok(train(flags))
     saved_model = model_dir / "export" / "saved_model"
-    for damage in (lambda: (saved_model / "fingerprint.pb").write_bytes(b"\xff" * 100),
+    for damage in (lambda: shutil.rmtree(saved_model / "variables"),
+                   lambda: (saved_model / "fingerprint.pb").write_bytes(b"\xff" * 100),
                    lambda: shutil.rmtree(saved_model) or saved_model.write_bytes(b"")):
         damage()
         again = train(flags)
