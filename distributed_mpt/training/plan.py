@@ -185,8 +185,8 @@ def resume(checkpoints: Checkpoints, step, model_dir: str, total_steps: int) -> 
 def _refuse_a_run_without_checkpoints(model_dir: str) -> bool:
     """Raises ConfigError if `model_dir` holds no checkpoint but the record
     of a run that trained (its summary.json, or a config.json of a segment
-    that resumed): a run from step 0 would replace its files. Returns
-    whether a run started there (stopped before its first checkpoint)."""
+    that resumed, or the export only a run's end writes): a run from step 0 would replace
+    its files. Returns whether a run started there (stopped before its first checkpoint)."""
     try:  # read, not checked: an adopted directory's own config.json is no run's
         previous = files.read_json(os.path.join(model_dir, "config.json"))
     except files.DamagedFileError:
@@ -195,6 +195,8 @@ def _refuse_a_run_without_checkpoints(model_dir: str) -> bool:
         what = "a finished run (see summary.json)"
     elif previous.get("from_step") or previous.get("earlier"):
         what = f"a run resumed at step {previous.get('from_step')} (see config.json)"
+    elif "resolved" in flat_record(previous) and os.path.lexists(os.path.join(model_dir, "export")):
+        what = "the export of a run that trained to its end (see export/)"  # not "stopped before"
     else:  # a run stopped before its first checkpoint (not the adopted directory's own file)
         return "resolved" in flat_record(previous)
     raise ConfigError(

@@ -379,6 +379,22 @@ def test_an_extension_stopped_after_its_last_checkpoint_is_evaluated_by_the_firs
                                         "its checkpoints are gone")
 
 
+def test_a_finished_run_with_only_its_export_left_is_not_trained_over_from_step_0(model_dir):
+    """Its checkpoints and summary.json removed (a script keeping only the model), the export
+    of the run was replaced by one of a run from step 0, said to be where "it stopped before
+    its first" checkpoint: the export is written only after a run's last step."""
+    flags = [*(f for f in SMOKE_FLAGS if f != "--noexport"), "--train_steps=4",
+             f"--model_dir={model_dir}"]
+    assert_ok(train(flags))
+    shutil.rmtree(model_dir / "checkpoints")
+    (model_dir / "summary.json").unlink()
+    exported = {p: p.read_bytes() for p in (model_dir / "export").rglob("*") if p.is_file()}
+    assert_one_error_line(train(flags), "holds the export of a run that trained to its end (see "
+                                        "export/) but its checkpoints are gone")
+    assert {p: p.read_bytes() for p in (model_dir / "export").rglob("*") if p.is_file()} == exported
+    assert not (model_dir / "checkpoints").exists()
+
+
 def test_a_new_batch_that_leaves_the_capped_rate_as_it_was_says_so(model_dir):
     common = ["--dataset=synthetic", "--synthetic_examples=1024", "--model=mlp",
               "--warmup_epochs=0", "--noexport", "--noevaluate", f"--model_dir={model_dir}"]
