@@ -1,8 +1,7 @@
-"""What a run leaves in --model_dir, and the rule that it touches nothing
-else: a directory is the package's once its marker file is in it, and a
-run refuses a directory that holds files without that marker (unless told
-to adopt it), so that a typo in --model_dir cannot overwrite a user's
-config.json or delete their `.tmp-notes`.
+"""What a run leaves in --model_dir, and the rule that it touches nothing else: a
+directory is the package's once its marker file is in it, and a run refuses a directory
+that holds files without that marker (unless told to adopt it), so that a typo in
+--model_dir cannot overwrite a user's config.json or delete their `.tmp-notes`.
 
     <model_dir>/
       .distributed_mpt   the marker: this directory holds runs of this package
@@ -18,6 +17,7 @@ are worth; it is written whole, then moved into place: a reader never sees half.
 """
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -87,9 +87,8 @@ def check_layout(model_dir: str, export: bool = True) -> None:
                               f"removes files in its {name} folder: make it a directory of its "
                               f"own, or point --model_dir itself at the other file system")
         if os.path.lexists(path) and not os.path.isdir(path):
-            raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, not a directory, but a "
-                              f"run keeps its {name} there: move it away, or choose another "
-                              f"--model_dir")
+            raise ConfigError(f"{quoted(path)} is {files.kind_of(path)}, not a directory, but a run "
+                              f"keeps its {name} there: move it away, or choose another --model_dir")
     for name in (*FILES, LOCK_NAME):
         path = os.path.join(model_dir, name)
         if os.path.lexists(path) and (os.path.islink(path) or not files.is_regular_file(path)):
@@ -170,11 +169,10 @@ METRICS_FIELDS = {"step": int, "elapsed_seconds": (int, float)}
 
 
 def keep_metrics(path: str, kept) -> float:
-    """Keeps the records of a run's metrics.jsonl at `path` for which `kept(record)`
-    holds, and no damaged line (said in a warning); returns the seconds of the earlier runs
-    it records. A line at a time, however long the log (one of 1.3 M records, of
-    --log_every_steps=1, was too large to read whole: the run could not resume); rewritten
-    only if a line goes, and made if missing."""
+    """Keeps the records of a run's metrics.jsonl at `path` for which `kept(record)` holds,
+    and no damaged line (said in a warning); returns the seconds of the earlier runs it records.
+    A line at a time, however long the log (one of 1.3 M records, of --log_every_steps=1, was
+    too large to read whole: the run could not resume); rewritten only if a line goes, or made."""
     log = JsonLines(path, METRICS_FIELDS)
     # The earlier runs' time counts whole: that of the records dropped was spent too, if
     # on steps now redone. A new run's log is made before its first step.
@@ -285,12 +283,14 @@ def check_export_destination(model_dir: str) -> None:
 
 
 def export_is_whole(model_dir: str) -> bool:
-    """Whether `<model_dir>/export` holds every entry an export has, its SavedModel's graph
-    and variables' index, and a fingerprint that reads back (the rest, predict finds out)."""
+    """Whether `<model_dir>/export` holds every entry an export has, its SavedModel's graph,
+    variables' index and data, and a fingerprint that reads back (the rest, predict finds out)."""
     saved_model = os.path.join(model_dir, EXPORT_DIR, SAVED_MODEL_DIR)
+    variables = os.path.join(saved_model, "variables")
+    data = glob.glob(os.path.join(glob.escape(variables), "variables.data-*"))
     return (all(os.path.lexists(os.path.join(model_dir, EXPORT_DIR, n)) for n in EXPORT_ENTRIES)
-            and all(os.path.isfile(os.path.join(saved_model, name))
-                    for name in ("saved_model.pb", "variables/variables.index"))
+            and bool(data) and all(os.path.isfile(p) for p in (
+                os.path.join(saved_model, "saved_model.pb"), f"{variables}/variables.index", *data))
             and not fingerprint_is_damaged(saved_model))
 
 

@@ -131,9 +131,10 @@ def test_an_export_on_a_full_disk_is_one_error_and_the_rerun_completes(tmpfs):
 
 
 def test_a_finished_run_started_again_exports_anew_over_a_damaged_export(tmp_path):
-    """An export whose fingerprint.pb was damaged, or whose variables/ was lost (both of
-    which predict refuses, telling the user to run training again), was left as it was:
-    only the export's entries and saved_model.pb were looked for."""
+    """An export whose fingerprint.pb was damaged, whose variables/ was lost, or whose
+    variables' data file was removed (as predict's line for one that is a FIFO says: "remove
+    it and run the run's training command again"), all of which predict refuses, was left as
+    it was: only the export's entries and saved_model.pb were looked for."""
     from distributed_mpt.predict import main as predict
 
     model_dir = tmp_path / "run"
@@ -142,6 +143,7 @@ def test_a_finished_run_started_again_exports_anew_over_a_damaged_export(tmp_pat
     assert_ok(train(flags))
     saved_model = model_dir / "export" / "saved_model"
     for damage in (lambda: shutil.rmtree(saved_model / "variables"),
+                   lambda: next((saved_model / "variables").glob("variables.data-*")).unlink(),
                    lambda: (saved_model / "fingerprint.pb").write_bytes(b"\xff" * 100),
                    lambda: shutil.rmtree(saved_model) or saved_model.write_bytes(b"")):
         damage()
