@@ -151,11 +151,14 @@ class Checkpoints:
                 f"{stored.get('precision')}, not {self._identity['precision']}: pass "
                 f"--precision={stored.get('precision')} (auto differs between GPU and CPU hosts), "
                 f"or use another --model_dir")
-        if stored != self._identity:
+        if stored != self._identity:  # named: the same name and size read as a contradiction
+            differing = sorted(k for k in {**stored, **self._identity}
+                               if stored.get(k) != self._identity.get(k))
             raise CheckpointMismatchError(
                 f"{self._shared_dir} holds checkpoints of a different model "
                 f"('{stored.get('model')}', {_parameters(stored)} parameters) than this run's "
-                f"('{self._identity['model']}', {_parameters(self._identity)}): use another "
+                f"('{self._identity['model']}', {_parameters(self._identity)}; its model.json "
+                f"differs in {quoted(', '.join(differing), 80)}): use another "
                 f"--model_dir, or the model of the run that wrote it (its flags, and for a "
                 f"--model=file.py:function or module:function its code as it was)")
 

@@ -114,6 +114,9 @@ CASES = {
     "model.json: shapes of junk": (_edit("checkpoints/model.json",
                                          _with(variable_shapes=[[1, "x"], 3])), 8,
                                    "model.json is damaged (its variable_shapes"),
+    # Said as "a different model ('mlp', 12230010 parameters) than this run's ('mlp', 12230010)".
+    "model.json: a key added": (_edit("checkpoints/model.json", _with(note="mine")), 8,
+                                "('mlp', 12230010; its model.json differs in note)"),
     "metrics.jsonl: elapsed beyond a float": (
         _metrics_line('{"step": 1, "elapsed_seconds": 1e400}'), 8, None),
     "metrics.jsonl: a huge step": (_metrics_line('{"step": 1000000000000000000000000000000, '
