@@ -41,9 +41,15 @@ class ClusterOptions(Options):
 
     def check_for_workers(self, num_workers: int) -> None:
         """Raises ConfigError for what a job of `num_workers` cannot do: of
-        several, --cpu_replicas (auto is multi_worker there, one replica a
+        several, a strategy of one worker (each would train a model of its
+        own), or --cpu_replicas (auto is multi_worker there, one replica a
         worker on its whole CPU: the split was ignored, the start line
-        counting one replica a worker)."""
+        counting one replica a worker). Here, not at the strategy's
+        creation, so that the launcher refuses it before any worker starts."""
+        require(num_workers < 2 or self.strategy in ("auto", "multi_worker"),
+                f"--strategy={self.strategy} in a job of {num_workers} workers would train "
+                f"{num_workers} separate models: use --strategy=multi_worker (or auto); for "
+                f"one process, start it without a cluster (no TF_CONFIG)")
         require(num_workers < 2 or not self.cpu_replicas,
                 f"--cpu_replicas={self.cpu_replicas} in a job of {num_workers} workers: "
                 f"multi_worker trains one replica a worker, on its whole CPU; drop "

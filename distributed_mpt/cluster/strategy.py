@@ -36,14 +36,11 @@ _CLUSTER_MISMATCHES = (
                                                 r"(\S+)"), "the first task's does not list {}"))
 
 def resolve_strategy_name(name: str, cluster: Optional[Cluster], cpu_replicas: int) -> str:
-    """Turns `auto` into a concrete strategy for this process and its devices."""
+    """Turns `auto` into a concrete strategy for this process and its devices
+    (a strategy of one worker over several: ClusterOptions.check_for_workers)."""
     if name == "multi_worker" and cluster is None:
         raise ConfigError("--strategy=multi_worker needs a cluster: set TF_CONFIG, run as a "
                           "Kubernetes indexed Job, under SLURM, or use distributed-mpt-launch")
-    if cluster is not None and cluster.num_workers > 1 and name not in ("auto", "multi_worker"):
-        raise ConfigError(f"--strategy={name} with a cluster of {cluster.num_workers} workers "
-                          f"would train {cluster.num_workers} separate models: use "
-                          f"--strategy=multi_worker (or auto), or unset TF_CONFIG")
     if name != "auto":
         return name
     if cluster is not None and cluster.num_workers > 1:

@@ -66,11 +66,6 @@ def test_multi_worker_without_a_cluster_says_how_to_get_one():
         resolve_strategy_name("multi_worker", None, 0)
 
 
-def test_a_single_worker_strategy_under_a_multi_worker_cluster_is_refused():
-    with pytest.raises(ConfigError, match="separate models"):
-        resolve_strategy_name("mirrored", TWO_WORKERS, 0)
-
-
 # --- several workers in real processes -------------------------------------------
 
 # The peer timeout bounds TensorFlow's whole start-up, its import included,

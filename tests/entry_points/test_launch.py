@@ -187,6 +187,25 @@ def test_cpu_replicas_for_workers_that_cannot_split_their_cpu_is_one_error_line(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "one_device", "default"])
+def test_a_strategy_of_one_worker_for_several_is_one_error_line(strategy, tmp_path):
+    """Each worker would train a model of its own: the workers were started,
+    each said so (or was stopped with a SIGTERM line), and the launcher
+    exited 2 after them. Refused before a worker starts, as by a worker
+    given TF_CONFIG."""
+    flags = [*SMOKE_FLAGS, f"--strategy={strategy}", f"--model_dir={tmp_path / 'run'}"]
+    result = run_module("distributed_mpt.launch", ["--num_workers=2", "--", *flags])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: --strategy={strategy} in a job of 2 workers would train 2 separate models: use "
+        "--strategy=multi_worker (or auto); for one process, start it without a cluster "
+        "(no TF_CONFIG)"]
+    worker = run_module("distributed_mpt.train", flags,
+                        env=subprocess_env(TF_CONFIG=launch.worker_tf_config([1, 2], 1)))
+    assert_one_error_line(worker, f"--strategy={strategy} in a job of 2 workers")
+    assert not (tmp_path / "run").exists()
+
+
 def test_num_workers_is_bounded_by_the_open_files_limit(tmp_path):
     # (82 - 64 of the launcher's own) // 3 a worker = 6
     result = subprocess.run(
