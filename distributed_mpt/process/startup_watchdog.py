@@ -45,9 +45,12 @@ class StartupWatchdog:
         lock), removed if the worker is ended before training and it holds
         nothing but the lock file and `own_files` (names)."""
         deadline = "none" if timeout_seconds is None else str(timeout_seconds)
+        # Only the peers it would probe, and how many there are: 10,000 of
+        # them were more than one command line holds (E2BIG, a traceback,
+        # under `ulimit -s 1024`), TF_CONFIG counting a second time there.
         self._command = stopping.helper_command(
             "distributed_mpt.process.startup_watchdog", str(os.getpid()), deadline,
-            new_model_dir or "", ",".join(own_files), *peers)
+            new_model_dir or "", ",".join(own_files), str(len(peers)), *peers[:MAX_PROBED])
 
     def __enter__(self):
         self._process = subprocess.Popen(self._command)
@@ -88,8 +91,9 @@ def _not_up(peers: Sequence[str]) -> List[str]:
     return [p for p in peers[:MAX_PROBED] if p not in up]
 
 
-def _watch(parent: int, timeout: Optional[float], peers) -> bool:
-    """Ends `parent` on a stop or at the deadline; returns whether it did."""
+def _watch(parent: int, timeout: Optional[float], peers: Sequence[str], count: int) -> bool:
+    """Ends `parent` on a stop or at the deadline; returns whether it did.
+    peers: the first MAX_PROBED of the `count` peers."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while deadline is None or time.monotonic() < deadline:
         if os.getppid() != parent:
@@ -103,7 +107,7 @@ def _watch(parent: int, timeout: Optional[float], peers) -> bool:
             return True
         time.sleep(POLL_SECONDS)
     missing = _not_up(peers) or peers[:MAX_PROBED]
-    unprobed = f" (and {len(peers) - MAX_PROBED:,} not probed)" if len(peers) > MAX_PROBED else ""
+    unprobed = f" (and {count - MAX_PROBED:,} not probed)" if count > MAX_PROBED else ""
     end = stopping.PEER_TIMEOUT_SIGNAL
     print(f"error: peers not up after {timeout:g}s (--peer_timeout_seconds): waited for "
           f"{', '.join(missing)}{unprobed}; check that every worker was started with the same "
@@ -131,6 +135,6 @@ def _remove_new_model_dir(parent: int, model_dir: str, own_files: Sequence[str])
 
 if __name__ == "__main__":  # ignoring the stop signals (start_guard.py)
     worker, model_dir, own = int(sys.argv[1]), sys.argv[3], sys.argv[4].split(",")
-    if _watch(worker, None if sys.argv[2] == "none" else float(sys.argv[2]), sys.argv[5:]) \
-            and model_dir:
+    if _watch(worker, None if sys.argv[2] == "none" else float(sys.argv[2]), sys.argv[6:],
+              int(sys.argv[5])) and model_dir:
         _remove_new_model_dir(worker, model_dir, own)

@@ -193,6 +193,27 @@ def test_the_peers_not_up_at_the_deadline_are_named_at_once():
     assert seconds < startup_watchdog.PROBE_SECONDS + BOUND_SECONDS
 
 
+def test_thousands_of_peers_are_waited_for_under_a_small_stack_limit(tmp_path):
+    """The watchdog was given every peer's address on its command line,
+    which with TF_CONFIG in its environment as well held more than the
+    kernel takes under `ulimit -s 768` (a quarter of the stack: 192 KiB):
+    E2BIG, a traceback and exit 1 before TensorFlow started. It is given
+    the peers it probes, and their count."""
+    workers = [f"127.0.0.1:{10_000 + i}" for i in range(5_000)]
+    env = subprocess_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers},
+                                               "task": {"type": "worker", "index": 1}}))
+    result = subprocess.run(
+        ["prlimit", f"--stack={768 * 1024}", sys.executable, "-m", "distributed_mpt.train",
+         *SMOKE_FLAGS, "--peer_timeout_seconds=1", f"--model_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    # Ended by the watchdog's signal: 142 to a shell.
+    assert errors.status_of_signal(-result.returncode) == errors.ExitCode.PEER_TIMEOUT, \
+        result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "127.0.0.1:10000, 127.0.0.1:10002" in result.stderr
+    assert "(and 4,935 not probed)" in result.stderr
+
+
 # Every command, run as a user runs it, with what it would do for seconds if
 # no stop came.
 _COMMANDS = ["train", "launch", "benchmark", "predict", "prepare_data", "recipes.measure",
