@@ -41,6 +41,7 @@ DEFAULT_PORT = 2222
 MAX_TASKS = 10_000
 CHIEF_JOB = "chief"    # JobSet: the replicated job of the chief task, if any
 WORKER_JOB = "worker"  # JobSet: the workers' replicated job when there is a chief
+_INDEXED_JOB = ("DMPT_NUM_WORKERS", "DMPT_JOB_NAME", "DMPT_SERVICE_NAME")  # the manifest's
 
 _DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII only: str.isdigit() admits "²" and "٣"
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -75,7 +76,9 @@ def resolve_cluster(environ: Mapping[str, str] = os.environ) -> Optional[Cluster
         return _from_tf_config(environ["TF_CONFIG"])
     if environ.get("JOBSET_NAME"):
         return _from_jobset(environ)
-    if "JOB_COMPLETION_INDEX" in environ and "DMPT_NUM_WORKERS" in environ:
+    # Kubernetes sets JOB_COMPLETION_INDEX in every indexed Job, a sweep of
+    # single runs too; any of the manifest's variables makes it a cluster.
+    if "JOB_COMPLETION_INDEX" in environ and any(name in environ for name in _INDEXED_JOB):
         return _from_indexed_job(environ)
     if "SLURM_JOB_ID" in environ and max(_int_env(environ, "SLURM_NTASKS", default=1),
                                          _int_env(environ, "SLURM_STEP_NUM_TASKS", default=1)) > 1:
@@ -270,12 +273,15 @@ def _from_jobset(environ: Mapping[str, str]) -> Cluster:
 # -------------------------------------------------------------- indexed Job
 
 def _from_indexed_job(environ: Mapping[str, str]) -> Cluster:
+    # One of them missing: each pod trained alone, as worker 0 of a cluster of one.
+    missing = [name for name in _INDEXED_JOB if not environ.get(name)]
+    if missing:
+        raise ClusterError(f"an indexed Job needs {', '.join(_INDEXED_JOB)} (the number of "
+                           f"workers, the Job's name and its headless Service's name); "
+                           f"{' and '.join(missing)} not set")
     num_workers = _int_env(environ, "DMPT_NUM_WORKERS", low=1)
     index = _int_env(environ, "JOB_COMPLETION_INDEX")
     port = _port(environ)
-    if not environ.get("DMPT_JOB_NAME") or not environ.get("DMPT_SERVICE_NAME"):
-        raise ClusterError("an indexed Job needs DMPT_JOB_NAME and DMPT_SERVICE_NAME "
-                           "(the Job's name and its headless Service's name)")
     job, service = _dns_label(environ, "DMPT_JOB_NAME"), _dns_label(environ, "DMPT_SERVICE_NAME")
     if index >= num_workers:
         raise ClusterError(f"JOB_COMPLETION_INDEX={index} is out of range for DMPT_NUM_WORKERS={num_workers}")

@@ -198,7 +198,10 @@ MALFORMED = [
     # indexed Job
     ({"JOB_COMPLETION_INDEX": "4", "DMPT_NUM_WORKERS": "2", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
      "out of range"),
-    ({"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "2"}, "DMPT_JOB_NAME"),
+    ({"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "2"},
+     "DMPT_JOB_NAME and DMPT_SERVICE_NAME not set"),
+    ({"JOB_COMPLETION_INDEX": "0", "DMPT_SERVICE_NAME": "s", "DMPT_JOB_NAME": "j"},
+     "DMPT_NUM_WORKERS not set"),
     ({"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "2", "DMPT_JOB_NAME": "j",
       "DMPT_SERVICE_NAME": "s", "DMPT_PORT": "70000"}, "DMPT_PORT=70000 is outside 1-65535"),
     ({"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "100000", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
@@ -288,8 +291,10 @@ def test_the_largest_cluster_is_built_promptly():
     {"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "100000", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
     jobset_pod("worker", 7),
     workers_at("a\nerror: forged:0"),
+    # The manifest without its worker count: each pod trained alone.
+    {"JOB_COMPLETION_INDEX": "1", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
 ], ids=["tf_config-port", "slurm-rank", "slurm-step-rank", "indexed-job-count", "jobset-index",
-        "tf_config-newline"])
+        "tf_config-newline", "indexed-job-no-count"])
 def test_the_trainer_refuses_a_malformed_cluster_in_one_line(environ, tmp_path):
     """What a user sees: one `error:` line, exit 2, nothing written (a
     process of its own: the environment is the input)."""
