@@ -90,7 +90,7 @@ def resolve_cluster(environ: Mapping[str, str] = os.environ) -> Optional[Cluster
 
 def _from_tf_config(text: str) -> Cluster:
     try:
-        config = json.loads(text)
+        config = json.loads(text, object_pairs_hook=_unique_names)
     except json.JSONDecodeError as e:
         raise ClusterError(f"TF_CONFIG is not valid JSON ({e.msg} at position {e.pos})") from None
     except (ValueError, RecursionError):  # an integer of thousands of digits; nesting too deep
@@ -125,6 +125,17 @@ def _from_tf_config(text: str) -> Cluster:
                            f"has {len(cluster[task_type])} task(s)")
     return _make_cluster({t: list(cluster[t]) for t in TASK_TYPES if cluster.get(t)},
                          task_type, task_index)
+
+
+def _unique_names(pairs: list) -> dict:
+    """A JSON object whose names are unique: json.loads keeps the last of
+    two, and a TF_CONFIG with two "task"s trained as the second, unsaid."""
+    names = [name for name, _ in pairs]
+    if len(set(names)) < len(names):
+        twice = next(name for i, name in enumerate(names) if name in names[:i])
+        raise ClusterError(f"TF_CONFIG names {_short(twice)} twice in one object: "
+                           "which one is meant?")
+    return dict(pairs)
 
 
 def _short(value, limit: int = 40) -> str:

@@ -160,6 +160,12 @@ MALFORMED = [
     (tf_config({"cluster": {"chief": ["a:1", "b:1"]}, "task": {"type": "chief", "index": 0}}), "at most one"),
     (tf_config({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": True}}),
      "task index True is out of range"),
+    # json.loads keeps the last of two names: the second task trained, unsaid.
+    ({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", '
+                   '"index": 0}, "task": {"type": "worker", "index": 1}}'},
+     "TF_CONFIG names 'task' twice"),
+    ({"TF_CONFIG": '{"cluster": {"worker": ["a:1"], "worker": ["a:1", "b:1"]}, '
+                   '"task": {"type": "worker", "index": 0}}'}, "TF_CONFIG names 'worker' twice"),
     # TF_CONFIG: valid JSON, wrong types and sizes
     (tf_config({"cluster": {"worker": ["a:1"]}, "task": {"type": ["worker"], "index": 0}}), "task type ['worker']"),
     (tf_config({"cluster": {"worker": ["a:1"]}, "task": {"type": {"w": 1}, "index": 0}}), "task type {'w': 1}"),
@@ -291,10 +297,12 @@ def test_the_largest_cluster_is_built_promptly():
     {"JOB_COMPLETION_INDEX": "0", "DMPT_NUM_WORKERS": "100000", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
     jobset_pod("worker", 7),
     workers_at("a\nerror: forged:0"),
+    {"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}, '
+                  '"task": {"type": "worker", "index": 0}}'},
     # The manifest without its worker count: each pod trained alone.
     {"JOB_COMPLETION_INDEX": "1", "DMPT_JOB_NAME": "j", "DMPT_SERVICE_NAME": "s"},
 ], ids=["tf_config-port", "slurm-rank", "slurm-step-rank", "indexed-job-count", "jobset-index",
-        "tf_config-newline", "indexed-job-no-count"])
+        "tf_config-newline", "tf_config-two-tasks", "indexed-job-no-count"])
 def test_the_trainer_refuses_a_malformed_cluster_in_one_line(environ, tmp_path):
     """What a user sees: one `error:` line, exit 2, nothing written (a
     process of its own: the environment is the input)."""
