@@ -38,23 +38,32 @@ def test_the_ring_fitted_on_two_workers_predicts_three_at_a_size_it_did_not_see(
     # A try measures the fit and the held-out size one right after the other,
     # so both see the same load. A burst of load during one half of a try put
     # a good fit 2.005x off once (fresh-clone CI, Zen 5, 2026-12-06); a model
-    # wrong in kind misses every try, so a second and third try are given.
+    # wrong in kind misses every try, so a second and third try are given. A
+    # try whose job failed counts too: once a 3-worker job of this test lost a
+    # peer ("Socket closed", fresh-clone CI beside other multi-worker tests),
+    # which is not what it measures; every try failing still fails it.
     cores = len(os.sched_getaffinity(0))
-    ratios = []
-    while len(ratios) < TRIES and not any(1 / TOLERANCE < r < TOLERANCE for r in ratios):
-        two = cells.run_cell(allreduce.AllReduce(2, FIT_SIZES, repeats=5))
-        three = cells.run_cell(allreduce.AllReduce(3, (HELD_OUT,), repeats=5))
+    ratios, failures = [], []
+    while (len(ratios) + len(failures) < TRIES
+           and not any(1 / TOLERANCE < r < TOLERANCE for r in ratios)):
+        try:
+            two = cells.run_cell(allreduce.AllReduce(2, FIT_SIZES, repeats=5))
+            three = cells.run_cell(allreduce.AllReduce(3, (HELD_OUT,), repeats=5))
+        except RuntimeError as e:
+            failures.append(str(e))
+            print(f"try {len(ratios) + len(failures)} failed: {e}")
+            continue
         latency, per_byte, errors = allreduce.fit([two], cores)
         assert latency > 0 and per_byte > 0
         predicted = allreduce.ring_seconds(latency, per_byte, 3, HELD_OUT, cores)
         measured = allreduce.median_seconds(three["sizes"][0])
         ratios.append(predicted / measured)
         fitted_on = ", ".join(f"{t['bytes']} B {allreduce.median_seconds(t) * 1e3:.2f} ms" for t in two["sizes"])
-        print(f"try {len(ratios)}: fit on 2 workers ({fitted_on}): "
+        print(f"try {len(ratios) + len(failures)}: fit on 2 workers ({fitted_on}): "
               f"{latency * 1e3:.2f} ms a ring step, {1 / per_byte / 1e6:.0f} MB/s a worker, errors "
               f"{errors}; 3 workers at {HELD_OUT} B: predicted {predicted * 1e3:.1f} ms, measured "
               f"{measured * 1e3:.1f} ms (repeats {[round(s * 1e3, 1) for s in three['sizes'][0]['seconds']]})")
-    assert any(1 / TOLERANCE < r < TOLERANCE for r in ratios), ratios
+    assert any(1 / TOLERANCE < r < TOLERANCE for r in ratios), (ratios, failures)
 
 
 def test_packs_are_counted_as_tensorflow_groups_gradients():
