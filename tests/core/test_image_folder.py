@@ -592,6 +592,14 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     info = (export / "model_info.json").read_text()
     recorded = json.loads((run / "config.json").read_text())["resolved"]["data_fingerprint"]
     assert json.loads(info)["data_fingerprint"] == recorded
+    # A run directory recorded before the held-out pixels were (its record lacks them) resumes.
+    old_run = tmp_path / "old_run"
+    shutil.copytree(run, old_run)
+    config = json.loads((old_run / "config.json").read_text())
+    del config["resolved"]["data_fingerprint"]["held_out_pixels_sha256"]
+    (old_run / "config.json").write_text(json.dumps(config))
+    assert_ok(train([*flags, f"--model_dir={old_run}", "--train_steps=4"]))
+    assert read_summary(old_run)["resumed_from_step"] == 2
     shutil.rmtree(export / "saved_model")  # exported again by the finished run: the same record
     assert_ok(train(flags))
     assert (export / "model_info.json").read_text() == info
@@ -606,6 +614,22 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     reencoded = run_in_process(main, evaluate)
     assert_ok(reencoded)
     assert reencoded.stdout == evaluated.stdout and "warning" not in reencoded.stderr
+    # The same names holding other photos (a download numbered otherwise): the held-out
+    # names now hold photos the model trained on. It was accepted, scored as unseen.
+    _rotate_each_class(folder, 1)
+    assert_one_error_line(run_in_process(main, evaluate), (
+        f"--data_dir={folder} is not the folder the model trained on, or has changed since (the "
+        f"same classes and file names, but other images in its held-out test split"))
+    _rotate_each_class(folder, -1)
+    assert run_in_process(main, evaluate).stdout == evaluated.stdout
+    # An export from before the pixels were recorded: its names and sizes must be the same.
+    record = json.loads((export / "model_info.json").read_text())
+    del record["data_fingerprint"]["held_out_pixels_sha256"]
+    (export / "model_info.json").write_text(json.dumps(record))
+    assert_one_error_line(run_in_process(main, evaluate), (
+        f"--data_dir={folder} is not the folder the model trained on, or has changed since (the "
+        f"same classes and numbers of files, but other file names or sizes"))
+    (export / "model_info.json").write_text(info)
     for name in CLASSES:  # one more photo of each class, as a user adds them
         _photo(folder / "train" / name / "100.png", COLOURS[name], np.random.default_rng(1))
     said = (f"--data_dir={folder} is not the folder the model trained on, or has changed since "
@@ -632,6 +656,15 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     warnings = [line for line in unknown.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "cannot tell whether" in warnings[0], unknown.stderr
     assert "(6 images)" in unknown.stdout
+
+
+def _rotate_each_class(folder, places):
+    """Moves each class's photos `places` names on among its files (the last's to the first)."""
+    for name in CLASSES:
+        paths = sorted((folder / "train" / name).glob("*.png"))
+        photos = [path.read_bytes() for path in paths]
+        for path, photo in zip(paths, photos[-places:] + photos[:-places]):
+            path.write_bytes(photo)
 
 
 def test_test_images_that_are_copies_of_training_images_are_warned_of(tmp_path):

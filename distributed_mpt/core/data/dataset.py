@@ -14,6 +14,10 @@ from distributed_mpt import files
 from distributed_mpt.errors import ConfigError, quoted
 
 SPLITS = ("train", "test")
+# The fingerprint's SHA-256 of a held-out test split's decoded pixels (uint8,
+# in the split's order): predict --evaluate draws the split again by its file
+# names, and the same names may hold other photos (check_held_out_split).
+HELD_OUT_PIXELS = "held_out_pixels_sha256"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,9 +229,10 @@ def same_examples(before: dict, now: dict) -> bool:
     workers of a job compare the whole fingerprint, order too. A record from
     before it was kept is compared in order: refused unless the same. An
     image folder's "names_sha256" is in its "sha256" too (a record from
-    before it was kept lacks it)."""
+    before it was kept lacks it); its HELD_OUT_PIXELS are predict's: they
+    change with --image_size, which a resume compares as a flag."""
     left_out = {"sha256" if "examples_sha256" in before and "examples_sha256" in now
-                else "examples_sha256", *({"names_sha256"} - set(before))}
+                else "examples_sha256", HELD_OUT_PIXELS, *({"names_sha256"} - set(before))}
     return ({k: v for k, v in before.items() if k not in left_out}
             == {k: v for k, v in now.items() if k not in left_out})
 
@@ -304,22 +309,33 @@ def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
                    f"model trained on ({whose} no fingerprint of them): if images were added "
                    f"or removed since, its test split held out of them (--test_fraction) holds "
                    f"some it trained on, and the accuracy reads too high")
-    elif not (same_examples(trained_on, dataset.fingerprint)
-              or _same_names(trained_on, dataset.fingerprint)):
+    elif not _same_held_out_split(trained_on, dataset.fingerprint):
+        now = dataset.fingerprint
+        difference = fingerprint_difference(trained_on, now)
+        if HELD_OUT_PIXELS in trained_on and all(trained_on.get(k) == now.get(k)
+                                                 for k in _DRAWN_BY):
+            difference = ("the same classes and file names, but other images in its held-out "
+                          "test split (the SHA-256 of their pixels differs: photos moved among "
+                          "the names or changed, or decoded by another version of Pillow)")
         raise ConfigError(
             f"--data_dir={quoted(data_dir)} is not the folder the model trained on, or has "
-            f"changed since "
-            f"({fingerprint_difference(trained_on, dataset.fingerprint)}): the test split held "
+            f"changed since ({difference}): the test split held "
             f"out of it (--test_fraction) would mix in images the model trained on; evaluate on "
             f"a test/ folder of images it never saw (DATA_DIR/test/<class>/), or on the folder "
             f"as it trained")
 
 
-def _same_names(before: dict, now: dict) -> bool:
-    """Whether two image folders' fingerprints (`before` read, not trusted)
-    list the same classes and file names, whatever the files' sizes: all
-    that draws a held-out split, with the seed and --test_fraction (files
-    re-encoded in place hold out the same ones, which the model never saw).
-    False for a record from before the names were kept apart."""
-    drawn_by = ("classes", "files", "names_sha256")
-    return "names_sha256" in before and all(before.get(k) == now.get(k) for k in drawn_by)
+# What draws an image folder's held-out split, with the seed and --test_fraction.
+_DRAWN_BY = ("classes", "files", "names_sha256")
+
+
+def _same_held_out_split(before: dict, now: dict) -> bool:
+    """Whether an image folder's held-out split, as `now` fingerprints it,
+    holds the images of the one `before` (read, not trusted) recorded: the
+    same _DRAWN_BY and the same pixels, whatever the files' sizes (PNGs
+    re-saved losslessly hold out the images the model never saw); by the
+    same names and sizes where `before` has no pixels' digest (an export
+    from before HELD_OUT_PIXELS was kept)."""
+    if HELD_OUT_PIXELS not in before:
+        return same_examples(before, now)
+    return all(before.get(k) == now.get(k) for k in (*_DRAWN_BY, HELD_OUT_PIXELS))

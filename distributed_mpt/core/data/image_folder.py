@@ -24,10 +24,10 @@ that are byte-for-byte copies of training images are named in a warning
 (dataset.warn_of_copies). The mean and standard deviation the model
 normalizes with are the training images'.
 
-The dataset's fingerprint is its classes, its number of files and the
-SHA-256 of its file list with their sizes: what a resumed run compares, so
-that it does not continue on other images (training/plan.py); and of the
-list alone, what predict compares before it draws a held-out split again.
+The dataset's fingerprint is its classes, its number of files and SHA-256
+digests: of its file list with their sizes, which a resume compares (so as
+not to continue on other images: training/plan.py); of the list alone and of
+a held-out split's pixels, which predict --evaluate compares to draw it again.
 """
 
 import contextlib
@@ -43,10 +43,9 @@ import numpy as np
 from distributed_mpt import files
 from distributed_mpt.core.data import IMAGE_FOLDER_LAYOUT as LAYOUT
 from distributed_mpt.core.data import images
-from distributed_mpt.core.data.dataset import (MAX_CLASSES, READ_AS_ONE_BY, SPLITS, Dataset,
-                                               DatasetInfo, ImageSplit, aligned_empty,
-                                               channel_statistics, first_pair_read_as_one,
-                                               read_as, some_names, warn_of_copies)
+from distributed_mpt.core.data.dataset import (
+    HELD_OUT_PIXELS, MAX_CLASSES, READ_AS_ONE_BY, SPLITS, Dataset, DatasetInfo, ImageSplit,
+    aligned_empty, channel_statistics, first_pair_read_as_one, read_as, some_names, warn_of_copies)
 from distributed_mpt.errors import ConfigError, DataUnavailableError, quoted, too_long_to_open
 
 NAME = "image_folder"
@@ -119,6 +118,8 @@ def load(options, seed: int, splits: Sequence[str] = SPLITS, headroom=None) -> D
                for split, pairs in in_order.items()}
     if "test" in splits:
         warn_of_copies(in_order, digests, held_out=not has_test)
+    if "test" in splits and not has_test:  # 15 ms for 10,000 32 x 32 images, decoded in 2 to 3 s
+        fingerprint[HELD_OUT_PIXELS] = hashlib.sha256(decoded["test"].images).hexdigest()
     mean, std = channel_statistics(decoded["train"].images)
     info = DatasetInfo(image_shape=(*size, 3), class_names=tuple(class_names),
                        mean=tuple(round(float(m), 4) for m in mean),
@@ -323,10 +324,10 @@ def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, 
     """What the folder `root` holds, cheaply: its classes in label order, its
     number of files in each split folder, and the SHA-256 of every file's
     path (from `root`: a copy elsewhere is the same data) and `sizes`,
-    sorted ("names_sha256": of the paths alone, all that draws a held-out
-    split). Contents are not read for it: a file changed in place at the
-    same size goes unnoticed, one added, removed, renamed, moved to another
-    class or resized does not."""
+    sorted ("names_sha256": of the paths alone, which draw a held-out split).
+    Contents are not read for it: a file changed in place at the same size
+    goes unnoticed (but in a held-out split: load), one added, removed,
+    renamed, moved to another class or resized does not."""
     named = {os.fsencode(os.path.relpath(path, root)): sizes[path] for by_class in
              listed.values() for paths in by_class.values() for path in paths}
     names, sized = sorted(named), sorted(name + b"\t%d" % size for name, size in named.items())
@@ -337,8 +338,7 @@ def _fingerprint(root: str, class_names: List[str], listed: Dict[str, Dict[int, 
             "names_sha256": hashlib.sha256(b"\n".join(names)).hexdigest()}
 
 
-def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int
-              ) -> Tuple[Dict[int, List[str]], Dict[int, List[str]]]:
+def _hold_out(files: Dict[int, List[str]], fraction: float, seed: int) -> Tuple[dict, dict]:
     """(train, test): `fraction` of each class's files, chosen by `seed`,
     held out for testing (at least one per class), the rest kept in order."""
     train, test = {}, {}
