@@ -156,9 +156,9 @@ class Dataset:
     """A loaded dataset: its `info`, the splits that were asked for, and its
     `fingerprint`: what a resumed run compares to tell whether it continues
     on the same data, and the workers of a job whether they read the same (a
-    JSON-able dict: an image folder's classes, number of files and a digest
-    of its file list; digests of CIFAR-10's contents, in order and in any
-    order: see same_examples). None where the flags
+    JSON-able dict: an image folder's classes, number of files and digests
+    of its file list and of a held-out split's pixels; digests of CIFAR-10's
+    contents, in order and in any order: see same_examples). None where the flags
     say what the data is: synthetic data is made from the seed and the size,
     and those flags are compared already."""
 
