@@ -110,12 +110,13 @@ def create_strategy(name: str, cpu_replicas: int = 0, communication: str = "auto
 def barrier(strategy: tf.distribute.Strategy, values=(1.0,)):
     """A function that returns once every worker of `strategy` has called
     it (a collective completes only when every peer takes part): the sum of
-    `values` (floats) over every replica, each one's own."""
+    `values` (floats) over every replica, each one's own: in float64, exact for the
+    integers below 2^53 that plan.check_workers_agree sums."""
 
     # Not converted by AutoGraph: there is nothing to convert.
     @tf.function(autograph=False)
     def all_here():
-        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(values, tf.float32)),
+        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(values, tf.float64)),
                                axis=None)
 
     return all_here

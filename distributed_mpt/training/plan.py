@@ -335,24 +335,9 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
     the images' fingerprint), naming what differs. Called with the flags before anything
     builds variables (which calls the collectives: other models or precisions fail there
     with a traceback), and with what is found later."""
-    # Workers exchange only numbers: anything else travels as 32 bits of its
-    # value's hash, which a float64 holds, and the sum over workers too.
-    def number(value) -> float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:4], "big"))
-
-    def differ(*values) -> List[bool]:
-        mine = tf.constant([number(v) for v in values], tf.float64)
-
-        @tf.function(autograph=False)
-        def workers_differing():
-            # Per entry: if all are equal, each equals the mean; if not, some
-            # do not. The sum counts the workers that differ from the mean.
-            mean = strategy.reduce("MEAN", strategy.run(lambda: tf.identity(mine)), axis=None)
-            differs = strategy.run(lambda: tf.cast(mine != mean, tf.float64))
-            return strategy.reduce("SUM", differs, axis=None)
-        return [count > 0 for count in workers_differing().numpy()]
+    def differ(*values) -> List[bool]:  # exactly: a MEAN of three 0.6 is not 0.6
+        mine = agreement_numbers(values)
+        return values_differing(mine, barrier(strategy, mine)().numpy(), strategy.num_replicas_in_sync)
 
     names = [*facts, *(f"--{name}" for name in flags), *contents]
     # First one number whatever the version: a worker with one flag more
@@ -379,6 +364,21 @@ def check_workers_agree(strategy: tf.distribute.Strategy, facts: dict, flags: di
             f"the workers of this job see different runs ({', '.join(n for n in facts if n in differing)} "
             f"differ; this worker: {mine}{index}): give every worker the same --model_dir on one "
             f"shared file system, the same data and flags, and an explicit --precision")
+
+
+def agreement_numbers(values) -> List[float]:
+    """What a worker sends in check_workers_agree: per value, two 16-bit pieces p of its
+    repr's hash and p*p. Only numbers travel, summed exactly in float64 for up to 2^21
+    replicas: sum(p) == n*p and sum(p*p) == n*p*p only if every replica sent p."""
+    digests = (hashlib.sha256(repr(value).encode()).digest() for value in values)
+    return [float(x) for d in digests for p in (d[0] << 8 | d[1], d[2] << 8 | d[3])
+            for x in (p, p * p)]
+
+
+def values_differing(mine: List[float], sums, num_replicas: int) -> List[bool]:
+    """Per value of `mine` (agreement_numbers): whether a replica sent another, given `sums`."""
+    return [any(total != num_replicas * x for total, x in zip(sums[i:i + 4], mine[i:i + 4]))
+            for i in range(0, len(mine), 4)]
 
 
 def leave_together(strategy: tf.distribute.Strategy, num_workers: int, writes) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -22,6 +23,7 @@ from distributed_mpt.cluster.environment import resolve_cluster
 from distributed_mpt.cluster.strategy import peer_named, resolve_strategy_name
 from distributed_mpt.errors import ConfigError
 from distributed_mpt.launch import free_ports, worker_tf_configs
+from distributed_mpt.training.plan import agreement_numbers, values_differing
 
 # Every test here starts several workers: the full suite only (README).
 pytestmark = pytest.mark.slow
@@ -301,6 +303,22 @@ def test_workers_whose_flags_build_other_variables_refuse_together(tmp_path, dif
     _refused_together(_two_workers([[*flags, f"--model_dir={tmp_path / 'run'}"]
                                               for flags in differing]), *says)
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training"
+
+
+@pytest.mark.parametrize("num_workers", [3, 5, 6, 7])
+def test_the_workers_agreement_is_exact_for_any_number_of_workers(num_workers):
+    """A MEAN over 3 workers of 0.6 was not 0.6: a 3-worker job with default
+    flags refused to start, naming --bn_momentum and --muon_momentum."""
+    values = [0.1, 0.6, 0.7, 1e-300, "mlp", True, 3, None]
+    for odd_one in [None, *range(len(values))]:
+        others = [*values]
+        if odd_one is not None:  # the last worker's value differs from the others'
+            others[odd_one] = {0.1: 0.1 + 2 ** -56, 3: 3.0}.get(others[odd_one], "other")
+        sent = [agreement_numbers(values)] * (num_workers - 1) + [agreement_numbers(others)]
+        sums = np.sum(np.array(sent, np.float64), axis=0)
+        for mine in sent:  # every worker names the same values
+            assert values_differing(mine, sums, num_workers) == [
+                i == odd_one for i in range(len(values))], (num_workers, odd_one)
 
 
 def test_a_worker_of_a_newer_version_with_another_flag_refuses_with_the_others(tmp_path):

@@ -268,6 +268,17 @@ def test_permanent_exit_code_is_not_retried(tmp_path):
     assert re.search(r"^\[worker [01]\] error: .*is a file, not a directory", result.stderr, re.M)
 
 
+def test_three_workers_with_default_flags_train(tmp_path):
+    """They refused to start: "the workers of this job were started with
+    different --bn_momentum, --muon_momentum (this worker: --bn_momentum=0.6
+    ...)", as a MEAN over 3 workers of 0.6 is not 0.6 (2 and 4 workers were)."""
+    result = _launcher(["--num_workers=3", "--max_restarts=0", "--", *WORKER_FLAGS,
+                        "--train_steps=4", f"--model_dir={tmp_path / 'run'}"], tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert len(_worker_pids(result.stdout)) == 3 and "error:" not in result.stderr, result.stderr
+    assert read_summary(tmp_path / "run")["steps"] == 4
+
+
 def test_a_chief_out_of_disk_ends_the_launch_with_its_2_and_its_peer_names_it(tmpfs, tmp_path):
     """The peer said only "lost a peer ... (UnavailableError: Collective ops
     is aborted by: Socket closed)", and that the group restarts, which the
