@@ -57,6 +57,8 @@ _NOT_RESTARTED = {ExitCode.USAGE: _PERMANENT, ExitCode.DIVERGED: _PERMANENT,
                   ExitCode.MODEL_DIR_BUSY: "says another run holds --model_dir"}
 # Exit codes of a worker that stopped because another one was lost.
 _PEER_LOSS = (ExitCode.PEER_LOST, ExitCode.PEER_TIMEOUT)
+# How long a peer's loss waits for the exit of the worker that caused it.
+_CAUSE_SECONDS = 5.0
 # What TensorFlow prints when a worker cannot listen on its TF_CONFIG port.
 _GRPC_BIND_FAILURE = "Could not start gRPC server"
 # TensorFlow's gRPC server listens on every interface (0.0.0.0:PORT), whatever
@@ -224,6 +226,16 @@ class _Group:
                   if self.processes[index].returncode not in _PEER_LOSS]
         return (causes or failed or [None])[0]
 
+    def failure(self, cause_seconds: float = _CAUSE_SECONDS) -> Optional[int]:
+        """first_failure(), once a peer's loss (141) had `cause_seconds` to be
+        followed by its cause's exit, which may come later (its status, a 2, is
+        the launcher's: not restarted). A cause that hangs is stopped after."""
+        deadline = time.monotonic() + cause_seconds
+        while ((failed := self.first_failure()) is not None and not self.done()
+               and self.processes[failed].returncode in _PEER_LOSS and time.monotonic() < deadline):
+            time.sleep(0.1)
+        return self.first_failure()
+
     def done(self) -> bool:
         return all(p.poll() is not None for p in self.processes)
 
@@ -293,7 +305,7 @@ def launch(num_workers: int, max_restarts: int, grace_seconds: float, train_flag
                 group.signal(passed_on(forwarded))
             while not group.done() and group.first_failure() is None:
                 time.sleep(0.2)
-            failed = group.first_failure()
+            failed = group.failure()
             if failed is None or forwarded:
                 return _finish(group, grace_seconds)
             code = exit_status(group.processes[failed].returncode)
