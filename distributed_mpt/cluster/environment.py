@@ -130,12 +130,13 @@ def _from_tf_config(text: str) -> Cluster:
 def _unique_names(pairs: list) -> dict:
     """A JSON object whose names are unique: json.loads keeps the last of
     two, and a TF_CONFIG with two "task"s trained as the second, unsaid."""
-    names = [name for name, _ in pairs]
-    if len(set(names)) < len(names):
-        twice = next(name for i, name in enumerate(names) if name in names[:i])
-        raise ClusterError(f"TF_CONFIG names {_short(twice)} twice in one object: "
-                           "which one is meant?")
-    return dict(pairs)
+    config = {}
+    for name, value in pairs:  # one pass, not a scan of the names before each
+        if name in config:
+            raise ClusterError(f"TF_CONFIG names {_short(name)} twice in one object: "
+                               "which one is meant?")
+        config[name] = value
+    return config
 
 
 def _short(value, limit: int = 40) -> str:
