@@ -49,7 +49,8 @@ class ClusterOptions(Options):
         require(num_workers < 2 or self.strategy in ("auto", "multi_worker"),
                 f"--strategy={self.strategy} in a job of {num_workers} workers would train "
                 f"{num_workers} separate models: use --strategy=multi_worker (or auto); for "
-                f"one process, start it without a cluster (no TF_CONFIG)")
+                f"one process, start one worker (--num_workers=1, or no cluster in the "
+                f"environment)")
         require(num_workers < 2 or not self.cpu_replicas,
                 f"--cpu_replicas={self.cpu_replicas} in a job of {num_workers} workers: "
                 f"multi_worker trains one replica a worker, on its whole CPU; drop "

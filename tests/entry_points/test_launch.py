@@ -198,8 +198,8 @@ def test_a_strategy_of_one_worker_for_several_is_one_error_line(strategy, tmp_pa
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
         f"error: --strategy={strategy} in a job of 2 workers would train 2 separate models: use "
-        "--strategy=multi_worker (or auto); for one process, start it without a cluster "
-        "(no TF_CONFIG)"]
+        "--strategy=multi_worker (or auto); for one process, start one worker "
+        "(--num_workers=1, or no cluster in the environment)"]
     worker = run_module("distributed_mpt.train", flags,
                         env=subprocess_env(TF_CONFIG=launch.worker_tf_config([1, 2], 1)))
     assert_one_error_line(worker, f"--strategy={strategy} in a job of 2 workers")
