@@ -193,7 +193,7 @@ def test_helper_processes_never_import_from_the_working_directory(planted, tmp_p
     assert "is not writable" in result.stderr
     # The start-up watchdog: its deadline ends the shell that started it.
     watchdog = shlex.join(stopping.helper_command("distributed_mpt.process.startup_watchdog"))
-    shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5 '' ''; sleep 60"], cwd=cwd,
+    shell = subprocess.run(["sh", "-c", f"{watchdog} $$ 0.5 '' '' 0; sleep 60"], cwd=cwd,
                            capture_output=True, text=True, timeout=60)
     assert shell.returncode == -stopping.PEER_TIMEOUT_SIGNAL, shell.stderr
     assert not marker.exists(), marker.read_text()
