@@ -285,6 +285,13 @@ def fails_at_step_three(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(FailsAtStepThree()(x)))
 
 
+def fails_at_step_three_with_jitter(info):  # its normalize layer, where the jitter goes in
+    images = keras.Input(info.image_shape, dtype="uint8")
+    x = keras.layers.Normalization(mean=0.0, variance=1.0, name="normalize")(images)
+    x = FailsAtStepThree(name="norm")(keras.layers.Flatten()(x))
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(x), name="mine")
+
+
 def fails_at_step_three_with_batch_norm(info):  # Keras' momentum: recalibrated after 2 steps
     images, x = _flat(info)
     x = keras.layers.BatchNormalization()(FailsAtStepThree()(x))
@@ -499,6 +506,16 @@ def test_a_model_failing_in_a_later_training_step_is_named_in_one_line(model_fil
     assert "resuming from step 2" in result.stdout
 
 
+def test_a_model_failing_in_a_later_step_with_color_jitter_is_named_in_one_line(model_file,
+                                                                               tmp_path):
+    """With jitter the step calls the part of the model after its
+    normalize layer, a model cut from it: the model's all the same."""
+    result = train([*FLAGS, f"--model={model_file}:fails_at_step_three_with_jitter",
+                    f"--model_dir={tmp_path / 'run'}", "--train_steps=4",
+                    "--brightness_jitter=0.1"])
+    assert_one_error_line(result, "fails_at_step_three_with_jitter failed in training steps 3-4")
+
+
 def test_a_model_whose_code_fails_traced_anew_later_is_named_with_its_line(model_file,
                                                                           tmp_path):
     """Its Python code, traced again where the early crops end (step 9)."""
@@ -549,6 +566,16 @@ def test_only_an_error_inside_the_users_model_is_blamed_on_it():
     assert is_the_models(failed("gradient_tape/while/mine_1/logits_1/Assert/Assert"), model)
     assert not is_the_models(failed("while/cond_1/categorical_crossentropy/Assert/Assert"), model)
     assert not is_the_models(failed("while/cond_1/logits"), model), "an op, not a scope, named so"
+    assert is_the_models(failed("while/cond_1/replica_1/mine_2/logits/Assert/Assert"), model)
+    assert is_the_models(failed("mine/logits/Assert/Assert"), model), "the recalibration's call"
+    # A package's scope named as one of the model's layers, or as the model,
+    # is the package's: only the model's own scope, opened by the step, is its.
+    norm = keras.Model(images, keras.layers.LayerNormalization(name="norm")(images), name="norm")
+    for package in ("while/cond/cond/grouped/update/norm/Sqrt", "update_3/norm/transpose/x",
+                    "while/cond_1/categorical_crossentropy/norm/Assert/Assert"):
+        assert not is_the_models(failed(package), norm), package
+        assert not is_the_models(failed(package.replace("norm", "logits")), model), package
+    assert is_the_models(failed("while/cond_1/norm_1/norm/Sqrt"), norm)
     assert not is_the_models(ValueError("a bug of the package's own"), model)
 
     class Unsayable(Exception):

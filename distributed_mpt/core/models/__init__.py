@@ -282,7 +282,9 @@ def split_at_normalization(model, name: str):
         normalize = model.get_layer("normalize")
         if normalize.input is not model.inputs[0]:
             raise ValueError("its input is not the model's")
-        return normalize, keras.Model(normalize.output, model.output)
+        # Named as the model, whose scope is then the rest's too: what fails
+        # in it is blamed on the model (blame.py) as in a step without jitter.
+        return normalize, keras.Model(normalize.output, model.output, name=model.name)
     except Exception as e:  # noqa: BLE001 - no such layer, or a model Keras cannot cut there
         raise ModelError(
             f"--model={quoted(name)}: color jitter (--brightness_jitter, --contrast_jitter) "

@@ -5,8 +5,11 @@ After the first step the package's own part of the step (input, loss, optimizer)
 once already; what fails later is most often the model's: an assertion or a numerics
 check of its own that a later batch trips, or its Python code traced anew (at a new crop
 size, or where variables freeze). That is blamed on the model only where the error says
-so: a failing op that TensorFlow names inside the model's name scope or one of its
-layers' (its forward or backward pass), or a line of the user's file that autograph names.
+so: a failing op that TensorFlow names inside the model's own name scope (its forward or
+backward pass), or a line of the user's file that autograph names. The model's scope counts
+only where the step opens it, below nothing but the step's loop, branches, tape and
+replicas: the package's own scopes (Muon's `grouped/update/norm`) may share a name with a
+user's layer, or with a model named so, and a failure there is the package's.
 The rest, the package's own failures among them, stays a traceback; so do the errors
 that say nothing of the model (eval_views.NOT_THE_MODELS: memory, lost peers, the
 runtime's), as in an evaluation.
@@ -25,6 +28,10 @@ from distributed_mpt.errors import UserError, inside_autograph, quoted
 _FAILED_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 # What TensorFlow appends to a name scope used twice in one graph (dense, dense_1).
 _UNIQUIFIED = re.compile(r"_\d+$")
+# The scopes a training step or forward pass opens around the model's call: the
+# loop of --steps_per_loop, its branches, the gradient tape's backward pass,
+# each replica's copy.
+_AROUND_THE_MODEL = frozenset({"while", "cond", "gradient_tape", "replica"})
 
 
 def is_the_models(error: BaseException, model) -> bool:
@@ -33,11 +40,12 @@ def is_the_models(error: BaseException, model) -> bool:
         return True
     if not isinstance(error, tf.errors.OpError):  # only TensorFlow's errors name an op
         return False
-    names = {layer.name for layer in model._flatten_layers(include_self=True)}
     for node in _FAILED_NODE.findall(error.message):
-        scopes = node.split("/")[:-1]  # the last part is the op's own name, not a scope
-        if any(scope in names or _UNIQUIFIED.sub("", scope) in names for scope in scopes):
-            return True
+        for scope in node.split("/")[:-1]:  # the last part is the op's own name, not a scope
+            if scope == model.name or _UNIQUIFIED.sub("", scope) == model.name:
+                return True
+            if _UNIQUIFIED.sub("", scope) not in _AROUND_THE_MODEL:
+                break  # the package's own scope, or another's: not the model's call
     return False
 
 
