@@ -50,6 +50,13 @@ _TENSORFLOW_LINE = re.compile(
 # an empty line after a dropped one (the allocator's dump ends with one):
 # gone with the line they continue; in a traceback's message they stay.
 _NODE_LINE = re.compile(rb"\t \[\[|\r?\n$")
+# A Python traceback in the message of a dropped line of status UNKNOWN, right after
+# it (what a model's tf.numpy_function raised, in the warnings of the op and of the
+# rendezvous it aborts): its frames are indented or empty, and its exception's line,
+# the first that is neither, ends it. The process's own traceback stays.
+_UNKNOWN = re.compile(rb".*\] .*\bUNKNOWN: ")
+_TRACEBACK = re.compile(rb"Traceback \(most recent call last\):\r?\n$")
+_FRAME = re.compile(rb"[ \t]|\r?\n$")
 
 _filter_process = None
 _original_stderr = None
@@ -101,7 +108,7 @@ def _filter(source, sink) -> None:
     TensorFlow's lines, until `source` ends. If `sink` goes away (nobody
     reads stderr any more), the rest is read and dropped, so that writers
     never block or fail."""
-    pending, sink_open, dropped = b"", True, False
+    pending, sink_open, dropped, unknown, traceback = b"", True, False, False, False
     while True:
         chunk = source.read1(1 << 16)
         if not chunk:
@@ -110,7 +117,13 @@ def _filter(source, sink) -> None:
         end = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         complete, pending = pending[:end], pending[end:]
         for piece in _PIECE.findall(complete):
-            dropped = bool(_TENSORFLOW_LINE.match(piece) or dropped and _NODE_LINE.match(piece))
+            if traceback:
+                traceback = bool(_FRAME.match(piece))
+                continue
+            traceback = unknown and bool(_TRACEBACK.match(piece))
+            dropped = bool(_TENSORFLOW_LINE.match(piece) or dropped and _NODE_LINE.match(piece)
+                           or traceback)
+            unknown = dropped and bool(_UNKNOWN.match(piece))
             sink_open = sink_open and (dropped or _write(sink, piece))
     if pending and sink_open and not _TENSORFLOW_LINE.match(pending):
         _write(sink, pending)

@@ -285,6 +285,26 @@ def fails_at_step_three(info):
     return keras.Model(images, keras.layers.Dense(info.num_classes)(FailsAtStepThree()(x)))
 
 
+class CountsOut(keras.layers.Layer):
+    """Python run in the graph (tf.numpy_function) that raises from its
+    4th call on: after the probes and the first steps that ran it."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        def count(values, calls=[]):
+            calls.append(1)
+            if len(calls) >= 4:
+                raise RuntimeError("counted out")
+            return values
+        return tf.ensure_shape(tf.numpy_function(count, [x], x.dtype), x.shape)
+
+
+def counts_out(info):
+    images, x = _flat(info)
+    return keras.Model(images, keras.layers.Dense(info.num_classes)(CountsOut(name="counts")(x)))
+
+
 def fails_at_step_three_with_jitter(info):  # its normalize layer, where the jitter goes in
     images = keras.Input(info.image_shape, dtype="uint8")
     x = keras.layers.Normalization(mean=0.0, variance=1.0, name="normalize")(images)
@@ -514,6 +534,16 @@ def test_a_model_failing_in_a_later_step_with_color_jitter_is_named_in_one_line(
                     f"--model_dir={tmp_path / 'run'}", "--train_steps=4",
                     "--brightness_jitter=0.1"])
     assert_one_error_line(result, "fails_at_step_three_with_jitter failed in training steps 3-4")
+
+
+def test_a_models_python_failing_in_its_graph_in_a_later_step_is_named_in_one_line(
+        model_file, tmp_path):
+    """What a tf.numpy_function of its raises reaches the step as TensorFlow's
+    UnknownError, which names no model in itself: it was a traceback, exit 1."""
+    result = train([*FLAGS, f"--model={model_file}:counts_out",
+                    f"--model_dir={tmp_path / 'run'}", "--train_steps=8"])
+    assert_one_error_line(result, "counts_out failed in training step")
+    assert "(UnknownError: RuntimeError: counted out" in result.stderr, result.stderr
 
 
 def test_a_model_whose_code_fails_traced_anew_later_is_named_with_its_line(model_file,

@@ -72,3 +72,22 @@ def test_an_ops_node_line_goes_with_its_warning_and_stays_in_a_traceback():
     of_a_replica = b"\t [[Func/while/body/_1/while/cond_1/then/_175/input/_232/_40]]\n"
     _filter(io.BytesIO(b"".join([warning, node, of_a_replica, *traceback])), sink)
     assert sink.getvalue() == b"".join(traceback)
+
+
+def test_a_python_traceback_in_an_unknown_ops_warning_goes_with_it_and_ours_stays():
+    """A model's tf.numpy_function that raised: TensorFlow's warnings of the op
+    and of the rendezvous carry its traceback, which came through under the
+    run's one error line. The process's own traceback after a dropped line stays."""
+    frames = [b"Traceback (most recent call last):\n", b"\n",
+              b'  File "/x/script_ops.py", line 269, in __call__\n', b"    ret = func(*args)\n",
+              b"          ^^^^^^^^^^^\n", b"\n", b"RuntimeError: counted out\n", b"\n", b"\n"]
+    warnings = [b"W0000 00:00:1796600547.811213    9115 op_kernel.cc:1845] UNKNOWN: "
+                b"RuntimeError: counted out\n", *frames,
+                b"W0000 00:00:1796600547.812636    9115 local_rendezvous.cc:412] Local "
+                b"rendezvous is aborting with status: UNKNOWN: RuntimeError: counted out\n",
+                *frames, b"\t [[{{node while/cond_1/functional_1/counts_1/PyFunc}}]]\n"]
+    ours = [b"error: --model=m.py:f failed in training steps 3-4 (UnknownError: ...)\n"]
+    sink = io.BytesIO()
+    _filter(io.BytesIO(b"".join([*warnings, *ours, TENSORFLOW_LINES[1], *frames[:1],
+                                 frames[2], b"ValueError: ours\n"])), sink)
+    assert sink.getvalue() == b"".join([*ours, frames[0], frames[2], b"ValueError: ours\n"])
