@@ -155,11 +155,13 @@ def _cpu_model() -> str:
 def peer_named(error: Exception, cluster: Cluster) -> Optional[str]:
     """The peer ("worker 0", as the launcher prefixes its lines) whose loss
     TensorFlow's `error` names, other than this task; None unless it names
-    exactly one."""
+    exactly one. Not always the one that stopped: a live peer that passed the
+    abort on ("remote target .../task:1 while calling RecvBuf") is named too."""
     text = str(error)
     named = {f"{job} {task}" for job, task in _TASK_NAMED.findall(text)}
     named.update(f"{job} {task}" for job, addresses in cluster.tf_config["cluster"].items()
                  for task, address in enumerate(addresses)
-                 if re.search(re.escape(address) + r"(?![\w.-])", text))  # not :2222 in :22220
+                 # Whole: not :2222 in :22220, nor 10.0.0.1 in 110.0.0.1.
+                 if re.search(r"(?<![\w.-])" + re.escape(address) + r"(?![\w.-])", text))
     named.discard(f"{cluster.task_type} {cluster.task_index}")
     return named.pop() if len(named) == 1 else None

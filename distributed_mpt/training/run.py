@@ -158,7 +158,7 @@ def _lost_a_peer(error: Exception, cluster) -> int:
     where = "".join(f" {quoted(first_line(note))}"  # one line, whoever added the note
                     for note in getattr(error, "__notes__", ()))
     if peer := peer_named(error, cluster):  # it may have failed on its own: 141 is not the why
-        where += f": {peer} stopped or was cut off (its own output says why it stopped)"
+        where += f": TensorFlow's error names {peer} as the peer cut off (its output says more)"
     stopping.say_decided_error(
         f"lost a peer of the multi-worker job ({type(error).__name__}: "
         f"{first_line(error).rstrip(' :')}){where}; exiting with {ExitCode.PEER_LOST:d} so that a "

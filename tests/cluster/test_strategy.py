@@ -63,6 +63,15 @@ def test_the_peer_a_failed_collective_names(message, named):
     assert peer_named(tf.errors.UnavailableError(None, None, message), cluster) == named
 
 
+def test_a_peer_is_named_by_its_whole_address():
+    """10.0.0.1:2222 is not named by a message naming 110.0.0.1:2222."""
+    cluster = resolve_cluster({"TF_CONFIG": json.dumps({
+        "cluster": {"worker": ["10.0.0.1:2222", "110.0.0.1:2222", "10.0.0.3:2222"]},
+        "task": {"type": "worker", "index": 2}})})
+    message = "failed to connect to all addresses; ipv4:110.0.0.1:2222: Connection refused"
+    assert peer_named(tf.errors.UnavailableError(None, None, message), cluster) == "worker 1"
+
+
 def test_multi_worker_without_a_cluster_says_how_to_get_one():
     with pytest.raises(ConfigError, match="TF_CONFIG"):
         resolve_strategy_name("multi_worker", None, 0)

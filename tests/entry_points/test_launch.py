@@ -294,7 +294,7 @@ def test_a_chief_out_of_disk_ends_the_launch_with_its_2_and_its_peer_names_it(tm
     said = [re.findall(rf"^\[worker {i}\] error: (.*)", result.stderr, re.M) for i in (0, 1)]
     assert len(said[0]) == 1 and said[0][0].startswith("no space left"), result.stderr[-3000:]
     assert len(said[1]) == 1 and said[1][0].startswith("lost a peer"), result.stderr[-3000:]
-    assert ": worker 0 stopped or was cut off (its own output says why it stopped); exiting " \
+    assert ": TensorFlow's error names worker 0 as the peer cut off (its output says more); exiting " \
            "with 141 so that a restart of the group resumes" in said[1][0], said[1][0]
 
 
