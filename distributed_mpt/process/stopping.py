@@ -113,6 +113,7 @@ class _Owner:
     def __init__(self):
         self.phase = Phase.STARTING
         self.requested = False
+        self._first: Optional[signal.Signals] = None  # the signal that requested the stop
         self.on_request: Optional[Callable[[], None]] = None  # see `enter`
         self.undo_start: Optional[Callable[[], None]] = None  # see `on_stop_before_training`
         self._read_fd, self._write_fd = os.pipe()
@@ -167,10 +168,11 @@ class _Owner:
                 # FINISHING: the last checkpoint is saved (a stop's, or the final step's).
                 kept = ("without a checkpoint" if self.phase == Phase.TRAINING else
                         "with the checkpoint saved, without the final evaluation and export")
-                _say_now(f"second Ctrl-C: aborting {kept} (exit {ExitCode.ABORTED:d})")
+                again = "second Ctrl-C" if self._first == signal.SIGINT else "Ctrl-C"
+                _say_now(f"{again}: aborting {kept} (exit {ExitCode.ABORTED:d})")
                 os._exit(ExitCode.ABORTED)
             return
-        self.requested = True  # before anything that can fail
+        self.requested, self._first = True, sig  # before anything that can fail
         if self.on_request is not None:
             self.on_request()
         what = ("after the steps under way, with a checkpoint"

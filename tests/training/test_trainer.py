@@ -59,7 +59,18 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     run.process.send_signal(signal.SIGINT)
     assert run.finish(timeout=30) == 130, run.output()
     assert time.monotonic() - second < 5, "a second Ctrl-C does not wait for the step under way"
-    assert "aborting without a checkpoint" in run.output()
+    assert "second Ctrl-C: aborting without a checkpoint" in run.output()
+
+
+def test_a_ctrl_c_after_a_sigterm_is_not_said_to_be_the_second(tmp_path):
+    """The first was a scheduler's SIGTERM, which offered Ctrl-C to abort."""
+    run = WatchedProcess("distributed_mpt.train", [*SLOW_RUN, f"--model_dir={tmp_path / 'run'}"])
+    run.wait_for(r"^step +\d+/2000", timeout=120)
+    run.process.send_signal(signal.SIGTERM)
+    run.wait_for(r"^SIGTERM: stopping", timeout=10)
+    run.process.send_signal(signal.SIGINT)
+    assert run.finish(timeout=30) == 130, run.output()
+    assert re.search(r"^Ctrl-C: aborting without a checkpoint", run.output(), re.M), run.output()
 
 
 def test_a_second_ctrl_c_as_the_run_finishes_says_its_checkpoint_is_saved(tmp_path):
