@@ -286,10 +286,12 @@ def divergence_advice(plan: RunPlan, last_saved: int) -> tuple:
     step of its last; what to change)."""
     kept = (f"kept the last good checkpoint (step {last_saved}) untouched"
             if last_saved else "no checkpoint had been written yet")
+    # Both shape what is trained: a resume in the same --model_dir refuses them (config.py).
     return kept, (f"lower the peak learning rate {plan.learning_rate:g} (--learning_rate is "
                   f"scaled by the global batch/{REFERENCE_BATCH_SIZE}; or set "
                   f"--max_learning_rate)" +
-                  (" or use --precision=float32" if plan.policy != "float32" else ""))
+                  (" or use --precision=float32" if plan.policy != "float32" else "") +
+                  " in a new --model_dir (a resume refuses a changed learning rate or precision)")
 
 
 def check_evaluation(model, plan: RunPlan, result: dict, step: int, last_saved: int) -> None:
@@ -311,7 +313,8 @@ def check_evaluation(model, plan: RunPlan, result: dict, step: int, last_saved: 
     kept, remedy = divergence_advice(plan, last_saved)
     if not broken:  # no learning rate made them so: the arithmetic of inference overflows
         remedy = ("look for an overflow or a division in the model's inference" +
-                  (" or use --precision=float32" if plan.policy != "float32" else ""))
+                  (" or use --precision=float32 in a new --model_dir (a resume refuses a "
+                   "changed precision)" if plan.policy != "float32" else ""))
     if last_saved >= step:  # the last step's: what was evaluated
         kept = f"kept the checkpoint of step {step}, exported nothing"
     raise DivergedError(f"the evaluation at step {step} gave a NaN or infinite "

@@ -243,6 +243,8 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(model_dir):
     assert len(errors) == 1 and "NaN or infinite" in errors[0]
     assert "kept the last good checkpoint (step 5)" in errors[0]
     assert "--precision=float32" not in errors[0], "no advice to use what the run used"
+    assert "--max_learning_rate) in a new --model_dir (a resume refuses a changed learning " \
+           "rate" in errors[0], "what a resume here would refuse"
     kept = checkpoint_weights(model_dir)
     for name in good:
         np.testing.assert_array_equal(kept[name], good[name])
