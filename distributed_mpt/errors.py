@@ -63,8 +63,8 @@ class ExitCode(enum.IntEnum):
         "or Kubernetes after the grace period")
     PEER_LOST = status_of_signal(signal.SIGPIPE), (
         "a peer of a multi-worker job was lost mid-run (it stopped, or the connection broke: "
-        "the line names it where TensorFlow does, and its own output says why it stopped); the "
-        "group restarts from the latest checkpoint")
+        "the line names the peer TensorFlow's error names, and a peer's own output says why it "
+        "stopped); a restart of the group resumes from the latest checkpoint")
     PEER_TIMEOUT = status_of_signal(signal.SIGALRM), (
         "the peers of a multi-worker job were not all up within --peer_timeout_seconds; "
         "they may still be scheduled")
