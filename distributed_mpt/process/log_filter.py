@@ -53,8 +53,9 @@ _NODE_LINE = re.compile(rb"\t \[\[|\r?\n$")
 # A Python traceback in the message of a dropped line of status UNKNOWN, right after
 # it (what a model's tf.numpy_function raised, in the warnings of the op and of the
 # rendezvous it aborts): its frames are indented or empty, and its exception's line,
-# the first that is neither, ends it. The process's own traceback stays.
-_UNKNOWN = re.compile(rb".*\] .*\bUNKNOWN: ")
+# the first that is neither, ends it. The process's own traceback stays, even right
+# after: one traceback goes, and only after a line that names a Python exception.
+_UNKNOWN = re.compile(rb".*\] .*\bUNKNOWN: [\w.]+: ")
 _TRACEBACK = re.compile(rb"Traceback \(most recent call last\):\r?\n$")
 _FRAME = re.compile(rb"[ \t]|\r?\n$")
 
@@ -118,7 +119,7 @@ def _filter(source, sink) -> None:
         complete, pending = pending[:end], pending[end:]
         for piece in _PIECE.findall(complete):
             if traceback:
-                traceback = bool(_FRAME.match(piece))
+                traceback = unknown = bool(_FRAME.match(piece))  # its exception's line ends it
                 continue
             traceback = unknown and bool(_TRACEBACK.match(piece))
             dropped = bool(_TENSORFLOW_LINE.match(piece) or dropped and _NODE_LINE.match(piece)

@@ -91,3 +91,19 @@ def test_a_python_traceback_in_an_unknown_ops_warning_goes_with_it_and_ours_stay
     _filter(io.BytesIO(b"".join([*warnings, *ours, TENSORFLOW_LINES[1], *frames[:1],
                                  frames[2], b"ValueError: ours\n"])), sink)
     assert sink.getvalue() == b"".join([*ours, frames[0], frames[2], b"ValueError: ours\n"])
+
+
+def test_the_processs_own_traceback_right_after_an_unknown_ops_warning_stays():
+    """Only the traceback a dropped UNKNOWN line carries goes, and only where the
+    line names a Python exception: the process's own, printed right after,
+    is all a user has of a failure that is the package's."""
+    frames = [b"Traceback (most recent call last):\n",
+              b'  File "/x/script_ops.py", line 269, in __call__\n', b"RuntimeError: counted out\n"]
+    ours = [b"Traceback (most recent call last):\n", b'  File "/x/run.py", line 9, in run\n',
+            b"tensorflow.python.framework.errors_impl.UnknownError: ours\n"]
+    python = b"W0000 00:00:1796600547.811213    9115 op_kernel.cc:1845] UNKNOWN: RuntimeError: x\n"
+    other = b"W0000 00:00:1796600547.811213    9115 op_kernel.cc:1845] UNKNOWN: Failed to x\n"
+    for stream in ([python, *frames, *ours], [other, *ours]):
+        sink = io.BytesIO()
+        _filter(io.BytesIO(b"".join(stream)), sink)
+        assert sink.getvalue() == b"".join(ours), stream
