@@ -27,7 +27,7 @@ from distributed_mpt.cluster.strategy import barrier
 from distributed_mpt.config import (DEFAULTS, TrainConfig, compared_flag_problem, flat_record,
                                     section_problem, training_flags, unknown_settings)
 from distributed_mpt.core import models, pipeline, precision
-from distributed_mpt.core.data.dataset import fingerprint_difference, same_examples
+from distributed_mpt.core.data.dataset import HELD_OUT_FLAGS, fingerprint_difference, same_examples
 from distributed_mpt.core.models.contract import ModelError
 from distributed_mpt.core.models.signature import refuse_another_model
 from distributed_mpt.core.optim.schedules import linear_rule_limit, linear_rule_warning
@@ -232,20 +232,20 @@ def _previous_config(model_dir: str) -> dict:
 def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
                       fingerprint: Optional[dict]) -> None:
     """Raises ConfigError if the checkpoints in --model_dir were trained on other data
-    than this run's `fingerprint` (core/data's Dataset), naming what differs: the classes,
-    the number of files, or only the file list (CIFAR-10's: its labels and pixels, in any
-    order). Call before the checkpoints' model is compared: other classes make another
-    model, but the data is what to name. A run that recorded none (synthetic data, a run
-    older than fingerprints) is not compared."""
+    than this run's `fingerprint` (core/data's Dataset), naming what differs, before the
+    model is compared: other classes make another model, but the data is what to name. A
+    run that recorded none (synthetic data, a run older than fingerprints) is not compared."""
     if fingerprint is None or not checkpoints.on_disk():
         return
-    model_dir = config.run.model_dir
-    recorded = _previous_config(model_dir).get("resolved", {}).get("data_fingerprint")
-    if not isinstance(recorded, dict) or same_examples(recorded, fingerprint):
+    model_dir, previous = config.run.model_dir, _previous_config(config.run.model_dir)
+    recorded = previous.get("resolved", {}).get("data_fingerprint")
+    # Other HELD_OUT_FLAGS hold out other pixels: refuse_other_training names the flag.
+    pixels = all(flat_record(previous).get(n) == config.flags()[n] for n in HELD_OUT_FLAGS)
+    if not isinstance(recorded, dict) or same_examples(recorded, fingerprint, pixels):
         return
     raise ConfigError(
-        f"--model_dir={quoted(model_dir)} holds a run trained on other images than "
-        f"--data_dir={quoted(config.data.data_dir)} holds: {fingerprint_difference(recorded, fingerprint)}. "
+        f"--model_dir={quoted(model_dir)} holds a run trained on other images than --data_dir="
+        f"{quoted(config.data.data_dir)} holds: {fingerprint_difference(recorded, fingerprint, pixels)}. "
         f"Resume it on the images it was trained on, or choose another --model_dir")
 
 

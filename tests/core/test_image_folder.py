@@ -658,10 +658,36 @@ def test_a_held_out_split_of_a_folder_changed_since_training_is_refused(tmp_path
     assert "(6 images)" in unknown.stdout
 
 
-def _rotate_each_class(folder, places):
+def test_a_resume_on_photos_moved_among_the_same_names_is_refused(tmp_path):
+    """BMPs of one size are all the same number of bytes: photos moved among the
+    same names kept the names and sizes a resume compared, so it resumed, and its
+    export recorded the new held-out split, photos the model had trained on, which
+    predict --evaluate then scored as unseen (accuracy 1.0)."""
+    folder = write_folder(tmp_path / "photos", train_per_class=8, test=False, extension="bmp")
+    run = tmp_path / "run"
+    flags = [*TINY, "--test_fraction=0.25", f"--data_dir={folder}", f"--model_dir={run}"]
+    assert_ok(train(flags))
+    _rotate_each_class(folder, 1, "bmp")
+    before = snapshot(*run.iterdir(), directory_times=True)
+    assert_one_error_line(train([*flags, "--train_steps=4"]), (
+        f"holds a run trained on other images than --data_dir={folder} holds: the same classes "
+        f"and file names, but other images in its held-out test split"))
+    assert snapshot(*run.iterdir(), directory_times=True) == before, "nothing written"
+    # The flags that draw the split change its pixels too: refused as they are, not as other
+    # images (another --image_size makes an MLP of other shapes).
+    for changed, said in (("--image_size=16", "holds checkpoints of a different model"),
+                          ("--test_fraction=0.5", "--test_fraction=0.25 to 0.5")):
+        assert_one_error_line(train([*flags, "--train_steps=4", changed]), said)
+    assert snapshot(*run.iterdir(), directory_times=True) == before, "nothing written"
+    _rotate_each_class(folder, -1, "bmp")
+    assert_ok(train([*flags, "--train_steps=4"]))
+    assert read_summary(run)["resumed_from_step"] == 2
+
+
+def _rotate_each_class(folder, places, extension="png"):
     """Moves each class's photos `places` names on among its files (the last's to the first)."""
     for name in CLASSES:
-        paths = sorted((folder / "train" / name).glob("*.png"))
+        paths = sorted((folder / "train" / name).glob(f"*.{extension}"))
         photos = [path.read_bytes() for path in paths]
         for path, photo in zip(paths, photos[-places:] + photos[:-places]):
             path.write_bytes(photo)

@@ -18,6 +18,8 @@ SPLITS = ("train", "test")
 # in the split's order): predict --evaluate draws the split again by its file
 # names, and the same names may hold other photos (check_held_out_split).
 HELD_OUT_PIXELS = "held_out_pixels_sha256"
+# The flags (DataOptions' and the seed) that draw and size that split, besides its files.
+HELD_OUT_FLAGS = ("image_size", "test_fraction", "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +221,7 @@ def channel_statistics(images):
     return mean, np.sqrt(variance / (images.size // images.shape[-1]))
 
 
-def same_examples(before: dict, now: dict) -> bool:
+def same_examples(before: dict, now: dict, pixels: bool = False) -> bool:
     """Whether a resumed run's data is its own: `before` as a config.json
     recorded it (read, not trusted), `now` as loaded. Where both hold the
     order-free "examples_sha256", the ordered "sha256" is left out: a single
@@ -229,10 +231,14 @@ def same_examples(before: dict, now: dict) -> bool:
     workers of a job compare the whole fingerprint, order too. A record from
     before it was kept is compared in order: refused unless the same. An
     image folder's "names_sha256" is in its "sha256" too (a record from
-    before it was kept lacks it); its HELD_OUT_PIXELS are predict's: they
-    change with --image_size, which a resume compares as a flag."""
+    before it was kept lacks it); its HELD_OUT_PIXELS only if `pixels` (the
+    run's HELD_OUT_FLAGS unchanged: changed, they change the pixels, and the
+    refusal names them), and if recorded (a record from before lacks them):
+    the same names and sizes may hold photos moved among them."""
     left_out = {"sha256" if "examples_sha256" in before and "examples_sha256" in now
-                else "examples_sha256", HELD_OUT_PIXELS, *({"names_sha256"} - set(before))}
+                else "examples_sha256", *({"names_sha256"} - set(before))}
+    if not (pixels and HELD_OUT_PIXELS in before):
+        left_out.add(HELD_OUT_PIXELS)
     return ({k: v for k, v in before.items() if k not in left_out}
             == {k: v for k, v in now.items() if k not in left_out})
 
@@ -262,9 +268,16 @@ def some_names(names, shown: int = 5) -> str:
         f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def fingerprint_difference(before: dict, now: dict) -> str:
+def fingerprint_difference(before: dict, now: dict, pixels: bool = False) -> str:
     """What differs between two of `Dataset.fingerprint`, in words: `before`
-    as a config.json recorded it (read, not trusted), `now` as loaded."""
+    as a config.json recorded it (read, not trusted), `now` as loaded; with
+    `pixels`, their HELD_OUT_PIXELS (see same_examples) too."""
+    if (pixels and HELD_OUT_PIXELS in before and before[HELD_OUT_PIXELS] != now.get(
+            HELD_OUT_PIXELS) and all(before.get(k) == now.get(k) for k in _DRAWN_BY)):
+        return ("the same classes and file names, but other images in its held-out test split "
+                "(the SHA-256 of their pixels differs: photos moved among the names or changed, "
+                "or decoded by another version of Pillow)")
+
     def field(fingerprint, name, kind):  # config.json is read, not trusted: any shape
         value = fingerprint.get(name)
         return value if isinstance(value, kind) else kind()
@@ -310,13 +323,7 @@ def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
                    f"or removed since, its test split held out of them (--test_fraction) holds "
                    f"some it trained on, and the accuracy reads too high")
     elif not _same_held_out_split(trained_on, dataset.fingerprint):
-        now = dataset.fingerprint
-        difference = fingerprint_difference(trained_on, now)
-        if HELD_OUT_PIXELS in trained_on and all(trained_on.get(k) == now.get(k)
-                                                 for k in _DRAWN_BY):
-            difference = ("the same classes and file names, but other images in its held-out "
-                          "test split (the SHA-256 of their pixels differs: photos moved among "
-                          "the names or changed, or decoded by another version of Pillow)")
+        difference = fingerprint_difference(trained_on, dataset.fingerprint, pixels=True)
         raise ConfigError(
             f"--data_dir={quoted(data_dir)} is not the folder the model trained on, or has "
             f"changed since ({difference}): the test split held "

@@ -27,7 +27,8 @@ normalizes with are the training images'.
 The dataset's fingerprint is its classes, its number of files and SHA-256
 digests: of its file list with their sizes, which a resume compares (so as
 not to continue on other images: training/plan.py); of the list alone and of
-a held-out split's pixels, which predict --evaluate compares to draw it again.
+a held-out split's pixels, which predict --evaluate compares to draw it again,
+and a resume too (the same names and sizes may hold photos moved among them).
 """
 
 import contextlib
