@@ -24,7 +24,7 @@ step, which autograph could not convert, blaming the model for what it did
 not say ("Iterating over a symbolic `tf.Tensor` is not allowed"). And
 tf.config.run_functions_eagerly(True), a debugging line left in: the
 compiled steps ran eagerly, 4.3 times slower without a word (a small CNN on
-2 cores).
+2 cores of a Zen 5 AMD EPYC, AVX512_BF16).
 
 Refused, as nothing can set them back, after which the run broke only later
 and with a traceback:
