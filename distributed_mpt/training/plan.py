@@ -239,8 +239,8 @@ def refuse_other_data(checkpoints: Checkpoints, config: TrainConfig,
         return
     model_dir, previous = config.run.model_dir, _previous_config(config.run.model_dir)
     recorded = previous.get("resolved", {}).get("data_fingerprint")
-    # Other HELD_OUT_FLAGS hold out other pixels: refuse_other_training names the flag.
-    pixels = all(flat_record(previous).get(n) == config.flags()[n] for n in HELD_OUT_FLAGS)
+    before, now = flat_record(previous), config.flags()  # others hold out other pixels:
+    pixels = all(before.get(n) == now[n] for n in HELD_OUT_FLAGS)  # refuse_other_training's
     if not isinstance(recorded, dict) or same_examples(recorded, fingerprint, pixels):
         return
     raise ConfigError(

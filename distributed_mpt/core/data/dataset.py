@@ -20,6 +20,8 @@ SPLITS = ("train", "test")
 HELD_OUT_PIXELS = "held_out_pixels_sha256"
 # The flags (DataOptions' and the seed) that draw and size that split, besides its files.
 HELD_OUT_FLAGS = ("image_size", "test_fraction", "seed")
+# What of the fingerprint draws that split, with the seed and --test_fraction.
+_DRAWN_BY = ("classes", "files", "names_sha256")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +275,7 @@ def fingerprint_difference(before: dict, now: dict, pixels: bool = False) -> str
     as a config.json recorded it (read, not trusted), `now` as loaded; with
     `pixels`, their HELD_OUT_PIXELS (see same_examples) too."""
     if (pixels and HELD_OUT_PIXELS in before and before[HELD_OUT_PIXELS] != now.get(
-            HELD_OUT_PIXELS) and all(before.get(k) == now.get(k) for k in _DRAWN_BY)):
+            HELD_OUT_PIXELS) and _same(before, now, _DRAWN_BY)):
         return ("the same classes and file names, but other images in its held-out test split "
                 "(the SHA-256 of their pixels differs: photos moved among the names or changed, "
                 "or decoded by another version of Pillow)")
@@ -332,10 +334,6 @@ def check_held_out_split(dataset: Dataset, trained_on, data_dir: str) -> None:
             f"as it trained")
 
 
-# What draws an image folder's held-out split, with the seed and --test_fraction.
-_DRAWN_BY = ("classes", "files", "names_sha256")
-
-
 def _same_held_out_split(before: dict, now: dict) -> bool:
     """Whether an image folder's held-out split, as `now` fingerprints it,
     holds the images of the one `before` (read, not trusted) recorded: the
@@ -345,4 +343,9 @@ def _same_held_out_split(before: dict, now: dict) -> bool:
     from before HELD_OUT_PIXELS was kept)."""
     if HELD_OUT_PIXELS not in before:
         return same_examples(before, now)
-    return all(before.get(k) == now.get(k) for k in (*_DRAWN_BY, HELD_OUT_PIXELS))
+    return _same(before, now, (*_DRAWN_BY, HELD_OUT_PIXELS))
+
+
+def _same(before: dict, now: dict, keys) -> bool:
+    """Whether two fingerprints agree on `keys` (`before` read, not trusted: any may lack)."""
+    return all(before.get(k) == now.get(k) for k in keys)
