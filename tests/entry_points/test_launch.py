@@ -361,21 +361,27 @@ def test_the_failure_named_is_the_lost_worker_not_the_peer_that_noticed():
 def test_a_peer_loss_seen_before_its_cause_is_not_the_failure_named():
     """The survivor's 141 was seen first, while the worker that failed with 2
     was still exiting: the group was restarted, the 2 was not the launch's."""
-    failing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2); raise SystemExit(2)"])
+    # The cause exits when told (its stdin closed), not after a sleep a loaded machine's
+    # slow start-up could outlast: the race is made, not timed.
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); raise SystemExit(2)"],
+                               stdin=subprocess.PIPE)
     survivor = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({int(errors.ExitCode.PEER_LOST)})"])
-    survivor.wait()
-    group = object.__new__(launch._Group)  # its processes only: no workers started
-    group.processes = [failing, survivor]
-    assert group.first_failure() == 1 and failing.poll() is None, "the race as it happens"
-    # 30 s, not the launcher's 5: it returns at the cause's exit, which a loaded machine delays.
-    assert group.failure(cause_seconds=30) == 0 and failing.returncode == 2
     hanging = subprocess.Popen(["sleep", "60"])
-    group.processes = [hanging, survivor]
-    try:  # a cause that never exits: the peer's loss, after a bounded wait
+    try:
+        survivor.wait()
+        group = object.__new__(launch._Group)  # its processes only: no workers started
+        group.processes = [failing, survivor]
+        assert group.first_failure() == 1 and failing.poll() is None, "the race as it happens"
+        failing.stdin.close()
+        # 30 s, not the launcher's 5: it returns at the cause's exit, which load delays.
+        assert group.failure(cause_seconds=30) == 0 and failing.returncode == 2
+        group.processes = [hanging, survivor]
+        # A cause that never exits: the peer's loss, after a bounded wait.
         assert group.failure(cause_seconds=0.5) == 1 and hanging.poll() is None
     finally:
-        hanging.kill()
-        hanging.wait()
+        for process in (failing, survivor, hanging):
+            process.kill()
+            process.wait()
 
 
 def _processes_naming(text: str) -> list:
